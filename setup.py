@@ -1,0 +1,150 @@
+"""smelt: kernels, a looped-block executor and a thin model layer for SMELT looped MoE models.
+
+Install (CPU or GPU machine; torch must already be installed)::
+
+    pip install --no-build-isolation -e .
+
+Native extensions are optional and built only when they can be:
+
+* ``smelt_kernels._cpu`` (``csrc/cpu/*.cpp``): C++ CPU kernels, built whenever torch and a
+  C++ compiler are present at install time.
+* ``smelt_kernels._cuda`` (``csrc/*.cu`` + ``csrc/*.cpp``): CUDA kernels, built when torch
+  has CUDA support and nvcc is found. ``TORCH_CUDA_ARCH_LIST`` is respected; the default
+  is ``8.0;9.0a`` (Ampere, and Hopper with its arch-specific instructions).
+
+``SMELT_BUILD_NATIVE=0`` skips both (a pure-Python install), ``SMELT_BUILD_NATIVE=1`` makes a
+failure to build either one an error, unset means "build what this machine can".
+``SMELT_BUILD_CUDA=0/1`` does the same for the CUDA extension alone.
+Without an extension everything still imports and falls back (to Triton or to torch).
+"""
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _switch(name):
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes"):
+        return True
+    sys.exit(f"{name} must be 0, 1 or auto, got {value!r}")
+
+
+def _note(msg):
+    print(f"smelt setup: {msg}", file=sys.stderr)
+
+
+def native_extensions():
+    """(ext_modules, cmdclass) for what this machine can build."""
+    native = _switch("SMELT_BUILD_NATIVE")
+    want_cuda = _switch("SMELT_BUILD_CUDA")
+    if want_cuda is None:
+        want_cuda = native
+    if native is False:
+        _note("SMELT_BUILD_NATIVE=0: pure-Python install")
+        return [], {}
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        if native:
+            sys.exit("SMELT_BUILD_NATIVE=1 but torch is not importable at build time "
+                     "(install torch first and use `pip install --no-build-isolation -e .`)")
+        _note("torch not importable at build time: pure-Python install "
+              "(use --no-build-isolation to build the native extensions)")
+        return [], {}
+
+    exts = []
+    cxx_flags = ["-O3", "-std=c++17"]
+    cpu_sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    if cpu_sources:
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            if native:
+                sys.exit("SMELT_BUILD_NATIVE=1 but no C++ compiler was found")
+            _note("no C++ compiler: skipping the CPU extension")
+        else:
+            openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+            march = ["-march=native"] if os.environ.get("SMELT_MARCH_NATIVE") == "1" else []
+            exts.append(
+                cpp_extension.CppExtension(
+                    "smelt_kernels._cpu",
+                    cpu_sources,
+                    extra_compile_args={"cxx": cxx_flags + openmp + march},
+                    extra_link_args=openmp,
+                )
+            )
+
+    cuda_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    cuda_sources += sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    has_cuda_torch = torch.version.cuda is not None
+    has_nvcc = cpp_extension.CUDA_HOME is not None
+    if want_cuda is False:
+        _note("SMELT_BUILD_CUDA=0: skipping the CUDA extension")
+    elif cuda_sources and has_cuda_torch and has_nvcc:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+        _note(f"building the CUDA extension for TORCH_CUDA_ARCH_LIST="
+              f"{os.environ['TORCH_CUDA_ARCH_LIST']}")
+        exts.append(
+            cpp_extension.CUDAExtension(
+                "smelt_kernels._cuda",
+                cuda_sources,
+                extra_compile_args={
+                    "cxx": cxx_flags,
+                    "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
+                             "--expt-relaxed-constexpr"],
+                },
+            )
+        )
+    elif want_cuda:
+        sys.exit(
+            "CUDA build requested but impossible: "
+            + ("torch has no CUDA support; " if not has_cuda_torch else "")
+            + ("nvcc / CUDA_HOME not found; " if not has_nvcc else "")
+            + ("no csrc/*.cu sources" if not cuda_sources else "")
+        )
+    else:
+        _note("no CUDA-enabled torch or no nvcc: skipping the CUDA extension")
+
+    if not exts:
+        return [], {}
+    return exts, {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = native_extensions()
+
+setup(
+    name="smelt",
+    version="0.1.0",
+    description="Kernels, a looped-block executor and a thin model layer for SMELT looped MoE "
+                "transformers, with wall-clock against FLOPs benchmarks",
+    long_description=open(os.path.join(ROOT, "README.md")).read()
+    if os.path.exists(os.path.join(ROOT, "README.md")) else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["smelt_kernels", "smelt_kernels.*",
+                                    "smelt_model", "smelt_model.*"]),
+    install_requires=[
+        "torch>=2.5",
+        "triton>=3.6; platform_system == 'Linux'",
+        "numpy",
+        "safetensors",
+        "scipy",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark"],
+        "plot": ["matplotlib"],
+        "build": ["ninja", "pybind11"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,12 @@
+"""smelt_kernels: Triton/CUDA/CPU kernels and the looped-block executor for SMELT models.
+
+Import the op modules directly::
+
+    from smelt_kernels.moe_gemm import route, moe_ffn
+    from smelt_kernels.attention import segment_attention
+
+The native extensions (``smelt_kernels._cpu``, ``smelt_kernels._cuda``) are optional and
+loaded on first use by :mod:`smelt_kernels.backends`; nothing here imports them.
+"""
+
+__version__ = "0.1.0"
