@@ -64,7 +64,7 @@ def native_extensions():
         return [], {}
 
     exts = []
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3", "-std=c++20"]
     cpu_sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     if cpu_sources:
         if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -99,7 +99,7 @@ def native_extensions():
                 cuda_sources,
                 extra_compile_args={
                     "cxx": cxx_flags,
-                    "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
+                    "nvcc": ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo",
                              "--expt-relaxed-constexpr"],
                 },
             )
