@@ -1,0 +1,191 @@
+"""The small timing and reporting helper shared by every smelt benchmark.
+
+* :func:`measure` times a callable with warm-up and repeats and returns a :class:`Timing`
+  (median and 20/80 percentiles, in milliseconds). On CUDA it uses CUDA events around each
+  call (after a synchronising warm-up); on the CPU, ``time.perf_counter``.
+* :func:`environment` describes the machine, device, library versions and the date.
+* :func:`write_results` writes ``<name>.json`` (every number plus the environment) and
+  ``<name>.md`` (a Markdown table) under an output folder.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["Timing", "measure", "environment", "write_results", "markdown_table", "tflops"]
+
+
+@dataclass
+class Timing:
+    """Wall-clock of repeated calls, in milliseconds."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    min_ms: float
+    repeats: int
+    samples_ms: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def spread(self) -> float:
+        """(p80 - p20) / median: the relative spread of the samples."""
+        return (self.p80_ms - self.p20_ms) / self.median_ms if self.median_ms > 0 else 0.0
+
+    def to_dict(self, samples: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not samples:
+            d.pop("samples_ms")
+        d["spread"] = self.spread
+        return d
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def measure(
+    fn: Callable[[], Any],
+    *,
+    device: Optional[torch.device | str] = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    min_time_s: float = 0.0,
+    max_repeats: int = 1000,
+    setup: Optional[Callable[[], Any]] = None,
+) -> Timing:
+    """Time ``fn()``: ``warmup`` untimed calls, then at least ``repeats`` timed calls.
+
+    More calls are made (up to ``max_repeats``) until ``min_time_s`` seconds have been
+    timed. ``setup`` runs before each call, outside the timed region (e.g. zeroing grads).
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = dev.type == "cuda"
+    for _ in range(max(0, warmup)):
+        if setup is not None:
+            setup()
+        fn()
+    if cuda:
+        torch.cuda.synchronize(dev)
+    samples: list[float] = []
+    total = 0.0
+    while len(samples) < repeats or (total < min_time_s and len(samples) < max_repeats):
+        if setup is not None:
+            setup()
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        samples.append(ms)
+        total += ms / 1e3
+    return Timing(
+        median_ms=statistics.median(samples),
+        p20_ms=_quantile(samples, 0.2),
+        p80_ms=_quantile(samples, 0.8),
+        min_ms=min(samples),
+        repeats=len(samples),
+        samples_ms=samples,
+    )
+
+
+def tflops(flops: float, ms: float) -> float:
+    """Achieved TFLOP/s for ``flops`` useful operations in ``ms`` milliseconds."""
+    return flops / (ms * 1e-3) / 1e12 if ms > 0 else float("nan")
+
+
+def environment(device: Optional[torch.device | str] = None) -> dict[str, Any]:
+    """Machine, device, versions and date, for the record beside every result."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "processor": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": str(dev),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    if dev.type == "cuda" and torch.cuda.is_available():
+        env["device_name"] = torch.cuda.get_device_name(dev)
+        env["cuda"] = torch.version.cuda
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(dev)))
+    else:
+        env["device_name"] = env["processor"]
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], floatfmt: str = ".3g") -> str:
+    """A Markdown table of ``rows`` (dicts) with the given ``columns``."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return "" if v is None else str(v)
+
+    out = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |")
+    return "\n".join(out)
+
+
+def write_results(
+    name: str,
+    rows: Sequence[dict[str, Any]],
+    columns: Sequence[str],
+    outdir: str | os.PathLike,
+    env: Optional[dict[str, Any]] = None,
+    title: Optional[str] = None,
+    notes: str = "",
+) -> tuple[Path, Path]:
+    """Write ``<outdir>/<name>.json`` and ``<outdir>/<name>.md``; returns both paths."""
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    env = env or environment()
+    jpath, mpath = out / f"{name}.json", out / f"{name}.md"
+    jpath.write_text(json.dumps({"environment": env, "rows": list(rows)}, indent=2, default=str) + "\n")
+    head = f"# {title or name}\n\n{env.get('date', '')} · {env.get('device_name', '')} · " \
+           f"torch {env.get('torch')} · triton {env.get('triton')}\n\n"
+    mpath.write_text(head + markdown_table(rows, columns) + "\n" + (f"\n{notes}\n" if notes else ""))
+    return jpath, mpath
