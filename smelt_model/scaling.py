@@ -1,0 +1,357 @@
+"""Scaling-law analysis of matched baseline / looped runs (SPEC section 6).
+
+Fit a loss surface ``L = E + A (1-S)^b / F^a + K / D^c`` per architecture
+(:func:`fit_surface`), find its compute-optimal frontier (:func:`frontier`, :func:`gamma`,
+:func:`tpp`), turn the gap between two frontiers into the share of training compute saved
+(:func:`ce_gain`), put intervals on all of it with a cell bootstrap (:func:`bootstrap`), and
+check that loss predicts downstream scores the same way for both (:func:`calibrate`).
+
+The model lives in :mod:`smelt_model.scaling_law`, the bootstrap, endpoint tables and
+calibration in :mod:`smelt_model.scaling_stats`; this module gathers them and is the command
+line::
+
+    python -m smelt_model.scaling endpoints.csv --bootstrap 2000 --seed 0 --plot frontier.png
+    python -m smelt_model.scaling --paper        # the tables from the paper's coefficients
+
+The CSV has a header and columns ``arch, F, S, D, loss`` (S a fraction), optionally ``scale``
+or ``cell`` (grouping for the bootstrap) and ``score`` (a downstream metric).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .scaling_law import (
+    PAPER_BASELINE,
+    PAPER_SMELT,
+    Frontier,
+    Surface,
+    ce_gain,
+    compute_for_loss,
+    fit_surface,
+    frontier,
+    gamma,
+    tpp,
+)
+from .scaling_stats import (
+    BootstrapResult,
+    Endpoints,
+    Sigmoid,
+    bootstrap,
+    calibrate,
+    fit_sigmoid,
+    read_csv,
+)
+
+__all__ = [
+    "Surface",
+    "Frontier",
+    "PAPER_BASELINE",
+    "PAPER_SMELT",
+    "fit_surface",
+    "frontier",
+    "gamma",
+    "compute_for_loss",
+    "ce_gain",
+    "tpp",
+    "Endpoints",
+    "read_csv",
+    "BootstrapResult",
+    "bootstrap",
+    "Sigmoid",
+    "fit_sigmoid",
+    "calibrate",
+    "report",
+    "plot_frontiers",
+    "main",
+]
+
+#: sparsities of the paper's cells (its S≈85/95/97%; these reproduce its TPP and CE Gain)
+PAPER_SPARSITIES = (0.85, 0.95, 0.97)
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows)]
+
+
+def _num(x: float, kind: str) -> str:
+    if not np.isfinite(x):
+        return "nan" if np.isnan(x) else ("inf" if x > 0 else "-inf")
+    return {"sci": f"{x:.4g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.4e}",
+            "fix": f"{x:.4f}", "pct": f"{100 * x:.2f}%", "tpp": f"{x:.1f}"}[kind]
+
+
+def _with_ci(value: float, lo: Optional[float], hi: Optional[float], kind: str) -> str:
+    s = _num(value, kind)
+    if lo is None:
+        return s
+    if kind == "pct":
+        return f"{s} [{100 * lo:.1f}, {100 * hi:.1f}]"
+    return f"{s} [{_num(lo, kind)}, {_num(hi, kind)}]"
+
+
+def report(
+    fits: dict[str, Surface],
+    ref: str,
+    targets: Sequence[str],
+    C: Sequence[float],
+    S: Sequence[float],
+    boots: Optional[dict[str, BootstrapResult]] = None,
+    counts: Optional[dict[str, int]] = None,
+    anchor: str = "tgt",
+) -> str:
+    """Markdown tables: coefficients, frontier exponents, CE Gain and TPP (with intervals)."""
+    boots = boots or {}
+    C = np.asarray(C, dtype=np.float64)
+    S = np.asarray(S, dtype=np.float64)
+    # intervals of an arch's own statistics come from its first bootstrap (the ref from any)
+    own: dict[str, tuple[BootstrapResult, str]] = {}
+    for t, b in boots.items():
+        own.setdefault(ref, (b, "ref"))
+        own.setdefault(t, (b, "tgt"))
+    out = []
+    if boots:
+        b0 = next(iter(boots.values()))
+        draws = len(next(iter(b0.draws.values())))
+        out.append(f"Intervals: {b0.q[0]:g}-{b0.q[1]:g} percentiles of a {draws}-draw cell "
+                   f"bootstrap ({len(b0.cells)} cells).\n")
+
+    out.append("## Coefficients\n")
+    names = ["E", "A", "K", "a", "b", "c"]
+    kinds = ["fix", "sci", "sci", "fix", "fix", "fix"]
+    rows = []
+    for arch, s in fits.items():
+        ci = own.get(arch)
+        lo, hi = ci[0].interval(f"coeffs_{ci[1]}") if ci else (None, None)
+        row = [arch, str(counts.get(arch, "-")) if counts else "-"]
+        for j, (n, k) in enumerate(zip(names, kinds)):
+            row.append(_with_ci(getattr(s, n), None if lo is None else lo[j],
+                                None if hi is None else hi[j], k))
+        row.append("-" if np.isnan(s.rmse) else f"{s.rmse:.4f}")
+        rows.append(row)
+    out += _table(["arch", "runs", *names, "rmse (nats)"], rows)
+
+    out.append("\n## Frontier exponents\n")
+    out.append("L* = E + B(S) C^-gamma, F* ~ C^(c/(a+c)), D* ~ C^(a/(a+c)).\n")
+    rows = []
+    for arch, s in fits.items():
+        ci = own.get(arch)
+        lo, hi = ci[0].interval(f"gamma_{ci[1]}") if ci else (None, None)
+        rows.append([arch, _with_ci(gamma(s), lo, hi, "fix"), _num(s.c / (s.a + s.c), "fix"),
+                     _num(s.a / (s.a + s.c), "fix")])
+    out += _table(["arch", "gamma", "F* exponent", "D* exponent"], rows)
+
+    s_head = [f"S={v:g}" for v in S]
+    for t in targets:
+        b = boots.get(t)
+        g = np.asarray(ce_gain(fits[ref], fits[t], C[:, None], S[None, :], anchor=anchor))
+        lo, hi = b.interval("ce_gain") if b else (None, None)
+        which = ("C is the target's compute" if anchor == "tgt"
+                 else "C is the reference's compute")
+        out.append(f"\n## CE Gain of {t} over {ref} (1 - C_{t}/C_{ref} at equal frontier "
+                   f"loss; {which})\n")
+        rows = [[f"{c:.0e}"] + [_with_ci(g[i, j], None if lo is None else lo[i, j],
+                                         None if hi is None else hi[i, j], "pct")
+                                for j in range(len(S))] for i, c in enumerate(C)]
+        out += _table(["C (FLOPs)", *s_head], rows)
+
+    out.append("\n## Compute-optimal tokens per parameter, D*/(F*/6)\n")
+    rows = []
+    for i, c in enumerate(C):
+        for arch, s in fits.items():
+            v = np.asarray(tpp(s, c, S))
+            ci = own.get(arch)
+            lo, hi = ci[0].interval(f"tpp_{ci[1]}") if ci else (None, None)
+            rows.append([f"{c:.0e}", arch] + [
+                _with_ci(v[j], None if lo is None else lo[i, j], None if hi is None else hi[i, j],
+                         "tpp") for j in range(len(S))])
+    out += _table(["C (FLOPs)", "arch", *s_head], rows)
+    return "\n".join(out)
+
+
+def _calibration_report(data: dict[str, Endpoints], ref: str, targets: Sequence[str]) -> str:
+    r = data[ref]
+    if r.score is None or not all(data[t].score is not None for t in targets):
+        return ""
+    keep = np.isfinite(r.score)
+    out = ["\n## Downstream calibration (score vs loss, fitted on "
+           f"{ref}: lo + (hi-lo)/(1+exp(k(loss-x0))))\n"]
+    try:
+        sig = fit_sigmoid(r.loss[keep], r.score[keep])
+    except ValueError as e:
+        return "\n".join(out + [f"not fitted: {e}"])
+    out.append(f"lo {sig.lo:.4g}, hi {sig.hi:.4g}, k {sig.k:.4g}, x0 {sig.x0:.4g}, "
+               f"rmse {sig.rmse:.4g} ({int(keep.sum())} runs)\n")
+    rows = []
+    for t in targets:
+        e = data[t]
+        m = np.isfinite(e.score)
+        if not m.any():
+            continue
+        _, res = calibrate(r.loss[keep], r.score[keep], e.loss[m], e.score[m])
+        rows.append([t, str(int(m.sum())), f"{res.mean():+.4g}", f"{res.std():.4g}",
+                     f"{res.min():+.4g}", f"{res.max():+.4g}"])
+    out += _table(["arch", "runs", "mean residual", "std", "min", "max"], rows)
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- plot
+
+
+def plot_frontiers(path: str, fits: dict[str, Surface], S: Sequence[float],
+                   data: Optional[dict[str, Endpoints]] = None,
+                   C_range: Optional[tuple[float, float]] = None) -> None:
+    """Loss against compute: the runs (if given) and each fitted frontier per sparsity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if C_range is None:
+        if data:
+            allC = np.concatenate([e.C for e in data.values()])
+            C_range = (float(allC.min()) / 2, float(allC.max()) * 2)
+        else:
+            C_range = (1e19, 1e22)
+    grid = np.geomspace(*C_range, 200)
+    fig, ax = plt.subplots(figsize=(7, 5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "D", "v"]
+    for i, (arch, s) in enumerate(fits.items()):
+        col = colours[i % len(colours)]
+        for j, sv in enumerate(S):
+            ax.plot(grid, np.asarray(frontier(s, grid, sv).L), styles[j % len(styles)],
+                    color=col, label=f"{arch} frontier, S={sv:g}")
+        if data and arch in data:
+            e = data[arch]
+            for j, sv in enumerate(S):
+                m = np.isclose(e.S, sv, atol=5e-3)
+                if m.any():
+                    ax.scatter(e.C[m], e.loss[m], s=14, color=col, alpha=0.6,
+                               marker=markers[j % len(markers)])
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute C = F·D (FLOPs)")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title("Loss against compute with compute-optimal frontiers")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m smelt_model.scaling",
+        description="Fit loss surfaces per architecture; print coefficients, frontier "
+                    "exponents, CE Gain and TPP tables (with bootstrap intervals).",
+    )
+    ap.add_argument("csv", nargs="?", help="endpoints CSV: arch,F,S,D,loss[,scale|cell][,score]")
+    ap.add_argument("--paper", action="store_true",
+                    help="use the paper's coefficients instead of fitting a CSV")
+    ap.add_argument("--ref", help="reference architecture (default: 'baseline' if present)")
+    ap.add_argument("--tgt", nargs="+", help="target architecture(s) (default: all others)")
+    ap.add_argument("--C", type=float, nargs="+", default=[1e20, 1e21], help="compute values")
+    ap.add_argument("--S", type=float, nargs="+",
+                    help="sparsities (default: the reference's levels; 0.85 0.95 0.97 with "
+                         "--paper)")
+    ap.add_argument("--anchor", choices=("tgt", "ref"), default="tgt",
+                    help="which architecture trains at C in the CE Gain (default tgt)")
+    ap.add_argument("--bootstrap", type=int, default=0, metavar="N",
+                    help="cell-bootstrap draws (paper: 2000; 0 = none)")
+    ap.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    ap.add_argument("--q", type=float, nargs=2, default=[2.5, 97.5], help="interval percentiles")
+    ap.add_argument("--delta", type=float, default=1e-3, help="Huber threshold on log-loss")
+    ap.add_argument("--plot", metavar="PATH", help="draw loss against compute with the frontiers")
+    args = ap.parse_args(argv)
+
+    if args.paper == (args.csv is not None):
+        ap.error("give an endpoints CSV or --paper (not both)")
+    if args.paper and args.bootstrap:
+        ap.error("--bootstrap needs endpoints (a CSV), not --paper")
+    if args.bootstrap < 0:
+        ap.error("--bootstrap must be >= 0")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --plot needs matplotlib, which is not installed "
+                  "(pip install matplotlib, or install smelt with the [plot] extra)",
+                  file=sys.stderr)
+            return 2
+
+    data: Optional[dict[str, Endpoints]] = None
+    if args.paper:
+        fits = {"baseline": PAPER_BASELINE, "smelt": PAPER_SMELT}
+    else:
+        try:
+            data = read_csv(args.csv)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    archs = list(fits) if data is None else sorted(data)
+    ref = args.ref or ("baseline" if "baseline" in archs else archs[0])
+    targets = args.tgt or [a for a in archs if a != ref]
+    for name in [ref, *targets]:
+        if name not in archs:
+            print(f"error: unknown arch {name!r}; the data has {', '.join(archs)}",
+                  file=sys.stderr)
+            return 1
+    order = [ref, *[t for t in targets if t != ref]]
+    if data is None:
+        S = args.S or list(PAPER_SPARSITIES)
+        counts = None
+    else:
+        S = args.S or [float(v) for v in np.unique(np.round(data[ref].S, 6))]
+        counts = {a: len(data[a]) for a in order}
+        try:
+            fits = {a: data[a].fit(args.delta) for a in order}
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+
+    boots = {}
+    if args.bootstrap:
+        for t in targets:
+            try:
+                boots[t] = bootstrap(data[ref], data[t], args.C, S, args.bootstrap,
+                                     seed=args.seed, q=args.q, delta=args.delta,
+                                     anchor=args.anchor, ref_fit=fits[ref], tgt_fit=fits[t])
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            if boots[t].failed:
+                print(f"note: {boots[t].failed} of {args.bootstrap} draws for {t} could not be "
+                      "fitted and were left out", file=sys.stderr)
+
+    src = "the paper's coefficients" if args.paper else args.csv
+    print(f"# Scaling analysis ({src})\n")
+    print(report({a: fits[a] for a in order}, ref, targets, args.C, S, boots, counts,
+                 args.anchor))
+    if data is not None:
+        cal = _calibration_report(data, ref, targets)
+        if cal:
+            print(cal)
+    if args.plot:
+        plot_frontiers(args.plot, {a: fits[a] for a in order}, S, data)
+        print(f"\nplot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
