@@ -1,8 +1,37 @@
-"""smelt_model: configs, presets, the three-budget ledger and the thin SMELT / baseline model."""
+"""smelt_model: configs, presets, the three-budget ledger, the thin SMELT / baseline model,
+generation, probes and the scaling-law tools.
+
+The model, generation, probe and scaling names load on first use (they pull in torch, the
+kernels or scipy), so ``import smelt_model`` stays light.
+"""
+
+import importlib
 
 from . import budget, presets
 from .budget import Ledger, Ratios, compare, ledger, match
 from .config import LoopSpec, ModelConfig, middle_loop
+
+_SCALING = ("Surface", "fit_surface", "frontier", "gamma", "compute_for_loss",
+            "ce_gain", "tpp", "bootstrap", "calibrate", "Endpoints", "read_csv",
+            "PAPER_BASELINE", "PAPER_SMELT")
+
+
+_LAZY = {
+    "SmeltLM": "model", "SmeltOutput": "model",
+    "generate": "generation", "KVCache": "generation",
+    "capture": "probes", "Recorder": "probes",
+    **{name: "scaling" for name in _SCALING},
+}
+
+
+def __getattr__(name):
+    # the model layer imports the kernels, the scaling tools scipy: load them on first use
+    if name in ("scaling", "analysis"):
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "LoopSpec",
@@ -15,4 +44,13 @@ __all__ = [
     "ledger",
     "compare",
     "match",
+    "SmeltLM",
+    "SmeltOutput",
+    "generate",
+    "KVCache",
+    "capture",
+    "Recorder",
+    "analysis",
+    "scaling",
+    *_SCALING,
 ]
