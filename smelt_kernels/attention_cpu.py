@@ -1,0 +1,174 @@
+"""The ``"cpu"`` backend of segment attention: ATen's CPU flash-attention kernel on
+segment-aware chunks.
+
+A batch row's queries are cut into chunks of ``CHUNK`` positions. A chunk [c0, c1) only
+needs keys from the start of its first query's segment, and splits into two calls of
+``aten._scaled_dot_product_flash_attention_for_cpu``:
+
+* the diagonal block (keys c0..c1-1), with a small additive mask built from the segment
+  starts (one shared causal mask for chunks inside one segment);
+* the prefix: keys start(c0)..c0-1, seen (entirely, without a mask) by exactly the rows of
+  the chunk's first segment when that segment began before c0; no other row sees them.
+
+The two partial results merge through their log-sum-exps. The backward calls the ATen
+backward kernel on the same pieces with the merged O and LSE (its gradient formula only
+needs those), accumulating in fp32. Keys outside every chunk's interval are never
+touched, so documents of any length cost their useful work plus one chunk's diagonal.
+
+GQA without expanding K/V: the G query heads of a KV head are packed as rows, q
+(B, Tq, Hq, D) -> (B, Hkv, Tq*G, D) with row t*G + g, so one call serves the group and
+dK/dV come out summed over it. The Python loop runs over chunks (Tq / CHUNK per row),
+never over tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Optional
+
+import torch
+
+__all__ = ["available", "forward", "backward", "CHUNK"]
+
+CHUNK = 256
+
+
+def available() -> Optional[str]:
+    """None if ATen's CPU flash-attention kernels are present, else why not."""
+    ops = torch.ops.aten
+    for name in ("_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        if not hasattr(ops, name):
+            return f"this torch build lacks aten.{name}"
+    return None
+
+
+def _pack(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, T, Hq, D) -> (B, Hkv, T*G, D), row t*G + g."""
+    B, T, Hq, D = x.shape
+    g = Hq // hkv
+    return x.reshape(B, T, hkv, g, D).transpose(1, 2).reshape(B, hkv, T * g, D)
+
+
+def _unpack(x: torch.Tensor, g: int) -> torch.Tensor:
+    B, hkv, TG, D = x.shape
+    return x.reshape(B, hkv, TG // g, g, D).transpose(1, 2).reshape(B, TG // g, hkv * g, D)
+
+
+def _pack_lse(lse: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, Hq, T) -> (B, Hkv, T*G)."""
+    B, Hq, T = lse.shape
+    g = Hq // hkv
+    return lse.reshape(B, hkv, g, T).transpose(2, 3).reshape(B, hkv, T * g)
+
+
+def _unpack_lse(lse: torch.Tensor, g: int) -> torch.Tensor:
+    B, hkv, TG = lse.shape
+    return lse.reshape(B, hkv, TG // g, g).transpose(2, 3).reshape(B, hkv * g, TG // g)
+
+
+def _diag_mask(starts: list[int], c0: int, c1: int, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive (1, 1, (c1-c0)*G, c1-c0) mask of the diagonal block: packed row t*G + g sees
+    key j iff start(t) <= j <= t."""
+    st = torch.tensor(starts[c0:c1])
+    p = torch.arange(c0, c1)
+    vis = (p[None, :] >= st[:, None]) & (p[None, :] <= p[:, None])
+    mask = torch.zeros(vis.shape, dtype=dtype).masked_fill_(~vis, float("-inf"))
+    return mask.repeat_interleave(g, dim=0)[None, None]
+
+
+def _chunks(starts: list[int], Tq: int, Tk: int, g: int, dtype: torch.dtype):
+    """Per chunk: (row slice, c0, c1, diagonal mask, prefix (s0, rows) or None).
+
+    ``starts``: segment start of every key position of one batch row (non-decreasing).
+    Chunks inside one segment share one causal mask per length.
+    """
+    off = Tk - Tq
+    causal: dict[int, torch.Tensor] = {}
+    for c0 in range(off, Tk, CHUNK):
+        c1 = min(c0 + CHUNK, Tk)
+        rows = slice((c0 - off) * g, (c1 - off) * g)
+        if starts[c1 - 1] > c0:  # a segment begins inside the chunk
+            mask = _diag_mask(starts, c0, c1, g, dtype)
+        else:
+            if c1 - c0 not in causal:
+                causal[c1 - c0] = _diag_mask([0] * (c1 - c0), 0, c1 - c0, g, dtype)
+            mask = causal[c1 - c0]
+        s0 = starts[c0]
+        prefix = None
+        if s0 < c0:
+            e = bisect.bisect_right(starts, s0, c0, c1)  # end of the first segment in the chunk
+            prefix = (s0, (e - c0) * g)
+        yield rows, c0, c1, mask, prefix
+
+
+def _flash(q, k, v, mask, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+
+
+def forward(q, k, v, starts: Optional[list[list[int]]], scale: float):
+    """o (B, Tq, Hq, D) and lse (B, Hq, Tq) (fp32, or fp64 for fp64 inputs).
+
+    ``starts[b]``: segment start of every key position of row b, or None (one segment).
+    """
+    B, Tq, Hq, D = q.shape
+    Tk, hkv = k.shape[1], k.shape[2]
+    g = Hq // hkv
+    qp = _pack(q, hkv)
+    kp, vp = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, Tk, D) views
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    op = torch.empty_like(qp)
+    lsep = torch.empty(B, hkv, Tq * g, dtype=lse_dtype)
+    for b in range(B):
+        st = starts[b] if starts is not None else [0] * Tk
+        for rows, c0, c1, mask, prefix in _chunks(st, Tq, Tk, g, q.dtype):
+            qc = qp[b:b + 1, :, rows]
+            od, ld = _flash(qc, kp[b:b + 1, :, c0:c1], vp[b:b + 1, :, c0:c1], mask, scale)
+            if prefix is not None:
+                s0, n = prefix
+                oa, la = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    qc[:, :, :n], kp[b:b + 1, :, s0:c0], vp[b:b + 1, :, s0:c0], scale=scale)
+                lm = torch.logaddexp(la, ld[:, :, :n])
+                od[:, :, :n] = (oa.to(lse_dtype) * torch.exp(la - lm)[..., None]
+                                + od[:, :, :n].to(lse_dtype) * torch.exp(ld[:, :, :n] - lm)[..., None]
+                                ).to(q.dtype)
+                ld[:, :, :n] = lm
+            op[b:b + 1, :, rows] = od
+            lsep[b:b + 1, :, rows] = ld
+    return _unpack(op, g), _unpack_lse(lsep, g)
+
+
+def backward(do, q, k, v, o, lse, starts: Optional[list[list[int]]], scale: float):
+    """(dq, dk, dv) for :func:`forward`, from its o and lse."""
+    B, Tq, Hq, D = q.shape
+    Tk, hkv = k.shape[1], k.shape[2]
+    g = Hq // hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qp, dop, op = _pack(q, hkv), _pack(do.to(q.dtype), hkv), _pack(o, hkv)
+    lsep = _pack_lse(lse.to(acc), hkv)
+    kp, vp = k.transpose(1, 2), v.transpose(1, 2)
+    dq = torch.zeros(qp.shape, dtype=acc)
+    dk = torch.zeros(B, hkv, Tk, D, dtype=acc)
+    dv = torch.zeros(B, hkv, Tk, D, dtype=acc)
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    for b in range(B):
+        st = starts[b] if starts is not None else [0] * Tk
+        for rows, c0, c1, mask, prefix in _chunks(st, Tq, Tk, g, q.dtype):
+            qc, doc, oc, lc = (x[b:b + 1, :, rows] for x in (qp, dop, op, lsep))
+            gq, gk, gv = bwd(doc, qc, kp[b:b + 1, :, c0:c1], vp[b:b + 1, :, c0:c1], oc, lc, 0.0,
+                             False, attn_mask=mask, scale=scale)
+            dq[b:b + 1, :, rows] += gq
+            dk[b:b + 1, :, c0:c1] += gk
+            dv[b:b + 1, :, c0:c1] += gv
+            if prefix is not None:
+                s0, n = prefix
+                gq, gk, gv = bwd(doc[:, :, :n], qc[:, :, :n], kp[b:b + 1, :, s0:c0],
+                                 vp[b:b + 1, :, s0:c0], oc[:, :, :n], lc[:, :, :n], 0.0, False,
+                                 scale=scale)
+                dq[b:b + 1, :, rows][:, :, :n] += gq
+                dk[b:b + 1, :, s0:c0] += gk
+                dv[b:b + 1, :, s0:c0] += gv
+    return (_unpack(dq, g).to(q.dtype),
+            dk.transpose(1, 2).contiguous().to(k.dtype),
+            dv.transpose(1, 2).contiguous().to(v.dtype))

@@ -1,0 +1,477 @@
+"""Triton kernels for segment attention: forward (with LSE and the sink statistic) and backward.
+
+Layout and tiling
+-----------------
+q (B, Tq, Hq, D); k, v (B, Tk, Hkv, D), G = Hq / Hkv query heads per KV head. One program
+owns one (batch, KV head) pair and a tile of ``BLOCK_M`` *rows*, where row r stands for
+(query r // G, head r % G) of that KV head's group: the G query heads that share a K/V
+tile are stacked along M, so each K/V tile is loaded once and feeds one ``tl.dot`` for
+the whole group (the packed-GQA layout), and any G works with power-of-two tiles.
+
+Query position p (keys are 0..Tk-1, queries the last Tq of them) sees keys
+[start(p), p], where ``start`` (int32 (B, Tk), computed by the caller from the
+segment ids) is the first position of p's segment. Starts never decrease, so a row tile
+with positions p_first..p_last only visits keys start(p_first)..p_last, in three runs:
+
+* keys below start(p_last) (only when a segment begins inside the tile): masked;
+* keys every row sees (>= start(p_last) and <= p_first): no mask at all;
+* the diagonal run up to p_last: masked.
+
+Softmax runs online in fp32 in the log2 domain (``exp2``); the kernel stores the
+natural-log LSE. The sink statistic needs only the score against each row's segment
+start and the row's LSE: the kernel gathers that one key row and writes the probability
+per row; the caller averages it.
+
+Backward (deterministic, no atomics): ``_bwd_delta`` computes rowsum(dO * O);
+``_bwd_dkdv`` owns a key tile and loops over every row (all G heads) that can see it,
+accumulating dK and dV in registers, so the group's gradients are summed without
+expanding K/V; ``_bwd_dq`` owns a row tile like the forward.
+
+A row whose interval is empty (the caller encodes a segment-id row it found invalid that
+way on CUDA) produces NaN in O and LSE rather than a plausible answer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _alloc
+from .backends import triton_interpret
+
+__all__ = ["forward", "backward", "head_dim_pad", "block_config"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ----------------------------------------------------------------------------- helpers
+@triton.jit
+def _load_tile(ptrs, offs_n, n_max, offs_d, D: tl.constexpr, CHECK_N: tl.constexpr,
+               EVEN_D: tl.constexpr):
+    """Load a (rows, D_PAD) tile; rows >= n_max (if CHECK_N) and columns >= D read as 0."""
+    if CHECK_N:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=offs_n[:, None] < n_max, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(offs_n[:, None] < n_max) & (offs_d[None, :] < D), other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_tile(ptrs, x, offs_n, n_max, offs_d, D: tl.constexpr, EVEN_D: tl.constexpr):
+    if EVEN_D:
+        tl.store(ptrs, x, mask=offs_n[:, None] < n_max)
+    else:
+        tl.store(ptrs, x, mask=(offs_n[:, None] < n_max) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _row_tile(tile, Tq, Tk, hkv, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows of a tile: (rows, valid, query index, head, position) and the tile's first and
+    last valid positions. Rows past the end are clamped onto the last row (never stored)."""
+    n_rows = Tq * G
+    r0 = tile * BLOCK_M
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    rows_c = tl.minimum(rows, n_rows - 1)
+    qi = rows_c // G
+    h = hkv * G + rows_c % G
+    off = Tk - Tq
+    pos_first = r0 // G + off
+    pos_last = (tl.minimum(r0 + BLOCK_M, n_rows) - 1) // G + off
+    return rows, row_ok, qi, h, qi + off, pos_first, pos_last
+
+
+@triton.jit
+def _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N: tl.constexpr):
+    """Bounds of the three key runs of a row tile: [lo, mid) masked, [mid, diag) unmasked,
+    [diag, hi) masked. Tiles start at lo, so the runs never overlap."""
+    lo = start_first
+    mid = lo + tl.cdiv(tl.maximum(start_last - lo, 0), BLOCK_N) * BLOCK_N
+    diag = mid + (tl.maximum(pos_first + 1 - mid, 0) // BLOCK_N) * BLOCK_N
+    return lo, mid, diag, pos_last + 1
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, pos, start, k_base, v_base, skt, svt, lo, hi, Tk, qk_scale,
+               offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+               EVEN_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base + offs_n[:, None] * skt + offs_d[None, :], offs_n, Tk, offs_d, D,
+                       MASK, EVEN_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASK:
+            vis = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] <= pos[:, None])
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base + offs_n[:, None] * svt + offs_d[None, :], offs_n, Tk, offs_d, D,
+                       MASK, EVEN_D)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk"])
+def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
+                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
+                Tq, Tk, Hq, qk_scale,
+                G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
+                WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # the longest tiles (last positions) first
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    Hkv = Hq // G
+    b = (bh // Hkv).to(tl.int64)
+    hkv = bh % Hkv
+    EVEN_D: tl.constexpr = D == D_PAD
+    rows, row_ok, qi, h, pos, pos_first, pos_last = _row_tile(tile, Tq, Tk, hkv, G, BLOCK_M)
+    if HAS_SEG:
+        seg = START + b * Tk
+        start = tl.load(seg + pos)
+        start_first = tl.load(seg + pos_first)
+        start_last = tl.load(seg + pos_last)
+    else:
+        start = tl.zeros([BLOCK_M], dtype=tl.int32)
+        start_first = pos_first * 0
+        start_last = pos_first * 0
+
+    offs_d = tl.arange(0, D_PAD)
+    q = _load_tile(Q + b * sqb + qi[:, None] * sqt + h[:, None] * sqh + offs_d[None, :],
+                   rows, 0, offs_d, D, False, EVEN_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * skb + hkv * skh
+    v_base = V + b * svb + hkv * svh
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    lo, mid, diag, hi = _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, pos, start, k_base, v_base, skt, svt, lo, mid,
+                               Tk, qk_scale, offs_d, D, BLOCK_N, True, EVEN_D, PRECISION, UPCAST)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, pos, start, k_base, v_base, skt, svt, mid, diag,
+                               Tk, qk_scale, offs_d, D, BLOCK_N, False, EVEN_D, PRECISION, UPCAST)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, pos, start, k_base, v_base, skt, svt, diag, hi,
+                               Tk, qk_scale, offs_d, D, BLOCK_N, True, EVEN_D, PRECISION, UPCAST)
+
+    # an empty interval (invalid segment ids) gives NaN, never a plausible number
+    lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("nan"))
+    o = acc / l_i[:, None]
+    _store_tile(O + b * sob + qi[:, None] * sot + h[:, None] * soh + offs_d[None, :],
+                o.to(O.dtype.element_ty), rows, Tq * G, offs_d, D, EVEN_D)
+    stat = (b * Hq + h) * Tq + qi
+    tl.store(LSE + stat, lse2 * LN2, mask=row_ok)
+    if WANT_SINK:
+        k0 = _load_tile(k_base + tl.minimum(start, Tk - 1)[:, None] * skt + offs_d[None, :],
+                        rows, 0, offs_d, D, False, EVEN_D)
+        s0 = tl.sum(q.to(tl.float32) * k0.to(tl.float32), 1) * qk_scale
+        p0 = tl.where(start != pos, tl.math.exp2(s0 - lse2), 0.0)
+        tl.store(PSINK + stat, p0, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------- backward
+@triton.jit(do_not_specialize=["n_rows", "Tq"])
+def _bwd_delta(O, DO, DELTA, n_rows, Tq, Hq, D: tl.constexpr, D_PAD: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """DELTA[b, h, t] = sum_d O[b, t, h, d] * dO[b, t, h, d] (both contiguous)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (rows[:, None] < n_rows) & (offs_d[None, :] < D)
+    ptr = rows.to(tl.int64)[:, None] * D + offs_d[None, :]
+    o = tl.load(O + ptr, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + ptr, mask=mask, other=0.0).to(tl.float32)
+    h = rows % Hq
+    t = (rows // Hq) % Tq
+    b = (rows // Hq // Tq).to(tl.int64)
+    tl.store(DELTA + (b * Hq + h) * Tq + t, tl.sum(o * do, 1), mask=rows < n_rows)
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse2, delta, pos, start, k_base, v_base, skt, svt, lo, hi, Tk,
+                  qk_scale, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                  EVEN_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base + offs_n[:, None] * skt + offs_d[None, :], offs_n, Tk, offs_d, D,
+                       MASK, EVEN_D)
+        v = _load_tile(v_base + offs_n[:, None] * svt + offs_d[None, :], offs_n, Tk, offs_d, D,
+                       MASK, EVEN_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASK:
+            vis = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] <= pos[:, None])
+            s = tl.where(vis, s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk"])
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
+                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh,
+                   Tq, Tk, Hq, sm_scale, qk_scale,
+                   G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """dQ for a row tile; DQ has dO's strides (sd*)."""
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    Hkv = Hq // G
+    b = (bh // Hkv).to(tl.int64)
+    hkv = bh % Hkv
+    EVEN_D: tl.constexpr = D == D_PAD
+    rows, row_ok, qi, h, pos, pos_first, pos_last = _row_tile(tile, Tq, Tk, hkv, G, BLOCK_M)
+    if HAS_SEG:
+        seg = START + b * Tk
+        start = tl.load(seg + pos)
+        start_first = tl.load(seg + pos_first)
+        start_last = tl.load(seg + pos_last)
+    else:
+        start = tl.zeros([BLOCK_M], dtype=tl.int32)
+        start_first = pos_first * 0
+        start_last = pos_first * 0
+    offs_d = tl.arange(0, D_PAD)
+    q = _load_tile(Q + b * sqb + qi[:, None] * sqt + h[:, None] * sqh + offs_d[None, :],
+                   rows, 0, offs_d, D, False, EVEN_D)
+    do = _load_tile(DO + b * sdb + qi[:, None] * sdt + h[:, None] * sdh + offs_d[None, :],
+                    rows, 0, offs_d, D, False, EVEN_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    stat = (b * Hq + h) * Tq + qi
+    lse2 = tl.load(LSE + stat) * 1.4426950408889634
+    delta = tl.load(DELTA + stat)
+    k_base = K + b * skb + hkv * skh
+    v_base = V + b * svb + hkv * svh
+    dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    lo, mid, diag, hi = _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, pos, start, k_base, v_base, skt, svt, lo, mid, Tk,
+                       qk_scale, offs_d, D, BLOCK_N, True, EVEN_D, PRECISION, UPCAST)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, pos, start, k_base, v_base, skt, svt, mid, diag, Tk,
+                       qk_scale, offs_d, D, BLOCK_N, False, EVEN_D, PRECISION, UPCAST)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, pos, start, k_base, v_base, skt, svt, diag, hi, Tk,
+                       qk_scale, offs_d, D, BLOCK_N, True, EVEN_D, PRECISION, UPCAST)
+    dq = dq * sm_scale
+    _store_tile(DQ + b * sdb + qi[:, None] * sdt + h[:, None] * sdh + offs_d[None, :],
+                dq.to(DQ.dtype.element_ty), rows, Tq * G, offs_d, D, EVEN_D)
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, stat_base, LSE, DELTA, seg,
+                    sqt, sqh, sdt, sdh, lo, hi, Tq, Tk, hkv, qk_scale, offs_d,
+                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    MASK: tl.constexpr, HAS_SEG: tl.constexpr, EVEN_D: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    n_rows = Tq * G
+    off = Tk - Tq
+    for r0 in range(lo, hi, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        rows_c = tl.minimum(rows, n_rows - 1)
+        qi = rows_c // G
+        h = hkv * G + rows_c % G
+        pos = qi + off
+        q = _load_tile(q_base + qi[:, None] * sqt + h[:, None] * sqh + offs_d[None, :],
+                       rows, 0, offs_d, D, False, EVEN_D)
+        do = _load_tile(do_base + qi[:, None] * sdt + h[:, None] * sdh + offs_d[None, :],
+                        rows, 0, offs_d, D, False, EVEN_D)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        stat = stat_base + h * Tq + qi
+        lse2 = tl.load(LSE + stat) * 1.4426950408889634
+        delta = tl.load(DELTA + stat)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (keys, rows)
+        if MASK:
+            if HAS_SEG:
+                start = tl.load(seg + pos)
+            else:
+                start = tl.zeros([BLOCK_M], dtype=tl.int32)
+            vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= pos[None, :]) \
+                & row_ok[None, :]
+            s_t = tl.where(vis, s_t, float("-inf"))
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk"])
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
+                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh,
+                     Tq, Tk, Hq, sm_scale, qk_scale,
+                     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """dK, dV for a key tile of one KV head, summed over every row (all G heads) that sees
+    it. DK and DV are contiguous (B, Tk, Hkv, D)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    Hkv = Hq // G
+    b = (bh // Hkv).to(tl.int64)
+    hkv = bh % Hkv
+    EVEN_D: tl.constexpr = D == D_PAD
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    k = _load_tile(K + b * skb + hkv * skh + offs_n[:, None] * skt + offs_d[None, :], offs_n, Tk,
+                   offs_d, D, True, EVEN_D)
+    v = _load_tile(V + b * svb + hkv * svh + offs_n[:, None] * svt + offs_d[None, :], offs_n, Tk,
+                   offs_d, D, True, EVEN_D)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    n_last = tl.minimum(n0 + BLOCK_N, Tk) - 1
+    seg = START + b * Tk
+    if HAS_SEG:
+        end_first = tl.load(END + b * Tk + n0)
+        end_last = tl.load(END + b * Tk + n_last)
+    else:
+        end_first = n_last * 0 + Tk - 1
+        end_last = end_first
+    off = Tk - Tq
+    # rows that can see a key of this tile: positions max(n0, off) .. end of n_last's segment
+    row_lo = (tl.maximum(n0, off) - off) * G
+    row_hi = (end_last - off + 1) * G
+    # masked while the tile's first position is below its last key; then unmasked while the
+    # tile's last position stays in n0's segment; the rest masked
+    mid = row_lo + tl.cdiv(tl.maximum((n_last - off) * G - row_lo, 0), BLOCK_M) * BLOCK_M
+    tail = mid + (tl.maximum((end_first - off + 1) * G - mid, 0) // BLOCK_M) * BLOCK_M
+    q_base = Q + b * sqb
+    do_base = DO + b * sdb
+    stat_base = b * Hq * Tq
+    dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, stat_base, LSE, DELTA, seg,
+                             sqt, sqh, sdt, sdh, row_lo, mid, Tq, Tk, hkv, qk_scale, offs_d,
+                             G, D, BLOCK_M, True, HAS_SEG, EVEN_D, PRECISION, UPCAST)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, stat_base, LSE, DELTA, seg,
+                             sqt, sqh, sdt, sdh, mid, tail, Tq, Tk, hkv, qk_scale, offs_d,
+                             G, D, BLOCK_M, False, HAS_SEG, EVEN_D, PRECISION, UPCAST)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, stat_base, LSE, DELTA, seg,
+                             sqt, sqh, sdt, sdh, tail, row_hi, Tq, Tk, hkv, qk_scale, offs_d,
+                             G, D, BLOCK_M, True, HAS_SEG, EVEN_D, PRECISION, UPCAST)
+    dk = dk * sm_scale
+    out = b * Tk * Hkv * D + offs_n[:, None] * (Hkv * D) + hkv * D + offs_d[None, :]
+    _store_tile(DK + out, dk.to(DK.dtype.element_ty), offs_n, Tk, offs_d, D, EVEN_D)
+    _store_tile(DV + out, dv.to(DV.dtype.element_ty), offs_n, Tk, offs_d, D, EVEN_D)
+
+
+# ----------------------------------------------------------------------------- launchers
+def head_dim_pad(d: int) -> int:
+    """The power-of-two register width a head dim runs at (>= 16 for ``tl.dot``)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def block_config(kind: str, d_pad: int, device: torch.device) -> dict:
+    """Tile sizes per kernel. The interpreter gets small tiles (so small tests cross many
+    tile edges); the GPU values follow the usual FlashAttention-2 Triton choices for
+    Hopper and have not been tuned on the device."""
+    if device.type != "cuda":
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    big = d_pad > 64
+    if kind == "fwd":
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if big else 4, num_stages=3)
+    if kind == "dq":
+        return dict(BLOCK_M=64 if big else 128, BLOCK_N=64 if big else 32,
+                    num_warps=8 if big else 4, num_stages=2)
+    # dkdv: BLOCK_N keys kept in registers, BLOCK_M rows streamed
+    return dict(BLOCK_M=32 if big else 64, BLOCK_N=128 if big else 64,
+                num_warps=8 if big else 4, num_stages=2)
+
+
+def _precision(dtype: torch.dtype):
+    if dtype != torch.float32:
+        return None
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    # the interpreter's tl.dot mishandles bfloat16 operands: compute those in fp32 there
+    return triton_interpret() and dtype == torch.bfloat16
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def forward(q, k, v, start, scale: float, want_sink: bool):
+    """o (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 and, with ``want_sink``, the per-row
+    probability on the segment's first key (B, Hq, Tq) fp32 (0 for segment starts).
+    ``start``: int32 (B, Tk) segment start of every position, or None (one segment)."""
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    d_pad = head_dim_pad(D)
+    o = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
+    lse = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
+    psink = _alloc.empty((B, Hq, Tq), torch.float32, q.device) if want_sink else lse
+    cfg = block_config("fwd", d_pad, q.device)
+    grid = (triton.cdiv(Tq * G, cfg["BLOCK_M"]), B * Hkv)
+    _fwd_kernel[grid](
+        q, k, v, o, lse, psink, start if start is not None else lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        Tq, Tk, Hq, scale * LOG2E,
+        G=G, D=D, D_PAD=d_pad, HAS_SEG=start is not None, WANT_SINK=want_sink,
+        PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), **cfg,
+    )
+    return o, lse, (psink if want_sink else None)
+
+
+def backward(do, q, k, v, o, lse, start, end, scale: float):
+    """(dq, dk, dv) for the forward above; ``end``: int32 (B, Tk) last position of every
+    position's segment (None with ``start`` None). Deterministic."""
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    do = do.contiguous()
+    o = o.contiguous()
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    d_pad = head_dim_pad(D)
+    has_seg = start is not None
+    delta = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
+    n = B * Tq * Hq
+    blk = 16 if q.device.type != "cuda" else 64
+    _bwd_delta[(triton.cdiv(n, blk),)](o, do, delta, n, Tq, Hq, D=D, D_PAD=d_pad, BLOCK=blk)
+
+    dq = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
+    dk = _alloc.empty((B, Tk, Hkv, D), k.dtype, k.device)
+    dv = _alloc.empty((B, Tk, Hkv, D), v.dtype, v.device)
+    seg = start if has_seg else delta
+    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+              v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+              Tq, Tk, Hq, scale, scale * LOG2E)
+    meta = dict(G=G, D=D, D_PAD=d_pad, HAS_SEG=has_seg, PRECISION=_precision(q.dtype),
+                UPCAST=_upcast(q.dtype))
+    cfg = block_config("dkdv", d_pad, q.device)
+    _bwd_dkdv_kernel[(triton.cdiv(Tk, cfg["BLOCK_N"]), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, seg, end if has_seg else seg, *common, **meta, **cfg)
+    cfg = block_config("dq", d_pad, q.device)
+    _bwd_dq_kernel[(triton.cdiv(Tq * G, cfg["BLOCK_M"]), B * Hkv)](
+        q, k, v, do, lse, delta, dq, seg, *common, **meta, **cfg)
+    return dq, dk, dv
