@@ -148,9 +148,15 @@ def _torch_backward(do, q, k, v, segment_ids, scale):
             dv.to(v.dtype).contiguous())
 
 
+def _rows_aligned(x: torch.Tensor) -> bool:
+    """Unit stride over D and 16-byte aligned rows: what the CUDA kernel's vector loads need."""
+    return (x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:3])
+            and x.data_ptr() % 16 == 0)
+
+
 def _cuda_forward(q, k, v, start, scale, want_sink):
     backends.extension("_cuda")
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
     B, Tq, Hq, D = q.shape
     o = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Tq), torch.float32, q.device)

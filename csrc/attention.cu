@@ -1,0 +1,307 @@
+// Segment attention forward (causal inside segments, GQA, LSE and sink) for fp16/bf16 on
+// tensor cores through WMMA, fp32 softmax. Same semantics as the Triton kernel in
+// smelt_kernels/attention_triton.py:
+//
+// * q (B, Tq, Hq, D), k/v (B, Tk, Hkv, D) with unit stride over D; o contiguous
+//   (B, Tq, Hq, D); lse, psink contiguous (B, Hq, Tq) fp32.
+// * A block owns one (batch, KV head) and BM = 64 rows; row r is (query r / G, head r % G)
+//   of that KV head's group, so each K/V tile in shared memory serves all G heads.
+// * Query position p sees keys [start[p], p] (start: int32 (B, Tk), or null for one
+//   segment). The block visits keys start(p_first) .. p_last in BN = 64 tiles and applies
+//   the interval mask only to tiles that are not inside every row's interval.
+// * An empty interval (the host's encoding of a row with decreasing segment ids) gives NaN.
+//
+// The head dim is padded to DP in {32, 64, 96, 128} in shared memory only. Four warps,
+// sixteen rows each: S = Q K^T and O += P V on WMMA 16x16x16 fragments; the softmax runs
+// on S in shared memory, two lanes per row; the O accumulator lives in shared memory (fp32).
+// No torch headers: the binding (attention.cpp) calls smelt_segment_attention_fwd.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+using namespace nvcuda;
+
+constexpr int BM = 64;       // rows per block
+constexpr int BN = 64;       // keys per tile
+constexpr int NTHREADS = 128;
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+struct Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  const int* start;
+  void* o;
+  float* lse;
+  float* psink;
+  int64_t sqb, sqt, sqh, skb, skt, skh, svb, svt, svh;
+  int B, Tq, Tk, Hq, Hkv, D;
+  float scale;
+  bool want_sink;
+};
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <int DP>
+struct Layout {
+  static constexpr int LD = DP + 8;    // Q, K, V rows (elements of T)
+  static constexpr int LDS = BN + 4;   // S rows (float)
+  static constexpr int LDP = BN + 8;   // P rows (T)
+  static constexpr int LDO = DP + 4;   // O rows (float)
+  static constexpr size_t kQ = 0;
+  static constexpr size_t kK = kQ + size_t(BM) * LD * 2;
+  static constexpr size_t kV = kK + size_t(BN) * LD * 2;
+  static constexpr size_t kS = kV + size_t(BN) * LD * 2;
+  static constexpr size_t kP = kS + size_t(BM) * LDS * 4;
+  static constexpr size_t kO = kP + size_t(BM) * LDP * 2;
+  static constexpr size_t bytes = kO + size_t(BM) * LDO * 4;
+};
+
+// Copy `rows` rows of D elements (16-byte chunks) from global into shared memory, zero
+// filling columns >= D and rows with index >= n_valid.
+template <typename T, int DP>
+__device__ __forceinline__ void load_kv_tile(T* dst, const T* base, int64_t row_stride, int n0,
+                                             int n_valid, int D) {
+  constexpr int CH = DP / 8;
+  constexpr int LD = Layout<DP>::LD;
+  for (int i = threadIdx.x; i < BN * CH; i += NTHREADS) {
+    const int r = i / CH;
+    const int c = (i % CH) * 8;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (n0 + r < n_valid && c < D)
+      val = *reinterpret_cast<const uint4*>(base + int64_t(n0 + r) * row_stride + c);
+    *reinterpret_cast<uint4*>(dst + r * LD + c) = val;
+  }
+}
+
+template <typename T, int DP>
+__global__ void __launch_bounds__(NTHREADS) segment_attention_fwd_kernel(const Params p) {
+  using L = Layout<DP>;
+  constexpr int LD = L::LD, LDS = L::LDS, LDP = L::LDP, LDO = L::LDO;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem + L::kQ);
+  T* sK = reinterpret_cast<T*>(smem + L::kK);
+  T* sV = reinterpret_cast<T*>(smem + L::kV);
+  float* sS = reinterpret_cast<float*>(smem + L::kS);
+  T* sP = reinterpret_cast<T*>(smem + L::kP);
+  float* sO = reinterpret_cast<float*>(smem + L::kO);
+
+  const T* q = static_cast<const T*>(p.q);
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int G = p.Hq / p.Hkv;
+  const int tile = gridDim.x - 1 - blockIdx.x;  // longest tiles first
+  const int64_t b = blockIdx.y / p.Hkv;
+  const int hkv = blockIdx.y % p.Hkv;
+  const int n_rows = p.Tq * G;
+  const int off = p.Tk - p.Tq;
+  const int r0 = tile * BM;
+  const int pos_first = r0 / G + off;
+  const int pos_last = (min(r0 + BM, n_rows) - 1) / G + off;
+  const int* seg = p.start != nullptr ? p.start + b * p.Tk : nullptr;
+  const int start_first = seg != nullptr ? seg[pos_first] : 0;
+  const int start_last = seg != nullptr ? seg[pos_last] : 0;
+
+  // the row whose softmax this lane shares with its neighbour (lane ^ 1)
+  const int my_row = warp * 16 + (lane >> 1);
+  const int half_idx = lane & 1;
+  const bool my_ok = r0 + my_row < n_rows;
+  const int my_flat = min(r0 + my_row, n_rows - 1);
+  const int my_qi = my_flat / G;
+  const int my_h = hkv * G + my_flat % G;
+  const int my_pos = my_qi + off;
+  const int my_start = seg != nullptr ? seg[my_pos] : 0;
+
+  constexpr int CH = DP / 8;
+  for (int i = tid; i < BM * CH; i += NTHREADS) {
+    const int r = i / CH;
+    const int c = (i % CH) * 8;
+    const int flat = min(r0 + r, n_rows - 1);
+    const int64_t qi = flat / G;
+    const int64_t h = hkv * G + flat % G;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (c < p.D) val = *reinterpret_cast<const uint4*>(q + b * p.sqb + qi * p.sqt + h * p.sqh + c);
+    *reinterpret_cast<uint4*>(sQ + r * LD + c) = val;
+  }
+  for (int i = tid; i < BM * LDO; i += NTHREADS) sO[i] = 0.f;
+
+  const float qk_scale = p.scale * LOG2E;
+  const int lo = start_first;
+  const int mid = lo + ((max(start_last - lo, 0) + BN - 1) / BN) * BN;
+  const int diag = mid + (max(pos_first + 1 - mid, 0) / BN) * BN;
+  const int hi = pos_last + 1;
+  const T* kb = k + b * p.skb + int64_t(hkv) * p.skh;
+  const T* vb = v + b * p.svb + int64_t(hkv) * p.svh;
+  float m_i = -1.0e30f;
+  float l_i = 0.f;
+
+  for (int n0 = lo; n0 < hi; n0 += BN) {
+    const bool masked = n0 < mid || n0 >= diag;
+    __syncthreads();  // every warp is done with the previous K/V tile
+    load_kv_tile<T, DP>(sK, kb, p.skt, n0, p.Tk, p.D);
+    load_kv_tile<T, DP>(sV, vb, p.svt, n0, p.Tk, p.D);
+    __syncthreads();
+
+    // S = Q K^T for this warp's sixteen rows
+#pragma unroll
+    for (int nb = 0; nb < BN / 16; ++nb) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+      for (int kk = 0; kk < DP / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, sQ + warp * 16 * LD + kk * 16, LD);
+        wmma::load_matrix_sync(fb, sK + nb * 16 * LD + kk * 16, LD);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(sS + warp * 16 * LDS + nb * 16, acc, LDS, wmma::mem_row_major);
+    }
+    __syncwarp();
+
+    // online softmax: this lane takes 32 of its row's 64 scores
+    const float* srow = sS + my_row * LDS + half_idx * 32;
+    const int j0 = n0 + half_idx * 32;
+    float sv[32];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      float s = srow[c] * qk_scale;
+      if (masked && (j0 + c < my_start || j0 + c > my_pos)) s = -INFINITY;
+      sv[c] = s;
+      mx = fmaxf(mx, s);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    const float m_new = fmaxf(m_i, mx);
+    const float alpha = exp2f(m_i - m_new);
+    T* prow = sP + my_row * LDP + half_idx * 32;
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      const float pv = exp2f(sv[c] - m_new);
+      sum += pv;
+      prow[c] = from_float<T>(pv);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    l_i = l_i * alpha + sum;
+    m_i = m_new;
+    float* orow = sO + my_row * LDO + half_idx * (DP / 2);
+#pragma unroll
+    for (int c = 0; c < DP / 2; ++c) orow[c] *= alpha;
+    __syncwarp();
+
+    // O += P V
+#pragma unroll
+    for (int db = 0; db < DP / 16; ++db) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::load_matrix_sync(acc, sO + warp * 16 * LDO + db * 16, LDO, wmma::mem_row_major);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
+        wmma::load_matrix_sync(fa, sP + warp * 16 * LDP + kk * 16, LDP);
+        wmma::load_matrix_sync(fb, sV + kk * 16 * LD + db * 16, LD);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(sO + warp * 16 * LDO + db * 16, acc, LDO, wmma::mem_row_major);
+    }
+    __syncwarp();
+  }
+
+  // epilogue: normalise (an empty interval leaves l = 0: 0 * inf = NaN, on purpose)
+  const float lse2 = l_i > 0.f ? m_i + log2f(l_i) : NAN;
+  const float inv = 1.f / l_i;
+  {
+    float* orow = sO + my_row * LDO + half_idx * (DP / 2);
+#pragma unroll
+    for (int c = 0; c < DP / 2; ++c) orow[c] *= inv;
+  }
+  float p0 = 0.f;
+  if (p.want_sink) {
+    const int sidx = min(my_start, p.Tk - 1);
+    const T* k0 = kb + int64_t(sidx) * p.skt;
+    float dot = 0.f;
+    for (int c = half_idx * (DP / 2); c < (half_idx + 1) * (DP / 2) && c < p.D; ++c)
+      dot += to_float(sQ[my_row * LD + c]) * to_float(k0[c]);
+    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+    p0 = my_start != my_pos ? exp2f(dot * qk_scale - lse2) : 0.f;
+  }
+  if (my_ok && half_idx == 0) {
+    const int64_t stat = (b * p.Hq + my_h) * int64_t(p.Tq) + my_qi;
+    p.lse[stat] = lse2 * LN2;
+    if (p.want_sink) p.psink[stat] = p0;
+  }
+  __syncthreads();
+  T* o = static_cast<T*>(p.o);
+  for (int i = tid; i < BM * CH; i += NTHREADS) {
+    const int r = i / CH;
+    const int c = (i % CH) * 8;
+    if (r0 + r >= n_rows || c >= p.D) continue;
+    const int flat = r0 + r;
+    const int64_t qi = flat / G;
+    const int64_t h = hkv * G + flat % G;
+    alignas(16) T out[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = from_float<T>(sO[r * LDO + c + e]);
+    *reinterpret_cast<uint4*>(o + ((b * p.Tq + qi) * p.Hq + h) * p.D + c) =
+        *reinterpret_cast<const uint4*>(out);
+  }
+}
+
+template <typename T, int DP>
+cudaError_t launch(const Params& p, cudaStream_t stream) {
+  constexpr size_t smem = Layout<DP>::bytes;
+  auto kernel = segment_attention_fwd_kernel<T, DP>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return err;
+  const int G = p.Hq / p.Hkv;
+  const dim3 grid((p.Tq * G + BM - 1) / BM, p.B * p.Hkv);
+  kernel<<<grid, NTHREADS, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t dispatch_head_dim(const Params& p, cudaStream_t stream) {
+  if (p.D <= 32) return launch<T, 32>(p, stream);
+  if (p.D <= 64) return launch<T, 64>(p, stream);
+  if (p.D <= 96) return launch<T, 96>(p, stream);
+  if (p.D <= 128) return launch<T, 128>(p, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+// Launch the forward on `stream`. dtype: 0 = fp16, 1 = bf16. Strides are in elements
+// (batch, time, head); the D stride is 1. Returns a cudaError_t as int (0 = success).
+// The caller guarantees: D % 8 == 0 and D <= 128, Hq % Hkv == 0, 1 <= Tq <= Tk,
+// 16-byte aligned rows, o contiguous, lse/psink (B, Hq, Tq) contiguous.
+int smelt_segment_attention_fwd(const void* q, const void* k, const void* v, const int* start,
+                                void* o, float* lse, float* psink, int64_t sqb, int64_t sqt,
+                                int64_t sqh, int64_t skb, int64_t skt, int64_t skh, int64_t svb,
+                                int64_t svt, int64_t svh, int B, int Tq, int Tk, int Hq, int Hkv,
+                                int D, float scale, bool want_sink, int dtype, void* stream) {
+  if (B == 0 || Tq == 0) return 0;
+  Params p{q, k, v, start, o, lse, psink, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
+           B, Tq, Tk, Hq, Hkv, D, scale, want_sink};
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const cudaError_t err =
+      dtype == 0 ? dispatch_head_dim<__half>(p, s) : dispatch_head_dim<__nv_bfloat16>(p, s);
+  return int(err);
+}
