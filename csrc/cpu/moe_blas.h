@@ -1,0 +1,393 @@
+// Small-GEMM building blocks for the CPU MoE kernels (csrc/cpu/moe_*.cpp).
+//
+// Every GEMM here is C (M x N, fp32) (+)= A (M x K, row-major) @ B (K x N), run on one
+// thread through ATen's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm: a
+// oneDNN JIT ukernel on AVX-512 / AMX machines, ATen's BLAS gemm elsewhere). The B operand
+// is first laid out in a Panel, the form that micro-kernel wants:
+//
+// * fp32 compute: B is a plain K x N row-major matrix.
+// * bf16 / fp16 compute (only where the CPU has AMX for that type, cpublas::could_pack):
+//   B is "pair-interleaved" (VNNI): column blocks of at most 64 (padded to a multiple of
+//   16), each stored as (K/2) x width x 2, so B[k][n] sits at
+//   block(n) + (k/2)*width*2 + (n%64)*2 + k%2. K is padded to even with zeros.
+//
+// Without AMX for a 16-bit type, the kernels compute in fp32 (operands converted while they
+// are gathered or packed), so the compute type CT is float or the input type itself.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+namespace smelt_moe {
+
+template <typename CT>
+inline constexpr bool kVnni = !std::is_same_v<CT, float>;
+
+inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+constexpr int64_t kPanelBlock = 64;  // widest column block of a pair-interleaved panel
+
+template <typename D, typename S>
+inline D cvt(S v) {
+  if constexpr (std::is_same_v<D, S>) {
+    return v;
+  } else {
+    return static_cast<D>(static_cast<float>(v));
+  }
+}
+
+// 64-byte aligned scratch that only grows; one per thread and purpose.
+template <typename T>
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { std::free(ptr_); }
+  T* get(int64_t n) {
+    if (n > cap_) {
+      std::free(ptr_);
+      size_t bytes = static_cast<size_t>(round_up(std::max<int64_t>(n, 1) * sizeof(T), 64));
+      ptr_ = static_cast<T*>(std::aligned_alloc(64, bytes));
+      TORCH_CHECK(ptr_ != nullptr, "smelt moe: out of memory for a ", bytes, "-byte scratch buffer");
+      cap_ = n;
+    }
+    return ptr_;
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  int64_t cap_ = 0;
+};
+
+// K rounded up to what the compute type needs (pairs for the 16-bit types).
+template <typename CT>
+inline int64_t k_pad(int64_t K) {
+  return kVnni<CT> ? round_up(K, 2) : K;
+}
+
+// The B operand (K x N) in the micro-kernel's layout.
+template <typename CT>
+struct Panel {
+  int64_t K = 0, N = 0;    // logical size
+  int64_t Kp = 0, Np = 0;  // padded size (Kp even and Np a multiple of 16 for VNNI)
+  int64_t ld = 0;          // fp32: row stride of data
+  const CT* data = nullptr;
+  Scratch<CT> store;
+
+  CT* reset(int64_t k, int64_t n) {
+    K = k;
+    N = n;
+    Kp = k_pad<CT>(k);
+    Np = kVnni<CT> ? round_up(n, 16) : n;
+    ld = Np;
+    CT* p = store.get(Kp * Np);
+    data = p;
+    return p;
+  }
+  // Offset of B[k][n] in a pair-interleaved panel.
+  int64_t vnni_at(int64_t k, int64_t n) const {
+    int64_t n0 = n / kPanelBlock * kPanelBlock;
+    int64_t width = std::min(kPanelBlock, Np - n0);
+    return Kp * n0 + (k / 2) * width * 2 + (n - n0) * 2 + (k & 1);
+  }
+};
+
+// ---------------------------------------------------------------------------- transpose
+// dst[c * ldd + r] = src[r * lds + c] for 32-bit elements (fp32 values, or bf16/fp16 pairs).
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) static inline void transpose8x8_avx2(const uint32_t* src, int64_t lds,
+                                                                      uint32_t* dst, int64_t ldd) {
+  __m256 r0 = _mm256_loadu_ps(reinterpret_cast<const float*>(src + 0 * lds));
+  __m256 r1 = _mm256_loadu_ps(reinterpret_cast<const float*>(src + 1 * lds));
+  __m256 r2 = _mm256_loadu_ps(reinterpret_cast<const float*>(src + 2 * lds));
+  __m256 r3 = _mm256_loadu_ps(reinterpret_cast<const float*>(src + 3 * lds));
+  __m256 r4 = _mm256_loadu_ps(reinterpret_cast<const float*>(src + 4 * lds));
+  __m256 r5 = _mm256_loadu_ps(reinterpret_cast<const float*>(src + 5 * lds));
+  __m256 r6 = _mm256_loadu_ps(reinterpret_cast<const float*>(src + 6 * lds));
+  __m256 r7 = _mm256_loadu_ps(reinterpret_cast<const float*>(src + 7 * lds));
+  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  float* d = reinterpret_cast<float*>(dst);
+  _mm256_storeu_ps(d + 0 * ldd, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(d + 1 * ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(d + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(d + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(d + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(d + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(d + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(d + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+inline bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#else
+inline bool cpu_has_avx2() { return false; }
+#endif
+
+inline void transpose32(const uint32_t* src, int64_t lds, int64_t rows, int64_t cols, uint32_t* dst,
+                        int64_t ldd) {
+  int64_t r8 = 0, c8 = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (cpu_has_avx2()) {
+    r8 = rows / 8 * 8;
+    c8 = cols / 8 * 8;
+    for (int64_t r = 0; r < r8; r += 8)
+      for (int64_t c = 0; c < c8; c += 8) transpose8x8_avx2(src + r * lds + c, lds, dst + c * ldd + r, ldd);
+  }
+#endif
+  // the edges (everything, without AVX2): the rows below r8, then the columns right of c8
+  auto scalar = [&](int64_t ra, int64_t rb, int64_t ca, int64_t cb) {
+    constexpr int64_t b = 16;
+    for (int64_t r0 = ra; r0 < rb; r0 += b)
+      for (int64_t c0 = ca; c0 < cb; c0 += b)
+        for (int64_t r = r0; r < std::min(rb, r0 + b); ++r)
+          for (int64_t c = c0; c < std::min(cb, c0 + b); ++c) dst[c * ldd + r] = src[r * lds + c];
+  };
+  scalar(r8, rows, 0, cols);
+  scalar(0, r8, c8, cols);
+}
+
+// ---------------------------------------------------------------------------- packing
+// B = W^T for W (N x K, row stride ldw): the "x @ W^T" operand of a Linear-layout weight.
+template <typename CT, typename ST>
+void pack_transposed(const ST* W, int64_t ldw, int64_t N, int64_t K, Panel<CT>& P) {
+  CT* out = P.reset(K, N);
+  if constexpr (!kVnni<CT>) {
+    if constexpr (std::is_same_v<ST, float>) {
+      transpose32(reinterpret_cast<const uint32_t*>(W), ldw, N, K, reinterpret_cast<uint32_t*>(out), P.ld);
+    } else {
+      // fp32 compute of 16-bit weights: convert row by row, then transpose
+      thread_local Scratch<float> wide;
+      float* w = wide.get(N * K);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k) w[n * K + k] = cvt<float>(W[n * ldw + k]);
+      transpose32(reinterpret_cast<const uint32_t*>(w), K, N, K, reinterpret_cast<uint32_t*>(out), P.ld);
+    }
+  } else {
+    static_assert(std::is_same_v<CT, ST>, "pair-interleaved panels are built from their own type");
+    // Within a column block, the pair (W[n][2q], W[n][2q+1]) becomes the 32-bit word at
+    // row q, column n of that block: a 32-bit transpose (rows of W are 4-byte aligned
+    // when K and ldw are even; otherwise the slow path below).
+    const int64_t Kh = P.Kp / 2;
+    const bool aligned = K % 2 == 0 && ldw % 2 == 0 && reinterpret_cast<uintptr_t>(W) % 4 == 0;
+    for (int64_t n0 = 0; n0 < P.Np; n0 += kPanelBlock) {
+      int64_t width = std::min(kPanelBlock, P.Np - n0);
+      int64_t valid = std::max<int64_t>(0, std::min(width, N - n0));
+      uint32_t* blk = reinterpret_cast<uint32_t*>(out + P.Kp * n0);
+      if (aligned) {
+        transpose32(reinterpret_cast<const uint32_t*>(W + n0 * ldw), ldw / 2, valid, Kh, blk, width);
+      } else {
+        for (int64_t nl = 0; nl < valid; ++nl) {
+          const ST* w = W + (n0 + nl) * ldw;
+          for (int64_t q = 0; q < Kh; ++q) {
+            uint16_t lo, hi = 0;
+            std::memcpy(&lo, w + 2 * q, 2);
+            if (2 * q + 1 < K) std::memcpy(&hi, w + 2 * q + 1, 2);
+            blk[q * width + nl] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+          }
+        }
+      }
+      for (int64_t q = 0; q < Kh; ++q)
+        for (int64_t nl = valid; nl < width; ++nl) blk[q * width + nl] = 0;
+    }
+  }
+}
+
+// B = W for W (K x N, row stride ldw). An fp32 W is used in place, without a copy.
+template <typename CT, typename ST>
+void pack_plain(const ST* W, int64_t ldw, int64_t K, int64_t N, Panel<CT>& P) {
+  if constexpr (std::is_same_v<CT, float> && std::is_same_v<ST, float>) {
+    P.K = P.Kp = K;
+    P.N = P.Np = N;
+    P.ld = ldw;
+    P.data = W;
+  } else if constexpr (!kVnni<CT>) {
+    CT* out = P.reset(K, N);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n) out[k * P.ld + n] = cvt<CT>(W[k * ldw + n]);
+  } else {
+    CT* out = P.reset(K, N);
+    const CT zero = CT(0.0f);
+    for (int64_t k = 0; k < P.Kp; k += 2) {
+      const ST* r0 = W + k * ldw;
+      const ST* r1 = k + 1 < K ? W + (k + 1) * ldw : nullptr;
+      for (int64_t n0 = 0; n0 < P.Np; n0 += kPanelBlock) {
+        int64_t width = std::min(kPanelBlock, P.Np - n0);
+        CT* dst = out + P.vnni_at(k, n0);
+        for (int64_t nl = 0; nl < width; ++nl) {
+          int64_t n = n0 + nl;
+          dst[2 * nl] = n < N ? r0[n] : zero;
+          dst[2 * nl + 1] = (n < N && r1) ? r1[n] : zero;
+        }
+      }
+    }
+  }
+}
+
+// B[i][:] = src[rows[i]][col0 : col0 + ncols] for i < K, zero rows up to Kp.
+template <typename CT, typename ST>
+void pack_gathered(const ST* src, int64_t lds, const int64_t* rows, int64_t K, int64_t Kp,
+                   int64_t col0, int64_t ncols, Panel<CT>& P) {
+  CT* out = P.reset(Kp, ncols);
+  const CT zero = CT(0.0f);
+  if constexpr (!kVnni<CT>) {
+    for (int64_t i = 0; i < Kp; ++i) {
+      CT* dst = out + i * P.ld;
+      if (i < K) {
+        const ST* s = src + rows[i] * lds + col0;
+        for (int64_t n = 0; n < ncols; ++n) dst[n] = cvt<CT>(s[n]);
+      } else {
+        for (int64_t n = 0; n < ncols; ++n) dst[n] = zero;
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < P.Kp; k += 2) {
+      const ST* r0 = k < K ? src + rows[k] * lds + col0 : nullptr;
+      const ST* r1 = k + 1 < K ? src + rows[k + 1] * lds + col0 : nullptr;
+      for (int64_t n0 = 0; n0 < P.Np; n0 += kPanelBlock) {
+        int64_t width = std::min(kPanelBlock, P.Np - n0);
+        CT* dst = out + P.vnni_at(k, n0);
+        for (int64_t nl = 0; nl < width; ++nl) {
+          int64_t n = n0 + nl;
+          dst[2 * nl] = (r0 && n < ncols) ? r0[n] : zero;
+          dst[2 * nl + 1] = (r1 && n < ncols) ? r1[n] : zero;
+        }
+      }
+    }
+  }
+}
+
+// A[i][:] = src[rows[i]][:K] converted to CT, zero columns up to lda.
+template <typename CT, typename ST>
+void gather_rows(const ST* src, int64_t lds, const int64_t* rows, int64_t M, int64_t K, CT* A,
+                 int64_t lda) {
+  for (int64_t i = 0; i < M; ++i) {
+    const ST* s = src + rows[i] * lds;
+    CT* d = A + i * lda;
+    if constexpr (std::is_same_v<CT, ST>) {
+      std::memcpy(d, s, K * sizeof(CT));
+    } else {
+      for (int64_t c = 0; c < K; ++c) d[c] = cvt<CT>(s[c]);
+    }
+    for (int64_t c = K; c < lda; ++c) d[c] = CT(0.0f);
+  }
+}
+
+// ---------------------------------------------------------------------------- GEMM
+// C (M x P.Np, row stride ldc, fp32) = A (M x P.Kp, row stride lda) @ B, or += when add.
+// For VNNI panels C must have room for the padded width P.Np.
+template <typename CT>
+void gemm(int64_t M, const CT* A, int64_t lda, const Panel<CT>& P, float* C, int64_t ldc, bool add) {
+  if (M == 0) return;
+  if constexpr (!kVnni<CT>) {
+    at::native::cpublas::brgemm(M, P.N, P.Kp, lda, P.ld, ldc, add, A, P.data, C, false);
+  } else {
+    for (int64_t n0 = 0; n0 < P.Np; n0 += kPanelBlock) {
+      int64_t width = std::min(kPanelBlock, P.Np - n0);
+      at::native::cpublas::brgemm(M, width, P.Kp, lda, width, ldc, add, A, P.data + P.Kp * n0,
+                                  C + n0, true);
+    }
+  }
+}
+
+// Give back the matrix unit's tile state at the end of a thread's work (AMX).
+template <typename CT>
+void gemm_done() {
+  if constexpr (kVnni<CT>) at::native::cpublas::brgemm_release(true);
+}
+
+// Whether 16-bit inputs of this type run on the matrix unit here (else fp32 compute).
+inline bool native_16bit(at::ScalarType t) {
+  return (t == at::kBFloat16 || t == at::kHalf) && at::native::cpublas::could_pack(t);
+}
+
+// ---------------------------------------------------------------------------- math
+// exp for the SwiGLU epilogues: written as straight-line float arithmetic so that loops over
+// it vectorise; relative error ~2 ulp on [-87, 88], saturating outside.
+inline float fast_exp(float x) {
+  x = std::min(88.0f, std::max(-87.0f, x));
+  const float log2e = 1.44269504088896341f;
+  // round to nearest by the 1.5 * 2^23 trick (vectorises where nearbyint may not)
+  float n = (x * log2e + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693145751953125f;  // ln2, high part
+  r = r - n * 1.428606765330187e-06f;     // ln2, low part
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline float sigmoid(float g) { return 1.0f / (1.0f + fast_exp(-g)); }
+
+// The element-wise loops (SwiGLU epilogues, combines) are compiled for AVX-512, AVX2 and the
+// baseline, picked at load time, since the extension is built without -march flags.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SMELT_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define SMELT_MULTIVERSION
+#endif
+
+// Element-wise row kernels (csrc/cpu/moe_vec.cpp), fp32 in registers.
+// h = silu(gate) * up
+void swiglu_forward(const float* gate, const float* up, float* h, int64_t n);
+// From G = dL/dh_unweighted (the down-projection's input gradient before the routing weight
+// w): dgate, dup (with w applied) and hw = w * h; returns sum(G * h), dL/dw.
+float swiglu_backward(const float* gate, const float* up, const float* G, float w, int64_t n,
+                      float* dgate, float* dup, float* hw);
+// acc += a * x
+void axpy(float* acc, const float* x, float a, int64_t n);
+void widen(const c10::BFloat16* src, float* dst, int64_t n);
+void widen(const c10::Half* src, float* dst, int64_t n);
+void narrow(const float* src, c10::BFloat16* dst, int64_t n);
+void narrow(const float* src, c10::Half* dst, int64_t n);
+inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void narrow(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+// Splits items with the given costs into at most nparts contiguous ranges of similar cost;
+// returns nparts + 1 boundaries.
+inline std::vector<int64_t> balance(const std::vector<int64_t>& cost, int64_t nparts) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  std::vector<int64_t> cum(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) cum[i + 1] = cum[i] + cost[i];
+  std::vector<int64_t> bounds(nparts + 1, n);
+  bounds[0] = 0;
+  int64_t i = 0;
+  for (int64_t p = 1; p < nparts; ++p) {
+    const double target = static_cast<double>(cum[n]) * p / nparts;
+    while (i < n && static_cast<double>(cum[i]) < target) ++i;
+    bounds[p] = std::max(bounds[p - 1], i);
+  }
+  return bounds;
+}
+
+}  // namespace smelt_moe

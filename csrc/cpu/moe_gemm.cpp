@@ -1,0 +1,207 @@
+// Native CPU path of smelt_kernels.moe_gemm.moe_ffn: the routing sort, the forward pass and
+// the op registrations (the backward pass is in moe_gemm_bwd.cpp).
+//
+// The T*k (token, slot) pairs are sorted by expert with a stable counting sort. Work is cut
+// into items of at most kRows sorted rows of one expert and spread over threads in
+// contiguous, cost-balanced ranges (at::parallel_for, one range per thread). Each item runs
+// its GEMMs on one thread through the micro-kernel of moe_blas.h, on token rows it gathers
+// into a cache-resident buffer, with SwiGLU applied between the two GEMMs:
+//   P[r] = x[tok(r)] @ W1[e]^T                 (pre-activation, kept for backward)
+//   O[r] = (silu(P_gate) * P_up)[r] @ W2[e]^T
+// and then y[t] = sum_j w[t,j] * O[rev(t,j)], a gather-and-sum in slot order (no atomics).
+// Every element is computed by exactly one item in a fixed order, so the results are bitwise
+// reproducible and do not depend on the number of threads.
+#include <torch/library.h>
+
+#include "moe_plan.h"
+
+namespace smelt_moe {
+namespace {
+
+struct Routing {
+  int64_t T = 0, k = 0, E = 0, TK = 0;
+  at::Tensor order, rev, offsets;  // int32: (TK,), (TK,), (E + 1,)
+};
+
+// Stable counting sort of the (token, slot) pairs by expert. Checks the ids (range, and no
+// expert twice in one token's slots) and raises ValueError naming topk_ids.
+Routing sort_pairs(const at::Tensor& ids, int64_t E) {
+  TORCH_CHECK_VALUE(ids.dim() == 2 && ids.scalar_type() == at::kInt,
+                    "topk_ids must be a 2-D int32 tensor, got ", ids.sizes(), " ", ids.scalar_type());
+  at::Tensor idc = ids.contiguous();
+  Routing R;
+  R.T = idc.size(0);
+  R.k = idc.size(1);
+  R.E = E;
+  R.TK = R.T * R.k;
+  const int32_t* id = idc.data_ptr<int32_t>();
+  std::vector<int64_t> seen(E, -1), count(E + 1, 0);
+  for (int64_t t = 0; t < R.T; ++t) {
+    for (int64_t j = 0; j < R.k; ++j) {
+      int64_t e = id[t * R.k + j];
+      TORCH_CHECK_VALUE(e >= 0 && e < E, "topk_ids must lie in [0, ", E, "): token ", t, " slot ", j,
+                        " has ", e);
+      TORCH_CHECK_VALUE(seen[e] != t, "topk_ids has expert ", e, " twice in token ", t,
+                        "'s slots; each token must pick distinct experts");
+      seen[e] = t;
+      count[e + 1]++;
+    }
+  }
+  R.offsets = at::empty({E + 1}, at::kInt);
+  R.order = at::empty({R.TK}, at::kInt);
+  R.rev = at::empty({R.TK}, at::kInt);
+  int32_t* off = R.offsets.data_ptr<int32_t>();
+  int32_t* order = R.order.data_ptr<int32_t>();
+  int32_t* rev = R.rev.data_ptr<int32_t>();
+  for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];
+  for (int64_t e = 0; e <= E; ++e) off[e] = static_cast<int32_t>(count[e]);
+  for (int64_t p = 0; p < R.TK; ++p) {
+    int64_t r = count[id[p]]++;
+    order[r] = static_cast<int32_t>(p);
+    rev[p] = static_cast<int32_t>(r);
+  }
+  return R;
+}
+
+// ---------------------------------------------------------------------------- forward
+template <typename ST, typename CT>
+void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, const float* tw,
+                  const Routing& R, at::Tensor& y, at::Tensor& pre, at::Tensor& out) {
+  const int64_t H = x.size(1), de = w1.size(1) / 2, E = R.E, k = R.k;
+  const ST* xp = x.data_ptr<ST>();
+  const ST* w1p = w1.data_ptr<ST>();
+  const ST* w2p = w2.data_ptr<ST>();
+  ST* prep = pre.data_ptr<ST>();
+  ST* outp = out.data_ptr<ST>();
+  const int32_t* order = R.order.data_ptr<int32_t>();
+  const int32_t* off = R.offsets.data_ptr<int32_t>();
+  const std::vector<Item> items = row_items(off, E);
+  std::vector<int64_t> cost(items.size());
+  for (size_t i = 0; i < items.size(); ++i) cost[i] = items[i].r1 - items[i].r0 + 16;
+  constexpr bool direct = std::is_same_v<ST, float>;  // GEMMs write fp32 results in place
+  const int64_t lda1 = k_pad<CT>(H), lda2 = k_pad<CT>(de);
+
+  run_balanced<RowState<CT>, CT>(
+      cost,
+      [&](int64_t it, RowState<CT>& S) {
+        Panel<CT>& P1 = S.B1;
+        Panel<CT>& P2 = S.B2;
+        const Item& I = items[it];
+        const int64_t m = I.r1 - I.r0;
+        if (I.e != S.expert) {
+          pack_transposed<CT>(w1p + I.e * 2 * de * H, H, 2 * de, H, P1);
+          pack_transposed<CT>(w2p + I.e * H * de, de, H, de, P2);
+          S.expert = I.e;
+        }
+        int64_t* tok = S.tok.get(m);
+        for (int64_t i = 0; i < m; ++i) tok[i] = order[I.r0 + i] / k;
+        CT* A1 = S.A1.get(m * lda1);
+        gather_rows(xp, H, tok, m, H, A1, lda1);
+        float* C1;
+        int64_t ldc1;
+        if constexpr (direct) {
+          C1 = reinterpret_cast<float*>(prep) + I.r0 * 2 * de;
+          ldc1 = 2 * de;
+        } else {
+          ldc1 = P1.Np;
+          C1 = S.C1.get(m * ldc1);
+        }
+        gemm(m, A1, lda1, P1, C1, ldc1, false);
+        CT* A2 = S.A2.get(m * lda2);
+        float* h = S.row.get(de);
+        for (int64_t i = 0; i < m; ++i) {
+          const float* c = C1 + i * ldc1;
+          if constexpr (!direct) narrow(c, prep + (I.r0 + i) * 2 * de, 2 * de);
+          CT* a = A2 + i * lda2;
+          if constexpr (std::is_same_v<CT, float>) {
+            swiglu_forward(c, c + de, a, de);
+          } else {
+            swiglu_forward(c, c + de, h, de);
+            narrow(h, a, de);
+          }
+          for (int64_t cc = de; cc < lda2; ++cc) a[cc] = CT(0.0f);
+        }
+        if constexpr (direct) {
+          gemm(m, A2, lda2, P2, reinterpret_cast<float*>(outp) + I.r0 * H, H, false);
+        } else {
+          float* C2 = S.C2.get(m * P2.Np);
+          gemm(m, A2, lda2, P2, C2, P2.Np, false);
+          for (int64_t i = 0; i < m; ++i) narrow(C2 + i * P2.Np, outp + (I.r0 + i) * H, H);
+        }
+      });
+  combine<ST>(outp, R.rev.data_ptr<int32_t>(), tw, R.T, k, H, y.data_ptr<ST>());
+}
+
+// ---------------------------------------------------------------------------- ops
+void check_args(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& tw,
+                const at::Tensor& ids) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && w1.dim() == 3 && w2.dim() == 3, "moe_ffn: x (T, H), w1 (E, 2d, H), w2 (E, H, d)");
+  const int64_t T = x.size(0), H = x.size(1), E = w1.size(0), de = w1.size(1) / 2;
+  TORCH_CHECK_VALUE(w1.size(1) == 2 * de && w1.size(2) == H, "moe_ffn: w1 must be (E, 2*d_e, H), got ", w1.sizes());
+  TORCH_CHECK_VALUE(w2.size(0) == E && w2.size(1) == H && w2.size(2) == de, "moe_ffn: w2 must be (E, H, d_e), got ", w2.sizes());
+  TORCH_CHECK_VALUE(tw.dim() == 2 && tw.size(0) == T && ids.sizes() == tw.sizes(), "moe_ffn: topk_weights and topk_ids must be (T, k)");
+  TORCH_CHECK_TYPE(w1.scalar_type() == x.scalar_type() && w2.scalar_type() == x.scalar_type(), "moe_ffn: x, w1, w2 must share a dtype");
+  TORCH_CHECK_TYPE(tw.scalar_type() == at::kFloat, "moe_ffn: topk_weights must be float32 here");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_fwd(
+    const at::Tensor& x_, const at::Tensor& w1_, const at::Tensor& w2_, const at::Tensor& tw_,
+    const at::Tensor& ids) {
+  check_args(x_, w1_, w2_, tw_, ids);
+  at::Tensor x = x_.contiguous(), w1 = w1_.contiguous(), w2 = w2_.contiguous(), tw = tw_.contiguous();
+  Routing R = sort_pairs(ids, w1.size(0));
+  const int64_t H = x.size(1), de = w1.size(1) / 2;
+  at::Tensor y = at::empty({R.T, H}, x.options());
+  at::Tensor pre = at::empty({R.TK, 2 * de}, x.options());
+  at::Tensor out = workspace(0, R.TK, H, x.scalar_type());
+  dispatch(x.scalar_type(), [&](auto st, auto ct) {
+    using ST = decltype(st);
+    using CT = decltype(ct);
+    forward_impl<ST, CT>(x, w1, w2, tw.data_ptr<float>(), R, y, pre, out);
+  });
+  return {y, pre, R.order, R.rev, R.offsets};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_bwd(
+    const at::Tensor& dy_, const at::Tensor& x_, const at::Tensor& w1_, const at::Tensor& w2_,
+    const at::Tensor& tw_, const at::Tensor& ids, const at::Tensor& pre_, const at::Tensor& order_,
+    const at::Tensor& rev_, const at::Tensor& offsets_) {
+  check_args(x_, w1_, w2_, tw_, ids);
+  at::Tensor x = x_.contiguous(), w1 = w1_.contiguous(), w2 = w2_.contiguous(), tw = tw_.contiguous();
+  at::Tensor dy = dy_.to(x.scalar_type()).contiguous(), pre = pre_.contiguous();
+  at::Tensor order = order_.contiguous(), rev = rev_.contiguous(), offsets = offsets_.contiguous();
+  const int64_t T = x.size(0), E = w1.size(0), de = w1.size(1) / 2, k = ids.size(1);
+  TORCH_CHECK_VALUE(dy.sizes() == x.sizes(), "moe_ffn backward: grad_output must be (T, H)");
+  TORCH_CHECK_VALUE(pre.size(0) == T * k && pre.size(1) == 2 * de && order.numel() == T * k &&
+                        rev.numel() == T * k && offsets.numel() == E + 1,
+                    "moe_ffn backward: saved routing tensors do not match the inputs");
+  at::Tensor dx = at::empty_like(x), dw1 = at::empty_like(w1), dw2 = at::empty_like(w2);
+  at::Tensor dtw = at::empty({T, k}, tw.options());
+  moe_backward(dy, x, w1, w2, tw, pre, order, rev, offsets, k, dx, dw1, dw2, dtw);
+  return {dx, dw1, dw2, dtw};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort(const at::Tensor& ids, int64_t num_experts) {
+  Routing R = sort_pairs(ids, num_experts);
+  return {R.order, R.rev, R.offsets};
+}
+
+}  // namespace
+}  // namespace smelt_moe
+
+TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {
+  m.def("moe_sort(Tensor topk_ids, int num_experts) -> (Tensor order, Tensor rev, Tensor offsets)");
+  m.def(
+      "moe_ffn_fwd(Tensor x, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids)"
+      " -> (Tensor y, Tensor preact, Tensor order, Tensor rev, Tensor offsets)");
+  m.def(
+      "moe_ffn_bwd(Tensor grad_y, Tensor x, Tensor w1, Tensor w2, Tensor topk_weights,"
+      " Tensor topk_ids, Tensor preact, Tensor order, Tensor rev, Tensor offsets)"
+      " -> (Tensor grad_x, Tensor grad_w1, Tensor grad_w2, Tensor grad_topk_weights)");
+}
+
+TORCH_LIBRARY_IMPL(smelt_cpu, CPU, m) {
+  m.impl("moe_sort", &smelt_moe::moe_sort);
+  m.impl("moe_ffn_fwd", &smelt_moe::moe_ffn_fwd);
+  m.impl("moe_ffn_bwd", &smelt_moe::moe_ffn_bwd);
+}

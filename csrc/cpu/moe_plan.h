@@ -1,0 +1,110 @@
+// Work planning shared by the CPU MoE kernels: row items, cost-balanced thread ranges, the
+// fixed-order combine, reusable workspaces and the dtype dispatch.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include "moe_blas.h"
+
+namespace smelt_moe {
+
+constexpr int64_t kRows = 64;  // sorted rows per item; also the K chunk of weight gradients
+
+struct Item {
+  int64_t e, r0, r1;  // expert, sorted rows [r0, r1)
+};
+
+// Items of at most kRows rows, expert-major; chunk q of expert e starts at off[e] + q * kRows.
+inline std::vector<Item> row_items(const int32_t* off, int64_t E) {
+  std::vector<Item> items;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = off[e]; r < off[e + 1]; r += kRows)
+      items.push_back({e, r, std::min<int64_t>(off[e + 1], r + kRows)});
+  return items;
+}
+
+// Runs fn(item index, state) over items in cost-balanced contiguous ranges, one range per
+// thread, each thread with its own State (scratch buffers, packed weights) for this call.
+template <typename State, typename CT, typename Fn>
+void run_balanced(const std::vector<int64_t>& cost, Fn fn) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  if (n == 0) return;
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const std::vector<int64_t> bounds = balance(cost, nt);
+  at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {
+    State st;
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t i = bounds[p]; i < bounds[p + 1]; ++i) fn(i, st);
+    }
+    gemm_done<CT>();
+  });
+}
+
+// Per-thread working set of the row items.
+template <typename CT>
+struct RowState {
+  Panel<CT> B1, B2;
+  int64_t expert = -1;  // whose weights B1, B2 hold
+  Scratch<CT> A1, A2;
+  Scratch<float> C1, C2, row;
+  Scratch<int64_t> tok;
+};
+
+// y[t] = sum_j w[t, j] * rows[rev[t*k + j]] (w == nullptr: weight 1), in slot order.
+template <typename ST>
+void combine(const ST* rows, const int32_t* rev, const float* w, int64_t T, int64_t k, int64_t H, ST* y) {
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc(H), tmp(H);
+    for (int64_t t = t0; t < t1; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        const ST* src = rows + static_cast<int64_t>(rev[t * k + j]) * H;
+        float a = w ? w[t * k + j] : 1.0f;
+        if constexpr (std::is_same_v<ST, float>) {
+          axpy(acc.data(), src, a, H);
+        } else {
+          widen(src, tmp.data(), H);
+          axpy(acc.data(), tmp.data(), a, H);
+        }
+      }
+      narrow(acc.data(), y + t * H, H);
+    }
+  });
+}
+
+// A (rows x cols) internal buffer of the calling thread, reused across calls: the (T*k) x H
+// intermediates are large, and first-touch page faults on freshly mapped memory would
+// otherwise cost as much as the GEMMs. Buffers above kWorkspaceCap are not kept.
+constexpr int64_t kWorkspaceCap = int64_t(1) << 30;
+inline at::Tensor workspace(int slot, int64_t rows, int64_t cols, at::ScalarType dtype) {
+  thread_local at::Tensor kept[4];
+  const int64_t bytes = rows * cols * static_cast<int64_t>(c10::elementSize(dtype));
+  if (bytes > kWorkspaceCap) return at::empty({rows, cols}, at::TensorOptions().dtype(dtype));
+  at::Tensor& w = kept[slot];
+  if (!w.defined() || w.numel() < bytes) w = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  return w.narrow(0, 0, bytes).view(dtype).view({rows, cols});
+}
+
+// Calls fn(ST{}, CT{}) with the storage type and the compute type for dtype t.
+template <typename Fn>
+void dispatch(at::ScalarType t, Fn fn) {
+  if (t == at::kFloat) {
+    fn(float{}, float{});
+  } else if (t == at::kBFloat16) {
+    if (native_16bit(t)) fn(c10::BFloat16{}, c10::BFloat16{});
+    else fn(c10::BFloat16{}, float{});
+  } else if (t == at::kHalf) {
+    if (native_16bit(t)) fn(c10::Half{}, c10::Half{});
+    else fn(c10::Half{}, float{});
+  } else {
+    TORCH_CHECK_TYPE(false, "smelt moe CPU kernels take float32, bfloat16 or float16, got ", t);
+  }
+}
+
+// The backward pass (moe_gemm_bwd.cpp). order/rev/off: the forward's routing sort.
+void moe_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                  const at::Tensor& tw, const at::Tensor& pre, const at::Tensor& order,
+                  const at::Tensor& rev, const at::Tensor& off, int64_t k, at::Tensor& dx,
+                  at::Tensor& dw1, at::Tensor& dw2, at::Tensor& dtw);
+
+}  // namespace smelt_moe
