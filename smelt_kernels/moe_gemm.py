@@ -1,0 +1,431 @@
+"""Grouped top-k expert GEMMs for sparse MoE layers: :func:`route`, :func:`moe_ffn`, :func:`grouped_gemm`.
+
+:func:`route` turns router logits into top-k expert ids and weights (softmax over all
+experts, top-k, optional renormalisation to sum 1); it is plain differentiable torch.
+
+:func:`moe_ffn` applies SwiGLU experts::
+
+    y[t] = sum_j w[t, j] * W2[e] (silu(W_gate[e] x[t]) * W_up[e] x[t]),   e = ids[t, j]
+
+with x (T, H), w1 (E, 2*d_e, H) holding the gate rows first, then the up rows, w2
+(E, H, d_e) and topk_weights / topk_ids (T, k). It is differentiable with respect to x,
+w1, w2 and topk_weights (so the router trains through the weights). Semantics are those
+of :func:`smelt_kernels.reference.moe_ffn`.
+
+:func:`grouped_gemm` is the lower-level GEMM over rows already sorted by expert, for
+callers who bring their own permutation.
+
+Backends (``backend=None``/``"auto"`` picks the first available for the device; the choice
+is logged on the ``smelt`` logger when it falls back):
+
+* CPU tensors: ``"cpu"`` -- the native kernels of ``smelt_kernels._cpu``
+  (``csrc/cpu/moe_*.cpp``: counting sort, per-expert GEMMs on gathered rows through ATen's
+  brgemm micro-kernel, fused SwiGLU, fixed-order combine; AMX for bf16/fp16 where the CPU
+  has it), then ``"torch"``. Without the extension ``"cpu"`` is unavailable (with the
+  reason) and auto picks ``"torch"``.
+* CUDA tensors: ``"triton"`` (:mod:`smelt_kernels.moe_triton`), then ``"cuda"`` (forward
+  kernels from ``csrc/moe_gemm.cu``; its backward runs the Triton kernels), then
+  ``"torch"``. ``"triton"`` also runs CPU tensors under ``TRITON_INTERPRET=1`` when asked.
+* ``"torch"``: the reference (a loop over experts), any floating dtype including fp64.
+
+dtypes: x, w1 and w2 share one of fp32, bf16, fp16 (fp64 only with ``"torch"``);
+topk_weights any floating dtype (computed in fp32, its gradient returned in its dtype);
+topk_ids int32 or int64. Non-contiguous inputs are accepted (copied to contiguous).
+
+Validation: shapes, ranks, dtypes and devices are checked before any kernel runs and
+raise ``ValueError``/``TypeError`` naming the argument. Id *values* (in [0, E), no expert
+twice in one token's slots) are checked on CPU tensors (``ValueError``). On CUDA tensors
+nothing is read back to the host, so the op stays capturable in a CUDA graph: a pair whose
+id is outside [0, E) is dropped (it adds nothing and gets a zero weight gradient), and a
+token that names an expert twice gets that expert applied twice (the sum the reference
+computes).
+
+Determinism: every backend reduces in a fixed order without atomics, so equal inputs give
+bitwise-equal outputs and gradients.
+
+``torch.ops.smelt.moe_ffn_fwd`` / ``moe_ffn_bwd`` / ``grouped_mm`` / ``grouped_mm_wgrad``
+are the registered custom ops (fake implementations included), so
+``torch.compile(fullgraph=True)`` traces through :func:`route` and :func:`moe_ffn`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _alloc, backends, moe_routing, reference
+
+__all__ = ["route", "moe_ffn", "grouped_gemm", "select_backend", "PREFERENCE"]
+
+PREFERENCE = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpu", "torch")}
+_OP = "moe_ffn"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CUDA_BLOCK_M = 64  # row tile of the CUDA kernels (csrc/moe_gemm.cu)
+
+
+# ----------------------------------------------------------------------------- backends
+def _cpu_missing(op: str):
+    ext = backends.extension("_cpu")
+    if ext is None:
+        return backends.extension_error("_cpu")
+    if not hasattr(torch.ops.smelt_cpu, op):
+        return f"smelt_kernels._cpu was built without csrc/cpu/moe_gemm.cpp (no smelt_cpu.{op})"
+    return None
+
+
+def _cuda_missing(op: str):
+    if not hasattr(torch.ops.smelt_cuda, op):
+        return f"smelt_kernels._cuda was built without csrc/moe_gemm.cu (no smelt_cuda.{op})"
+    # routing metadata and the backward run as Triton kernels
+    return backends.unavailable_reason("triton", "cuda")
+
+
+def _dtype_limit(name: str, dtype: torch.dtype):
+    if name != "torch" and dtype not in _KERNEL_DTYPES:
+        return f"backend {name!r} takes float32, bfloat16 or float16, got {dtype}"
+    return None
+
+
+def _select(op: str, native: str, device, dtype: torch.dtype, backend: Optional[str]) -> str:
+    avail = {
+        "cpu": lambda d: _cpu_missing(native),
+        "cuda": lambda d: _cuda_missing("moe_up") if op == _OP else f"no CUDA kernel for {op}",
+    }
+    if backend is None or backend == "auto":
+        checks = {name: (lambda d, name=name: (avail[name](d) if name in avail else None)
+                         or _dtype_limit(name, dtype)) for name in backends.BACKENDS}
+        return backends.resolve(op, None, device, PREFERENCE, checks)
+    name = backends.resolve(op, backend, device, PREFERENCE, avail)
+    reason = _dtype_limit(name, dtype)
+    if reason is not None:
+        raise TypeError(f"{op}: {reason}")
+    return name
+
+
+def select_backend(x: torch.Tensor, backend: Optional[str] = None) -> str:
+    """The backend :func:`moe_ffn` uses for ``x`` (same rules, same errors)."""
+    return _select(_OP, "moe_ffn_fwd", x.device, x.dtype, backend)
+
+
+def _check_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Range and distinctness of the ids (reads them: CPU tensors, or the torch backend)."""
+    if topk_ids.numel() == 0:
+        return
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0 or hi >= num_experts:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"topk_ids must lie in [0, {num_experts}), found {bad}")
+    s = torch.sort(topk_ids, dim=1).values
+    dup = (s[:, 1:] == s[:, :-1]).any(dim=1)
+    if bool(dup.any()):
+        t = int(torch.nonzero(dup)[0, 0])
+        raise ValueError(f"topk_ids names an expert twice in token {t}'s slots "
+                         f"({topk_ids[t].tolist()}); each token must pick distinct experts")
+
+
+# ----------------------------------------------------------------------------- implementations
+def _cuda_forward(x, w1, w2, tw, ids):
+    T, H = x.shape
+    E, two_de, _ = w1.shape
+    de, k = two_de // 2, ids.shape[1]
+    plan = moe_routing.plan(ids, E, _CUDA_BLOCK_M, use_triton=True)
+    pre = _alloc.empty((T * k, two_de), x.dtype, x.device)
+    hid = _alloc.empty((T * k, de), x.dtype, x.device)
+    out = _alloc.empty((T * k, H), x.dtype, x.device)
+    y = _alloc.empty((T, H), x.dtype, x.device)
+    ops = torch.ops.smelt_cuda
+    ops.moe_up(x, w1, plan.tok, plan.tile_e, plan.tile_r0, plan.tile_r1, pre, hid)
+    ops.moe_down(hid, w2, plan.tile_e, plan.tile_r0, plan.tile_r1, out)
+    ops.moe_combine(out, plan.rev, tw, y)
+    return y, pre, plan.order, plan.rev, plan.offsets
+
+
+def _empty_result(x, w1, ids):
+    T, k = ids.shape
+    E, two_de, _ = w1.shape
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_zeros(x.shape), x.new_zeros(T * k, two_de), torch.zeros(0, **i32),
+            torch.zeros(0, **i32), torch.zeros(E + 1, **i32))
+
+
+# ----------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("smelt::moe_ffn_fwd", mutates_args=())
+def _moe_ffn_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, backend: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    E = w1.shape[0]
+    if x.device.type == "cpu" and backend != "cpu":  # the native kernel checks its own
+        _check_id_values(topk_ids, E)
+    if x.shape[0] == 0:
+        return _empty_result(x, w1, topk_ids)
+    if backend == "cpu":
+        return torch.ops.smelt_cpu.moe_ffn_fwd(x, w1, w2, topk_weights, topk_ids)
+    if backend == "triton":
+        from . import moe_triton
+
+        return moe_triton.forward(x, w1, w2, topk_weights, topk_ids)
+    if backend == "cuda":
+        return _cuda_forward(x, w1, w2, topk_weights, topk_ids)
+    raise ValueError(f"moe_ffn: backend {backend!r} has no kernel path")
+
+
+@_moe_ffn_fwd.register_fake
+def _(x, w1, w2, topk_weights, topk_ids, backend):
+    T, k = topk_ids.shape
+    E, two_de, _ = w1.shape
+    n = T * k
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty(x.shape), x.new_empty(n, two_de), torch.empty(n, **i32),
+            torch.empty(n, **i32), torch.empty(E + 1, **i32))
+
+
+@torch.library.custom_op("smelt::moe_ffn_bwd", mutates_args=())
+def _moe_ffn_bwd(grad_y: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, preact: torch.Tensor,
+                 order: torch.Tensor, rev: torch.Tensor, offsets: torch.Tensor, backend: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_y = grad_y.to(x.dtype).contiguous()
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape), torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(topk_weights)
+    if backend == "cpu":
+        return torch.ops.smelt_cpu.moe_ffn_bwd(grad_y, x, w1, w2, topk_weights, topk_ids, preact,
+                                               order, rev, offsets)
+    if backend in ("triton", "cuda"):  # the CUDA kernels are forward-only
+        from . import moe_triton
+
+        return moe_triton.backward(grad_y, x, w1, w2, topk_weights, preact, order, rev, offsets)
+    raise ValueError(f"moe_ffn backward: backend {backend!r} has no kernel path")
+
+
+@_moe_ffn_bwd.register_fake
+def _(grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets, backend):
+    return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape), \
+        topk_weights.new_empty(topk_weights.shape)
+
+
+def _fwd_setup(ctx, inputs, output):
+    x, w1, w2, topk_weights, topk_ids, backend = inputs
+    _, preact, order, rev, offsets = output
+    ctx.save_for_backward(x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets)
+    ctx.backend = backend
+    ctx.mark_non_differentiable(preact, order, rev, offsets)
+
+
+def _fwd_backward(ctx, grad_y, *_):
+    x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets = ctx.saved_tensors
+    dx, dw1, dw2, dtw = torch.ops.smelt.moe_ffn_bwd(grad_y, x, w1, w2, topk_weights, topk_ids,
+                                                    preact, order, rev, offsets, ctx.backend)
+    return dx, dw1, dw2, dtw, None, None
+
+
+torch.library.register_autograd("smelt::moe_ffn_fwd", _fwd_backward, setup_context=_fwd_setup)
+
+
+def _grouped_torch(a, b, offsets, gather, trans_b):
+    """The plain loop over groups (reads the offsets on the host)."""
+    rows = a if gather is None else a[gather.long()]
+    N = b.shape[1] if trans_b else b.shape[2]
+    out = a.new_zeros(rows.shape[0], N)
+    offs = offsets.tolist()
+    for e in range(b.shape[0]):
+        r0, r1 = offs[e], offs[e + 1]
+        if r1 > r0:
+            out[r0:r1] = rows[r0:r1] @ (b[e].t() if trans_b else b[e])
+    return out
+
+
+def _grouped_wgrad_torch(dc, a, offsets, gather):
+    rows = a if gather is None else a[gather.long()]
+    E = offsets.numel() - 1
+    db = a.new_zeros(E, dc.shape[1], a.shape[1])
+    offs = offsets.tolist()
+    for e in range(E):
+        r0, r1 = offs[e], offs[e + 1]
+        if r1 > r0:
+            db[e] = dc[r0:r1].t() @ rows[r0:r1]
+    return db
+
+
+def _check_grouped_values(a, offsets, gather, M) -> None:
+    if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > M:
+        raise ValueError(f"grouped_gemm: offsets must be non-decreasing and at most M={M}, "
+                         f"got {offsets[1:].tolist()}")
+    if gather is not None and M > 0 and (int(gather.min()) < 0 or int(gather.max()) >= a.shape[0]):
+        raise ValueError(f"grouped_gemm: gather_idx must lie in [0, {a.shape[0]})")
+
+
+@torch.library.custom_op("smelt::grouped_mm", mutates_args=())
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, gather: Optional[torch.Tensor],
+                trans_b: bool, backend: str) -> torch.Tensor:
+    if a.device.type == "cpu":
+        _check_grouped_values(a, offsets, gather, gather.shape[0] if gather is not None else a.shape[0])
+    if backend == "cpu":
+        return torch.ops.smelt_cpu.grouped_mm(a, b, offsets, gather, trans_b)
+    if backend == "triton":
+        from . import moe_triton
+
+        return moe_triton.grouped_mm(a, b, offsets, gather, trans_b)
+    return _grouped_torch(a, b, offsets, gather, trans_b)
+
+
+@_grouped_mm.register_fake
+def _(a, b, offsets, gather, trans_b, backend):
+    M = gather.shape[0] if gather is not None else a.shape[0]
+    return a.new_empty(M, b.shape[1] if trans_b else b.shape[2])
+
+
+@torch.library.custom_op("smelt::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad(dc: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor,
+                      gather: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+    if backend == "cpu":
+        return torch.ops.smelt_cpu.grouped_mm_wgrad(dc, a, offsets, gather)
+    if backend == "triton":
+        from . import moe_triton
+
+        return moe_triton.grouped_wgrad(dc, a, offsets, gather)
+    return _grouped_wgrad_torch(dc, a, offsets, gather)
+
+
+@_grouped_mm_wgrad.register_fake
+def _(dc, a, offsets, gather, backend):
+    return a.new_empty(offsets.shape[0] - 1, dc.shape[1], a.shape[1])
+
+
+def _gmm_setup(ctx, inputs, output):
+    a, b, offsets, gather, trans_b, backend = inputs
+    ctx.save_for_backward(a, b, offsets, gather)
+    ctx.trans_b, ctx.backend = trans_b, backend
+
+
+def _gmm_backward(ctx, dc):
+    a, b, offsets, gather = ctx.saved_tensors
+    dc = dc.contiguous()
+    da = db = None
+    if ctx.needs_input_grad[0]:
+        rows = torch.ops.smelt.grouped_mm(dc, b, offsets, None, not ctx.trans_b, ctx.backend)
+        da = rows if gather is None else a.new_zeros(a.shape).index_add_(0, gather.long(), rows)
+    if ctx.needs_input_grad[1]:
+        db = torch.ops.smelt.grouped_mm_wgrad(dc, a, offsets, gather, ctx.backend)
+        if not ctx.trans_b:
+            db = db.transpose(1, 2)
+    return da, db, None, None, None, None
+
+
+torch.library.register_autograd("smelt::grouped_mm", _gmm_backward, setup_context=_gmm_setup)
+
+
+# ----------------------------------------------------------------------------- entry points
+def route(logits: torch.Tensor, top_k: int = 8, renormalize: bool = True):
+    """Softmax over experts, top-k, optional renormalisation.
+
+    logits (T, E) floating. Returns (topk_weights fp32 (T, k), topk_ids int32 (T, k)),
+    weights in descending order, differentiable w.r.t. ``logits``.
+    """
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"route: logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != 2:
+        raise ValueError(f"route: logits must be (T, E), got shape {tuple(logits.shape)}")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"route: logits must be floating point, got {logits.dtype}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"route: top_k must be an int, got {type(top_k).__name__}")
+    E = logits.shape[1]
+    if not 1 <= top_k <= E:
+        raise ValueError(f"route: top_k must be in [1, E={E}], got {top_k}")
+    return reference.route(logits, top_k, bool(renormalize))
+
+
+def _validate(x, w1, w2, topk_weights, topk_ids) -> None:
+    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"moe_ffn: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t, rank in (("x", x, 2), ("w1", w1, 3), ("w2", w2, 3), ("topk_weights", topk_weights, 2),
+                          ("topk_ids", topk_ids, 2)):
+        if t.dim() != rank:
+            raise ValueError(f"moe_ffn: {name} must have {rank} dims, got shape {tuple(t.shape)}")
+    T, H = x.shape
+    E, two_de, H1 = w1.shape
+    if two_de % 2 != 0 or two_de == 0:
+        raise ValueError(f"moe_ffn: w1 must be (E, 2*d_e, H) with gate rows then up rows; dim 1 is {two_de}")
+    de = two_de // 2
+    if H1 != H:
+        raise ValueError(f"moe_ffn: w1 must be (E, 2*d_e, H={H}), got {tuple(w1.shape)}")
+    if tuple(w2.shape) != (E, H, de):
+        raise ValueError(f"moe_ffn: w2 must be (E={E}, H={H}, d_e={de}), got {tuple(w2.shape)}")
+    if topk_weights.shape[0] != T or topk_ids.shape != topk_weights.shape:
+        raise ValueError(f"moe_ffn: topk_weights and topk_ids must both be (T={T}, k), got "
+                         f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    if not 1 <= k <= E:
+        raise ValueError(f"moe_ffn: top-k k={k} must be in [1, E={E}]")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"moe_ffn: x must be floating point, got {x.dtype}")
+    for name, t in (("w1", w1), ("w2", w2)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"moe_ffn: {name} dtype {t.dtype} differs from x dtype {x.dtype}")
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"moe_ffn: topk_weights must be floating point, got {topk_weights.dtype}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"moe_ffn: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    for name, t in (("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise ValueError(f"moe_ffn: {name} is on {t.device}, x on {x.device}")
+    if T * k >= 2**31:
+        raise ValueError(f"moe_ffn: T*k = {T * k} rows exceed the int32 row index")
+
+
+def moe_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+    """SwiGLU experts over the top-k routing (see the module docstring). Returns y (T, H)
+    in x's dtype."""
+    _validate(x, w1, w2, topk_weights, topk_ids)
+    name = select_backend(x, backend)
+    if name == "torch":
+        if not torch.compiler.is_compiling():
+            _check_id_values(topk_ids, w1.shape[0])
+        return reference.moe_ffn(x, w1, w2, topk_weights, topk_ids)
+    ids = topk_ids.to(torch.int32).contiguous()
+    y, *_ = torch.ops.smelt.moe_ffn_fwd(x.contiguous(), w1.contiguous(), w2.contiguous(),
+                                        topk_weights.float().contiguous(), ids, name)
+    return y
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *,
+                 gather_idx: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """Grouped GEMM over rows sorted by group: ``c[i] = A[i] @ b[e]^T`` for i in group e.
+
+    a: (Ma, K) rows; b: (E, N, K) one Linear-layout weight per group; offsets: (E,) int32 or
+    int64 cumulative *end* rows (group e is rows [offsets[e-1], offsets[e]), as in
+    ``torch._grouped_mm``); gather_idx: optional (M,) int row indices, A[i] = a[gather_idx[i]]
+    (else A = a, M = Ma). Rows at or after offsets[-1] come out zero. Returns c (M, N) in a's
+    dtype, differentiable w.r.t. a and b (with gather_idx, a's gradient sums the rows that
+    gathered it). Offsets must be non-decreasing and at most M: checked on CPU tensors, not
+    on CUDA tensors (no host sync). Backends as for :func:`moe_ffn`, without ``"cuda"``.
+    """
+    for name, t in (("a", a), ("b", b), ("offsets", offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"grouped_gemm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"grouped_gemm: a must be (M, K) and b (E, N, K), got {tuple(a.shape)}, {tuple(b.shape)}")
+    E, N, K = b.shape
+    if a.shape[1] != K:
+        raise ValueError(f"grouped_gemm: a has K={a.shape[1]} columns, b expects K={K}")
+    if offsets.dim() != 1 or offsets.shape[0] != E:
+        raise ValueError(f"grouped_gemm: offsets must be (E={E},), got {tuple(offsets.shape)}")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"grouped_gemm: offsets must be int32 or int64, got {offsets.dtype}")
+    if not a.dtype.is_floating_point or b.dtype != a.dtype:
+        raise TypeError(f"grouped_gemm: a and b must share a floating dtype, got {a.dtype} and {b.dtype}")
+    if gather_idx is not None:
+        if not isinstance(gather_idx, torch.Tensor) or gather_idx.dim() != 1:
+            raise ValueError("grouped_gemm: gather_idx must be a 1-D tensor of row indices")
+        if gather_idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"grouped_gemm: gather_idx must be int32 or int64, got {gather_idx.dtype}")
+    for name, t in (("b", b), ("offsets", offsets), ("gather_idx", gather_idx)):
+        if t is not None and t.device != a.device:
+            raise ValueError(f"grouped_gemm: {name} is on {t.device}, a on {a.device}")
+    starts = torch.cat([offsets.new_zeros(1), offsets]).to(torch.int32).contiguous()
+    name = _select("grouped_gemm", "grouped_mm", a.device, a.dtype, backend)
+    gather = gather_idx.to(torch.int32).contiguous() if gather_idx is not None else None
+    return torch.ops.smelt.grouped_mm(a.contiguous(), b.contiguous(), starts, gather, True, name)
