@@ -28,7 +28,8 @@ is logged on the ``smelt`` logger when it falls back):
   ``"torch"``. ``"triton"`` also runs CPU tensors under ``TRITON_INTERPRET=1`` when asked.
 * ``"torch"``: the reference (a loop over experts), any floating dtype including fp64.
 
-dtypes: x, w1 and w2 share one of fp32, bf16, fp16 (fp64 only with ``"torch"``);
+dtypes: x, w1 and w2 share one of fp32, bf16, fp16 (``"cuda"``: bf16 and fp16; fp64 only
+with ``"torch"``);
 topk_weights any floating dtype (computed in fp32, its gradient returned in its dtype);
 topk_ids int32 or int64. Non-contiguous inputs are accepted (copied to contiguous).
 
@@ -82,6 +83,8 @@ def _cuda_missing(op: str):
 
 
 def _dtype_limit(name: str, dtype: torch.dtype):
+    if name == "cuda" and dtype not in (torch.bfloat16, torch.float16):
+        return f"backend 'cuda' takes bfloat16 or float16, got {dtype}"
     if name != "torch" and dtype not in _KERNEL_DTYPES:
         return f"backend {name!r} takes float32, bfloat16 or float16, got {dtype}"
     return None

@@ -416,6 +416,8 @@ def test_torch_compile_fullgraph():
 def test_gpu_matches_reference(name, dtype, shape):
     if name == "cuda" and moe_gemm._cuda_missing("moe_up") is not None:
         pytest.skip(moe_gemm._cuda_missing("moe_up"))
+    if name == "cuda" and dtype == torch.float32:
+        pytest.skip("the CUDA kernels take bf16 and fp16")
     case = make_case(*shape, dtype, device="cuda")
     assert_close(run(case, name), oracle({k: v.cpu() for k, v in case.items()}), dtype)
 
