@@ -165,3 +165,10 @@ def resolve(
 def report(device="cpu") -> dict[str, Optional[str]]:
     """Availability of every backend on ``device``: name -> None (available) or the reason."""
     return {b: unavailable_reason(b, device) for b in BACKENDS}
+
+
+# Probe the optional pieces once, at import, so that backend selection inside a
+# torch.compile'd region is a plain lookup (dynamo does not trace imports).
+for _name in ("_cpu", "_cuda"):
+    extension(_name)
+_triton_import_error()

@@ -18,8 +18,11 @@ scale) and runs any stack of blocks along it:
   training step) into a CUDA graph once and replays it; :func:`maybe_capture` falls back to
   eager with a clear message when capture is impossible (no CUDA, or capture failed).
 
-A block is any module called as ``block(x, ctx, step) -> x``: ``ctx`` is the per-forward
-context the model passes through (rotary tables, segment ids, KV cache, recorder...).
+A block is any module called as ``block(x, ctx, step) -> (x, extra)``: ``ctx`` is the
+per-forward context the model passes through (rotary tables, segment ids, KV cache,
+recorder...), ``extra`` a scalar tensor to sum over executed layers (e.g. a router loss) or
+None. Returning it, rather than stashing it in ``ctx``, keeps the step a pure function, as
+activation checkpointing and torch.compile need.
 """
 
 from __future__ import annotations
@@ -152,17 +155,24 @@ class Executor:
             return step.in_span and step.visit == 0 and self.plan.count > 1
         return False
 
-    def run_step(self, block: nn.Module, x: torch.Tensor, ctx: Any, step: Step) -> torch.Tensor:
+    def run_step(self, block: nn.Module, x: torch.Tensor, ctx: Any,
+                 step: Step) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if torch.is_grad_enabled() and self.should_recompute(step):
             return checkpoint(block, x, ctx, step, use_reentrant=False)
         return block(x, ctx, step)
 
     def run(self, blocks: Callable[[int], nn.Module], x: torch.Tensor, ctx: Any,
-            steps: Optional[Iterable[Step]] = None) -> torch.Tensor:
-        """Run ``steps`` (default: the whole plan); ``blocks(layer)`` gives a physical layer."""
+            steps: Optional[Iterable[Step]] = None,
+            extra: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Run ``steps`` (default: the whole plan); ``blocks(layer)`` gives a physical layer.
+
+        Returns the final ``x`` and the sum of the blocks' extras (added to ``extra``).
+        """
         for step in self.plan.steps if steps is None else steps:
-            x = self.run_step(blocks(step.layer), x, ctx, step)
-        return x
+            x, e = self.run_step(blocks(step.layer), x, ctx, step)
+            if e is not None:
+                extra = e if extra is None else extra + e
+        return x, extra
 
 
 class LoopedSpan(nn.Module):
@@ -176,10 +186,11 @@ class LoopedSpan(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.executor = executor
 
-    def forward(self, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: Any,
+                extra: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         start = self.executor.plan.start
         return self.executor.run(lambda layer: self.layers[layer - start], x, ctx,
-                                 self.executor.plan.span)
+                                 self.executor.plan.span, extra)
 
 
 # ----------------------------------------------------------------------------- memory

@@ -1,0 +1,80 @@
+"""Generation with the per-executed-layer KV cache."""
+
+import pytest
+import torch
+
+from smelt_model import budget, presets
+from smelt_model.config import LoopSpec, ModelConfig
+from smelt_model.generation import KVCache, generate
+from smelt_model.model import SmeltLM
+
+
+@pytest.mark.parametrize("name", ["tiny-baseline", "tiny-smelt"])
+def test_cached_greedy_equals_full_recompute(name):
+    torch.manual_seed(0)
+    cfg = presets.get(name)
+    model = SmeltLM(cfg)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 7))
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
+    cached = generate(model, prompt, 6, temperature=0, segment_ids=seg)
+    full = generate(model, prompt, 6, temperature=0, segment_ids=seg, use_cache=False)
+    assert cached.shape == (2, 13)
+    assert torch.equal(cached[:, :7], prompt)
+    assert torch.equal(cached, full)
+
+
+def test_decode_logits_match_full_forward():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, hidden_size=48, n_layers=4, n_heads=4, n_kv_heads=2,
+                      head_dim=16, n_experts=8, expert_size=24, top_k=2, loop=LoopSpec(1, 2, 2))
+    model = SmeltLM(cfg, backend="torch").double().eval()
+    ids = torch.randint(0, 97, (2, 10))
+    full = model(ids).logits
+    cache = KVCache.for_model(model, 2, 10)
+    pre = model(ids[:, :6], cache=cache, cache_pos=0).logits
+    torch.testing.assert_close(pre, full[:, :6])
+    for n in range(6, 10):
+        step = model(ids[:, n:n + 1], torch.zeros(2, 1, dtype=torch.long), cache=cache,
+                     cache_pos=n).logits
+        torch.testing.assert_close(step[:, 0], full[:, n])
+
+
+@pytest.mark.parametrize("name", ["tiny-baseline", "tiny-smelt", "200M-S95-smelt"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cache_bytes_per_token_equal_the_ledger(name, dtype):
+    cfg = presets.get(name)
+    cache = KVCache.for_config(cfg, batch=3, max_len=5, dtype=dtype)
+    led = budget.ledger(cfg, kv_dtype_bytes=dtype.itemsize)
+    assert cache.bytes_per_token() == led.kv_bytes_per_token
+    assert cache.k.shape[0] == cfg.executed_layers
+
+
+def test_sampling_options():
+    torch.manual_seed(0)
+    cfg = presets.get("tiny-smelt")
+    model = SmeltLM(cfg)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 5))
+    g = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    a = generate(model, prompt, 5, temperature=0.8, top_k=20, generator=g())
+    b = generate(model, prompt, 5, temperature=0.8, top_k=20, generator=g())
+    assert torch.equal(a, b)
+    greedy = generate(model, prompt, 5, temperature=0)
+    assert torch.equal(generate(model, prompt, 5, temperature=1.0, top_k=1, generator=g()), greedy)
+    assert torch.equal(generate(model, prompt, 0), prompt)
+    assert model.training  # generate restores the mode
+
+
+def test_generate_rejects_bad_arguments():
+    model = SmeltLM(presets.get("tiny-baseline"))
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, prompt, -1)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, prompt, 2, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        generate(model, prompt, 2, top_k=0)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        generate(model, prompt[0], 2)
+    cache = KVCache.for_model(model, 1, 4)
+    with pytest.raises(ValueError, match="holds 4 positions"):
+        model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
