@@ -1,0 +1,320 @@
+"""Mechanism probes: what the second visit of a span layer does (the paper's Section 6).
+
+From a captured forward (:func:`smelt_model.capture`) on held-out token ids, per span layer
+and pair of consecutive visits (visit v-1 -> v; for r = 2 that is visit 1 -> visit 2):
+
+* expert overlap: mean |top-k set on visit v-1 ∩ top-k set on visit v| per token, beside the
+  random expectation k^2 / E (64 / E for top-8);
+* residual update norms ||Δx|| (mean over tokens) for the attention write, the MoE write and
+  the whole layer, the visit-v / visit-(v-1) ratios, and the cosine of Δx between visits;
+* cross-visit cosine of X (block input), Q, K, V, PV (attention output before the output
+  projection) and O (after it), per token, averaged;
+* top-8 attended-token overlap per head between visits, and the paper's control: head h
+  against head h + Hq/2 at the same layer and visit (queries with fewer than 8 attendable keys
+  are left out);
+* per-head attention-sink mass (the attention op's statistic).
+
+For the baseline (no loop) the per-layer statistics (norms, sink) are reported by depth.
+
+Command line::
+
+    python -m smelt_model.analysis CHECKPOINT --tokens held_out.pt [--seq-len 512]
+    python -m smelt_model.analysis SMELT_CKPT --baseline BASE_CKPT --tokens ids.npy --plot sink.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .probes import capture
+
+__all__ = [
+    "expert_overlap",
+    "random_overlap",
+    "token_cosine",
+    "mean_norm",
+    "top_attended",
+    "attended_overlap",
+    "LayerStats",
+    "VisitComparison",
+    "ProbeReport",
+    "analyze",
+    "format_report",
+    "sink_by_depth",
+]
+
+
+# ----------------------------------------------------------------------------- primitives
+def expert_overlap(ids_a: torch.Tensor, ids_b: torch.Tensor) -> torch.Tensor:
+    """Per-token size of the intersection of two top-k expert sets: (..., k) -> (...)."""
+    if ids_a.shape != ids_b.shape:
+        raise ValueError(f"ids shapes differ: {tuple(ids_a.shape)} vs {tuple(ids_b.shape)}")
+    return (ids_a[..., :, None] == ids_b[..., None, :]).any(-1).sum(-1)
+
+
+def random_overlap(k: int, n_experts: int) -> float:
+    """Expected overlap of two independent uniformly random k-subsets of E experts: k^2/E."""
+    return k * k / n_experts
+
+
+def _per_token(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, ...) -> (B*T, features) in float64."""
+    return x.reshape(x.shape[0] * x.shape[1], -1).double()
+
+
+def token_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over tokens of the cosine between the per-token vectors of a and b."""
+    return torch.nn.functional.cosine_similarity(_per_token(a), _per_token(b), dim=-1).mean().item()
+
+
+def mean_norm(x: torch.Tensor) -> float:
+    """Mean over tokens of the per-token L2 norm."""
+    return _per_token(x).norm(dim=-1).mean().item()
+
+
+def top_attended(q: torch.Tensor, k: torch.Tensor, segment_ids: Optional[torch.Tensor],
+                 n: int = 8, scale: Optional[float] = None):
+    """Indices of the ``n`` keys each query attends to most, per head.
+
+    q: (B, T, Hq, D), k: (B, T, Hkv, D). Returns (idx (B, Hq, T, n), valid (B, T)) where
+    ``valid`` marks queries with at least ``n`` attendable keys (same segment, causal).
+    """
+    from smelt_kernels.reference import segment_mask
+
+    B, T, Hq, D = q.shape
+    group = Hq // k.shape[2]
+    if segment_ids is None:
+        segment_ids = torch.zeros(B, T, dtype=torch.long, device=q.device)
+    scale = D ** -0.5 if scale is None else scale
+    kk = k.double().repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
+    mask = segment_mask(segment_ids)
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    n_eff = min(n, T)
+    idx = s.topk(n_eff, dim=-1).indices
+    valid = mask.sum(-1) >= n
+    return idx, valid
+
+
+def attended_overlap(idx_a: torch.Tensor, idx_b: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per-head mean fraction of shared top-n keys between two attention patterns.
+
+    idx_*: (B, H, T, n); valid: (B, T). Returns (H,), NaN where no query is valid.
+    """
+    n = idx_a.shape[-1]
+    shared = (idx_a[..., :, None] == idx_b[..., None, :]).any(-1).sum(-1).double() / n
+    w = valid[:, None, :].double()
+    return (shared * w).sum((0, 2)) / w.sum((0, 2))
+
+
+# ----------------------------------------------------------------------------- report
+@dataclass
+class LayerStats:
+    """Statistics of one executed layer."""
+
+    layer: int
+    visit: int
+    exec_index: int
+    attn_norm: float
+    moe_norm: float
+    layer_norm: float
+    sink: list[float]  # per head
+
+    @property
+    def mean_sink(self) -> float:
+        return sum(self.sink) / len(self.sink)
+
+
+@dataclass
+class VisitComparison:
+    """One span layer, visit ``visit - 1`` against ``visit``."""
+
+    layer: int
+    visit: int
+    expert_overlap: float
+    expert_overlap_random: float
+    norm_ratio: dict[str, float]  # attn / moe / layer: ||Δx|| visit v over visit v-1
+    update_cosine: dict[str, float]  # attn / moe / layer
+    cosine: dict[str, float]  # x, q, k, v, pv, o
+    attended_overlap: list[float]  # per head
+    attended_overlap_control: list[float]  # per head, head h vs h + Hq/2
+
+
+@dataclass
+class ProbeReport:
+    arch: str
+    n_experts: int
+    top_k: int
+    layers: list[LayerStats] = field(default_factory=list)
+    visits: list[VisitComparison] = field(default_factory=list)
+
+
+_PROBES = ["x", "x_out", "attn_write", "moe_write", "q", "k", "v", "pv", "o", "sink",
+           "router_ids"]
+
+
+@torch.no_grad()
+def analyze(model, input_ids: torch.Tensor, segment_ids: Optional[torch.Tensor] = None,
+            top_n: int = 8) -> ProbeReport:
+    """Run ``model`` once on ``input_ids`` under capture and compute every probe statistic."""
+    was_training = model.training
+    model.eval()
+    try:
+        with capture(model, what=_PROBES) as rec:
+            model(input_ids, segment_ids)
+    finally:
+        model.train(was_training)
+    cfg = model.cfg
+    report = ProbeReport(arch="smelt" if cfg.is_looped else "baseline",
+                         n_experts=cfg.n_experts, top_k=cfg.top_k)
+    for i, key in enumerate(rec.keys()):
+        r = rec[key]
+        report.layers.append(LayerStats(
+            layer=key[0], visit=key[1], exec_index=i,
+            attn_norm=mean_norm(r["attn_write"]), moe_norm=mean_norm(r["moe_write"]),
+            layer_norm=mean_norm(r["x_out"] - r["x"]),
+            sink=r["sink"].double().mean(0).tolist(),
+        ))
+    if not cfg.is_looped:
+        return report
+
+    Hq = cfg.n_heads
+    half = Hq // 2
+    for layer in range(cfg.loop.start, cfg.loop.end):
+        tops = {}
+        for visit in range(cfg.loop.count):
+            r = rec[(layer, visit)]
+            tops[visit] = top_attended(r["q"], r["k"], segment_ids, top_n)
+        for visit in range(1, cfg.loop.count):
+            a, b = rec[(layer, visit - 1)], rec[(layer, visit)]
+            upd_a = {"attn": a["attn_write"], "moe": a["moe_write"], "layer": a["x_out"] - a["x"]}
+            upd_b = {"attn": b["attn_write"], "moe": b["moe_write"], "layer": b["x_out"] - b["x"]}
+            (ia, valid), (ib, _) = tops[visit - 1], tops[visit]
+            if half > 0:
+                control = attended_overlap(ib[:, :half], ib[:, half:2 * half], valid).tolist()
+            else:
+                control = []
+            report.visits.append(VisitComparison(
+                layer=layer, visit=visit,
+                expert_overlap=expert_overlap(a["router_ids"], b["router_ids"]).double().mean().item(),
+                expert_overlap_random=random_overlap(cfg.top_k, cfg.n_experts),
+                norm_ratio={n: mean_norm(upd_b[n]) / mean_norm(upd_a[n]) for n in upd_a},
+                update_cosine={n: token_cosine(upd_a[n], upd_b[n]) for n in upd_a},
+                cosine={n: token_cosine(a[n], b[n]) for n in ("x", "q", "k", "v", "pv", "o")},
+                attended_overlap=attended_overlap(ia, ib, valid).tolist(),
+                attended_overlap_control=control,
+            ))
+    return report
+
+
+def sink_by_depth(report: ProbeReport) -> list[tuple[int, float]]:
+    """(execution index, mean sink over heads) for every executed layer."""
+    return [(s.exec_index, s.mean_sink) for s in report.layers]
+
+
+def _mean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def format_report(report: ProbeReport) -> str:
+    out = [f"== {report.arch}: per executed layer =="]
+    out.append(f"{'exec':>4} {'layer':>5} {'visit':>5} {'|attn Δx|':>10} {'|moe Δx|':>10} "
+               f"{'|layer Δx|':>10} {'sink':>7}")
+    for s in report.layers:
+        out.append(f"{s.exec_index:>4} {s.layer + 1:>5} {s.visit + 1:>5} {s.attn_norm:>10.4f} "
+                   f"{s.moe_norm:>10.4f} {s.layer_norm:>10.4f} {s.mean_sink:>7.4f}")
+    if report.visits:
+        rnd = report.visits[0].expert_overlap_random
+        out.append("")
+        out.append(f"== span layers: visit v-1 -> v (expert overlap; random = {rnd:.3f}) ==")
+        out.append(f"{'layer':>5} {'v':>2} {'overlap':>8} {'ratio attn':>10} {'ratio moe':>9} "
+                   f"{'ratio layer':>11} {'cos Δx':>7} {'cos X':>6} {'cos Q':>6} {'cos K':>6} "
+                   f"{'cos V':>6} {'cos PV':>6} {'cos O':>6} {'top8':>6} {'ctrl':>6}")
+        for c in report.visits:
+            out.append(
+                f"{c.layer + 1:>5} {c.visit + 1:>2} {c.expert_overlap:>8.3f} "
+                f"{c.norm_ratio['attn']:>10.3f} {c.norm_ratio['moe']:>9.3f} "
+                f"{c.norm_ratio['layer']:>11.3f} {c.update_cosine['layer']:>7.3f} "
+                + " ".join(f"{c.cosine[n]:>6.3f}" for n in ("x", "q", "k", "v", "pv", "o"))
+                + f" {_mean(c.attended_overlap):>6.3f} {_mean(c.attended_overlap_control):>6.3f}"
+            )
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- command line
+def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tensor:
+    p = Path(path)
+    if not p.exists():
+        raise SystemExit(f"no such token file: {path}")
+    if p.suffix == ".npy":
+        import numpy as np
+
+        ids = torch.from_numpy(np.load(p)).long()
+    else:
+        ids = torch.load(p).long()
+    ids = ids.reshape(-1)
+    need = seq_len * batch
+    if ids.numel() < need:
+        raise SystemExit(f"{path} has {ids.numel()} tokens; need {need} (--seq-len x --batch)")
+    ids = ids[:need].view(batch, seq_len)
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise SystemExit(f"token ids in {path} fall outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .model import SmeltLM
+
+    ap = argparse.ArgumentParser(prog="python -m smelt_model.analysis",
+                                 description="Mechanism probes for a SMELT (and baseline) checkpoint.")
+    ap.add_argument("checkpoint", help="a save_pretrained folder")
+    ap.add_argument("--baseline", help="a baseline checkpoint to compare sink by depth")
+    ap.add_argument("--tokens", required=True, help="held-out token ids (.pt or .npy)")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--plot", help="write the sink-by-depth plot here (needs matplotlib)")
+    args = ap.parse_args(argv)
+
+    models = [("smelt" if args.baseline else "model", args.checkpoint)]
+    if args.baseline:
+        models.append(("baseline", args.baseline))
+    reports = {}
+    for name, path in models:
+        model = SmeltLM.from_pretrained(path, backend=args.backend)
+        ids = _load_tokens(args.tokens, args.seq_len, args.batch, model.cfg.vocab_size)
+        reports[name] = analyze(model, ids)
+        print(format_report(reports[name]))
+        print()
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("--plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 1
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, rep in reports.items():
+            xs, ys = zip(*sink_by_depth(rep))
+            ax.plot([x + 1 for x in xs], ys, marker="o",
+                    label=f"{rep.arch} ({'execution' if rep.arch == 'smelt' else 'physical'} layers)")
+        ax.set_xlabel("layer (baseline: physical; SMELT: execution order)")
+        ax.set_ylabel("attention-sink mass")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

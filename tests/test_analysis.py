@@ -1,0 +1,125 @@
+"""Mechanism probes: each statistic against a direct computation from captured tensors."""
+
+import math
+
+import pytest
+import torch
+
+from smelt_kernels import reference as R
+from smelt_model import analysis, capture
+from smelt_model.config import LoopSpec, ModelConfig
+from smelt_model.model import SmeltLM
+
+
+def micro(loop=LoopSpec(1, 2, 2)):
+    return ModelConfig(vocab_size=97, hidden_size=48, n_layers=4, n_heads=4, n_kv_heads=2,
+                       head_dim=16, n_experts=8, expert_size=24, top_k=2, loop=loop)
+
+
+def test_expert_overlap_identical_and_disjoint():
+    ids = torch.tensor([[0, 3, 5, 7, 1, 2, 4, 6]] * 3)
+    assert analysis.expert_overlap(ids, ids).tolist() == [8, 8, 8]
+    assert analysis.expert_overlap(ids, ids.flip(-1)).tolist() == [8, 8, 8]
+    other = ids + 8
+    assert analysis.expert_overlap(ids, other).tolist() == [0, 0, 0]
+    half = torch.cat([ids[:, :4], ids[:, 4:] + 8], -1)
+    assert analysis.expert_overlap(ids, half).tolist() == [4, 4, 4]
+    assert analysis.random_overlap(8, 288) == pytest.approx(64 / 288)
+    with pytest.raises(ValueError, match="shapes differ"):
+        analysis.expert_overlap(ids, ids[:, :4])
+
+
+def test_random_routing_overlap_matches_expectation():
+    g = torch.Generator().manual_seed(0)
+    E, k, T = 32, 8, 4000
+    a = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    b = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    got = analysis.expert_overlap(a, b).double().mean().item()
+    assert got == pytest.approx(analysis.random_overlap(k, E), rel=0.05)
+
+
+def test_cosine_and_norm_primitives():
+    x = torch.randn(2, 5, 3, 4)
+    assert analysis.token_cosine(x, x) == pytest.approx(1.0)
+    assert analysis.token_cosine(x, -x) == pytest.approx(-1.0)
+    assert analysis.token_cosine(x, 3 * x) == pytest.approx(1.0)
+    want = x.reshape(10, 12).norm(dim=-1).mean().item()
+    assert analysis.mean_norm(x) == pytest.approx(want)
+
+
+def test_attended_overlap_of_identical_patterns_is_one():
+    q = torch.randn(1, 20, 4, 8, dtype=torch.float64)
+    k = torch.randn(1, 20, 2, 8, dtype=torch.float64)
+    seg = (torch.arange(20) >= 9).long()[None]
+    idx, valid = analysis.top_attended(q, k, seg, 8)
+    # a query attends to its own segment's earlier keys only
+    assert int(valid.sum()) == (9 - 7) + (11 - 7)
+    torch.testing.assert_close(analysis.attended_overlap(idx, idx, valid),
+                               torch.ones(4, dtype=torch.float64))
+    # overlap against a direct set computation for one head
+    idx2, _ = analysis.top_attended(q.flip(2), k, seg, 8)
+    got = analysis.attended_overlap(idx, idx2, valid)
+    i, j = idx[0, 0], idx2[0, 0]
+    rows = [len(set(i[t].tolist()) & set(j[t].tolist())) / 8 for t in range(20) if valid[0, t]]
+    assert got[0].item() == pytest.approx(sum(rows) / len(rows))
+
+
+def test_analyze_report_against_direct_computation():
+    torch.manual_seed(0)
+    model = SmeltLM(micro(), backend="torch").double()
+    ids = torch.randint(0, 97, (2, 24))
+    seg = (torch.arange(24) >= 10).long().expand(2, 24).contiguous()
+    rep = analysis.analyze(model, ids, seg)
+    assert rep.arch == "smelt" and len(rep.layers) == model.plan.executed_layers
+    assert [(s.layer, s.visit) for s in rep.layers] == list(model.plan.pairs())
+    assert len(rep.visits) == 2  # two span layers, one pair of visits each
+
+    model.eval()
+    with capture(model) as rec:
+        model(ids, seg)
+    for c in rep.visits:
+        a, b = rec[(c.layer, 0)], rec[(c.layer, 1)]
+        ov = (a["router_ids"][..., :, None] == b["router_ids"][..., None, :]).any(-1).sum(-1)
+        assert c.expert_overlap == pytest.approx(ov.double().mean().item())
+        assert c.expert_overlap_random == pytest.approx(2 * 2 / 8)
+        na = a["moe_write"].reshape(48, -1).norm(dim=-1).mean()
+        nb = b["moe_write"].reshape(48, -1).norm(dim=-1).mean()
+        assert c.norm_ratio["moe"] == pytest.approx((nb / na).item())
+        cos_q = torch.nn.functional.cosine_similarity(a["q"].reshape(48, -1),
+                                                      b["q"].reshape(48, -1)).mean()
+        assert c.cosine["q"] == pytest.approx(cos_q.item())
+        assert len(c.attended_overlap) == 4 and len(c.attended_overlap_control) == 2
+        assert all(0 <= x <= 1 for x in c.attended_overlap + c.attended_overlap_control)
+    for s in rep.layers:
+        r = rec[(s.layer, s.visit)]
+        _, _, sink = R.segment_attention(r["q"], r["k"], r["v"], seg)
+        assert s.sink == pytest.approx(sink.mean(0).tolist(), rel=1e-6, abs=1e-9)
+    text = analysis.format_report(rep)
+    assert "span layers" in text and "random = 0.500" in text
+    depth = analysis.sink_by_depth(rep)
+    assert [d[0] for d in depth] == list(range(model.plan.executed_layers))
+
+
+def test_analyze_baseline_reports_by_layer():
+    model = SmeltLM(micro(loop=None), backend="torch")
+    rep = analysis.analyze(model, torch.randint(0, 97, (1, 12)))
+    assert rep.arch == "baseline" and rep.visits == [] and len(rep.layers) == 4
+    assert all(math.isfinite(s.mean_sink) for s in rep.layers)
+
+
+def test_cli_on_checkpoints(tmp_path, capsys):
+    torch.manual_seed(0)
+    SmeltLM(micro(), backend="torch").save_pretrained(tmp_path / "smelt")
+    SmeltLM(micro(loop=None), backend="torch").save_pretrained(tmp_path / "base")
+    torch.save(torch.randint(0, 97, (200,)), tmp_path / "ids.pt")
+    pytest.importorskip("matplotlib")
+    rc = analysis.main([str(tmp_path / "smelt"), "--baseline", str(tmp_path / "base"),
+                        "--tokens", str(tmp_path / "ids.pt"), "--seq-len", "16", "--batch", "2",
+                        "--backend", "torch", "--plot", str(tmp_path / "sink.png")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "== smelt: per executed layer ==" in out and "== baseline" in out
+    assert (tmp_path / "sink.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="need 2000"):
+        analysis.main([str(tmp_path / "smelt"), "--tokens", str(tmp_path / "ids.pt"),
+                       "--seq-len", "1000", "--batch", "2"])
