@@ -1,0 +1,71 @@
+"""The main benchmark on a minimal setting: every field present, ratios consistent."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from smelt_model import budget, presets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "looped_vs_baseline.py")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "res.json"
+    cmd = [sys.executable, SCRIPT, "--tokens", "128", "--seq-len", "64", "--mean-doc-len", "40",
+           "--repeats", "1", "--warmup", "0", "--decode-prompt", "8", "--decode-steps", "2",
+           "--decode-batch", "1", "2", "--json", str(out), "--quiet"]
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the benchmark picks real backends by itself
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_json_has_every_field(result):
+    res, _ = result
+    for key in ("preset", "device", "dtype", "backend", "environment", "ratios", "workload",
+                "summary", "arch"):
+        assert key in res, key
+    env = res["environment"]
+    for key in ("date", "machine", "device", "torch", "python", "device_name"):
+        assert key in env, key
+    assert set(res["summary"]) == {"train", "prefill", "decode"}
+    assert [r["mode"] for r in res["summary"]["decode"]] == ["decode (batch1)", "decode (batch2)"]
+    for arch in ("baseline", "smelt"):
+        a = res["arch"][arch]
+        for key in ("config", "ledger", "params_total", "params_active", "train", "prefill",
+                    "decode", "backends_available"):
+            assert key in a, (arch, key)
+        assert set(a["train"]["components_ms"]) == {"attention", "moe_gemm", "routing", "norms",
+                                                     "embed_head"}
+        assert a["train"]["activation_bytes"] > 0
+        assert a["train"]["timing"]["median_ms"] > 0
+        assert a["decode"]["batch2"]["cache_bytes"] > 0
+
+
+def test_ratios_are_consistent_with_the_ledger(result):
+    res, out = result
+    base, smelt = presets.pair(res["preset"])
+    want = budget.compare(base, smelt, mean_doc_len=40, seq_len=64)
+    assert res["ratios"]["flops"] == pytest.approx(want.flops, rel=1e-12)
+    assert res["ratios"]["params"] == pytest.approx(want.params, rel=1e-12)
+    assert res["ratios"]["kv"] == pytest.approx(want.kv, rel=1e-12)
+    for mode in ("train", "prefill"):
+        row = res["summary"][mode][0]
+        assert row["flops_ratio"] == pytest.approx(want.flops)
+        b, s = row["baseline"], row["smelt"]
+        assert row["wall_ratio"] == pytest.approx(s["median_ms"] / b["median_ms"])
+        assert row["gap"] == pytest.approx(row["wall_ratio"] / row["flops_ratio"])
+        assert s["flops"] / b["flops"] == pytest.approx(want.flops)
+        for arch in ("baseline", "smelt"):
+            p = row[arch]
+            assert p["achieved_flops_per_s"] == pytest.approx(p["flops"] / (p["median_ms"] / 1e3))
+            assert p["tokens_per_s"] == pytest.approx(128 / (p["median_ms"] / 1e3))
+    led = res["arch"]["smelt"]["ledger"]
+    assert res["arch"]["smelt"]["params_total"] == led["total_params"]
+    assert "== train ==" in out and "gap (wall / F)" in out and "components" in out
