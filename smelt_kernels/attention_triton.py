@@ -44,6 +44,9 @@ __all__ = ["forward", "backward", "head_dim_pad", "block_config"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# the same, as compile-time constants kernels may read
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -70,6 +73,13 @@ def _store_tile(ptrs, x, offs_n, n_max, offs_d, D: tl.constexpr, EVEN_D: tl.cons
         tl.store(ptrs, x, mask=offs_n[:, None] < n_max)
     else:
         tl.store(ptrs, x, mask=(offs_n[:, None] < n_max) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _rows(qi, h, st, sh):
+    """Row offsets (rows, 1) of gathered (query, head) rows. The launcher makes every stride
+    a multiple of 8 elements, so rows start 16-byte aligned and loads vectorise."""
+    return tl.multiple_of(qi * st + h * sh, 8)[:, None]
 
 
 @triton.jit
@@ -101,9 +111,10 @@ def _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N: tl.constexp
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, pos, start, k_base, v_base, skt, svt, lo, hi, Tk, qk_scale,
-               offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               EVEN_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _fwd_inner(acc, m_i, l_i, s0, q, pos, start, start_last, k_base, v_base, skt, svt, lo, hi,
+               Tk, qk_scale, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+               EVEN_D: tl.constexpr, WANT_SINK: tl.constexpr, PRECISION: tl.constexpr,
+               UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base + offs_n[:, None] * skt + offs_d[None, :], offs_n, Tk, offs_d, D,
@@ -114,6 +125,10 @@ def _fwd_inner(acc, m_i, l_i, q, pos, start, k_base, v_base, skt, svt, lo, hi, T
         if MASK:
             vis = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] <= pos[:, None])
             s = tl.where(vis, s, float("-inf"))
+        if WANT_SINK:
+            # every row's segment start is <= start_last: only the first tiles hold one
+            if n0 <= start_last:
+                s0 += tl.sum(tl.where(offs_n[None, :] == start[:, None], s, 0.0), 1)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
@@ -125,7 +140,7 @@ def _fwd_inner(acc, m_i, l_i, q, pos, start, k_base, v_base, skt, svt, lo, hi, T
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
-    return acc, m_i, l_i
+    return acc, m_i, l_i, s0
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk"])
@@ -154,7 +169,7 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
         start_last = pos_first * 0
 
     offs_d = tl.arange(0, D_PAD)
-    q = _load_tile(Q + b * sqb + qi[:, None] * sqt + h[:, None] * sqh + offs_d[None, :],
+    q = _load_tile(Q + b * sqb + _rows(qi, h, sqt, sqh) + offs_d[None, :],
                    rows, 0, offs_d, D, False, EVEN_D)
     if UPCAST:
         q = q.to(tl.float32)
@@ -165,24 +180,25 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     lo, mid, diag, hi = _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, pos, start, k_base, v_base, skt, svt, lo, mid,
-                               Tk, qk_scale, offs_d, D, BLOCK_N, True, EVEN_D, PRECISION, UPCAST)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, pos, start, k_base, v_base, skt, svt, mid, diag,
-                               Tk, qk_scale, offs_d, D, BLOCK_N, False, EVEN_D, PRECISION, UPCAST)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, pos, start, k_base, v_base, skt, svt, diag, hi,
-                               Tk, qk_scale, offs_d, D, BLOCK_N, True, EVEN_D, PRECISION, UPCAST)
+    s0 = tl.zeros([BLOCK_M], dtype=tl.float32)  # score against the segment's first key
+    acc, m_i, l_i, s0 = _fwd_inner(acc, m_i, l_i, s0, q, pos, start, start_last, k_base, v_base,
+                                   skt, svt, lo, mid, Tk, qk_scale, offs_d, D, BLOCK_N, True,
+                                   EVEN_D, WANT_SINK, PRECISION, UPCAST)
+    acc, m_i, l_i, s0 = _fwd_inner(acc, m_i, l_i, s0, q, pos, start, start_last, k_base, v_base,
+                                   skt, svt, mid, diag, Tk, qk_scale, offs_d, D, BLOCK_N, False,
+                                   EVEN_D, WANT_SINK, PRECISION, UPCAST)
+    acc, m_i, l_i, s0 = _fwd_inner(acc, m_i, l_i, s0, q, pos, start, start_last, k_base, v_base,
+                                   skt, svt, diag, hi, Tk, qk_scale, offs_d, D, BLOCK_N, True,
+                                   EVEN_D, WANT_SINK, PRECISION, UPCAST)
 
     # an empty interval (invalid segment ids) gives NaN, never a plausible number
     lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("nan"))
     o = acc / l_i[:, None]
-    _store_tile(O + b * sob + qi[:, None] * sot + h[:, None] * soh + offs_d[None, :],
+    _store_tile(O + b * sob + _rows(qi, h, sot, soh) + offs_d[None, :],
                 o.to(O.dtype.element_ty), rows, Tq * G, offs_d, D, EVEN_D)
     stat = (b * Hq + h) * Tq + qi
-    tl.store(LSE + stat, lse2 * LN2, mask=row_ok)
+    tl.store(LSE + stat, lse2 * _LN2, mask=row_ok)
     if WANT_SINK:
-        k0 = _load_tile(k_base + tl.minimum(start, Tk - 1)[:, None] * skt + offs_d[None, :],
-                        rows, 0, offs_d, D, False, EVEN_D)
-        s0 = tl.sum(q.to(tl.float32) * k0.to(tl.float32), 1) * qk_scale
         p0 = tl.where(start != pos, tl.math.exp2(s0 - lse2), 0.0)
         tl.store(PSINK + stat, p0, mask=row_ok)
 
@@ -253,15 +269,15 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
         start_first = pos_first * 0
         start_last = pos_first * 0
     offs_d = tl.arange(0, D_PAD)
-    q = _load_tile(Q + b * sqb + qi[:, None] * sqt + h[:, None] * sqh + offs_d[None, :],
+    q = _load_tile(Q + b * sqb + _rows(qi, h, sqt, sqh) + offs_d[None, :],
                    rows, 0, offs_d, D, False, EVEN_D)
-    do = _load_tile(DO + b * sdb + qi[:, None] * sdt + h[:, None] * sdh + offs_d[None, :],
+    do = _load_tile(DO + b * sdb + _rows(qi, h, sdt, sdh) + offs_d[None, :],
                     rows, 0, offs_d, D, False, EVEN_D)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     stat = (b * Hq + h) * Tq + qi
-    lse2 = tl.load(LSE + stat) * 1.4426950408889634
+    lse2 = tl.load(LSE + stat) * _LOG2E
     delta = tl.load(DELTA + stat)
     k_base = K + b * skb + hkv * skh
     v_base = V + b * svb + hkv * svh
@@ -274,7 +290,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, pos, start, k_base, v_base, skt, svt, diag, hi, Tk,
                        qk_scale, offs_d, D, BLOCK_N, True, EVEN_D, PRECISION, UPCAST)
     dq = dq * sm_scale
-    _store_tile(DQ + b * sdb + qi[:, None] * sdt + h[:, None] * sdh + offs_d[None, :],
+    _store_tile(DQ + b * sdb + _rows(qi, h, sdt, sdh) + offs_d[None, :],
                 dq.to(DQ.dtype.element_ty), rows, Tq * G, offs_d, D, EVEN_D)
 
 
@@ -293,15 +309,15 @@ def _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, stat_base, LSE, DELTA
         qi = rows_c // G
         h = hkv * G + rows_c % G
         pos = qi + off
-        q = _load_tile(q_base + qi[:, None] * sqt + h[:, None] * sqh + offs_d[None, :],
+        q = _load_tile(q_base + _rows(qi, h, sqt, sqh) + offs_d[None, :],
                        rows, 0, offs_d, D, False, EVEN_D)
-        do = _load_tile(do_base + qi[:, None] * sdt + h[:, None] * sdh + offs_d[None, :],
+        do = _load_tile(do_base + _rows(qi, h, sdt, sdh) + offs_d[None, :],
                         rows, 0, offs_d, D, False, EVEN_D)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
         stat = stat_base + h * Tq + qi
-        lse2 = tl.load(LSE + stat) * 1.4426950408889634
+        lse2 = tl.load(LSE + stat) * _LOG2E
         delta = tl.load(DELTA + stat)
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (keys, rows)
         if MASK:
@@ -386,21 +402,21 @@ def head_dim_pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def block_config(kind: str, d_pad: int, device: torch.device) -> dict:
+def block_config(kind: str, d_pad: int, device: torch.device,
+                 dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tile sizes per kernel. The interpreter gets small tiles (so small tests cross many
-    tile edges); the GPU values follow the usual FlashAttention-2 Triton choices for
-    Hopper and have not been tuned on the device."""
+    tile edges). The GPU values are FlashAttention-2-style choices for Hopper, checked to
+    compile for sm_90a without register spills (16-bit inputs) but not timed on the device;
+    fp32 inputs (exact "ieee" products, no tensor-core tiles) get small tiles."""
     if device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
-    big = d_pad > 64
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
     if kind == "fwd":
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if big else 4, num_stages=3)
-    if kind == "dq":
-        return dict(BLOCK_M=64 if big else 128, BLOCK_N=64 if big else 32,
-                    num_warps=8 if big else 4, num_stages=2)
-    # dkdv: BLOCK_N keys kept in registers, BLOCK_M rows streamed
-    return dict(BLOCK_M=32 if big else 64, BLOCK_N=128 if big else 64,
-                num_warps=8 if big else 4, num_stages=2)
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    # dq (rows streamed over key tiles) and dkdv (keys streamed over row tiles): 64 x 64
+    # keeps two fp32 accumulators plus the streamed tiles in registers at D_PAD = 128
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8 if d_pad > 64 else 4, num_stages=2)
 
 
 def _precision(dtype: torch.dtype):
@@ -414,15 +430,18 @@ def _upcast(dtype: torch.dtype) -> bool:
     return triton_interpret() and dtype == torch.bfloat16
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
+    """x itself if its D stride is 1 and its other strides are multiples of 8 elements (what
+    the kernels' alignment hints promise), else a contiguous copy."""
+    ok = x.stride(-1) == 1 and all(st % 8 == 0 for st in x.stride()[:-1])
+    return x if ok else x.contiguous()
 
 
 def forward(q, k, v, start, scale: float, want_sink: bool):
     """o (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 and, with ``want_sink``, the per-row
     probability on the segment's first key (B, Hq, Tq) fp32 (0 for segment starts).
     ``start``: int32 (B, Tk) segment start of every position, or None (one segment)."""
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (_rows_aligned(x) for x in (q, k, v))
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -430,7 +449,7 @@ def forward(q, k, v, start, scale: float, want_sink: bool):
     o = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
     psink = _alloc.empty((B, Hq, Tq), torch.float32, q.device) if want_sink else lse
-    cfg = block_config("fwd", d_pad, q.device)
+    cfg = block_config("fwd", d_pad, q.device, q.dtype)
     grid = (triton.cdiv(Tq * G, cfg["BLOCK_M"]), B * Hkv)
     _fwd_kernel[grid](
         q, k, v, o, lse, psink, start if start is not None else lse,
@@ -446,9 +465,9 @@ def forward(q, k, v, start, scale: float, want_sink: bool):
 def backward(do, q, k, v, o, lse, start, end, scale: float):
     """(dq, dk, dv) for the forward above; ``end``: int32 (B, Tk) last position of every
     position's segment (None with ``start`` None). Deterministic."""
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (_rows_aligned(x) for x in (q, k, v))
     do = do.contiguous()
-    o = o.contiguous()
+    o = o.contiguous()  # _bwd_delta reads both as contiguous rows
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -468,10 +487,10 @@ def backward(do, q, k, v, o, lse, start, end, scale: float):
               Tq, Tk, Hq, scale, scale * LOG2E)
     meta = dict(G=G, D=D, D_PAD=d_pad, HAS_SEG=has_seg, PRECISION=_precision(q.dtype),
                 UPCAST=_upcast(q.dtype))
-    cfg = block_config("dkdv", d_pad, q.device)
+    cfg = block_config("dkdv", d_pad, q.device, q.dtype)
     _bwd_dkdv_kernel[(triton.cdiv(Tk, cfg["BLOCK_N"]), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, seg, end if has_seg else seg, *common, **meta, **cfg)
-    cfg = block_config("dq", d_pad, q.device)
+    cfg = block_config("dq", d_pad, q.device, q.dtype)
     _bwd_dq_kernel[(triton.cdiv(Tq * G, cfg["BLOCK_M"]), B * Hkv)](
         q, k, v, do, lse, delta, dq, seg, *common, **meta, **cfg)
     return dq, dk, dv
