@@ -29,12 +29,22 @@ struct Backward {
   ST *dxs, *dw1, *dw2;
   float* dtw;
 
-  // AT panel of one chunk: rows [0, 2de) = [dgate, dup]^T, rows [2de, 3de) = (w h)^T, ld kRows
-  int64_t at_size() const { return 3 * de * kRows; }
+  // Per chunk of kRows rows: the AT panel (rows [0, 2de) = [dgate, dup]^T, rows [2de, 3de) =
+  // (w h)^T, row stride kRows) and the gathered dy and x rows (row stride ldg, zero rows
+  // past the chunk's end up to the multiple of 8 that phase B reads).
+  int64_t ldg() const { return k_pad<CT>(H); }
+  int64_t chunk_size() const { return 3 * de * kRows + 2 * kRows * ldg(); }
 
-  // Phase A for sorted rows [r0, r1) of expert e; writes the chunk's AT panel.
-  void rows(int64_t e, int64_t r0, int64_t r1, RowState<CT>& S, CT* AT) const {
-    const int64_t m = r1 - r0, ldg = k_pad<CT>(H), ldt = 3 * de;
+  static void zero_rows(CT* rows, int64_t from, int64_t to, int64_t ld) {
+    std::fill(rows + from * ld, rows + to * ld, CT(0.0f));
+  }
+
+  // Phase A for sorted rows [r0, r1) of expert e into chunk buffer `chunk`.
+  void rows(int64_t e, int64_t r0, int64_t r1, RowState<CT>& S, CT* chunk) const {
+    const int64_t m = r1 - r0, ldg = this->ldg(), ldt = 3 * de, mq = round_up(m, 8);
+    CT* AT = chunk;
+    CT* A = chunk + 3 * de * kRows;
+    CT* X = A + kRows * ldg;
     Panel<CT>& Q1 = S.B1;
     Panel<CT>& Q2 = S.B2;
     if (e != S.expert) {
@@ -44,8 +54,10 @@ struct Backward {
     }
     int64_t* tok = S.tok.get(m);
     for (int64_t i = 0; i < m; ++i) tok[i] = order[r0 + i] / k;
-    CT* A = S.A1.get(m * ldg);
     gather_rows(dy, H, tok, m, H, A, ldg);
+    gather_rows(x, H, tok, m, H, X, ldg);
+    zero_rows(A, m, mq, ldg);
+    zero_rows(X, m, mq, ldg);
     float* G = S.C1.get(m * Q2.Np);
     gemm(m, A, ldg, Q2, G, Q2.Np, false);
     // [dgate | dup | w h] per row, fp32
@@ -77,8 +89,7 @@ struct Backward {
       gemm(m, dP, ldp, Q1, X, Q1.Np, false);
       for (int64_t i = 0; i < m; ++i) narrow(X + i * Q1.Np, dxs + (r0 + i) * H, H);
     }
-    // the chunk transposed, zero beyond its m rows up to the multiple of 8 phase B reads
-    const int64_t mq = round_up(m, 8);
+    // the chunk transposed, zero beyond its m rows
     transpose32(reinterpret_cast<const uint32_t*>(T3), ldt, m, ldt, reinterpret_cast<uint32_t*>(T3t), kRows);
     for (int64_t c = 0; c < ldt; ++c) {
       float* src = T3t + c * kRows;
@@ -87,16 +98,17 @@ struct Backward {
     }
   }
 
-  // Phase B for chunk [r0, r1) of expert e and columns [c0, c0 + cw): C1 (2de x cw) and
-  // C2 (de x cw), row stride ldc, accumulate this chunk's products (add) or start them.
-  void wgrad(int64_t r0, int64_t r1, const CT* AT, int64_t c0, int64_t cw, bool add, RowState<CT>& S,
-             float* C1, float* C2, int64_t ldc) const {
-    const int64_t m = r1 - r0, mq = round_up(m, 8);
-    int64_t* tok = S.tok.get(m);
-    for (int64_t i = 0; i < m; ++i) tok[i] = order[r0 + i] / k;
-    pack_gathered<CT>(x, H, tok, m, mq, c0, cw, S.B1);
+  // Phase B for one chunk of m rows and columns [c0, c0 + cw): C1 (2de x cw) and C2 (de x cw),
+  // row stride ldc, accumulate this chunk's products (add) or start them.
+  void wgrad(int64_t m, const CT* chunk, int64_t c0, int64_t cw, bool add, RowState<CT>& S, float* C1,
+             float* C2, int64_t ldc) const {
+    const int64_t mq = round_up(m, 8), ldg = this->ldg();
+    const CT* AT = chunk;
+    const CT* A = chunk + 3 * de * kRows;
+    const CT* X = A + kRows * ldg;
+    pack_plain<CT>(X + c0, ldg, mq, cw, S.B1);
     gemm(2 * de, AT, kRows, S.B1, C1, ldc, add);
-    pack_gathered<CT>(dy, H, tok, m, mq, c0, cw, S.B2);
+    pack_plain<CT>(A + c0, ldg, mq, cw, S.B2);
     gemm(de, AT + 2 * de * kRows, kRows, S.B2, C2, ldc, add);
     S.expert = -1;  // B1, B2 no longer hold weights
   }
@@ -119,16 +131,15 @@ struct Backward {
   // Both phases of expert e on this thread.
   void expert(int64_t e, RowState<CT>& S, Scratch<CT>& ATs, Scratch<float>& Cs) const {
     const int64_t m_e = off[e + 1] - off[e], nq = cdiv(m_e, kRows);
-    CT* AT = ATs.get(std::max<int64_t>(nq, 1) * at_size());
+    CT* buf = ATs.get(std::max<int64_t>(nq, 1) * chunk_size());
     for (int64_t q = 0; q < nq; ++q)
-      rows(e, off[e] + q * kRows, std::min<int64_t>(off[e + 1], off[e] + (q + 1) * kRows), S, AT + q * at_size());
+      rows(e, off[e] + q * kRows, std::min<int64_t>(off[e + 1], off[e] + (q + 1) * kRows), S, buf + q * chunk_size());
     for (int64_t c0 = 0; c0 < H; c0 += kColBlock) {
       const int64_t cw = std::min(kColBlock, H - c0), ldc = round_up(cw, 16);
       float* C1 = Cs.get(3 * de * ldc);
       float* C2 = C1 + 2 * de * ldc;
       for (int64_t q = 0; q < nq; ++q)
-        wgrad(off[e] + q * kRows, std::min<int64_t>(off[e + 1], off[e] + (q + 1) * kRows), AT + q * at_size(),
-              c0, cw, q > 0, S, C1, C2, ldc);
+        wgrad(std::min(kRows, m_e - q * kRows), buf + q * chunk_size(), c0, cw, q > 0, S, C1, C2, ldc);
       store(e, c0, cw, C1, C2, ldc, nq == 0, S);
     }
   }
@@ -136,12 +147,12 @@ struct Backward {
   // Expert e with all threads: phase A over chunks, then phase B over column blocks.
   void big_expert(int64_t e) const {
     const int64_t m_e = off[e + 1] - off[e], nq = cdiv(m_e, kRows);
-    Scratch<CT> ATs;
-    CT* AT = ATs.get(nq * at_size());
+    Scratch<CT> bufs;
+    CT* buf = bufs.get(nq * chunk_size());
     at::parallel_for(0, nq, 1, [&](int64_t q0, int64_t q1) {
       RowState<CT> S;
       for (int64_t q = q0; q < q1; ++q)
-        rows(e, off[e] + q * kRows, std::min<int64_t>(off[e + 1], off[e] + (q + 1) * kRows), S, AT + q * at_size());
+        rows(e, off[e] + q * kRows, std::min<int64_t>(off[e + 1], off[e] + (q + 1) * kRows), S, buf + q * chunk_size());
       gemm_done<CT>();
     });
     at::parallel_for(0, cdiv(H, kBigColBlock), 1, [&](int64_t b0, int64_t b1) {
@@ -152,8 +163,7 @@ struct Backward {
         float* C1 = Cs.get(3 * de * ldc);
         float* C2 = C1 + 2 * de * ldc;
         for (int64_t q = 0; q < nq; ++q)
-          wgrad(off[e] + q * kRows, std::min<int64_t>(off[e + 1], off[e] + (q + 1) * kRows), AT + q * at_size(),
-                c0, cw, q > 0, S, C1, C2, ldc);
+          wgrad(std::min(kRows, m_e - q * kRows), buf + q * chunk_size(), c0, cw, q > 0, S, C1, C2, ldc);
         store(e, c0, cw, C1, C2, ldc, false, S);
       }
       gemm_done<CT>();

@@ -8,7 +8,7 @@
 
 namespace smelt_moe {
 
-constexpr int64_t kRows = 64;  // sorted rows per item; also the K chunk of weight gradients
+constexpr int64_t kRows = 128;  // sorted rows per item; also the K chunk of weight gradients
 
 struct Item {
   int64_t e, r0, r1;  // expert, sorted rows [r0, r1)
