@@ -205,8 +205,13 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--skip-flex", action="store_true", help="skip FlexAttention (compiles)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's); 1 gives stable numbers on a "
+                         "machine whose cores other jobs share")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.batch = args.batch or (8 if cuda else 1)
@@ -216,7 +221,8 @@ def main(argv=None):
     dev = torch.device(args.device)
     env = environment(dev)
     env.update(dtype=args.dtype, batch=args.batch, seq=args.seq)
-    notes = (f"B={args.batch}, T={args.seq}, {args.dtype}; median of {args.repeats} after "
+    notes = (f"B={args.batch}, T={args.seq}, {args.dtype}, {torch.get_num_threads()} CPU "
+             f"thread(s); median of {args.repeats} after "
              f"{args.warmup} warm-up. TFLOP/s counts useful FLOPs only (backward 2.5x forward). "
              "'vs smelt' = method time / smelt time for the same pass (> 1: smelt faster).")
     if dev.type == "cpu":

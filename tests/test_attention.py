@@ -174,6 +174,21 @@ def test_bfloat16_paths():
                         torch.bfloat16, seg)
 
 
+@pytest.mark.parametrize("chunk", [16, 48])
+@pytest.mark.parametrize("layout", ["none", "mixed", "inside", "ones"])
+def test_cpu_chunking(monkeypatch, chunk, layout):
+    """The CPU path's chunks at sizes that put every case (prefix folded into the masked
+    call, prefix as its own unmasked call merged through the LSE, chunk-crossing
+    segments) inside a short row, forward and backward, full and decode form."""
+    from smelt_kernels import attention_cpu
+
+    monkeypatch.setattr(attention_cpu, "CHUNK", chunk)
+    run_and_compare("cpu", "cpu", 2, 130, 130, (6, 2), 24, torch.float32,
+                    make_segments(layout, 2, 130, seed=chunk))
+    run_and_compare("cpu", "cpu", 2, 37, 130, (4, 1), 16, torch.float32,
+                    make_segments(layout, 2, 130, seed=chunk + 1))
+
+
 # ----------------------------------------------------------------------------- decode form
 @pytest.mark.parametrize("Tq", [1, 5])
 def test_decode_matches_full_recompute(backend_device, Tq):
