@@ -208,6 +208,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's); 1 gives stable numbers on a "
                          "machine whose cores other jobs share")
+    ap.add_argument("--note", default="", help="a line added to the results' notes")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if args.threads:
@@ -228,6 +229,8 @@ def main(argv=None):
     if dev.type == "cpu":
         notes += (" CPU: measured on a 2-core machine shared with other jobs, so absolute "
                   "times are noisy; FlexAttention has no CPU backward.")
+    if args.note:
+        notes += f" {args.note}"
     seen = set()
     for r in rows:
         key = (r["method"], r["pass"], r.get("note"))

@@ -36,7 +36,8 @@ raise ``ValueError``/``TypeError`` naming the argument. Segment-id *values* must
 non-decreasing along T: on CPU tensors this is checked (``ValueError``, with the first
 offending position); on CUDA tensors nothing is read back to the host (the op stays
 capturable in a CUDA graph) -- instead every query of a row whose ids decrease gets an
-empty key interval, so its outputs and LSE come out NaN rather than a plausible answer.
+empty key interval, so its outputs and LSE (and the sink) come out NaN rather than a
+plausible answer; gradients of such a row are not meaningful either.
 
 ``torch.ops.smelt.segment_attention_fwd`` / ``segment_attention_bwd`` are the registered
 custom ops (fake implementations included), so ``torch.compile(fullgraph=True)`` traces
@@ -123,6 +124,12 @@ def _sink_from_lse(q, k, lse, start, scale):
 # ----------------------------------------------------------------------------- backends
 def _torch_forward(q, k, v, segment_ids, scale):
     o, lse, sink = reference.segment_attention(q, k, v, segment_ids, scale)
+    if segment_ids is not None and segment_ids.device.type != "cpu" and segment_ids.shape[1] > 1:
+        # the NaN policy for unchecked (non-CPU) ids, as the kernels apply it
+        bad = (segment_ids[:, 1:] < segment_ids[:, :-1]).any(dim=1)
+        o = torch.where(bad[:, None, None, None], float("nan"), o)
+        lse = torch.where(bad[:, None, None], float("nan"), lse)
+        sink = torch.where(bad[:, None], float("nan"), sink)
     return o.contiguous(), lse.contiguous(), sink
 
 
@@ -217,10 +224,10 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o = q.new_zeros(B, Tq, Hq, D)
         lse = q.new_zeros(B, Hq, Tq, dtype=stat)
         return o, lse, q.new_zeros((B, Hq) if want_sink else (0,), dtype=stat)
-    start = segment_bounds(segment_ids)[0] if segment_ids is not None else None
     if backend == "torch":
         o, lse, sink = _torch_forward(q, k, v, segment_ids, scale)
         return o, lse, (sink if want_sink else q.new_zeros(0, dtype=stat))
+    start = segment_bounds(segment_ids)[0] if segment_ids is not None else None
     if backend == "cpu":
         starts = start.tolist() if start is not None else None
         o, lse = attention_cpu.forward(q, k, v, starts, scale)

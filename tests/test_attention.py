@@ -479,8 +479,15 @@ def test_cuda_invalid_ids_give_nan_without_sync():
     q, k, v, _ = make_inputs(2, 64, 64, 4, 2, 64, torch.bfloat16, dev)
     seg = make_segments("mixed", 2, 64).to(dev)
     seg[1, 10:] = seg[1, 10:].flip(0)
-    o, lse = segment_attention(q, k, v, seg, return_lse=True, backend="triton")
-    assert torch.isfinite(o[0]).all() and torch.isnan(o[1]).all() and torch.isnan(lse[1]).all()
+    names = ["triton", "torch"]
+    if backends.unavailable_reason("cuda", dev, attention._cuda_op_missing) is None:
+        names.append("cuda")
+    for name in names:
+        o, lse, sink = segment_attention(q, k, v, seg, return_lse=True, return_sink=True,
+                                         backend=name)
+        assert torch.isfinite(o[0]).all() and torch.isfinite(sink[0]).all(), name
+        assert torch.isnan(o[1]).all() and torch.isnan(lse[1]).all(), name
+        assert torch.isnan(sink[1]).all(), name
 
 
 @pytest.mark.parametrize("heads,D", [((10, 2), 128), ((12, 2), 88)])
