@@ -155,31 +155,37 @@ def _empty_result(x, w1, ids):
 # ----------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("smelt::moe_ffn_fwd", mutates_args=())
 def _moe_ffn_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor, backend: str
+                 topk_ids: torch.Tensor, backend: str, save_preact: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # outputs: y, the pre-activation in sorted-row order ((0, 2 d_e) unless save_preact,
+    # which backward needs), and the routing sort (order, rev, offsets)
     E = w1.shape[0]
     if x.device.type == "cpu" and backend != "cpu":  # the native kernel checks its own
         _check_id_values(topk_ids, E)
     if x.shape[0] == 0:
-        return _empty_result(x, w1, topk_ids)
-    if backend == "cpu":
-        return torch.ops.smelt_cpu.moe_ffn_fwd(x, w1, w2, topk_weights, topk_ids)
-    if backend == "triton":
+        out = _empty_result(x, w1, topk_ids)
+    elif backend == "cpu":
+        out = torch.ops.smelt_cpu.moe_ffn_fwd(x, w1, w2, topk_weights, topk_ids, save_preact)
+    elif backend == "triton":
         from . import moe_triton
 
-        return moe_triton.forward(x, w1, w2, topk_weights, topk_ids)
-    if backend == "cuda":
-        return _cuda_forward(x, w1, w2, topk_weights, topk_ids)
-    raise ValueError(f"moe_ffn: backend {backend!r} has no kernel path")
+        out = moe_triton.forward(x, w1, w2, topk_weights, topk_ids)
+    elif backend == "cuda":
+        out = _cuda_forward(x, w1, w2, topk_weights, topk_ids)
+    else:
+        raise ValueError(f"moe_ffn: backend {backend!r} has no kernel path")
+    if not save_preact and out[1].shape[0] != 0:
+        out = (out[0], out[1][:0].clone(), *out[2:])
+    return out
 
 
 @_moe_ffn_fwd.register_fake
-def _(x, w1, w2, topk_weights, topk_ids, backend):
+def _(x, w1, w2, topk_weights, topk_ids, backend, save_preact=True):
     T, k = topk_ids.shape
     E, two_de, _ = w1.shape
     n = T * k
     i32 = dict(dtype=torch.int32, device=x.device)
-    return (x.new_empty(x.shape), x.new_empty(n, two_de), torch.empty(n, **i32),
+    return (x.new_empty(x.shape), x.new_empty(n if save_preact else 0, two_de), torch.empty(n, **i32),
             torch.empty(n, **i32), torch.empty(E + 1, **i32))
 
 
@@ -208,7 +214,7 @@ def _(grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets, ba
 
 
 def _fwd_setup(ctx, inputs, output):
-    x, w1, w2, topk_weights, topk_ids, backend = inputs
+    x, w1, w2, topk_weights, topk_ids, backend, _ = inputs
     _, preact, order, rev, offsets = output
     ctx.save_for_backward(x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets)
     ctx.backend = backend
@@ -217,9 +223,12 @@ def _fwd_setup(ctx, inputs, output):
 
 def _fwd_backward(ctx, grad_y, *_):
     x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets = ctx.saved_tensors
+    if preact.shape[0] != order.shape[0]:
+        raise RuntimeError("moe_ffn: this forward ran with save_preact=False (no gradient was "
+                           "required then), so it cannot be differentiated")
     dx, dw1, dw2, dtw = torch.ops.smelt.moe_ffn_bwd(grad_y, x, w1, w2, topk_weights, topk_ids,
                                                     preact, order, rev, offsets, ctx.backend)
-    return dx, dw1, dw2, dtw, None, None
+    return dx, dw1, dw2, dtw, None, None, None
 
 
 torch.library.register_autograd("smelt::moe_ffn_fwd", _fwd_backward, setup_context=_fwd_setup)
@@ -389,8 +398,9 @@ def moe_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: t
             _check_id_values(topk_ids, w1.shape[0])
         return reference.moe_ffn(x, w1, w2, topk_weights, topk_ids)
     ids = topk_ids.to(torch.int32).contiguous()
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w2, topk_weights))
     y, *_ = torch.ops.smelt.moe_ffn_fwd(x.contiguous(), w1.contiguous(), w2.contiguous(),
-                                        topk_weights.float().contiguous(), ids, name)
+                                        topk_weights.float().contiguous(), ids, name, save)
     return y
 
 

@@ -139,19 +139,63 @@ __attribute__((target("avx2"))) static inline void transpose8x8_avx2(const uint3
   _mm256_storeu_ps(d + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
   _mm256_storeu_ps(d + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
+__attribute__((target("avx512f"))) static inline void transpose16x16_avx512(const uint32_t* src, int64_t lds,
+                                                                            uint32_t* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(src + i * lds));
+  for (int i = 0; i < 16; i += 2) {  // 32-bit interleave inside 128-bit lanes
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 64-bit interleave: r[4g+j] lane L = column 4L+j of rows 4g..4g+3
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  float* o = reinterpret_cast<float*>(dst);
+  for (int j = 0; j < 4; ++j) {  // gather lane L of the four row groups into output row 4L+j
+    const __m512 s0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), s1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+    const __m512 q0 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88), q1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    _mm512_storeu_ps(o + (0 + j) * ldd, _mm512_shuffle_f32x4(s0, q0, 0x88));
+    _mm512_storeu_ps(o + (4 + j) * ldd, _mm512_shuffle_f32x4(s1, q1, 0x88));
+    _mm512_storeu_ps(o + (8 + j) * ldd, _mm512_shuffle_f32x4(s0, q0, 0xdd));
+    _mm512_storeu_ps(o + (12 + j) * ldd, _mm512_shuffle_f32x4(s1, q1, 0xdd));
+  }
+}
 inline bool cpu_has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2");
   return has;
 }
+inline bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
 #else
 inline bool cpu_has_avx2() { return false; }
+inline bool cpu_has_avx512() { return false; }
 #endif
 
 inline void transpose32(const uint32_t* src, int64_t lds, int64_t rows, int64_t cols, uint32_t* dst,
                         int64_t ldd) {
   int64_t r8 = 0, c8 = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (cpu_has_avx2()) {
+  if (cpu_has_avx512() && rows >= 16 && cols >= 16) {
+    const int64_t r16 = rows / 16 * 16, c16 = cols / 16 * 16;
+    for (int64_t r = 0; r < r16; r += 16)
+      for (int64_t c = 0; c < c16; c += 16)
+        transpose16x16_avx512(src + r * lds + c, lds, dst + c * ldd + r, ldd);
+    // the 8-wide strips left of the 16x16 blocks go to the AVX2 kernel below
+    if (r16 == rows && c16 == cols) return;
+    for (int64_t r = 0; r < r16; r += 8)
+      for (int64_t c = c16; c + 8 <= cols; c += 8) transpose8x8_avx2(src + r * lds + c, lds, dst + c * ldd + r, ldd);
+    for (int64_t r = r16; r + 8 <= rows; r += 8)
+      for (int64_t c = 0; c + 8 <= cols; c += 8) transpose8x8_avx2(src + r * lds + c, lds, dst + c * ldd + r, ldd);
+    r8 = rows / 8 * 8;
+    c8 = cols / 8 * 8;
+  } else if (cpu_has_avx2()) {
     r8 = rows / 8 * 8;
     c8 = cols / 8 * 8;
     for (int64_t r = 0; r < r8; r += 8)

@@ -146,20 +146,21 @@ void check_args(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_fwd(
     const at::Tensor& x_, const at::Tensor& w1_, const at::Tensor& w2_, const at::Tensor& tw_,
-    const at::Tensor& ids) {
+    const at::Tensor& ids, bool save_preact) {
   check_args(x_, w1_, w2_, tw_, ids);
   at::Tensor x = x_.contiguous(), w1 = w1_.contiguous(), w2 = w2_.contiguous(), tw = tw_.contiguous();
   Routing R = sort_pairs(ids, w1.size(0));
   const int64_t H = x.size(1), de = w1.size(1) / 2;
   at::Tensor y = at::empty({R.T, H}, x.options());
-  at::Tensor pre = at::empty({R.TK, 2 * de}, x.options());
+  // without a backward to feed, the pre-activation goes to a reused buffer
+  at::Tensor pre = save_preact ? at::empty({R.TK, 2 * de}, x.options()) : workspace(2, R.TK, 2 * de, x.scalar_type());
   at::Tensor out = workspace(0, R.TK, H, x.scalar_type());
   dispatch(x.scalar_type(), [&](auto st, auto ct) {
     using ST = decltype(st);
     using CT = decltype(ct);
     forward_impl<ST, CT>(x, w1, w2, tw.data_ptr<float>(), R, y, pre, out);
   });
-  return {y, pre, R.order, R.rev, R.offsets};
+  return {y, save_preact ? pre : at::empty({0, 2 * de}, x.options()), R.order, R.rev, R.offsets};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_bwd(
@@ -192,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort(const at::Tensor& ids, i
 TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {
   m.def("moe_sort(Tensor topk_ids, int num_experts) -> (Tensor order, Tensor rev, Tensor offsets)");
   m.def(
-      "moe_ffn_fwd(Tensor x, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids)"
+      "moe_ffn_fwd(Tensor x, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, bool save_preact=True)"
       " -> (Tensor y, Tensor preact, Tensor order, Tensor rev, Tensor offsets)");
   m.def(
       "moe_ffn_bwd(Tensor grad_y, Tensor x, Tensor w1, Tensor w2, Tensor topk_weights,"

@@ -1,0 +1,208 @@
+"""Grouped top-k MoE GEMMs: wall-clock and TFLOP/s against the reference, the
+``torch._grouped_mm`` composite and a dense SwiGLU FFN doing the same FLOPs.
+
+    python bench/bench_moe_gemm.py                 # CPU, the default shapes, fp32 and bf16
+    python bench/bench_moe_gemm.py --device cuda   # GPU (paper micro-batch T = 32k)
+    python bench/bench_moe_gemm.py --shapes cpu-target --dtypes float32 --modes fwd
+
+Useful FLOPs (SPEC section 4): forward 6*T*k*H*d_e (gate, up, down), backward twice that.
+Modes: ``fwd`` (inference: under no_grad), ``bwd`` (the backward of a retained graph, with
+a random upstream gradient), ``fwd+bwd`` (a training step of the layer). Each row times:
+
+* smelt -- ``moe_ffn`` with the auto-selected backend (``cpu`` on CPU, ``triton`` on CUDA;
+  ``--backend`` overrides);
+* reference -- ``moe_ffn(backend="torch")``, a loop over experts (the common HF style). Its
+  backward builds a full-size weight gradient per expert (select_backward), seconds per
+  call, so it is timed backward only where the expert weights are small (at most
+  ``--reference-bwd-params``, default 20M: the cpu-target shape);
+* grouped_mm -- a sort + gather + ``torch._grouped_mm`` x2 + index_add composite, where
+  ``torch._grouped_mm`` exists for the device and dtype;
+* dense -- a SwiGLU FFN with hidden size k*d_e (the same FLOPs per token).
+
+``dense_ratio`` = dense time / smelt time, i.e. smelt's achieved FLOP rate as a fraction of
+the dense FFN's (SPEC section 5 asks >= 0.8 on the CPU). CPU timings on a shared machine
+are noisy: each row interleaves nothing, so compare ratios from one run, and see p20/p80.
+Results go to ``bench/results/moe_gemm_<device>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import environment, measure, tflops, write_results  # noqa: E402
+
+from smelt_kernels import moe_gemm  # noqa: E402
+
+# name: (H, d_e, E, k, tokens on CPU, tokens on GPU)
+SHAPES = {
+    "cpu-target": (256, 64, 288, 8, 4096, 32768),
+    "200M-base": (1280, 432, 192, 8, 1024, 32768),
+    "200M-smelt": (1056, 352, 288, 8, 1024, 32768),
+    "100M-smelt": (576, 424, 288, 8, 2048, 32768),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_inputs(H, de, E, k, T, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    w1 = (torch.randn(E, 2 * de, H, generator=g) * H ** -0.5).to(device, dtype)
+    w2 = (torch.randn(E, H, de, generator=g) * de ** -0.5).to(device, dtype)
+    logits = torch.randn(T, E, generator=g).to(device)
+    tw, ids = moe_gemm.route(logits, k)
+    dense_w1 = (torch.randn(2 * k * de, H, generator=g) * H ** -0.5).to(device, dtype)
+    dense_w2 = (torch.randn(H, k * de, generator=g) * (k * de) ** -0.5).to(device, dtype)
+    return dict(x=x, w1=w1, w2=w2, tw=tw, ids=ids, dense_w1=dense_w1, dense_w2=dense_w2)
+
+
+def dense_ffn(x, w1, w2):
+    a = x @ w1.t()
+    n = a.shape[1] // 2
+    return (F.silu(a[:, :n]) * a[:, n:]) @ w2.t()
+
+
+def grouped_mm_ffn(x, w1, w2, tw, ids):
+    """Sort by expert, gather, two torch._grouped_mm calls, weight, index_add."""
+    E, two_de, _ = w1.shape
+    de, k = two_de // 2, ids.shape[1]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    tok = order // k
+    a = torch._grouped_mm(x[tok], w1.transpose(1, 2), offs=offs)
+    h = F.silu(a[:, :de]) * a[:, de:]
+    o = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    o = o * tw.reshape(-1)[order, None].to(o.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, o)
+
+
+def grouped_mm_available(device, dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.randn(4, 16, device=device, dtype=dtype)
+        b = torch.randn(2, 16, 16, device=device, dtype=dtype)
+        torch._grouped_mm(a, b, offs=torch.tensor([2, 4], dtype=torch.int32, device=device))
+        return True
+    except Exception:
+        return False
+
+
+def timer(impl, inp, mode, device, repeats, min_time_s):
+    """Time one implementation in one mode; returns a Timing."""
+    leaves_for = {
+        "dense": ("x", "dense_w1", "dense_w2"),
+        "smelt": ("x", "w1", "w2", "tw"),
+        "reference": ("x", "w1", "w2", "tw"),
+        "grouped_mm": ("x", "w1", "w2", "tw"),
+    }
+    names = leaves_for[impl.name]
+    leaves = [inp[n].detach().clone().requires_grad_(mode != "fwd") for n in names]
+    extra = [] if impl.name == "dense" else [inp["ids"]]
+
+    def fwd():
+        return impl(*leaves, *extra)
+
+    dy = torch.randn_like(inp["x"])
+    if mode == "fwd":
+        def fn():
+            with torch.no_grad():
+                fwd()
+    elif mode == "bwd":
+        y = fwd()
+
+        def fn():
+            torch.autograd.grad(y, leaves, dy, retain_graph=True)
+    else:
+        def fn():
+            torch.autograd.grad(fwd(), leaves, dy)
+    return measure(fn, device=device, warmup=2, repeats=repeats, min_time_s=min_time_s)
+
+
+class Impl:
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--shapes", default="cpu-target,200M-base,200M-smelt")
+    p.add_argument("--modes", default="fwd,bwd,fwd+bwd")
+    p.add_argument("--tokens", type=int, default=None, help="override T for every shape")
+    p.add_argument("--backend", default=None, help="smelt backend (default: auto)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per row")
+    p.add_argument("--reference-bwd-params", type=float, default=20e6,
+                   help="time the reference backward only up to this many expert parameters")
+    p.add_argument("--skip", default="", help="comma list of reference,grouped_mm,dense to skip")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--name", default=None, help="results file stem (default moe_gemm_<device>)")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    skip = set(filter(None, args.skip.split(",")))
+    rows = []
+    backend_used = moe_gemm.select_backend(torch.empty(1, 1, device=device), args.backend)
+    for shape in args.shapes.split(","):
+        H, de, E, k, t_cpu, t_gpu = SHAPES[shape]
+        T = args.tokens or (t_gpu if device.type == "cuda" else t_cpu)
+        fl_fwd = 6.0 * T * k * H * de
+        for dname in args.dtypes.split(","):
+            dtype = DTYPES[dname]
+            inp = make_inputs(H, de, E, k, T, dtype, device)
+            impls = [Impl("smelt", lambda *a: moe_gemm.moe_ffn(*a, backend=args.backend))]
+            if "reference" not in skip:
+                impls.append(Impl("reference", lambda *a: moe_gemm.moe_ffn(*a, backend="torch")))
+            if "grouped_mm" not in skip and grouped_mm_available(device, dtype):
+                impls.append(Impl("grouped_mm", grouped_mm_ffn))
+            if "dense" not in skip:
+                impls.append(Impl("dense", dense_ffn))
+            for mode in args.modes.split(","):
+                flops = fl_fwd * {"fwd": 1, "bwd": 2, "fwd+bwd": 3}[mode]
+                t = {}
+                for impl in impls:
+                    if impl.name == "reference" and mode != "fwd" and 3 * E * H * de > args.reference_bwd_params:
+                        continue
+                    try:
+                        t[impl.name] = timer(impl, inp, mode, device, args.repeats, args.min_time)
+                    except Exception as e:  # e.g. an op without backward on this device
+                        print(f"  {impl.name} {mode}: {type(e).__name__}: {e}", file=sys.stderr)
+                s = t["smelt"]
+                row = dict(shape=shape, T=T, H=H, d_e=de, E=E, k=k, dtype=dname, mode=mode,
+                           backend=backend_used, smelt_ms=s.median_ms, smelt_p20=s.p20_ms,
+                           smelt_p80=s.p80_ms, smelt_tflops=tflops(flops, s.median_ms))
+                for name in ("reference", "grouped_mm", "dense"):
+                    if name in t:
+                        row[f"{name}_ms"] = t[name].median_ms
+                        row[f"vs_{name}"] = t[name].median_ms / s.median_ms
+                if "dense" in t:
+                    row["dense_tflops"] = tflops(flops, t["dense"].median_ms)
+                rows.append(row)
+                print(" ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()),
+                      flush=True)
+    cols = ["shape", "T", "dtype", "mode", "backend", "smelt_ms", "smelt_tflops", "reference_ms", "vs_reference",
+            "grouped_mm_ms", "vs_grouped_mm", "dense_ms", "dense_tflops", "vs_dense"]
+    notes = ("vs_X = X time / smelt time (> 1: smelt is faster); vs_dense is smelt's FLOP rate as a "
+             "fraction of a dense SwiGLU FFN doing the same FLOPs (target >= 0.8 on the CPU). "
+             "fwd: no_grad forward; bwd: backward of a retained graph; fwd+bwd: one training step. "
+             f"Threads: {torch.get_num_threads()}. Shared CPU machines are noisy: compare ratios "
+             "within one run; p20/p80 are in the JSON.")
+    name = args.name or f"moe_gemm_{device.type}"
+    jpath, mpath = write_results(name, rows, cols, args.out, env=environment(device),
+                                 title=f"Grouped top-k MoE GEMMs ({device.type})", notes=notes)
+    print(f"wrote {jpath} and {mpath}")
+
+
+if __name__ == "__main__":
+    main()
