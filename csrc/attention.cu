@@ -140,6 +140,7 @@ __global__ void __launch_bounds__(NTHREADS) segment_attention_fwd_kernel(const P
     *reinterpret_cast<uint4*>(sQ + r * LD + c) = val;
   }
   for (int i = tid; i < BM * LDO; i += NTHREADS) sO[i] = 0.f;
+  __syncthreads();  // sQ and sO are read below even when no key tile is visited
 
   const float qk_scale = p.scale * LOG2E;
   const int lo = start_first;

@@ -19,8 +19,14 @@ with positions p_first..p_last only visits keys start(p_first)..p_last, in three
 
 Softmax runs online in fp32 in the log2 domain (``exp2``); the kernel stores the
 natural-log LSE. The sink statistic needs only the score against each row's segment
-start and the row's LSE: the kernel gathers that one key row and writes the probability
-per row; the caller averages it.
+start and the row's LSE: the forward picks that score out of the S tiles it computes
+anyway (only tiles at or below the tile's last segment start can hold one) and writes
+the probability per row; the caller averages it.
+
+Head dims: any multiple of 8 up to 128 runs at D_PAD = the next power of two (>= 16) in
+registers, with masked loads and stores; the caller's tensors are never padded. Gathered
+(query, head) rows carry a multiple-of-8 alignment hint, so the launchers pass strides
+that are multiples of 8 elements (copying otherwise).
 
 Backward (deterministic, no atomics): ``_bwd_delta`` computes rowsum(dO * O);
 ``_bwd_dkdv`` owns a key tile and loops over every row (all G heads) that can see it,
