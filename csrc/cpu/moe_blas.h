@@ -139,6 +139,9 @@ __attribute__((target("avx2"))) static inline void transpose8x8_avx2(const uint3
   _mm256_storeu_ps(d + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
   _mm256_storeu_ps(d + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
+// (GCC 12 warns inside its own AVX-512 intrinsics headers about their undefined-vector idiom)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
 __attribute__((target("avx512f"))) static inline void transpose16x16_avx512(const uint32_t* src, int64_t lds,
                                                                             uint32_t* dst, int64_t ldd) {
   __m512 r[16], t[16];
@@ -165,6 +168,7 @@ __attribute__((target("avx512f"))) static inline void transpose16x16_avx512(cons
     _mm512_storeu_ps(o + (12 + j) * ldd, _mm512_shuffle_f32x4(s1, q1, 0xdd));
   }
 }
+#pragma GCC diagnostic pop
 inline bool cpu_has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2");
   return has;

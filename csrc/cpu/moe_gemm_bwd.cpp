@@ -90,11 +90,16 @@ struct Backward {
       for (int64_t i = 0; i < m; ++i) narrow(X + i * Q1.Np, dxs + (r0 + i) * H, H);
     }
     // the chunk transposed, zero beyond its m rows
-    transpose32(reinterpret_cast<const uint32_t*>(T3), ldt, m, ldt, reinterpret_cast<uint32_t*>(T3t), kRows);
-    for (int64_t c = 0; c < ldt; ++c) {
-      float* src = T3t + c * kRows;
-      std::fill(src + m, src + mq, 0.0f);
-      narrow(src, AT + c * kRows, mq);
+    if constexpr (std::is_same_v<CT, float>) {
+      transpose32(reinterpret_cast<const uint32_t*>(T3), ldt, m, ldt, reinterpret_cast<uint32_t*>(AT), kRows);
+      for (int64_t c = 0; c < ldt; ++c) std::fill(AT + c * kRows + m, AT + c * kRows + mq, 0.0f);
+    } else {
+      transpose32(reinterpret_cast<const uint32_t*>(T3), ldt, m, ldt, reinterpret_cast<uint32_t*>(T3t), kRows);
+      for (int64_t c = 0; c < ldt; ++c) {
+        float* src = T3t + c * kRows;
+        std::fill(src + m, src + mq, 0.0f);
+        narrow(src, AT + c * kRows, mq);
+      }
     }
   }
 

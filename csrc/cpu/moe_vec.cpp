@@ -14,8 +14,8 @@ void swiglu_forward(const float* gate, const float* up, float* h, int64_t n) {
 }
 
 SMELT_MULTIVERSION
-float swiglu_backward(const float* gate, const float* up, const float* G, float w, int64_t n,
-                      float* dgate, float* dup, float* hw) {
+float swiglu_backward(const float* __restrict gate, const float* __restrict up, const float* __restrict G,
+                      float w, int64_t n, float* __restrict dgate, float* __restrict dup, float* __restrict hw) {
   for (int64_t i = 0; i < n; ++i) {
     float g = gate[i], u = up[i], d = G[i];
     float s = sigmoid(g);
