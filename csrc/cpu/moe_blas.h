@@ -414,6 +414,8 @@ float swiglu_backward(const float* gate, const float* up, const float* G, float 
                       float* dgate, float* dup, float* hw);
 // acc += a * x
 void axpy(float* acc, const float* x, float a, int64_t n);
+// out = sum_j w[j] * rows[j] (w == nullptr: weights 1), summed in j order
+void weighted_sum(const float* const* rows, const float* w, int64_t k, float* out, int64_t n);
 void widen(const c10::BFloat16* src, float* dst, int64_t n);
 void widen(const c10::Half* src, float* dst, int64_t n);
 void narrow(const float* src, c10::BFloat16* dst, int64_t n);

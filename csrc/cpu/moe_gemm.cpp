@@ -66,19 +66,17 @@ Routing sort_pairs(const at::Tensor& ids, int64_t E) {
 // ---------------------------------------------------------------------------- forward
 template <typename ST, typename CT>
 void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, const float* tw,
-                  const Routing& R, at::Tensor& y, at::Tensor& pre, at::Tensor& out) {
+                  const Routing& R, at::Tensor& y, ST* prep, at::Tensor& out) {
   const int64_t H = x.size(1), de = w1.size(1) / 2, E = R.E, k = R.k;
   const ST* xp = x.data_ptr<ST>();
   const ST* w1p = w1.data_ptr<ST>();
   const ST* w2p = w2.data_ptr<ST>();
-  ST* prep = pre.data_ptr<ST>();
   ST* outp = out.data_ptr<ST>();
   const int32_t* order = R.order.data_ptr<int32_t>();
   const int32_t* off = R.offsets.data_ptr<int32_t>();
   const std::vector<Item> items = row_items(off, E);
   std::vector<int64_t> cost(items.size());
   for (size_t i = 0; i < items.size(); ++i) cost[i] = items[i].r1 - items[i].r0 + 16;
-  constexpr bool direct = std::is_same_v<ST, float>;  // GEMMs write fp32 results in place
   const int64_t lda1 = k_pad<CT>(H), lda2 = k_pad<CT>(de);
 
   run_balanced<RowState<CT>, CT>(
@@ -97,21 +95,15 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
         for (int64_t i = 0; i < m; ++i) tok[i] = order[I.r0 + i] / k;
         CT* A1 = S.A1.get(m * lda1);
         gather_rows(xp, H, tok, m, H, A1, lda1);
-        float* C1;
-        int64_t ldc1;
-        if constexpr (direct) {
-          C1 = reinterpret_cast<float*>(prep) + I.r0 * 2 * de;
-          ldc1 = 2 * de;
-        } else {
-          ldc1 = P1.Np;
-          C1 = S.C1.get(m * ldc1);
-        }
+        // the GEMMs write cache-resident scratch; rows are then copied out once
+        const int64_t ldc1 = P1.Np;
+        float* C1 = S.C1.get(m * ldc1);
         gemm(m, A1, lda1, P1, C1, ldc1, false);
         CT* A2 = S.A2.get(m * lda2);
         float* h = S.row.get(de);
         for (int64_t i = 0; i < m; ++i) {
           const float* c = C1 + i * ldc1;
-          if constexpr (!direct) narrow(c, prep + (I.r0 + i) * 2 * de, 2 * de);
+          if (prep) narrow(c, prep + (I.r0 + i) * 2 * de, 2 * de);
           CT* a = A2 + i * lda2;
           if constexpr (std::is_same_v<CT, float>) {
             swiglu_forward(c, c + de, a, de);
@@ -121,13 +113,9 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
           }
           for (int64_t cc = de; cc < lda2; ++cc) a[cc] = CT(0.0f);
         }
-        if constexpr (direct) {
-          gemm(m, A2, lda2, P2, reinterpret_cast<float*>(outp) + I.r0 * H, H, false);
-        } else {
-          float* C2 = S.C2.get(m * P2.Np);
-          gemm(m, A2, lda2, P2, C2, P2.Np, false);
-          for (int64_t i = 0; i < m; ++i) narrow(C2 + i * P2.Np, outp + (I.r0 + i) * H, H);
-        }
+        float* C2 = S.C2.get(m * P2.Np);
+        gemm(m, A2, lda2, P2, C2, P2.Np, false);
+        for (int64_t i = 0; i < m; ++i) narrow(C2 + i * P2.Np, outp + (I.r0 + i) * H, H);
       });
   combine<ST>(outp, R.rev.data_ptr<int32_t>(), tw, R.T, k, H, y.data_ptr<ST>());
 }
@@ -152,15 +140,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_f
   Routing R = sort_pairs(ids, w1.size(0));
   const int64_t H = x.size(1), de = w1.size(1) / 2;
   at::Tensor y = at::empty({R.T, H}, x.options());
-  // without a backward to feed, the pre-activation goes to a reused buffer
-  at::Tensor pre = save_preact ? at::empty({R.TK, 2 * de}, x.options()) : workspace(2, R.TK, 2 * de, x.scalar_type());
+  // the pre-activation is stored only when a backward will need it
+  at::Tensor pre = at::empty({save_preact ? R.TK : 0, 2 * de}, x.options());
   at::Tensor out = workspace(0, R.TK, H, x.scalar_type());
   dispatch(x.scalar_type(), [&](auto st, auto ct) {
     using ST = decltype(st);
     using CT = decltype(ct);
-    forward_impl<ST, CT>(x, w1, w2, tw.data_ptr<float>(), R, y, pre, out);
+    forward_impl<ST, CT>(x, w1, w2, tw.data_ptr<float>(), R, y, save_preact ? pre.data_ptr<ST>() : nullptr, out);
   });
-  return {y, save_preact ? pre : at::empty({0, 2 * de}, x.options()), R.order, R.rev, R.offsets};
+  return {y, pre, R.order, R.rev, R.offsets};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_bwd(

@@ -25,6 +25,7 @@ inline std::vector<Item> row_items(const int32_t* off, int64_t E) {
 
 // Runs fn(item index, state) over items in cost-balanced contiguous ranges, one range per
 // thread, each thread with its own State (scratch buffers, packed weights) for this call.
+// What an item computes does not depend on which thread runs it.
 template <typename State, typename CT, typename Fn>
 void run_balanced(const std::vector<int64_t>& cost, Fn fn) {
   const int64_t n = static_cast<int64_t>(cost.size());
@@ -50,24 +51,28 @@ struct RowState {
   Scratch<int64_t> tok;
 };
 
-// y[t] = sum_j w[t, j] * rows[rev[t*k + j]] (w == nullptr: weight 1), in slot order.
+// y[t] = sum_j w[t, j] * rows[rev[t*k + j]] (w == nullptr: weight 1), summed in slot order.
 template <typename ST>
 void combine(const ST* rows, const int32_t* rev, const float* w, int64_t T, int64_t k, int64_t H, ST* y) {
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc(H), tmp(H);
+    std::vector<const float*> src(k);
+    std::vector<float> wide(std::is_same_v<ST, float> ? 0 : k * H), acc(H);
     for (int64_t t = t0; t < t1; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < k; ++j) {
-        const ST* src = rows + static_cast<int64_t>(rev[t * k + j]) * H;
-        float a = w ? w[t * k + j] : 1.0f;
+        const ST* r = rows + static_cast<int64_t>(rev[t * k + j]) * H;
         if constexpr (std::is_same_v<ST, float>) {
-          axpy(acc.data(), src, a, H);
+          src[j] = r;
         } else {
-          widen(src, tmp.data(), H);
-          axpy(acc.data(), tmp.data(), a, H);
+          widen(r, wide.data() + j * H, H);
+          src[j] = wide.data() + j * H;
         }
       }
-      narrow(acc.data(), y + t * H, H);
+      if constexpr (std::is_same_v<ST, float>) {
+        weighted_sum(src.data(), w ? w + t * k : nullptr, k, y + t * H, H);
+      } else {
+        weighted_sum(src.data(), w ? w + t * k : nullptr, k, acc.data(), H);
+        narrow(acc.data(), y + t * H, H);
+      }
     }
   });
 }

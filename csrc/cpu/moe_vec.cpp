@@ -43,6 +43,21 @@ void axpy(float* acc, const float* x, float a, int64_t n) {
 }
 
 SMELT_MULTIVERSION
+void weighted_sum(const float* const* rows, const float* w, int64_t k, float* out, int64_t n) {
+  constexpr int64_t B = 64;
+  for (int64_t i0 = 0; i0 < n; i0 += B) {
+    const int64_t len = std::min(B, n - i0);
+    float acc[B] = {0.0f};
+    for (int64_t j = 0; j < k; ++j) {
+      const float* __restrict r = rows[j] + i0;
+      const float a = w ? w[j] : 1.0f;
+      for (int64_t i = 0; i < len; ++i) acc[i] += a * r[i];
+    }
+    for (int64_t i = 0; i < len; ++i) out[i0 + i] = acc[i];
+  }
+}
+
+SMELT_MULTIVERSION
 void widen(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
