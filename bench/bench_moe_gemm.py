@@ -21,7 +21,8 @@ a random upstream gradient), ``fwd+bwd`` (a training step of the layer). Each ro
 
 ``dense_ratio`` = dense time / smelt time, i.e. smelt's achieved FLOP rate as a fraction of
 the dense FFN's (SPEC section 5 asks >= 0.8 on the CPU). CPU timings on a shared machine
-are noisy: each row interleaves nothing, so compare ratios from one run, and see p20/p80.
+are noisy: the implementations of a row are timed round-robin (one call each per round)
+so that load drifts hit them alike; compare ratios within a row, and see p20/p80.
 Results go to ``bench/results/moe_gemm_<device>.{json,md}``.
 """
 
@@ -29,22 +30,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import environment, measure, tflops, write_results  # noqa: E402
+from timing import Timing, environment, measure, tflops, write_results  # noqa: E402
 
 from smelt_kernels import moe_gemm  # noqa: E402
 
 # name: (H, d_e, E, k, tokens on CPU, tokens on GPU)
 SHAPES = {
     "cpu-target": (256, 64, 288, 8, 4096, 32768),
-    "200M-base": (1280, 432, 192, 8, 1024, 32768),
-    "200M-smelt": (1056, 352, 288, 8, 1024, 32768),
-    "100M-smelt": (576, 424, 288, 8, 2048, 32768),
+    "200M-base": (1280, 432, 192, 8, 4096, 32768),
+    "200M-smelt": (1056, 352, 288, 8, 4096, 32768),
+    "100M-smelt": (576, 424, 288, 8, 4096, 32768),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,8 +96,8 @@ def grouped_mm_available(device, dtype) -> bool:
         return False
 
 
-def timer(impl, inp, mode, device, repeats, min_time_s):
-    """Time one implementation in one mode; returns a Timing."""
+def make_step(impl, inp, mode):
+    """The callable one timed sample runs for ``impl`` in ``mode``."""
     leaves_for = {
         "dense": ("x", "dense_w1", "dense_w2"),
         "smelt": ("x", "w1", "w2", "tw"),
@@ -122,7 +124,37 @@ def timer(impl, inp, mode, device, repeats, min_time_s):
     else:
         def fn():
             torch.autograd.grad(fwd(), leaves, dy)
-    return measure(fn, device=device, warmup=2, repeats=repeats, min_time_s=min_time_s)
+    return fn
+
+
+def _stats(samples):
+    xs = sorted(samples)
+
+    def q(p):
+        pos = p * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return Timing(median_ms=statistics.median(xs), p20_ms=q(0.2), p80_ms=q(0.8), min_ms=xs[0],
+                  repeats=len(xs), samples_ms=list(samples))
+
+
+def time_interleaved(steps, device, repeats, min_time_s):
+    """Round-robin timing: one sample of every step per round, so slow drifts of a shared
+    machine's load hit all implementations alike. Returns name -> Timing."""
+    samples = {name: [] for name in steps}
+    for fn in steps.values():  # warm-up (JIT kernels, allocator)
+        measure(fn, device=device, warmup=1, repeats=1)
+    while True:
+        for name, fn in steps.items():
+            samples[name].append(measure(fn, device=device, warmup=0, repeats=1).median_ms)
+        done = min(len(v) for v in samples.values()) >= repeats
+        if done and min(sum(v) for v in samples.values()) >= min_time_s * 1e3:
+            break
+        if done and len(samples["smelt"]) >= 50:
+            break
+    return {name: _stats(v) for name, v in samples.items()}
 
 
 class Impl:
@@ -170,14 +202,17 @@ def main(argv=None):
                 impls.append(Impl("dense", dense_ffn))
             for mode in args.modes.split(","):
                 flops = fl_fwd * {"fwd": 1, "bwd": 2, "fwd+bwd": 3}[mode]
-                t = {}
+                steps = {}
                 for impl in impls:
                     if impl.name == "reference" and mode != "fwd" and 3 * E * H * de > args.reference_bwd_params:
                         continue
                     try:
-                        t[impl.name] = timer(impl, inp, mode, device, args.repeats, args.min_time)
+                        steps[impl.name] = make_step(impl, inp, mode)
+                        steps[impl.name]()
                     except Exception as e:  # e.g. an op without backward on this device
+                        steps.pop(impl.name, None)
                         print(f"  {impl.name} {mode}: {type(e).__name__}: {e}", file=sys.stderr)
+                t = time_interleaved(steps, device, args.repeats, args.min_time)
                 s = t["smelt"]
                 row = dict(shape=shape, T=T, H=H, d_e=de, E=E, k=k, dtype=dname, mode=mode,
                            backend=backend_used, smelt_ms=s.median_ms, smelt_p20=s.p20_ms,
@@ -197,7 +232,7 @@ def main(argv=None):
              "fraction of a dense SwiGLU FFN doing the same FLOPs (target >= 0.8 on the CPU). "
              "fwd: no_grad forward; bwd: backward of a retained graph; fwd+bwd: one training step. "
              f"Threads: {torch.get_num_threads()}. Shared CPU machines are noisy: compare ratios "
-             "within one run; p20/p80 are in the JSON.")
+             "within a row (its implementations are timed round-robin); p20/p80 are in the JSON.")
     name = args.name or f"moe_gemm_{device.type}"
     jpath, mpath = write_results(name, rows, cols, args.out, env=environment(device),
                                  title=f"Grouped top-k MoE GEMMs ({device.type})", notes=notes)

@@ -351,7 +351,11 @@ template <typename CT>
 void gemm(int64_t M, const CT* A, int64_t lda, const Panel<CT>& P, float* C, int64_t ldc, bool add) {
   if (M == 0) return;
   if constexpr (!kVnni<CT>) {
-    at::native::cpublas::brgemm(M, P.N, P.Kp, lda, P.ld, ldc, add, A, P.data, C, false);
+    // column blocks whose B slice (about 256 KB) stays in L2 while all M rows stream past it
+    const int64_t nb = std::min(P.N, std::max<int64_t>(64, (65536 / std::max<int64_t>(P.Kp, 1)) / 16 * 16));
+    for (int64_t n0 = 0; n0 < P.N; n0 += nb)
+      at::native::cpublas::brgemm(M, std::min(nb, P.N - n0), P.Kp, lda, P.ld, ldc, add, A, P.data + n0,
+                                  C + n0, false);
   } else {
     for (int64_t n0 = 0; n0 < P.Np; n0 += kPanelBlock) {
       int64_t width = std::min(kPanelBlock, P.Np - n0);
