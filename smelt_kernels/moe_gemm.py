@@ -29,9 +29,10 @@ is logged on the ``smelt`` logger when it falls back):
 * ``"torch"``: the reference (a loop over experts), any floating dtype including fp64.
 
 dtypes: x, w1 and w2 share one of fp32, bf16, fp16 (``"cuda"``: bf16 and fp16; fp64 only
-with ``"torch"``);
-topk_weights any floating dtype (computed in fp32, its gradient returned in its dtype);
-topk_ids int32 or int64. Non-contiguous inputs are accepted (copied to contiguous).
+with ``"torch"``); topk_weights any floating dtype (computed in fp32, its gradient returned
+in its dtype); topk_ids int32 or int64. Non-contiguous inputs are accepted (copied to
+contiguous). Accumulation is fp32; the pre-activation (T*k, 2*d_e) is kept for backward in
+x's dtype, and only when a gradient is required.
 
 Validation: shapes, ranks, dtypes and devices are checked before any kernel runs and
 raise ``ValueError``/``TypeError`` naming the argument. Id *values* (in [0, E), no expert
@@ -41,8 +42,9 @@ id is outside [0, E) is dropped (it adds nothing and gets a zero weight gradient
 token that names an expert twice gets that expert applied twice (the sum the reference
 computes).
 
-Determinism: every backend reduces in a fixed order without atomics, so equal inputs give
-bitwise-equal outputs and gradients.
+Determinism: the kernel backends (``"cpu"``, ``"triton"``, ``"cuda"``) reduce in a fixed
+order without atomics, so equal inputs give bitwise-equal outputs and gradients (the
+``"torch"`` reference uses ``index_add``, which is not deterministic on CUDA).
 
 ``torch.ops.smelt.moe_ffn_fwd`` / ``moe_ffn_bwd`` / ``grouped_mm`` / ``grouped_mm_wgrad``
 are the registered custom ops (fake implementations included), so
@@ -413,8 +415,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *,
     ``torch._grouped_mm``); gather_idx: optional (M,) int row indices, A[i] = a[gather_idx[i]]
     (else A = a, M = Ma). Rows at or after offsets[-1] come out zero. Returns c (M, N) in a's
     dtype, differentiable w.r.t. a and b (with gather_idx, a's gradient sums the rows that
-    gathered it). Offsets must be non-decreasing and at most M: checked on CPU tensors, not
-    on CUDA tensors (no host sync). Backends as for :func:`moe_ffn`, without ``"cuda"``.
+    gathered it, through ``index_add_``: deterministic on CPU, not on CUDA). Offsets must be
+    non-decreasing and at most M: checked on CPU tensors, not on CUDA tensors (no host sync).
+    Backends as for :func:`moe_ffn`, without ``"cuda"``.
     """
     for name, t in (("a", a), ("b", b), ("offsets", offsets)):
         if not isinstance(t, torch.Tensor):

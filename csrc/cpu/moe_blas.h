@@ -51,6 +51,24 @@ inline D cvt(S v) {
   }
 }
 
+// Element-wise row kernels (csrc/cpu/moe_vec.cpp), fp32 in registers.
+// h = silu(gate) * up
+void swiglu_forward(const float* gate, const float* up, float* h, int64_t n);
+// From G = dL/dh_unweighted (the down-projection's input gradient before the routing weight
+// w): dgate, dup (with w applied) and hw = w * h; returns sum(G * h), dL/dw.
+float swiglu_backward(const float* gate, const float* up, const float* G, float w, int64_t n,
+                      float* dgate, float* dup, float* hw);
+// acc += a * x
+void axpy(float* acc, const float* x, float a, int64_t n);
+// out = sum_j w[j] * rows[j] (w == nullptr: weights 1), summed in j order
+void weighted_sum(const float* const* rows, const float* w, int64_t k, float* out, int64_t n);
+void widen(const c10::BFloat16* src, float* dst, int64_t n);
+void widen(const c10::Half* src, float* dst, int64_t n);
+void narrow(const float* src, c10::BFloat16* dst, int64_t n);
+void narrow(const float* src, c10::Half* dst, int64_t n);
+inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void narrow(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
 // 64-byte aligned scratch that only grows; one per thread and purpose.
 template <typename T>
 class Scratch {
@@ -219,49 +237,70 @@ inline void transpose32(const uint32_t* src, int64_t lds, int64_t rows, int64_t 
 }
 
 // ---------------------------------------------------------------------------- packing
-// B = W^T for W (N x K, row stride ldw): the "x @ W^T" operand of a Linear-layout weight.
+// Columns [col0, col0 + n) of panel P (already reset) = W^T, W: n x K rows with stride ldw.
 template <typename CT, typename ST>
-void pack_transposed(const ST* W, int64_t ldw, int64_t N, int64_t K, Panel<CT>& P) {
-  CT* out = P.reset(K, N);
+void transpose_into(const ST* W, int64_t ldw, int64_t n, int64_t K, Panel<CT>& P, CT* out, int64_t col0) {
+  if (n <= 0) return;
   if constexpr (!kVnni<CT>) {
     if constexpr (std::is_same_v<ST, float>) {
-      transpose32(reinterpret_cast<const uint32_t*>(W), ldw, N, K, reinterpret_cast<uint32_t*>(out), P.ld);
+      transpose32(reinterpret_cast<const uint32_t*>(W), ldw, n, K, reinterpret_cast<uint32_t*>(out + col0), P.ld);
     } else {
       // fp32 compute of 16-bit weights: convert row by row, then transpose
       thread_local Scratch<float> wide;
-      float* w = wide.get(N * K);
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t k = 0; k < K; ++k) w[n * K + k] = cvt<float>(W[n * ldw + k]);
-      transpose32(reinterpret_cast<const uint32_t*>(w), K, N, K, reinterpret_cast<uint32_t*>(out), P.ld);
+      float* w = wide.get(n * K);
+      for (int64_t r = 0; r < n; ++r) widen(W + r * ldw, w + r * K, K);
+      transpose32(reinterpret_cast<const uint32_t*>(w), K, n, K, reinterpret_cast<uint32_t*>(out + col0), P.ld);
     }
   } else {
     static_assert(std::is_same_v<CT, ST>, "pair-interleaved panels are built from their own type");
-    // Within a column block, the pair (W[n][2q], W[n][2q+1]) becomes the 32-bit word at
-    // row q, column n of that block: a 32-bit transpose (rows of W are 4-byte aligned
+    // Within a column block, the pair (W[c][2q], W[c][2q+1]) becomes the 32-bit word at
+    // row q, column c of that block: a 32-bit transpose (rows of W are 4-byte aligned
     // when K and ldw are even; otherwise the slow path below).
     const int64_t Kh = P.Kp / 2;
     const bool aligned = K % 2 == 0 && ldw % 2 == 0 && reinterpret_cast<uintptr_t>(W) % 4 == 0;
-    for (int64_t n0 = 0; n0 < P.Np; n0 += kPanelBlock) {
-      int64_t width = std::min(kPanelBlock, P.Np - n0);
-      int64_t valid = std::max<int64_t>(0, std::min(width, N - n0));
-      uint32_t* blk = reinterpret_cast<uint32_t*>(out + P.Kp * n0);
+    for (int64_t c = col0; c < col0 + n;) {
+      const int64_t b0 = c / kPanelBlock * kPanelBlock, width = std::min(kPanelBlock, P.Np - b0);
+      const int64_t cnt = std::min(col0 + n, b0 + width) - c;
+      uint32_t* blk = reinterpret_cast<uint32_t*>(out + P.Kp * b0) + (c - b0);
+      const ST* rows = W + (c - col0) * ldw;
       if (aligned) {
-        transpose32(reinterpret_cast<const uint32_t*>(W + n0 * ldw), ldw / 2, valid, Kh, blk, width);
+        transpose32(reinterpret_cast<const uint32_t*>(rows), ldw / 2, cnt, Kh, blk, width);
       } else {
-        for (int64_t nl = 0; nl < valid; ++nl) {
-          const ST* w = W + (n0 + nl) * ldw;
+        for (int64_t r = 0; r < cnt; ++r) {
+          const ST* w = rows + r * ldw;
           for (int64_t q = 0; q < Kh; ++q) {
             uint16_t lo, hi = 0;
             std::memcpy(&lo, w + 2 * q, 2);
             if (2 * q + 1 < K) std::memcpy(&hi, w + 2 * q + 1, 2);
-            blk[q * width + nl] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+            blk[q * width + r] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
           }
         }
       }
-      for (int64_t q = 0; q < Kh; ++q)
-        for (int64_t nl = valid; nl < width; ++nl) blk[q * width + nl] = 0;
+      c += cnt;
     }
   }
+}
+
+// B = [Wa^T | Wb^T] for Wa (na x K) and Wb (nb x K), row stride ldw: the "x @ W^T" operand
+// of Linear-layout weights (Wb may be null with nb = 0).
+template <typename CT, typename ST>
+void pack_transposed(const ST* Wa, int64_t na, const ST* Wb, int64_t nb, int64_t ldw, int64_t K, Panel<CT>& P) {
+  CT* out = P.reset(K, na + nb);
+  if constexpr (kVnni<CT>) {
+    // padding columns of the last block are zero
+    const int64_t b0 = (na + nb) / kPanelBlock * kPanelBlock, width = P.Np - b0;
+    uint32_t* blk = reinterpret_cast<uint32_t*>(out + P.Kp * b0);
+    if (na + nb < P.Np)
+      for (int64_t q = 0; q < P.Kp / 2; ++q)
+        for (int64_t c = na + nb - b0; c < width; ++c) blk[q * width + c] = 0;
+  }
+  transpose_into<CT>(Wa, ldw, na, K, P, out, 0);
+  transpose_into<CT>(Wb, ldw, nb, K, P, out, na);
+}
+
+template <typename CT, typename ST>
+void pack_transposed(const ST* W, int64_t ldw, int64_t N, int64_t K, Panel<CT>& P) {
+  pack_transposed<CT, ST>(W, N, static_cast<const ST*>(nullptr), 0, ldw, K, P);
 }
 
 // B = W for W (K x N, row stride ldw). An fp32 W is used in place, without a copy.
@@ -350,17 +389,22 @@ void gather_rows(const ST* src, int64_t lds, const int64_t* rows, int64_t M, int
 template <typename CT>
 void gemm(int64_t M, const CT* A, int64_t lda, const Panel<CT>& P, float* C, int64_t ldc, bool add) {
   if (M == 0) return;
+  // Blocked so that the B block in use (about 32 KB) stays in L1 while the M rows of A
+  // stream past it; C accumulates over the K blocks.
   if constexpr (!kVnni<CT>) {
-    // column blocks whose B slice (about 256 KB) stays in L2 while all M rows stream past it
-    const int64_t nb = std::min(P.N, std::max<int64_t>(64, (65536 / std::max<int64_t>(P.Kp, 1)) / 16 * 16));
+    const int64_t nb = std::min<int64_t>(P.N, 64), kb = std::min<int64_t>(P.Kp, 128);
     for (int64_t n0 = 0; n0 < P.N; n0 += nb)
-      at::native::cpublas::brgemm(M, std::min(nb, P.N - n0), P.Kp, lda, P.ld, ldc, add, A, P.data + n0,
-                                  C + n0, false);
+      for (int64_t k0 = 0; k0 < P.Kp; k0 += kb)
+        at::native::cpublas::brgemm(M, std::min(nb, P.N - n0), std::min(kb, P.Kp - k0), lda, P.ld, ldc,
+                                    add || k0 > 0, A + k0, P.data + k0 * P.ld + n0, C + n0, false);
   } else {
+    const int64_t kb = std::min<int64_t>(P.Kp, 256);  // even, so K blocks start on a pair
     for (int64_t n0 = 0; n0 < P.Np; n0 += kPanelBlock) {
-      int64_t width = std::min(kPanelBlock, P.Np - n0);
-      at::native::cpublas::brgemm(M, width, P.Kp, lda, width, ldc, add, A, P.data + P.Kp * n0,
-                                  C + n0, true);
+      const int64_t width = std::min(kPanelBlock, P.Np - n0);
+      const CT* blk = P.data + P.Kp * n0;
+      for (int64_t k0 = 0; k0 < P.Kp; k0 += kb)
+        at::native::cpublas::brgemm(M, width, std::min(kb, P.Kp - k0), lda, width, ldc, add || k0 > 0, A + k0,
+                                    blk + k0 * width, C + n0, true);
     }
   }
 }
@@ -408,24 +452,6 @@ inline float sigmoid(float g) { return 1.0f / (1.0f + fast_exp(-g)); }
 #else
 #define SMELT_MULTIVERSION
 #endif
-
-// Element-wise row kernels (csrc/cpu/moe_vec.cpp), fp32 in registers.
-// h = silu(gate) * up
-void swiglu_forward(const float* gate, const float* up, float* h, int64_t n);
-// From G = dL/dh_unweighted (the down-projection's input gradient before the routing weight
-// w): dgate, dup (with w applied) and hw = w * h; returns sum(G * h), dL/dw.
-float swiglu_backward(const float* gate, const float* up, const float* G, float w, int64_t n,
-                      float* dgate, float* dup, float* hw);
-// acc += a * x
-void axpy(float* acc, const float* x, float a, int64_t n);
-// out = sum_j w[j] * rows[j] (w == nullptr: weights 1), summed in j order
-void weighted_sum(const float* const* rows, const float* w, int64_t k, float* out, int64_t n);
-void widen(const c10::BFloat16* src, float* dst, int64_t n);
-void widen(const c10::Half* src, float* dst, int64_t n);
-void narrow(const float* src, c10::BFloat16* dst, int64_t n);
-void narrow(const float* src, c10::Half* dst, int64_t n);
-inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void narrow(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 // Splits items with the given costs into at most nparts contiguous ranges of similar cost;
 // returns nparts + 1 boundaries.

@@ -64,6 +64,8 @@ Routing sort_pairs(const at::Tensor& ids, int64_t E) {
 }
 
 // ---------------------------------------------------------------------------- forward
+constexpr int64_t kPanelBytes = 256 * 1024;  // weight panel packed at a time (fits in L2)
+
 template <typename ST, typename CT>
 void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, const float* tw,
                   const Routing& R, at::Tensor& y, ST* prep, at::Tensor& out) {
@@ -78,44 +80,57 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
   std::vector<int64_t> cost(items.size());
   for (size_t i = 0; i < items.size(); ++i) cost[i] = items[i].r1 - items[i].r0 + 16;
   const int64_t lda1 = k_pad<CT>(H), lda2 = k_pad<CT>(de);
+  // hidden units per up-projection panel (gate and up columns) and output columns per
+  // down-projection panel, so that each packed panel stays in L2 however large H and d_e are
+  const int64_t kHid = std::min<int64_t>(de, std::max<int64_t>(16, kPanelBytes / (2 * lda1 * sizeof(CT)) / 16 * 16));
+  const int64_t kOut = std::min<int64_t>(H, std::max<int64_t>(64, kPanelBytes / (lda2 * sizeof(CT)) / 64 * 64));
 
   run_balanced<RowState<CT>, CT>(
       cost,
       [&](int64_t it, RowState<CT>& S) {
-        Panel<CT>& P1 = S.B1;
-        Panel<CT>& P2 = S.B2;
         const Item& I = items[it];
         const int64_t m = I.r1 - I.r0;
-        if (I.e != S.expert) {
-          pack_transposed<CT>(w1p + I.e * 2 * de * H, H, 2 * de, H, P1);
-          pack_transposed<CT>(w2p + I.e * H * de, de, H, de, P2);
-          S.expert = I.e;
-        }
+        const ST* w1e = w1p + I.e * 2 * de * H;
+        const ST* w2e = w2p + I.e * H * de;
         int64_t* tok = S.tok.get(m);
         for (int64_t i = 0; i < m; ++i) tok[i] = order[I.r0 + i] / k;
         CT* A1 = S.A1.get(m * lda1);
         gather_rows(xp, H, tok, m, H, A1, lda1);
-        // the GEMMs write cache-resident scratch; rows are then copied out once
-        const int64_t ldc1 = P1.Np;
-        float* C1 = S.C1.get(m * ldc1);
-        gemm(m, A1, lda1, P1, C1, ldc1, false);
         CT* A2 = S.A2.get(m * lda2);
-        float* h = S.row.get(de);
-        for (int64_t i = 0; i < m; ++i) {
-          const float* c = C1 + i * ldc1;
-          if (prep) narrow(c, prep + (I.r0 + i) * 2 * de, 2 * de);
-          CT* a = A2 + i * lda2;
-          if constexpr (std::is_same_v<CT, float>) {
-            swiglu_forward(c, c + de, a, de);
-          } else {
-            swiglu_forward(c, c + de, h, de);
-            narrow(h, a, de);
+        // Up-projection, kHid hidden units at a time: the panel [W_gate^T | W_up^T] of those
+        // units is packed right before use.
+        float* C1 = S.C1.get(m * round_up(2 * kHid, 16));
+        float* h = S.row.get(kHid);
+        for (int64_t j0 = 0; j0 < de; j0 += kHid) {
+          const int64_t jb = std::min(kHid, de - j0);
+          pack_transposed<CT>(w1e + j0 * H, jb, w1e + (de + j0) * H, jb, H, H, S.B1);
+          const int64_t ldc1 = S.B1.Np;
+          gemm(m, A1, lda1, S.B1, C1, ldc1, false);
+          for (int64_t i = 0; i < m; ++i) {
+            const float* c = C1 + i * ldc1;
+            if (prep) {
+              narrow(c, prep + (I.r0 + i) * 2 * de + j0, jb);
+              narrow(c + jb, prep + (I.r0 + i) * 2 * de + de + j0, jb);
+            }
+            CT* a = A2 + i * lda2 + j0;
+            if constexpr (std::is_same_v<CT, float>) {
+              swiglu_forward(c, c + jb, a, jb);
+            } else {
+              swiglu_forward(c, c + jb, h, jb);
+              narrow(h, a, jb);
+            }
           }
-          for (int64_t cc = de; cc < lda2; ++cc) a[cc] = CT(0.0f);
         }
-        float* C2 = S.C2.get(m * P2.Np);
-        gemm(m, A2, lda2, P2, C2, P2.Np, false);
-        for (int64_t i = 0; i < m; ++i) narrow(C2 + i * P2.Np, outp + (I.r0 + i) * H, H);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t c = de; c < lda2; ++c) A2[i * lda2 + c] = CT(0.0f);
+        // Down-projection, kOut output columns at a time (packed the same way)
+        float* C2 = S.C2.get(m * round_up(kOut, 16));
+        for (int64_t n0 = 0; n0 < H; n0 += kOut) {
+          const int64_t nb = std::min(kOut, H - n0);
+          pack_transposed<CT>(w2e + n0 * de, de, nb, de, S.B2);
+          gemm(m, A2, lda2, S.B2, C2, S.B2.Np, false);
+          for (int64_t i = 0; i < m; ++i) narrow(C2 + i * S.B2.Np, outp + (I.r0 + i) * H + n0, nb);
+        }
       });
   combine<ST>(outp, R.rev.data_ptr<int32_t>(), tw, R.T, k, H, y.data_ptr<ST>());
 }
