@@ -238,6 +238,28 @@ def test_bitwise_deterministic(name):
     assert torch.equal(y, a[0])
 
 
+@needs_cpu_kernel
+@pytest.mark.parametrize("skewed", [False, True])
+def test_cpu_results_do_not_depend_on_thread_count(skewed):
+    """Every element is reduced by one work item in a fixed order, whichever thread runs it
+    (the skewed routing takes the all-threads path for its big experts)."""
+    T, H, de, E, k = 600, 72, 40, 16, 4
+    ids = None
+    if skewed:
+        ids = torch.stack([torch.full((T,), 5), torch.randint(6, 9, (T,)), torch.zeros(T), torch.ones(T)], 1).int()
+    case = make_case(T, H, de, E, k, torch.float32, ids=ids)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(case, "cpu")
+        torch.set_num_threads(2)
+        two = run(case, "cpu")
+    finally:
+        torch.set_num_threads(before)
+    for u, v in zip(one, two):
+        assert torch.equal(u, v)
+
+
 # ----------------------------------------------------------------------------- validation
 def _call(**over):
     case = make_case(5, 8, 4, 4, 2, torch.float32)
