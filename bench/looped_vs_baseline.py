@@ -1,6 +1,6 @@
 """Wall-clock against the FLOPs match: a budget-matched baseline / SMELT pair, side by side.
 
-    python bench/looped_vs_baseline.py                       # CPU, the tiny pair, ~2 minutes
+    python bench/looped_vs_baseline.py                       # CPU, the tiny pair, 1-2 minutes
     python bench/looped_vs_baseline.py --preset 200M-S95 --device cuda --tokens 32768
 
 For each architecture it measures (warm-up, repeats, median and spread) a training step
@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import Timing, environment, measure  # noqa: E402
+from timing import Timing, environment, measure_interleaved  # noqa: E402
 
 from smelt_model import budget, presets  # noqa: E402
 from smelt_model.config import ModelConfig  # noqa: E402
@@ -66,67 +66,55 @@ def make_workload(args) -> Workload:
                     decode_batches=tuple(args.decode_batch))
 
 
-# ----------------------------------------------------------------------------- measurements
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# ----------------------------------------------------------------------------- runners
+# Each runner builds the inputs and state for one architecture and returns a callable that
+# performs one measured call, plus facts about it. The two architectures' callables are then
+# timed round-robin (timing.measure_interleaved), so drift of a shared machine cancels out
+# of their ratio.
+def _peak_of(fn: Callable[[], Any], device: torch.device) -> Optional[int]:
+    """Peak CUDA memory of one call above what was allocated before it (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
 
 
-def _peak_reset(device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    return 0
-
-
-def _peak(device: torch.device, base: int) -> Optional[int]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    return None
-
-
-def _timing(fn, device, args, setup=None) -> Timing:
-    return measure(fn, device=device, warmup=args.warmup, repeats=args.repeats, setup=setup)
-
-
-def measure_train(model, wl: Workload, device, args) -> dict[str, Any]:
-    from smelt_kernels.executor import activation_memory, maybe_capture
-
-    g = torch.Generator(device="cpu").manual_seed(0)
+def _batch(model, wl: Workload, device, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(0, model.cfg.vocab_size, (wl.batch, wl.seq_len), generator=g).to(device)
-    seg = packed_segments(wl.batch, wl.seq_len, wl.mean_doc_len, device)
+    return ids, packed_segments(wl.batch, wl.seq_len, wl.mean_doc_len, device)
+
+
+def train_runner(model, wl: Workload, device, args):
+    from smelt_kernels.executor import maybe_capture
+
+    ids, seg = _batch(model, wl, device, 0)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=device.type == "cuda")
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=cuda)
 
     def step(i, s):
         out = model(i, s, labels=i)
         loss = out.loss + out.aux_loss if out.aux_loss is not None else out.loss
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=device.type != "cuda")
+        opt.zero_grad(set_to_none=not cuda)
         return out.loss.detach()
 
-    runner = maybe_capture(step, [ids, seg], capture=args.capture and device.type == "cuda")
-    base = _peak_reset(device)
-    t = _timing(lambda: runner(ids, seg), device, args)
-    peak = _peak(device, base)
-    params = [p for p in model.parameters()]
-    _, act = activation_memory(lambda: model(ids, seg, labels=ids).loss, device=device,
-                               exclude=params)
-    model.zero_grad(set_to_none=True)
-    return {"timing": t, "tokens": wl.tokens, "peak_bytes": peak,
-            "activation_bytes": act.saved_bytes, "captured": runner.graph is not None,
+    runner = maybe_capture(step, [ids, seg], capture=args.capture and cuda)
+    info = {"tokens": wl.tokens, "captured": runner.graph is not None,
             "capture_note": getattr(runner, "reason", None)}
+    return (lambda: runner(ids, seg)), info, (ids, seg)
 
 
-def measure_prefill(model, wl: Workload, device, args) -> dict[str, Any]:
+def prefill_runner(model, wl: Workload, device, args):
     from smelt_kernels.executor import maybe_capture
 
-    g = torch.Generator(device="cpu").manual_seed(1)
-    ids = torch.randint(0, model.cfg.vocab_size, (wl.batch, wl.seq_len), generator=g).to(device)
-    seg = packed_segments(wl.batch, wl.seq_len, wl.mean_doc_len, device)
+    ids, seg = _batch(model, wl, device, 1)
     model.eval()
 
     def fwd(i, s):
@@ -134,45 +122,39 @@ def measure_prefill(model, wl: Workload, device, args) -> dict[str, Any]:
             return model(i, s).logits
 
     runner = maybe_capture(fwd, [ids, seg], capture=args.capture and device.type == "cuda")
-    base = _peak_reset(device)
-    t = _timing(lambda: runner(ids, seg), device, args)
-    return {"timing": t, "tokens": wl.tokens, "peak_bytes": _peak(device, base),
-            "captured": runner.graph is not None}
+    info = {"tokens": wl.tokens, "captured": runner.graph is not None}
+    return (lambda: runner(ids, seg)), info
 
 
-def measure_decode(model, wl: Workload, device, args) -> dict[str, Any]:
+def decode_runner(model, wl: Workload, B: int, device, args):
+    """One greedy decode step per call, on a cache prefilled with a ``decode_prompt`` prompt."""
     from smelt_model.generation import KVCache
 
     model.eval()
-    out: dict[str, Any] = {}
-    for B in wl.decode_batches:
-        g = torch.Generator(device="cpu").manual_seed(2)
-        P, n = wl.decode_prompt, wl.decode_steps
-        prompt = torch.randint(0, model.cfg.vocab_size, (B, P), generator=g).to(device)
-        seg1 = torch.zeros(B, 1, dtype=torch.long, device=device)
-        cache = KVCache.for_model(model, B, P + n + args.warmup + 1)
-        base = _peak_reset(device)
+    g = torch.Generator(device="cpu").manual_seed(2)
+    P = wl.decode_prompt
+    calls = 2 * args.warmup + wl.decode_steps + 2
+    prompt = torch.randint(0, model.cfg.vocab_size, (B, P), generator=g).to(device)
+    seg1 = torch.zeros(B, 1, dtype=torch.long, device=device)
+    cache = KVCache.for_model(model, B, P + calls)
+    with torch.no_grad():
+        logits = model(prompt, torch.zeros_like(prompt), cache=cache, cache_pos=0).logits
+    state = {"tok": logits[:, -1].argmax(-1, keepdim=True), "pos": P}
+
+    def one():
         with torch.no_grad():
-            logits = model(prompt, torch.zeros_like(prompt), cache=cache, cache_pos=0).logits
-            tok = logits[:, -1].argmax(-1, keepdim=True)
-            pos = [P]
+            lg = model(state["tok"], seg1, cache=cache, cache_pos=state["pos"]).logits
+        state["tok"] = lg[:, -1].argmax(-1, keepdim=True)
+        state["pos"] += 1
 
-            def one():
-                nonlocal tok
-                lg = model(tok, seg1, cache=cache, cache_pos=pos[0]).logits
-                tok = lg[:, -1].argmax(-1, keepdim=True)
-                pos[0] += 1
-
-            t = measure(one, device=device, warmup=args.warmup, repeats=n)
-        out[f"batch{B}"] = {"timing": t, "batch": B, "context": P + n // 2,
-                            "peak_bytes": _peak(device, base), "cache_bytes": cache.nbytes}
-    return out
+    info = {"batch": B, "context": P + wl.decode_steps // 2, "cache_bytes": cache.nbytes}
+    return one, info
 
 
 # ----------------------------------------------------------------------------- components
-def component_timings(model, wl: Workload, device, args, train: bool) -> dict[str, float]:
-    """Milliseconds per step spent in each component, timed in isolation at the step's shapes
-    (one layer's component times the number of executed layers)."""
+def component_runners(model, wl: Workload, device, train: bool) -> dict[str, tuple[Callable, int]]:
+    """Per component: a callable running it once at the step's shapes (forward, plus backward
+    when ``train``), and how many times a step runs it."""
     from smelt_kernels.executor import Step
     from smelt_kernels.moe_gemm import moe_ffn, route
     from smelt_model.layers import ForwardContext
@@ -189,11 +171,11 @@ def component_timings(model, wl: Workload, device, args, train: bool) -> dict[st
     step = Step(0, 0, 0, 1.0, False)
     g = torch.Generator(device="cpu").manual_seed(3)
 
-    def rnd(*shape, grad=False):
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_(grad)
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_(train)
 
-    h = rnd(B, T, H, grad=train)
-    x2 = rnd(B * T, H, grad=train)
+    h, x2 = rnd(B, T, H), rnd(B * T, H)
+    zeros = torch.zeros(B, T, dtype=torch.long, device=device)
     with torch.no_grad():
         weights, ids = route(blk.moe.router(x2).float(), cfg.top_k, cfg.router_renormalize)
     weights = weights.requires_grad_(train)
@@ -210,26 +192,26 @@ def component_timings(model, wl: Workload, device, args, train: bool) -> dict[st
             y.backward(torch.ones_like(y))
         return fb
 
-    comps = {
-        "attention": (lambda: blk.attn(h, ctx, step), L_exec),
-        "moe_gemm": (lambda: moe_ffn(x2, blk.moe.w1, blk.moe.w2, weights, ids, backend=backend),
-                     L_exec),
-        "routing": (lambda: route(blk.moe.router(x2).float(), cfg.top_k,
-                                  cfg.router_renormalize)[0], L_exec),
-        "norms": (lambda: blk.attn_norm(h), 2 * L_exec + 1),
-        "embed_head": (lambda: model.lm_loss(model.lm_head(model.embed(
-            torch.zeros(B, T, dtype=torch.long, device=device))), torch.zeros(
-            B, T, dtype=torch.long, device=device)) if train else model.lm_head(h), 1),
+    def head():
+        if train:
+            return model.lm_loss(model.lm_head(model.norm(model.embed(zeros))), zeros)
+        return model.lm_head(model.norm(h))
+
+    return {
+        "attention": (run(lambda: blk.attn(h, ctx, step)), L_exec),
+        "moe_gemm": (run(lambda: moe_ffn(x2, blk.moe.w1, blk.moe.w2, weights, ids,
+                                         backend=backend)), L_exec),
+        "routing": (run(lambda: route(blk.moe.router(x2).float(), cfg.top_k,
+                                      cfg.router_renormalize)[0]), L_exec),
+        "norms": (run(lambda: blk.attn_norm(h)), 2 * L_exec),
+        "embed_head": (run(head), 1),
     }
-    out = {}
-    for name, (fn, count) in comps.items():
-        t = measure(run(fn), device=device, warmup=1, repeats=max(2, args.repeats))
-        out[name] = t.median_ms * count
-        model.zero_grad(set_to_none=True)
-    return out
 
 
 # ----------------------------------------------------------------------------- driver
+ARCHS = ("baseline", "smelt")
+
+
 def build(cfg, device, dtype, backend, recompute):
     from smelt_model.model import SmeltLM
 
@@ -249,56 +231,109 @@ def flops_for(mode: str, led: budget.Ledger, cfg, wl: Workload, ctx: int = 0,
     return batch * (2 * n_exec + 4 * cfg.executed_layers * cfg.q_dim * ctx)
 
 
+def _components(models, wl, device, args, train: bool) -> dict[str, dict[str, float]]:
+    runners = {a: component_runners(models[a], wl, device, train) for a in ARCHS}
+    out: dict[str, dict[str, float]] = {a: {} for a in ARCHS}
+    for name in runners["baseline"]:
+        t = measure_interleaved({a: runners[a][name][0] for a in ARCHS}, device=device,
+                                warmup=1, repeats=max(3, args.repeats))
+        for a in ARCHS:
+            out[a][name] = t[a].median_ms * runners[a][name][1]
+    for m in models.values():
+        m.zero_grad(set_to_none=True)
+    return out
+
+
 def run_pair(args) -> dict[str, Any]:
+    from smelt_kernels import backends as bk
+    from smelt_kernels.executor import activation_memory
+
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    base_cfg, smelt_cfg = presets.pair(args.preset)
+    cfgs = dict(zip(ARCHS, presets.pair(args.preset)))
     wl = make_workload(args)
     leds = {a: budget.ledger(c, wl.mean_doc_len, wl.seq_len, kv_dtype_bytes=dtype.itemsize)
-            for a, c in (("baseline", base_cfg), ("smelt", smelt_cfg))}
-    ratios = budget.compare(base_cfg, smelt_cfg, wl.mean_doc_len, wl.seq_len)
+            for a, c in cfgs.items()}
+    ratios = budget.compare(cfgs["baseline"], cfgs["smelt"], wl.mean_doc_len, wl.seq_len)
     modes = MODES if args.mode == "all" else (args.mode,)
-    tasks = [(a, m) for a in ("baseline", "smelt") for m in modes]
-    try:
-        from tqdm import tqdm
-        n_tasks = len(tasks) + 2 * sum(m != "decode" for m in modes)  # + component timings
-        bar = tqdm(total=n_tasks, desc="measuring", unit="task", file=sys.stderr,
-                   disable=args.quiet)
-    except ImportError:
-        bar = None
+    models = {a: build(c, device, dtype, args.backend, args.recompute) for a, c in cfgs.items()}
+    results: dict[str, Any] = {"arch": {a: {
+        "config": cfgs[a].to_dict(), "ledger": leds[a].__dict__,
+        "params_total": models[a].num_params("total"),
+        "params_active": models[a].num_params("active"),
+        "backend_requested": args.backend, "backends_available": bk.report(device),
+    } for a in ARCHS}}
 
-    results: dict[str, Any] = {"arch": {}}
-    for arch, cfg in (("baseline", base_cfg), ("smelt", smelt_cfg)):
-        model = build(cfg, device, dtype, args.backend, args.recompute)
-        from smelt_kernels import backends as bk
-        r: dict[str, Any] = {"config": cfg.to_dict(), "ledger": leds[arch].__dict__,
-                             "params_total": model.num_params("total"),
-                             "params_active": model.num_params("active"),
-                             "backend_requested": args.backend,
-                             "backends_available": bk.report(device)}
-        for mode in modes:
-            if bar is not None:
-                bar.set_postfix_str(f"{arch} {mode}")
-            if mode == "train":
-                m = measure_train(model, wl, device, args)
-            elif mode == "prefill":
-                m = measure_prefill(model, wl, device, args)
-            else:
-                m = measure_decode(model, wl, device, args)
-            if bar is not None:
+    n_tasks = sum(2 if m != "decode" else len(wl.decode_batches) for m in modes)
+    bar = _progress(n_tasks, args.quiet)
+    timed = dict(device=device, warmup=args.warmup, repeats=args.repeats)
+    for mode in modes:
+        res = {a: results["arch"][a] for a in ARCHS}
+        if mode == "train":
+            made = {a: train_runner(models[a], wl, device, args) for a in ARCHS}
+            bar.set_postfix_str("train")
+            t = measure_interleaved({a: made[a][0] for a in ARCHS}, **timed)
+            for a in ARCHS:
+                fn, info, (ids, seg) = made[a]
+                params = list(models[a].parameters())
+                _, act = activation_memory(lambda: models[a](ids, seg, labels=ids).loss,
+                                           device=device, exclude=params)
+                res[a]["train"] = dict(info, timing=t[a], peak_bytes=_peak_of(fn, device),
+                                       activation_bytes=act.saved_bytes)
+            del made
+        elif mode == "prefill":
+            made = {a: prefill_runner(models[a], wl, device, args) for a in ARCHS}
+            bar.set_postfix_str("prefill")
+            t = measure_interleaved({a: made[a][0] for a in ARCHS}, **timed)
+            for a in ARCHS:
+                res[a]["prefill"] = dict(made[a][1], timing=t[a],
+                                         peak_bytes=_peak_of(made[a][0], device))
+            del made
+        else:
+            for a in ARCHS:
+                res[a]["decode"] = {}
+            for B in wl.decode_batches:
+                made = {a: decode_runner(models[a], wl, B, device, args) for a in ARCHS}
+                bar.set_postfix_str(f"decode batch {B}")
+                t = measure_interleaved({a: made[a][0] for a in ARCHS}, device=device,
+                                        warmup=args.warmup, repeats=wl.decode_steps)
+                for a in ARCHS:
+                    res[a]["decode"][f"batch{B}"] = dict(made[a][1], timing=t[a],
+                                                         peak_bytes=None)
                 bar.update(1)
-            if mode != "decode":
-                m["components_ms"] = component_timings(model, wl, device, args, mode == "train")
-                if bar is not None:
-                    bar.update(1)
-            r[mode] = m
-        results["arch"][arch] = r
-        del model
-    if bar is not None:
-        bar.close()
+                del made
+            continue
+        bar.update(1)
+        bar.set_postfix_str(f"{mode} components")
+        comps = _components(models, wl, device, args, mode == "train")
+        for a in ARCHS:
+            res[a][mode]["components_ms"] = comps[a]
+        bar.update(1)
+    bar.close()
     results["ratios"] = {"flops": ratios.flops, "params": ratios.params, "kv": ratios.kv}
     results["workload"] = wl.__dict__
     return summarize(results, leds, wl, modes)
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, quiet: bool):
+    if quiet:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc="measuring", unit="task", file=sys.stderr)
 
 
 def summarize(results, leds, wl: Workload, modes) -> dict[str, Any]:
@@ -341,16 +376,19 @@ def _fmt_bytes(n: Optional[int]) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def print_tables(res: dict[str, Any]) -> None:
+def format_tables(res: dict[str, Any]) -> str:
+    lines: list[str] = []
+    print = lines.append  # noqa: A001 - the tables are built line by line
     r = res["ratios"]
     wl = res["workload"]
-    print(f"\npair {res['preset']}  device {res['device']}  dtype {res['dtype']}  backend "
+    print(f"pair {res['preset']}  device {res['device']}  dtype {res['dtype']}  backend "
           f"{res['backend']}  tokens/step {wl['batch'] * wl['seq_len']} "
           f"({wl['batch']} x {wl['seq_len']}, docs of {wl['mean_doc_len']:g})")
     print(f"ledger ratios (smelt / baseline): F {r['flops']:.4f}   params {r['params']:.4f}   "
           f"KV {r['kv']:.4f}")
     for mode, rows in res["summary"].items():
-        print(f"\n== {mode} ==")
+        print("")
+        print(f"== {mode} ==")
         print(f"{'':18} {'baseline':>12} {'smelt':>12} {'ratio':>8}")
         for row in rows:
             b, s = row["baseline"], row["smelt"]
@@ -368,13 +406,14 @@ def print_tables(res: dict[str, Any]) -> None:
             cb, cs = arch["baseline"][mode]["components_ms"], arch["smelt"][mode]["components_ms"]
             tb = res["summary"][mode][0]["baseline"]["median_ms"]
             ts = res["summary"][mode][0]["smelt"]["median_ms"]
-            print(f"  components (isolated, ms per step; other = step - components):")
+            print("  components (each timed alone at the step's shapes, ms per step;"
+                  " other = step - components, and absorbs their timing error):")
             for name in list(cb) + ["other"]:
                 vb = cb[name] if name != "other" else tb - sum(cb.values())
                 vs = cs[name] if name != "other" else ts - sum(cs.values())
-                ratio = vs / vb if vb > 0 else float("nan")
+                ratio = f"{vs / vb:.3f}" if vb > 0 and vs > 0 else "-"
                 print(f"    {name:14} {vb:>10.2f} ({100 * vb / tb:4.1f}%) {vs:>10.2f} "
-                      f"({100 * vs / ts:4.1f}%) {ratio:>8.3f}")
+                      f"({100 * vs / ts:4.1f}%) {ratio:>8}")
         mem = []
         for a in ("baseline", "smelt"):
             m = arch[a][mode]
@@ -382,11 +421,13 @@ def print_tables(res: dict[str, Any]) -> None:
                 first = next(iter(m.values()))
                 mem.append(f"KV cache {_fmt_bytes(first['cache_bytes'])} (batch {first['batch']})")
             else:
-                txt = f"peak {_fmt_bytes(m.get('peak_bytes'))}"
+                peak = m.get("peak_bytes")
+                txt = f"peak {_fmt_bytes(peak)}" if peak is not None else "peak n/a (CUDA only)"
                 if "activation_bytes" in m:
                     txt += f", activations saved {_fmt_bytes(m['activation_bytes'])}"
                 mem.append(txt)
         print(f"  memory: baseline {mem[0]}; smelt {mem[1]}")
+    return "\n".join(lines)
 
 
 def plot(res: dict[str, Any], path: str) -> None:
@@ -399,13 +440,16 @@ def plot(res: dict[str, Any], path: str) -> None:
         raise SystemExit("--plot needs matplotlib (pip install matplotlib, or the [plot] extra)")
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     markers = {"baseline": "o", "smelt": "s"}
+    colors = {"baseline": "tab:blue", "smelt": "tab:orange"}
     for mode, rows in res["summary"].items():
         for row in rows:
             for arch in ("baseline", "smelt"):
                 p = row[arch]
-                ax.scatter(p["flops"], p["median_ms"], marker=markers[arch], s=40)
+                ax.scatter(p["flops"], p["median_ms"], marker=markers[arch], s=40,
+                           color=colors[arch], label=arch if mode == "train" else None)
                 ax.annotate(f"{arch} {row['mode']}", (p["flops"], p["median_ms"]), fontsize=7,
-                            xytext=(4, 2), textcoords="offset points")
+                            xytext=(6, 3) if arch == "smelt" else (6, -9),
+                            textcoords="offset points")
             b = row["baseline"]
             xs = [b["flops"] * 0.8, b["flops"] * 1.4]
             ax.plot(xs, [b["median_ms"] * x / b["flops"] for x in xs], lw=0.6, color="gray")
@@ -414,6 +458,7 @@ def plot(res: dict[str, Any], path: str) -> None:
     ax.set_xlabel("useful FLOPs per call (ledger)")
     ax.set_ylabel("wall-clock per call (ms)")
     ax.set_title(f"{res['preset']} on {res['device']}: gray = baseline's FLOP rate")
+    ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
@@ -427,13 +472,13 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"),
                     help="default: fp32 on the CPU, bf16 on CUDA")
     ap.add_argument("--tokens", type=int, default=None,
-                    help="tokens per training/prefill step (default 2048 CPU, 32768 CUDA)")
+                    help="tokens per training/prefill step (default 4096 CPU, 32768 CUDA)")
     ap.add_argument("--seq-len", type=int, default=None,
-                    help="context length (default 1024 CPU, 4096 CUDA)")
+                    help="context length (default 2048 CPU, 4096 CUDA)")
     ap.add_argument("--mean-doc-len", type=float, default=None,
                     help="packed document length (default 800, as in the paper)")
     ap.add_argument("--mode", default="all", choices=MODES + ("all",))
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--decode-prompt", type=int, default=None, help="prompt length for decode")
     ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps")
@@ -444,13 +489,14 @@ def parse_args(argv=None):
                     help="do not capture CUDA graphs (CUDA only)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--markdown", help="write the tables here as Markdown")
     ap.add_argument("--plot", help="write a wall-clock vs FLOPs plot here (matplotlib)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
-    defaults = dict(dtype="bf16" if cuda else "fp32", tokens=32768 if cuda else 2048,
-                    seq_len=4096 if cuda else 1024, mean_doc_len=800.0,
-                    decode_prompt=512 if cuda else 128, decode_steps=32 if cuda else 8,
+    defaults = dict(dtype="bf16" if cuda else "fp32", tokens=32768 if cuda else 4096,
+                    seq_len=4096 if cuda else 2048, mean_doc_len=800.0, repeats=5,
+                    decode_prompt=512 if cuda else 256, decode_steps=32 if cuda else 16,
                     decode_batch=[1, 64] if cuda else [1, 8])
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -469,7 +515,18 @@ def main(argv=None) -> int:
     res = run_pair(args)
     res.update(preset=args.preset, device=args.device, dtype=args.dtype, backend=args.backend,
                environment=environment(args.device))
-    print_tables(res)
+    text = format_tables(res)
+    print("\n" + text)
+    if args.markdown:
+        env = res["environment"]
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(
+            f"# looped vs baseline: {args.preset} on {args.device}\n\n"
+            f"{env['date']} · {env['device_name']} · {env['cpu_count']} CPUs · torch "
+            f"{env['torch']} · triton {env['triton']}\n\n"
+            f"Command: `python bench/looped_vs_baseline.py {' '.join(argv or sys.argv[1:])}`\n\n"
+            f"```\n{text}\n```\n")
+        print(f"wrote {args.markdown}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")

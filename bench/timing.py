@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["Timing", "measure", "environment", "write_results", "markdown_table", "tflops"]
+__all__ = ["Timing", "measure", "measure_interleaved", "environment", "write_results",
+           "markdown_table", "tflops"]
 
 
 @dataclass
@@ -109,6 +110,57 @@ def measure(
         repeats=len(samples),
         samples_ms=samples,
     )
+
+
+def _time_call(fn: Callable[[], Any], cuda: bool) -> float:
+    if cuda:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _timing(samples: list[float]) -> Timing:
+    return Timing(
+        median_ms=statistics.median(samples),
+        p20_ms=_quantile(samples, 0.2),
+        p80_ms=_quantile(samples, 0.8),
+        min_ms=min(samples),
+        repeats=len(samples),
+        samples_ms=samples,
+    )
+
+
+def measure_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    device: Optional[torch.device | str] = None,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> dict[str, Timing]:
+    """Time several callables round-robin: warm each up, then call A, B, A, B, ...
+
+    Drift of a shared machine (other load, clocks) then hits every callable alike, so the
+    ratios of their medians are far steadier than those of back-to-back :func:`measure` runs.
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = dev.type == "cuda"
+    for fn in fns.values():
+        for _ in range(max(0, warmup)):
+            fn()
+    if cuda:
+        torch.cuda.synchronize(dev)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(_time_call(fn, cuda))
+    return {name: _timing(xs) for name, xs in samples.items()}
 
 
 def tflops(flops: float, ms: float) -> float:
