@@ -128,8 +128,13 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
         for (int64_t n0 = 0; n0 < H; n0 += kOut) {
           const int64_t nb = std::min(kOut, H - n0);
           pack_transposed<CT>(w2e + n0 * de, de, nb, de, S.B2);
-          gemm(m, A2, lda2, S.B2, C2, S.B2.Np, false);
-          for (int64_t i = 0; i < m; ++i) narrow(C2 + i * S.B2.Np, outp + (I.r0 + i) * H + n0, nb);
+          if constexpr (std::is_same_v<ST, float>) {
+            // fp32 rows go straight to their place in out (no padding columns in fp32 panels)
+            gemm(m, A2, lda2, S.B2, outp + I.r0 * H + n0, H, false);
+          } else {
+            gemm(m, A2, lda2, S.B2, C2, S.B2.Np, false);
+            for (int64_t i = 0; i < m; ++i) narrow(C2 + i * S.B2.Np, outp + (I.r0 + i) * H + n0, nb);
+          }
         }
       });
   combine<ST>(outp, R.rev.data_ptr<int32_t>(), tw, R.T, k, H, y.data_ptr<ST>());
