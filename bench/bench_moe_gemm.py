@@ -5,7 +5,7 @@
     python bench/bench_moe_gemm.py --device cuda   # GPU (paper micro-batch T = 32k)
     python bench/bench_moe_gemm.py --shapes cpu-target --dtypes float32 --modes fwd
 
-Useful FLOPs (SPEC section 4): forward 6*T*k*H*d_e (gate, up, down), backward twice that.
+Useful FLOPs: forward 6*T*k*H*d_e (gate, up, down), backward twice that.
 Modes: ``fwd`` (inference: under no_grad), ``bwd`` (the backward of a retained graph, with
 a random upstream gradient), ``fwd+bwd`` (a training step of the layer). Each row times:
 
@@ -20,7 +20,7 @@ a random upstream gradient), ``fwd+bwd`` (a training step of the layer). Each ro
 * dense -- a SwiGLU FFN with hidden size k*d_e (the same FLOPs per token).
 
 ``dense_ratio`` = dense time / smelt time, i.e. smelt's achieved FLOP rate as a fraction of
-the dense FFN's (SPEC section 5 asks >= 0.8 on the CPU). CPU timings on a shared machine
+the dense FFN's (the CPU target is >= 0.8). CPU timings on a shared machine
 are noisy: the implementations of a row are timed round-robin (one call each per round)
 so that load drifts hit them alike; compare ratios within a row, and see p20/p80.
 Results go to ``bench/results/moe_gemm_<device>.{json,md}``.

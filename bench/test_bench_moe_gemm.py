@@ -2,7 +2,7 @@
 
     python -m pytest bench/test_bench_moe_gemm.py --benchmark-only
 
-The shape is the CPU target of SPEC section 5 (T = 4096, H = 256, d_e = 64, E = 288, k = 8);
+The shape is the CPU target shape (T = 4096, H = 256, d_e = 64, E = 288, k = 8);
 ``bench/bench_moe_gemm.py`` has the full comparison (paper shapes, grouped_mm, reference).
 """
 

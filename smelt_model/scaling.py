@@ -1,4 +1,4 @@
-"""Scaling-law analysis of matched baseline / looped runs (SPEC section 6).
+"""Scaling-law analysis of matched baseline / looped runs.
 
 Fit a loss surface ``L = E + A (1-S)^b / F^a + K / D^c`` per architecture
 (:func:`fit_surface`), find its compute-optimal frontier (:func:`frontier`, :func:`gamma`,

@@ -1,6 +1,6 @@
 """The loss surface L(F, S, D), its fit, and the compute-optimal frontier it implies.
 
-One surface per architecture (SPEC section 6)::
+One surface per architecture::
 
     L(F, S, D) = E + A * (1 - S)**b / F**a + K / D**c
 
@@ -96,7 +96,7 @@ class Surface:
         return _scalar_or_array(out)
 
 
-#: The paper's fitted surfaces (SPEC section 6).
+#: The paper's fitted surfaces.
 PAPER_BASELINE = Surface(E=1.4439, A=1.366e3, K=1.975e6, a=0.3703, b=0.1530, c=0.6594)
 PAPER_SMELT = Surface(E=1.4493, A=1.963e3, K=5.264e6, a=0.3892, b=0.1460, c=0.7011)
 

@@ -5,7 +5,7 @@ import pytest
 from smelt_model import budget, presets
 from smelt_model.config import LoopSpec, ModelConfig
 
-# SPEC section 2: (scale, S) -> active B (base, smelt), total B (base, smelt), F ratio, KV ratio
+# The paper's appendix: (scale, S) -> active B (base, smelt), total B (base, smelt), F ratio, KV ratio
 PAPER = {
     ("100M", 85): ((0.100, 0.067), (0.71, 0.71), 1.024, 0.964),
     ("100M", 95): ((0.101, 0.069), (2.12, 2.12), 1.031, 0.964),
