@@ -152,6 +152,8 @@ def time_method(build, backward, q, k, v, ids, device, args) -> dict[str, Option
 
 
 def run(args) -> list[dict]:
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py: --device cuda but no CUDA device is available")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     B = args.batch

@@ -181,6 +181,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--name", default=None, help="results file stem (default moe_gemm_<device>)")
     args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA device is available")
 
     device = torch.device(args.device)
     skip = set(filter(None, args.skip.split(",")))
