@@ -77,16 +77,14 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
   const int32_t* order = R.order.data_ptr<int32_t>();
   const int32_t* off = R.offsets.data_ptr<int32_t>();
   const std::vector<Item> items = row_items(off, E);
-  std::vector<int64_t> cost(items.size());
-  for (size_t i = 0; i < items.size(); ++i) cost[i] = items[i].r1 - items[i].r0 + 16;
   const int64_t lda1 = k_pad<CT>(H), lda2 = k_pad<CT>(de);
   // hidden units per up-projection panel (gate and up columns) and output columns per
   // down-projection panel, so that each packed panel stays in L2 however large H and d_e are
   const int64_t kHid = std::min<int64_t>(de, std::max<int64_t>(16, kPanelBytes / (2 * lda1 * sizeof(CT)) / 16 * 16));
   const int64_t kOut = std::min<int64_t>(H, std::max<int64_t>(64, kPanelBytes / (lda2 * sizeof(CT)) / 64 * 64));
 
-  run_balanced<RowState<CT>, CT>(
-      cost,
+  run_dynamic<RowState<CT>, CT>(
+      static_cast<int64_t>(items.size()),
       [&](int64_t it, RowState<CT>& S) {
         const Item& I = items[it];
         const int64_t m = I.r1 - I.r0;

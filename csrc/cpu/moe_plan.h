@@ -4,6 +4,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
+
 #include "moe_blas.h"
 
 namespace smelt_moe {
@@ -37,6 +39,25 @@ void run_balanced(const std::vector<int64_t>& cost, Fn fn) {
     for (int64_t p = p0; p < p1; ++p) {
       for (int64_t i = bounds[p]; i < bounds[p + 1]; ++i) fn(i, st);
     }
+    gemm_done<CT>();
+  });
+}
+
+// Runs fn(item index, state) for items 0..n-1, each thread taking the next unclaimed item,
+// with its own State. For item loops that keep nothing between items: the last item ends
+// close to the same time on every thread whatever the costs, and what an item computes
+// still does not depend on which thread runs it.
+template <typename State, typename CT, typename Fn>
+void run_dynamic(int64_t n, Fn fn) {
+  if (n == 0) return;
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {
+    State st;
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+           i = next.fetch_add(1, std::memory_order_relaxed))
+        fn(i, st);
     gemm_done<CT>();
   });
 }
