@@ -208,6 +208,23 @@ def component_runners(model, wl: Workload, device, train: bool) -> dict[str, tup
     }
 
 
+def component_flops(cfg, led: budget.Ledger, tokens: int, train: bool) -> dict[str, float]:
+    """The ledger's FLOPs of each timed component over one step (``embed_head``: the ledger
+    counts no embedding or head FLOPs, so 0). They sum to the step's FLOPs less the final
+    norm's."""
+    p = budget.layer_params(cfg)
+    per_token = 6.0 * cfg.executed_layers
+    f = {
+        "attention": per_token * p["attention"] + led.attention_flops_per_token,
+        "moe_gemm": per_token * p["experts_active"],
+        "routing": per_token * p["router"],
+        "norms": per_token * p["norms"],
+        "embed_head": 0.0,
+    }
+    scale = tokens * (1.0 if train else 1.0 / 3.0)
+    return {k: v * scale for k, v in f.items()}
+
+
 # ----------------------------------------------------------------------------- driver
 ARCHS = ("baseline", "smelt")
 
@@ -308,6 +325,8 @@ def run_pair(args) -> dict[str, Any]:
         comps = _components(models, wl, device, args, mode == "train")
         for a in ARCHS:
             res[a][mode]["components_ms"] = comps[a]
+            res[a][mode]["components_flops"] = component_flops(cfgs[a], leds[a], wl.tokens,
+                                                               mode == "train")
         bar.update(1)
     bar.close()
     results["ratios"] = {"flops": ratios.flops, "params": ratios.params, "kv": ratios.kv}
@@ -406,14 +425,18 @@ def format_tables(res: dict[str, Any]) -> str:
             cb, cs = arch["baseline"][mode]["components_ms"], arch["smelt"][mode]["components_ms"]
             tb = res["summary"][mode][0]["baseline"]["median_ms"]
             ts = res["summary"][mode][0]["smelt"]["median_ms"]
+            fb = arch["baseline"][mode].get("components_flops", {})
+            fs = arch["smelt"][mode].get("components_flops", {})
             print("  components (each timed alone at the step's shapes, ms per step;"
-                  " other = step - components, and absorbs their timing error):")
+                  " other = step - components, and absorbs their timing error;"
+                  " F ratio: the component's ledger FLOPs, smelt / baseline):")
             for name in list(cb) + ["other"]:
                 vb = cb[name] if name != "other" else tb - sum(cb.values())
                 vs = cs[name] if name != "other" else ts - sum(cs.values())
                 ratio = f"{vs / vb:.3f}" if vb > 0 and vs > 0 else "-"
+                f_ratio = f"{fs[name] / fb[name]:.3f}" if fb.get(name, 0) > 0 else "-"
                 print(f"    {name:14} {vb:>10.2f} ({100 * vb / tb:4.1f}%) {vs:>10.2f} "
-                      f"({100 * vs / ts:4.1f}%) {ratio:>8}")
+                      f"({100 * vs / ts:4.1f}%) {ratio:>8}   F {f_ratio}")
         mem = []
         for a in ("baseline", "smelt"):
             m = arch[a][mode]

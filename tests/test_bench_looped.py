@@ -66,6 +66,16 @@ def test_ratios_are_consistent_with_the_ledger(result):
             p = row[arch]
             assert p["achieved_flops_per_s"] == pytest.approx(p["flops"] / (p["median_ms"] / 1e3))
             assert p["tokens_per_s"] == pytest.approx(128 / (p["median_ms"] / 1e3))
+    for mode, per_token in (("train", 6.0), ("prefill", 2.0)):
+        for arch in ("baseline", "smelt"):
+            comp = res["arch"][arch][mode]["components_flops"]
+            assert set(comp) == set(res["arch"][arch][mode]["components_ms"])
+            H = res["arch"][arch]["config"]["hidden_size"]
+            step = res["summary"][mode][0][arch]["flops"]
+            # the components cover every ledger FLOP of the step but the final norm's
+            assert sum(comp.values()) + per_token * H * 128 == pytest.approx(step, rel=1e-9)
+            assert comp["embed_head"] == 0 and min(v for k, v in comp.items()
+                                                   if k != "embed_head") > 0
     led = res["arch"]["smelt"]["ledger"]
     assert res["arch"]["smelt"]["params_total"] == led["total_params"]
     assert "== train ==" in out and "gap (wall / F)" in out and "components" in out
