@@ -33,11 +33,13 @@ the kernel's width, never in the caller's tensors); "triton" takes fp16, bf16 an
 
 Validation: shapes, ranks, dtypes and devices are checked before any kernel runs and
 raise ``ValueError``/``TypeError`` naming the argument. Segment-id *values* must be
-non-decreasing along T: on CPU tensors this is checked (``ValueError``, with the first
-offending position); on CUDA tensors nothing is read back to the host (the op stays
-capturable in a CUDA graph) -- instead every query of a row whose ids decrease gets an
-empty key interval, so its outputs and LSE (and the sink) come out NaN rather than a
-plausible answer; gradients of such a row are not meaningful either.
+non-decreasing along T, and are checked (``ValueError``, with the first offending position):
+always on CPU tensors; on CUDA tensors by a host read before the launch, unless
+``check_values=False`` (for callers that checked their ids already, as ``SmeltLM`` does once
+per forward -- the read is a device synchronisation) or the call is being traced by
+``torch.compile`` or captured into a CUDA graph, where nothing can be read back. Unchecked
+ids that decrease do not give a plausible answer: every query of such a row gets an empty
+key interval, so its outputs and LSE (and the sink) come out NaN.
 
 ``torch.ops.smelt.segment_attention_fwd`` / ``segment_attention_bwd`` are the registered
 custom ops (fake implementations included), so ``torch.compile(fullgraph=True)`` traces
@@ -83,9 +85,11 @@ def segment_bounds(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
-def _check_segment_values(segment_ids: Optional[torch.Tensor]) -> None:
-    """Non-decreasing ids, checked on CPU tensors (a host read); CUDA: see the module doc."""
-    if segment_ids is None or segment_ids.device.type != "cpu" or segment_ids.shape[1] < 2:
+def _check_segment_values(segment_ids: Optional[torch.Tensor], any_device: bool = False) -> None:
+    """Non-decreasing ids (a host read): on CPU tensors, or on any device with ``any_device``."""
+    if segment_ids is None or segment_ids.shape[1] < 2:
+        return
+    if segment_ids.device.type != "cpu" and not any_device:
         return
     drop = segment_ids[:, 1:] < segment_ids[:, :-1]
     if bool(drop.any()):
@@ -345,15 +349,20 @@ def _validate(q, k, v, segment_ids, scale) -> None:
 
 
 def segment_attention(q, k, v, segment_ids=None, *, scale=None, return_lse=False,
-                      return_sink=False, backend=None):
+                      return_sink=False, backend=None, check_values=None):
     """Causal attention inside segments with GQA; see the module docstring.
 
     q: (B, Tq, Hq, D); k, v: (B, Tk, Hkv, D), Hq % Hkv == 0, Tq <= Tk (queries are the
     last Tq positions); segment_ids: (B, Tk) integer, non-decreasing, or None (one
-    segment per row); scale: defaults to D ** -0.5.
+    segment per row); scale: defaults to D ** -0.5; check_values: False skips reading
+    segment_ids back from a CUDA device to check them (see the module docstring).
     Returns ``o``, or ``(o, lse)``, ``(o, sink)``, ``(o, lse, sink)`` as asked.
     """
     _validate(q, k, v, segment_ids, scale)
+    backends.check_values_flag("segment_attention", check_values)
+    if (segment_ids is not None and segment_ids.device.type != "cpu" and check_values is not False
+            and backends.can_read_values(segment_ids)):
+        _check_segment_values(segment_ids, any_device=True)
     name = select_backend(q, backend)
     sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, lse, sink = torch.ops.smelt.segment_attention_fwd(q, k, v, segment_ids, sc, name,

@@ -172,3 +172,21 @@ def report(device="cpu") -> dict[str, Optional[str]]:
 for _name in ("_cpu", "_cuda"):
     extension(_name)
 _triton_import_error()
+
+
+def can_read_values(t: "torch.Tensor") -> bool:
+    """Whether an op may read ``t``'s values on the host before launching: not while
+    ``torch.compile`` traces or a CUDA graph is being captured (both would break on the read)."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return False
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return t.device.type != "meta"
+
+
+def check_values_flag(op: str, check_values) -> None:
+    """``check_values`` must be None (check where the values can be read) or a bool."""
+    if check_values is not None and not isinstance(check_values, bool):
+        raise TypeError(f"{op}: check_values must be None or a bool, got {type(check_values).__name__}")

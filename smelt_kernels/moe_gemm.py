@@ -36,11 +36,13 @@ x's dtype, and only when a gradient is required.
 
 Validation: shapes, ranks, dtypes and devices are checked before any kernel runs and
 raise ``ValueError``/``TypeError`` naming the argument. Id *values* (in [0, E), no expert
-twice in one token's slots) are checked on CPU tensors (``ValueError``). On CUDA tensors
-nothing is read back to the host, so the op stays capturable in a CUDA graph: a pair whose
-id is outside [0, E) is dropped (it adds nothing and gets a zero weight gradient), and a
-token that names an expert twice gets that expert applied twice (the sum the reference
-computes).
+twice in one token's slots) are checked (``ValueError``): always on CPU tensors; on CUDA
+tensors by a host read before the launch, unless ``check_values=False`` (ids made by
+:func:`route`, as in ``SmeltLM``; the read is a device synchronisation) or the call is traced
+by ``torch.compile`` or captured into a CUDA graph, where nothing can be read back. What the
+CUDA kernels do with unchecked bad ids: a pair whose id is outside [0, E) is dropped (it adds
+nothing and gets a zero weight gradient), and a token that names an expert twice gets that
+expert applied twice (the sum the reference computes).
 
 Determinism: the kernel backends (``"cpu"``, ``"triton"``, ``"cuda"``) reduce in a fixed
 order without atomics, so equal inputs give bitwise-equal outputs and gradients (the
@@ -390,14 +392,18 @@ def _validate(x, w1, w2, topk_weights, topk_ids) -> None:
 
 
 def moe_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+            topk_ids: torch.Tensor, *, backend: Optional[str] = None,
+            check_values: Optional[bool] = None) -> torch.Tensor:
     """SwiGLU experts over the top-k routing (see the module docstring). Returns y (T, H)
-    in x's dtype."""
+    in x's dtype. check_values: False skips reading topk_ids back from a CUDA device to
+    check their range and distinctness (ids from :func:`route` are always valid)."""
     _validate(x, w1, w2, topk_weights, topk_ids)
+    backends.check_values_flag("moe_ffn", check_values)
     name = select_backend(x, backend)
-    if name == "torch":
-        if not torch.compiler.is_compiling():
+    if name == "torch" or (x.device.type != "cpu" and check_values is not False):
+        if backends.can_read_values(topk_ids):
             _check_id_values(topk_ids, w1.shape[0])
+    if name == "torch":
         return reference.moe_ffn(x, w1, w2, topk_weights, topk_ids)
     ids = topk_ids.to(torch.int32).contiguous()
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w2, topk_weights))

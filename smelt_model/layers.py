@@ -99,7 +99,9 @@ class Attention(nn.Module):
             k, v, seg = ctx.cache.update(step.slot, ctx.cache_pos, k, v, seg)
         rec = ctx.recorder
         want_sink = rec is not None and rec.wants("sink")
-        out = segment_attention(q, k, v, seg, return_sink=want_sink, backend=ctx.backend)
+        # the model checked segment_ids once for the whole forward (SmeltLM._check_inputs)
+        out = segment_attention(q, k, v, seg, return_sink=want_sink, backend=ctx.backend,
+                                check_values=False)
         if want_sink:
             out, sink = out
             rec.record(step, "sink", sink)
@@ -134,7 +136,8 @@ class MoE(nn.Module):
         x = h.reshape(B * T, H)
         logits = self.router(x).float()
         weights, ids = route(logits, top_k=self.top_k, renormalize=self.renormalize)
-        y = moe_ffn(x, self.w1, self.w2, weights, ids, backend=ctx.backend)
+        y = moe_ffn(x, self.w1, self.w2, weights, ids, backend=ctx.backend,
+                    check_values=False)  # route() made the ids
         aux = None
         if self.training and (self.aux_loss_weight > 0 or self.z_loss_weight > 0):
             aux = self.router_loss(logits, ids)

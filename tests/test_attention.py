@@ -319,11 +319,14 @@ def test_decreasing_segment_ids_rejected_before_launch(backend_device, monkeypat
     name, dev = backend_device
     q, k, v = (x.to(dev) for x in _qkv())
     seg = torch.tensor([[0, 0, 1, 1, 2, 1, 3, 3]], device=dev)
-    if dev.type != "cpu":
-        pytest.skip("the value check runs on CPU tensors; CUDA uses the NaN policy (tested below)")
     _forbid_kernels(monkeypatch)
     with pytest.raises(ValueError, match="non-decreasing.*row 0 goes from 2 at position 4"):
         segment_attention(q, k, v, seg, backend=name)
+    if dev.type == "cpu":  # CPU tensors are checked even when the caller opts out
+        with pytest.raises(ValueError, match="non-decreasing"):
+            segment_attention(q, k, v, seg, backend=name, check_values=False)
+    with pytest.raises(TypeError, match="check_values must be None or a bool"):
+        segment_attention(q, k, v, seg, backend=name, check_values=1)
 
 
 def test_kernel_limits_and_backend_choice():
@@ -474,7 +477,7 @@ def test_cuda_kernel_against_reference(dtype, D, heads, layout):
     close("decode o", o, ro, TOL[dtype]["o"])
 
 
-def test_cuda_invalid_ids_give_nan_without_sync():
+def test_cuda_invalid_ids_rejected_or_nan_when_unchecked():
     dev = _cuda_or_skip()
     q, k, v, _ = make_inputs(2, 64, 64, 4, 2, 64, torch.bfloat16, dev)
     seg = make_segments("mixed", 2, 64).to(dev)
@@ -483,8 +486,10 @@ def test_cuda_invalid_ids_give_nan_without_sync():
     if backends.unavailable_reason("cuda", dev, attention._cuda_op_missing) is None:
         names.append("cuda")
     for name in names:
+        with pytest.raises(ValueError, match="non-decreasing.*row 1"):
+            segment_attention(q, k, v, seg, backend=name)
         o, lse, sink = segment_attention(q, k, v, seg, return_lse=True, return_sink=True,
-                                         backend=name)
+                                         backend=name, check_values=False)
         assert torch.isfinite(o[0]).all() and torch.isfinite(sink[0]).all(), name
         assert torch.isnan(o[1]).all() and torch.isnan(lse[1]).all(), name
         assert torch.isnan(sink[1]).all(), name

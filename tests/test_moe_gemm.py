@@ -306,6 +306,16 @@ def test_rejects_bad_id_values(name, ids, match):
         moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend=name)
 
 
+def test_check_values_flag():
+    case = make_case(2, 8, 4, 4, 2, torch.float32, ids=torch.tensor([[0, 4], [1, 2]], dtype=torch.int32))
+    args = (case["x"], case["w1"], case["w2"], case["tw"], case["ids"])
+    with pytest.raises(TypeError, match="check_values must be None or a bool"):
+        moe_ffn(*args, check_values="yes")
+    # CPU tensors are always checked: skipping the check is only for device reads
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        moe_ffn(*args, check_values=False)
+
+
 def test_rejects_unknown_or_unavailable_backend():
     case = make_case(3, 8, 4, 4, 2, torch.float32)
     args = (case["x"], case["w1"], case["w2"], case["tw"], case["ids"])
@@ -511,6 +521,24 @@ def test_gpu_matches_reference(name, dtype, shape):
         pytest.skip("the CUDA kernels take bf16 and fp16")
     case = make_case(*shape, dtype, device="cuda")
     assert_close(run(case, name), oracle({k: v.cpu() for k, v in case.items()}), dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["triton", "cuda"])
+def test_gpu_bad_ids_rejected_before_launch_unless_unchecked(name):
+    if name == "cuda" and moe_gemm._cuda_missing("moe_up") is not None:
+        pytest.skip(moe_gemm._cuda_missing("moe_up"))
+    ids = torch.tensor([[0, 1], [2, 4], [3, 3]], dtype=torch.int32, device="cuda")
+    case = make_case(3, 64, 32, 4, 2, torch.bfloat16, device="cuda", ids=ids)
+    args = (case["x"], case["w1"], case["w2"], case["tw"])
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        moe_ffn(*args, case["ids"], backend=name)
+    ids[1, 1] = 1
+    with pytest.raises(ValueError, match="twice in token 2"):
+        moe_ffn(*args, ids, backend=name)
+    # unchecked: the documented policy (an expert named twice is applied twice)
+    y = moe_ffn(*args, ids, backend=name, check_values=False)
+    assert torch.isfinite(y).all()
 
 
 @needs_gpu
