@@ -413,7 +413,8 @@ def moe_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: t
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *,
-                 gather_idx: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
+                 gather_idx: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+                 check_values: Optional[bool] = None) -> torch.Tensor:
     """Grouped GEMM over rows sorted by group: ``c[i] = A[i] @ b[e]^T`` for i in group e.
 
     a: (Ma, K) rows; b: (E, N, K) one Linear-layout weight per group; offsets: (E,) int32 or
@@ -422,7 +423,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *,
     (else A = a, M = Ma). Rows at or after offsets[-1] come out zero. Returns c (M, N) in a's
     dtype, differentiable w.r.t. a and b (with gather_idx, a's gradient sums the rows that
     gathered it, through ``index_add_``: deterministic on CPU, not on CUDA). Offsets must be
-    non-decreasing and at most M: checked on CPU tensors, not on CUDA tensors (no host sync).
+    non-decreasing and at most M, gather_idx in [0, Ma): checked as :func:`moe_ffn` checks
+    its ids (always on CPU tensors; on CUDA tensors by a host read unless
+    ``check_values=False`` or the call is compiled or captured).
     Backends as for :func:`moe_ffn`, without ``"cuda"``.
     """
     for name, t in (("a", a), ("b", b), ("offsets", offsets)):
@@ -447,7 +450,11 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *,
     for name, t in (("b", b), ("offsets", offsets), ("gather_idx", gather_idx)):
         if t is not None and t.device != a.device:
             raise ValueError(f"grouped_gemm: {name} is on {t.device}, a on {a.device}")
+    backends.check_values_flag("grouped_gemm", check_values)
     starts = torch.cat([offsets.new_zeros(1), offsets]).to(torch.int32).contiguous()
+    if a.device.type != "cpu" and check_values is not False and backends.can_read_values(a):
+        _check_grouped_values(a, starts, gather_idx,
+                              gather_idx.shape[0] if gather_idx is not None else a.shape[0])
     name = _select("grouped_gemm", "grouped_mm", a.device, a.dtype, backend)
     gather = gather_idx.to(torch.int32).contiguous() if gather_idx is not None else None
     return torch.ops.smelt.grouped_mm(a.contiguous(), b.contiguous(), starts, gather, True, name)

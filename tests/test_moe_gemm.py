@@ -395,6 +395,17 @@ def test_grouped_gemm_rejects():
         grouped_gemm(a.double(), b, ends)
     with pytest.raises(ValueError, match="gather_idx must lie"):
         grouped_gemm(a, b, ends, gather_idx=torch.tensor([0, 99] * 18))
+    with pytest.raises(TypeError, match="check_values must be None or a bool"):
+        grouped_gemm(a, b, ends, check_values=0)
+
+
+@needs_gpu
+def test_grouped_gemm_gpu_rejects_bad_offsets_before_launch():
+    a, b, ends, _, _ = _grouped_case(torch.float16, "cuda", False)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        grouped_gemm(a, b, torch.tensor([4, 3, 15, 30, 33], device="cuda"), backend="triton")
+    with pytest.raises(ValueError, match="gather_idx must lie"):
+        grouped_gemm(a, b, ends, gather_idx=torch.tensor([0, 99] * 18, device="cuda"), backend="triton")
 
 
 # ----------------------------------------------------------------------------- registration
