@@ -88,28 +88,10 @@ def measure(
     while len(samples) < repeats or (total < min_time_s and len(samples) < max_repeats):
         if setup is not None:
             setup()
-        if cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
+        ms = _time_call(fn, cuda)
         samples.append(ms)
         total += ms / 1e3
-    return Timing(
-        median_ms=statistics.median(samples),
-        p20_ms=_quantile(samples, 0.2),
-        p80_ms=_quantile(samples, 0.8),
-        min_ms=min(samples),
-        repeats=len(samples),
-        samples_ms=samples,
-    )
+    return _timing(samples)
 
 
 def _time_call(fn: Callable[[], Any], cuda: bool) -> float:
