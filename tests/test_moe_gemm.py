@@ -145,8 +145,10 @@ def test_counting_sort_matches_stable_sort(T, k, E):
 
 
 # ----------------------------------------------------------------------------- moe_ffn
+# the last one splits each expert's 300 rows into two items and walks the native kernel's
+# column blocks past their edges (d_e > 128 hidden units, H > 256 output columns)
 CPU_SHAPES = [(1, 16, 8, 1, 1), (7, 33, 17, 8, 2), (63, 40, 24, 64, 8), (200, 67, 35, 288, 8),
-              (130, 150, 70, 8, 8)]
+              (130, 150, 70, 8, 8), (300, 260, 136, 2, 2)]
 
 
 @needs_cpu_kernel

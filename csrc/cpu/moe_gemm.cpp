@@ -2,10 +2,10 @@
 // the op registrations (the backward pass is in moe_gemm_bwd.cpp).
 //
 // The T*k (token, slot) pairs are sorted by expert with a stable counting sort. Work is cut
-// into items of at most kRows sorted rows of one expert and spread over threads in
-// contiguous, cost-balanced ranges (at::parallel_for, one range per thread). Each item runs
-// its GEMMs on one thread through the micro-kernel of moe_blas.h, on token rows it gathers
-// into a cache-resident buffer, with SwiGLU applied between the two GEMMs:
+// into items of at most kItemRows sorted rows of one expert, which threads claim one at a
+// time. Each item runs its GEMMs on one thread through the micro-kernel of moe_blas.h, on
+// token rows it gathers into a cache-resident buffer, with SwiGLU applied between the two
+// GEMMs:
 //   P[r] = x[tok(r)] @ W1[e]^T                 (pre-activation, kept for backward)
 //   O[r] = (silu(P_gate) * P_up)[r] @ W2[e]^T
 // and then y[t] = sum_j w[t,j] * O[rev(t,j)], a gather-and-sum in slot order (no atomics).
@@ -65,6 +65,13 @@ Routing sort_pairs(const at::Tensor& ids, int64_t E) {
 
 // ---------------------------------------------------------------------------- forward
 constexpr int64_t kPanelBytes = 256 * 1024;  // weight panel packed at a time (fits in L2)
+// Rows per item: an expert's rows are split only above this, so that most experts are one
+// item and read their weights once.
+constexpr int64_t kItemRows = 256;
+// The next item's weights are prefetched into L2 while the current item computes, when they
+// fit there comfortably: at many small experts, streaming each expert's weights from memory
+// would otherwise stall the transposes that lay them out.
+constexpr int64_t kPrefetchBytes = 512 * 1024;
 
 template <typename ST, typename CT>
 void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, const float* tw,
@@ -76,35 +83,58 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
   ST* outp = out.data_ptr<ST>();
   const int32_t* order = R.order.data_ptr<int32_t>();
   const int32_t* off = R.offsets.data_ptr<int32_t>();
-  const std::vector<Item> items = row_items(off, E);
+  const std::vector<Item> items = row_items(off, E, kItemRows);
   const int64_t lda1 = k_pad<CT>(H), lda2 = k_pad<CT>(de);
-  // hidden units per up-projection panel (gate and up columns) and output columns per
-  // down-projection panel, so that each packed panel stays in L2 however large H and d_e are
-  const int64_t kHid = std::min<int64_t>(de, std::max<int64_t>(16, kPanelBytes / (2 * lda1 * sizeof(CT)) / 16 * 16));
-  const int64_t kOut = std::min<int64_t>(H, std::max<int64_t>(64, kPanelBytes / (lda2 * sizeof(CT)) / 64 * 64));
+  // fp32 runs the GEMMs on weight blocks transposed into L1 inside gemm_nt_blocked and
+  // streams the output rows to out; the 16-bit types pack L2-sized panels for the matrix unit.
+  constexpr bool kF32 = std::is_same_v<ST, float>;
+  // hidden units per up-projection step (gate and up columns) and output columns per
+  // down-projection step, so that each packed panel (or each fp32 output block) stays in L2
+  // however large H and d_e are
+  const int64_t kHid = kF32 ? std::min<int64_t>(de, 128)
+                            : std::min<int64_t>(de, std::max<int64_t>(16, kPanelBytes / (2 * lda1 * sizeof(CT)) / 16 * 16));
+  const int64_t kOut = kF32 ? std::min<int64_t>(H, 256)
+                            : std::min<int64_t>(H, std::max<int64_t>(64, kPanelBytes / (lda2 * sizeof(CT)) / 64 * 64));
+  const int64_t w1_bytes = 2 * de * H * static_cast<int64_t>(sizeof(ST));
+  const int64_t w2_bytes = H * de * static_cast<int64_t>(sizeof(ST));
 
-  run_dynamic<RowState<CT>, CT>(
+  run_dynamic_ahead<RowState<CT>, CT>(
       static_cast<int64_t>(items.size()),
-      [&](int64_t it, RowState<CT>& S) {
+      [&](int64_t it, int64_t nx, RowState<CT>& S) {
         const Item& I = items[it];
         const int64_t m = I.r1 - I.r0;
         const ST* w1e = w1p + I.e * 2 * de * H;
         const ST* w2e = w2p + I.e * H * de;
+        // one prefetch step per row of the SwiGLU epilogue and of the output writes
+        const int64_t steps = m * (cdiv(de, kHid) + cdiv(H, kOut));
+        if (nx >= 0 && items[nx].e != I.e && w1_bytes + w2_bytes <= kPrefetchBytes)
+          S.pf.reset(w1p + items[nx].e * 2 * de * H, w1_bytes, w2p + items[nx].e * H * de, w2_bytes, steps);
+        else
+          S.pf.reset(nullptr, 0, nullptr, 0, 1);
         int64_t* tok = S.tok.get(m);
         for (int64_t i = 0; i < m; ++i) tok[i] = order[I.r0 + i] / k;
         CT* A1 = S.A1.get(m * lda1);
         gather_rows(xp, H, tok, m, H, A1, lda1);
         CT* A2 = S.A2.get(m * lda2);
-        // Up-projection, kHid hidden units at a time: the panel [W_gate^T | W_up^T] of those
-        // units is packed right before use.
+        // Up-projection, kHid hidden units at a time: C1 = [gate | up] pre-activations
         float* C1 = S.C1.get(m * round_up(2 * kHid, 16));
         float* h = S.row.get(kHid);
+        float* blk = kF32 ? S.blk.get(kNtN * kNtK) : nullptr;
         for (int64_t j0 = 0; j0 < de; j0 += kHid) {
           const int64_t jb = std::min(kHid, de - j0);
-          pack_transposed<CT>(w1e + j0 * H, jb, w1e + (de + j0) * H, jb, H, H, S.B1);
-          const int64_t ldc1 = S.B1.Np;
-          gemm(m, A1, lda1, S.B1, C1, ldc1, false);
+          int64_t ldc1;
+          if constexpr (kF32) {
+            ldc1 = 2 * jb;
+            gemm_nt_blocked(m, A1, lda1, w1e + j0 * H, H, jb, H, C1, ldc1, false, blk);
+            gemm_nt_blocked(m, A1, lda1, w1e + (de + j0) * H, H, jb, H, C1 + jb, ldc1, false, blk);
+          } else {
+            // the panel [W_gate^T | W_up^T] of these units, packed right before use
+            pack_transposed<CT>(w1e + j0 * H, jb, w1e + (de + j0) * H, jb, H, H, S.B1);
+            ldc1 = S.B1.Np;
+            gemm(m, A1, lda1, S.B1, C1, ldc1, false);
+          }
           for (int64_t i = 0; i < m; ++i) {
+            S.pf.step();
             const float* c = C1 + i * ldc1;
             if (prep) {
               narrow(c, prep + (I.r0 + i) * 2 * de + j0, jb);
@@ -121,19 +151,28 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
         }
         for (int64_t i = 0; i < m; ++i)
           for (int64_t c = de; c < lda2; ++c) A2[i * lda2 + c] = CT(0.0f);
-        // Down-projection, kOut output columns at a time (packed the same way)
+        // Down-projection, kOut output columns at a time
         float* C2 = S.C2.get(m * round_up(kOut, 16));
         for (int64_t n0 = 0; n0 < H; n0 += kOut) {
           const int64_t nb = std::min(kOut, H - n0);
-          pack_transposed<CT>(w2e + n0 * de, de, nb, de, S.B2);
-          if constexpr (std::is_same_v<ST, float>) {
-            // fp32 rows go straight to their place in out (no padding columns in fp32 panels)
-            gemm(m, A2, lda2, S.B2, outp + I.r0 * H + n0, H, false);
+          if constexpr (kF32) {
+            gemm_nt_blocked(m, A2, lda2, w2e + n0 * de, de, nb, de, C2, nb, false, blk);
+            // out is read back only by the combine, after every item: stream it past the caches
+            for (int64_t i = 0; i < m; ++i) {
+              copy_streaming(C2 + i * nb, outp + (I.r0 + i) * H + n0, nb);
+              S.pf.step();
+            }
           } else {
+            pack_transposed<CT>(w2e + n0 * de, de, nb, de, S.B2);
             gemm(m, A2, lda2, S.B2, C2, S.B2.Np, false);
-            for (int64_t i = 0; i < m; ++i) narrow(C2 + i * S.B2.Np, outp + (I.r0 + i) * H + n0, nb);
+            for (int64_t i = 0; i < m; ++i) {
+              narrow(C2 + i * S.B2.Np, outp + (I.r0 + i) * H + n0, nb);
+              S.pf.step();
+            }
           }
         }
+        S.pf.finish();
+        if constexpr (kF32) stream_fence();
       });
   combine<ST>(outp, R.rev.data_ptr<int32_t>(), tw, R.T, k, H, y.data_ptr<ST>());
 }

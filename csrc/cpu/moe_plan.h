@@ -16,12 +16,16 @@ struct Item {
   int64_t e, r0, r1;  // expert, sorted rows [r0, r1)
 };
 
-// Items of at most kRows rows, expert-major; chunk q of expert e starts at off[e] + q * kRows.
-inline std::vector<Item> row_items(const int32_t* off, int64_t E) {
+// Items of at most max_rows rows, expert-major. An expert with more rows is cut into the
+// fewest items that allows, of near-equal size, so that no item is a small remainder that
+// pays for packing its expert's weights again.
+inline std::vector<Item> row_items(const int32_t* off, int64_t E, int64_t max_rows = kRows) {
   std::vector<Item> items;
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t r = off[e]; r < off[e + 1]; r += kRows)
-      items.push_back({e, r, std::min<int64_t>(off[e + 1], r + kRows)});
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = off[e + 1] - off[e], parts = cdiv(n, max_rows);
+    for (int64_t q = 0; q < parts; ++q)
+      items.push_back({e, off[e] + n * q / parts, off[e] + n * (q + 1) / parts});
+  }
   return items;
 }
 
@@ -43,24 +47,59 @@ void run_balanced(const std::vector<int64_t>& cost, Fn fn) {
   });
 }
 
-// Runs fn(item index, state) for items 0..n-1, each thread taking the next unclaimed item,
-// with its own State. For item loops that keep nothing between items: the last item ends
-// close to the same time on every thread whatever the costs, and what an item computes
-// still does not depend on which thread runs it.
+// Runs fn(item, next item or -1, state) for items 0..n-1, each thread taking the next
+// unclaimed item, with its own State. A thread claims its next item before running the
+// current one, so that fn can start fetching what the next item reads. For item loops that
+// keep nothing between items: the last item ends close to the same time on every thread
+// whatever the costs, and what an item computes still does not depend on which thread runs
+// it.
 template <typename State, typename CT, typename Fn>
-void run_dynamic(int64_t n, Fn fn) {
+void run_dynamic_ahead(int64_t n, Fn fn) {
   if (n == 0) return;
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {
     State st;
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-           i = next.fetch_add(1, std::memory_order_relaxed))
-        fn(i, st);
+    for (int64_t p = p0; p < p1; ++p) {
+      int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      while (i < n) {
+        const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
+        fn(i, j < n ? j : -1, st);
+        i = j;
+      }
+    }
     gemm_done<CT>();
   });
 }
+
+// Software prefetch of up to two byte ranges into L2, a few cache lines per step() so that
+// the loads overlap the computation between steps.
+class Prefetcher {
+ public:
+  void reset(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes, int64_t steps) {
+    p_[0] = static_cast<const char*>(a);
+    end_[0] = p_[0] + (a ? a_bytes : 0);
+    p_[1] = static_cast<const char*>(b);
+    end_[1] = p_[1] + (b ? b_bytes : 0);
+    const int64_t lines = cdiv((a ? a_bytes : 0) + (b ? b_bytes : 0), 64);
+    per_step_ = steps > 0 ? cdiv(lines, steps) : lines;
+  }
+  void step() { step(per_step_); }
+  void step(int64_t lines) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    for (int s = 0; s < 2 && lines > 0; ++s)
+      for (; p_[s] < end_[s] && lines > 0; p_[s] += 64, --lines) _mm_prefetch(p_[s], _MM_HINT_T1);
+#else
+    (void)lines;
+#endif
+  }
+  void finish() { step(INT64_MAX); }
+
+ private:
+  const char* p_[2] = {nullptr, nullptr};
+  const char* end_[2] = {nullptr, nullptr};
+  int64_t per_step_ = 0;
+};
 
 // Per-thread working set of the row items.
 template <typename CT>
@@ -68,8 +107,9 @@ struct RowState {
   Panel<CT> B1, B2;
   int64_t expert = -1;  // whose weights B1, B2 hold
   Scratch<CT> A1, A2;
-  Scratch<float> C1, C2, row;
+  Scratch<float> C1, C2, row, blk;
   Scratch<int64_t> tok;
+  Prefetcher pf;
 };
 
 // y[t] = sum_j w[t, j] * rows[rev[t*k + j]] (w == nullptr: weight 1), summed in slot order.
@@ -79,6 +119,14 @@ void combine(const ST* rows, const int32_t* rev, const float* w, int64_t T, int6
     std::vector<const float*> src(k);
     std::vector<float> wide(std::is_same_v<ST, float> ? 0 : k * H), acc(H);
     for (int64_t t = t0; t < t1; ++t) {
+#if defined(__x86_64__) && defined(__GNUC__)
+      // start the row streams of the token two ahead (random rows of a large buffer)
+      if (t + 2 < t1)
+        for (int64_t j = 0; j < k; ++j) {
+          const char* r = reinterpret_cast<const char*>(rows + static_cast<int64_t>(rev[(t + 2) * k + j]) * H);
+          for (int l = 0; l < 4; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T0);
+        }
+#endif
       for (int64_t j = 0; j < k; ++j) {
         const ST* r = rows + static_cast<int64_t>(rev[t * k + j]) * H;
         if constexpr (std::is_same_v<ST, float>) {
