@@ -151,18 +151,44 @@ CPU_SHAPES = [(1, 16, 8, 1, 1), (7, 33, 17, 8, 2), (63, 40, 24, 64, 8), (200, 67
               (130, 150, 70, 8, 8), (300, 260, 136, 2, 2)]
 
 
+@pytest.fixture(params=["auto", "generic"])
+def cpu_kernel(request, monkeypatch):
+    """The native CPU forward picks an AVX-512 rows kernel for fp32 with small experts where
+    the CPU has it; SMELT_CPU_GENERIC=1 selects the portable path, tested here as well."""
+    if request.param == "generic":
+        monkeypatch.setenv("SMELT_CPU_GENERIC", "1")
+    else:
+        monkeypatch.delenv("SMELT_CPU_GENERIC", raising=False)
+    return request.param
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
-def test_cpu_matches_reference(shape, dtype):
+def test_cpu_matches_reference(shape, dtype, cpu_kernel):
     case = make_case(*shape, dtype)
     assert_close(run(case, "cpu"), oracle(case), dtype)
 
 
 @needs_cpu_kernel
+def test_cpu_kernels_agree():
+    """The rows kernel and the portable path sum in different orders but agree closely."""
+    case = make_case(200, 67, 35, 288, 8, torch.float32)
+    with torch.no_grad():
+        auto = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend="cpu")
+        os.environ["SMELT_CPU_GENERIC"] = "1"
+        try:
+            generic = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend="cpu")
+        finally:
+            del os.environ["SMELT_CPU_GENERIC"]
+    assert torch.isfinite(auto).all()
+    torch.testing.assert_close(auto, generic, rtol=1e-5, atol=1e-5)
+
+
+@needs_cpu_kernel
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind,k", [("one_expert", 1), ("first_k", 8)])
-def test_cpu_skewed_routing(kind, k, dtype):
+def test_cpu_skewed_routing(kind, k, dtype, cpu_kernel):
     T, H, de, E = 150, 48, 20, 16
     case = make_case(T, H, de, E, k, dtype, ids=skewed_ids(kind, T, E, k))
     assert_close(run(case, "cpu"), oracle(case), dtype)
@@ -226,7 +252,9 @@ def test_auto_falls_back_without_the_extension(monkeypatch):
 
 # ----------------------------------------------------------------------------- determinism
 @pytest.mark.parametrize("name", ["cpu", "triton"])
-def test_bitwise_deterministic(name):
+def test_bitwise_deterministic(name, cpu_kernel):
+    if name == "triton" and cpu_kernel == "generic":
+        pytest.skip("the CPU kernel choice does not apply to Triton")
     if name == "cpu" and not _has_cpu_kernel():
         pytest.skip("no native CPU kernel")
     dev = _triton_device() if name == "triton" else torch.device("cpu")
@@ -242,7 +270,7 @@ def test_bitwise_deterministic(name):
 
 @needs_cpu_kernel
 @pytest.mark.parametrize("skewed", [False, True])
-def test_cpu_results_do_not_depend_on_thread_count(skewed):
+def test_cpu_results_do_not_depend_on_thread_count(skewed, cpu_kernel):
     """Every element is reduced by one work item in a fixed order, whichever thread runs it
     (the skewed routing takes the all-threads path for its big experts)."""
     T, H, de, E, k = 600, 72, 40, 16, 4

@@ -62,10 +62,8 @@ float swiglu_backward(const float* gate, const float* up, const float* G, float 
 void axpy(float* acc, const float* x, float a, int64_t n);
 // out = sum_j w[j] * rows[j] (w == nullptr: weights 1), summed in j order
 void weighted_sum(const float* const* rows, const float* w, int64_t k, float* out, int64_t n);
-// dst = src with non-temporal stores where the CPU has them: for rows written once and read
-// back only after the whole pass, which need not displace the working set from the caches.
-// A thread calls stream_fence() before other threads may read what it streamed.
-void copy_streaming(const float* src, float* dst, int64_t n);
+// Orders this thread's non-temporal stores before what follows (a thread calls it before
+// other threads may read what it streamed).
 void stream_fence();
 void widen(const c10::BFloat16* src, float* dst, int64_t n);
 void widen(const c10::Half* src, float* dst, int64_t n);
@@ -410,25 +408,6 @@ void gemm(int64_t M, const CT* A, int64_t lda, const Panel<CT>& P, float* C, int
       for (int64_t k0 = 0; k0 < P.Kp; k0 += kb)
         at::native::cpublas::brgemm(M, width, std::min(kb, P.Kp - k0), lda, width, ldc, add || k0 > 0, A + k0,
                                     blk + k0 * width, C + n0, true);
-    }
-  }
-}
-
-// fp32 C (M x N, row stride ldc) (+)= A (M x K) @ W^T for W (N x K, row stride ldw): the
-// "x @ W^T" product of Linear-layout weights. W is transposed one block of kNtN columns by
-// kNtK rows at a time into buf (kNtN * kNtK floats, L1-sized) right before the micro-kernel
-// uses it, so the transposed block never leaves L1 and each element of W is read once.
-constexpr int64_t kNtN = 64, kNtK = 128;
-inline void gemm_nt_blocked(int64_t M, const float* A, int64_t lda, const float* W, int64_t ldw, int64_t N,
-                            int64_t K, float* C, int64_t ldc, bool add, float* buf) {
-  if (M == 0 || N == 0) return;
-  for (int64_t n0 = 0; n0 < N; n0 += kNtN) {
-    const int64_t nb = std::min(kNtN, N - n0);
-    for (int64_t k0 = 0; k0 < K; k0 += kNtK) {
-      const int64_t kb = std::min(kNtK, K - k0);
-      transpose32(reinterpret_cast<const uint32_t*>(W + n0 * ldw + k0), ldw, nb, kb,
-                  reinterpret_cast<uint32_t*>(buf), nb);
-      at::native::cpublas::brgemm(M, nb, kb, lda, nb, ldc, add || k0 > 0, A + k0, buf, C + n0, false);
     }
   }
 }

@@ -3,14 +3,15 @@
 //
 // The T*k (token, slot) pairs are sorted by expert with a stable counting sort. Work is cut
 // into items of at most kItemRows sorted rows of one expert, which threads claim one at a
-// time. Each item runs its GEMMs on one thread through the micro-kernel of moe_blas.h, on
-// token rows it gathers into a cache-resident buffer, with SwiGLU applied between the two
-// GEMMs:
+// time. Each item runs its GEMMs on one thread, with SwiGLU applied between the two GEMMs:
 //   P[r] = x[tok(r)] @ W1[e]^T                 (pre-activation, kept for backward)
 //   O[r] = (silu(P_gate) * P_up)[r] @ W2[e]^T
 // and then y[t] = sum_j w[t,j] * O[rev(t,j)], a gather-and-sum in slot order (no atomics).
-// Every element is computed by exactly one item in a fixed order, so the results are bitwise
-// reproducible and do not depend on the number of threads.
+// In fp32 on an AVX-512 CPU the GEMMs run in the rows kernel of moe_rows.h on the token rows
+// in place; otherwise through the micro-kernel of moe_blas.h on token rows gathered into a
+// cache-resident buffer (the 16-bit types on the matrix unit). Every element is computed by
+// exactly one item in a fixed order, so the results are bitwise reproducible and do not
+// depend on the number of threads.
 #include <torch/library.h>
 
 #include "moe_plan.h"
@@ -73,6 +74,54 @@ constexpr int64_t kItemRows = 256;
 // would otherwise stall the transposes that lay them out.
 constexpr int64_t kPrefetchBytes = 512 * 1024;
 
+// Per item, fp32 on an AVX-512 CPU: the rows kernel (moe_rows.h) reads token rows in place
+// and writes the down-projection rows straight to out (non-temporal), and prefetches the
+// next expert's weights from inside its K loop.
+void forward_rows_item(const float* xp, const float* w1e, const float* w2e, const int32_t* order, int64_t k,
+                       int64_t H, int64_t de, const Item& I, float* prep, float* outp, RowState<float>& S) {
+  const int64_t m = I.r1 - I.r0;
+  const int64_t kHid = std::min<int64_t>(de, 128);  // hidden units per up-projection step
+  const float** xr = S.arow.get(m);
+  float** cr = S.crow.get(m);
+  float** orow = S.orow.get(m);
+  float* C1 = S.C1.get(m * 2 * kHid);
+  float* A2 = S.A2.get(m * de);
+  float* blk = S.blk.get(kNtN * kNtK);
+  // Each token row is read once per 64 output columns of the up-projection. Read in place
+  // when that is twice (gate and up columns of at most 64 units); otherwise gather the rows
+  // into a buffer that stays in L2 for the repeated passes.
+  const bool in_place = cdiv(de, kHid) * 2 * cdiv(kHid, kNtN) <= 2;
+  float* A1 = in_place ? nullptr : S.A1.get(m * H);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = xp + static_cast<int64_t>(order[I.r0 + i] / k) * H;
+    if (in_place) {
+      xr[i] = row;
+    } else {
+      std::memcpy(A1 + i * H, row, H * sizeof(float));
+      xr[i] = A1 + i * H;
+    }
+  }
+  for (int64_t j0 = 0; j0 < de; j0 += kHid) {
+    const int64_t jb = std::min(kHid, de - j0);
+    for (int64_t i = 0; i < m; ++i) cr[i] = C1 + i * 2 * jb;
+    gemm_rows_nt(m, xr, w1e + j0 * H, H, jb, H, cr, 0, false, blk, &S.pf);
+    gemm_rows_nt(m, xr, w1e + (de + j0) * H, H, jb, H, cr, jb, false, blk, &S.pf);
+    for (int64_t i = 0; i < m; ++i) {
+      const float* c = cr[i];
+      if (prep) {
+        std::memcpy(prep + (I.r0 + i) * 2 * de + j0, c, jb * sizeof(float));
+        std::memcpy(prep + (I.r0 + i) * 2 * de + de + j0, c + jb, jb * sizeof(float));
+      }
+      swiglu_forward(c, c + jb, A2 + i * de + j0, jb);
+    }
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    xr[i] = A2 + i * de;
+    orow[i] = outp + (I.r0 + i) * H;
+  }
+  gemm_rows_nt(m, xr, w2e, de, H, de, orow, 0, true, blk, &S.pf);
+}
+
 template <typename ST, typename CT>
 void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, const float* tw,
                   const Routing& R, at::Tensor& y, ST* prep, at::Tensor& out) {
@@ -85,18 +134,16 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
   const int32_t* off = R.offsets.data_ptr<int32_t>();
   const std::vector<Item> items = row_items(off, E, kItemRows);
   const int64_t lda1 = k_pad<CT>(H), lda2 = k_pad<CT>(de);
-  // fp32 runs the GEMMs on weight blocks transposed into L1 inside gemm_nt_blocked and
-  // streams the output rows to out; the 16-bit types pack L2-sized panels for the matrix unit.
   constexpr bool kF32 = std::is_same_v<ST, float>;
-  // hidden units per up-projection step (gate and up columns) and output columns per
-  // down-projection step, so that each packed panel (or each fp32 output block) stays in L2
-  // however large H and d_e are
-  const int64_t kHid = kF32 ? std::min<int64_t>(de, 128)
-                            : std::min<int64_t>(de, std::max<int64_t>(16, kPanelBytes / (2 * lda1 * sizeof(CT)) / 16 * 16));
-  const int64_t kOut = kF32 ? std::min<int64_t>(H, 256)
-                            : std::min<int64_t>(H, std::max<int64_t>(64, kPanelBytes / (lda2 * sizeof(CT)) / 64 * 64));
   const int64_t w1_bytes = 2 * de * H * static_cast<int64_t>(sizeof(ST));
   const int64_t w2_bytes = H * de * static_cast<int64_t>(sizeof(ST));
+  // The rows kernel is for many small experts, whose weights fit in L2 and are prefetched
+  // (larger experts run faster on the panels of the portable path).
+  const bool rows_kernel = kF32 && use_rows_kernel() && w1_bytes + w2_bytes <= kPrefetchBytes;
+  // hidden units per up-projection panel (gate and up columns) and output columns per
+  // down-projection panel, so that each packed panel stays in L2 however large H and d_e are
+  const int64_t kHid = std::min<int64_t>(de, std::max<int64_t>(16, kPanelBytes / (2 * lda1 * sizeof(CT)) / 16 * 16));
+  const int64_t kOut = std::min<int64_t>(H, std::max<int64_t>(64, kPanelBytes / (lda2 * sizeof(CT)) / 64 * 64));
 
   run_dynamic_ahead<RowState<CT>, CT>(
       static_cast<int64_t>(items.size()),
@@ -105,36 +152,36 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
         const int64_t m = I.r1 - I.r0;
         const ST* w1e = w1p + I.e * 2 * de * H;
         const ST* w2e = w2p + I.e * H * de;
-        // one prefetch step per row of the SwiGLU epilogue and of the output writes
-        const int64_t steps = m * (cdiv(de, kHid) + cdiv(H, kOut));
         if (nx >= 0 && items[nx].e != I.e && w1_bytes + w2_bytes <= kPrefetchBytes)
-          S.pf.reset(w1p + items[nx].e * 2 * de * H, w1_bytes, w2p + items[nx].e * H * de, w2_bytes, steps);
+          S.pf.reset(w1p + items[nx].e * 2 * de * H, w1_bytes, w2p + items[nx].e * H * de, w2_bytes);
         else
-          S.pf.reset(nullptr, 0, nullptr, 0, 1);
+          S.pf.clear();
+        if constexpr (kF32) {
+          if (rows_kernel) {
+            forward_rows_item(xp, w1e, w2e, order, k, H, de, I, prep, outp, S);
+            S.pf.finish();
+            stream_fence();
+            return;
+          }
+        }
+        // Portable path: a few prefetched lines per row of the epilogue and of the output
+        const int64_t per_row = cdiv(S.pf.lines(), m * (cdiv(de, kHid) + cdiv(H, kOut)));
         int64_t* tok = S.tok.get(m);
         for (int64_t i = 0; i < m; ++i) tok[i] = order[I.r0 + i] / k;
         CT* A1 = S.A1.get(m * lda1);
         gather_rows(xp, H, tok, m, H, A1, lda1);
         CT* A2 = S.A2.get(m * lda2);
-        // Up-projection, kHid hidden units at a time: C1 = [gate | up] pre-activations
+        // Up-projection, kHid hidden units at a time: the panel [W_gate^T | W_up^T] of those
+        // units is packed right before use.
         float* C1 = S.C1.get(m * round_up(2 * kHid, 16));
         float* h = S.row.get(kHid);
-        float* blk = kF32 ? S.blk.get(kNtN * kNtK) : nullptr;
         for (int64_t j0 = 0; j0 < de; j0 += kHid) {
           const int64_t jb = std::min(kHid, de - j0);
-          int64_t ldc1;
-          if constexpr (kF32) {
-            ldc1 = 2 * jb;
-            gemm_nt_blocked(m, A1, lda1, w1e + j0 * H, H, jb, H, C1, ldc1, false, blk);
-            gemm_nt_blocked(m, A1, lda1, w1e + (de + j0) * H, H, jb, H, C1 + jb, ldc1, false, blk);
-          } else {
-            // the panel [W_gate^T | W_up^T] of these units, packed right before use
-            pack_transposed<CT>(w1e + j0 * H, jb, w1e + (de + j0) * H, jb, H, H, S.B1);
-            ldc1 = S.B1.Np;
-            gemm(m, A1, lda1, S.B1, C1, ldc1, false);
-          }
+          pack_transposed<CT>(w1e + j0 * H, jb, w1e + (de + j0) * H, jb, H, H, S.B1);
+          const int64_t ldc1 = S.B1.Np;
+          gemm(m, A1, lda1, S.B1, C1, ldc1, false);
           for (int64_t i = 0; i < m; ++i) {
-            S.pf.step();
+            S.pf.step(per_row);
             const float* c = C1 + i * ldc1;
             if (prep) {
               narrow(c, prep + (I.r0 + i) * 2 * de + j0, jb);
@@ -151,28 +198,24 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
         }
         for (int64_t i = 0; i < m; ++i)
           for (int64_t c = de; c < lda2; ++c) A2[i * lda2 + c] = CT(0.0f);
-        // Down-projection, kOut output columns at a time
+        // Down-projection, kOut output columns at a time (packed the same way)
         float* C2 = S.C2.get(m * round_up(kOut, 16));
         for (int64_t n0 = 0; n0 < H; n0 += kOut) {
           const int64_t nb = std::min(kOut, H - n0);
+          pack_transposed<CT>(w2e + n0 * de, de, nb, de, S.B2);
           if constexpr (kF32) {
-            gemm_nt_blocked(m, A2, lda2, w2e + n0 * de, de, nb, de, C2, nb, false, blk);
-            // out is read back only by the combine, after every item: stream it past the caches
-            for (int64_t i = 0; i < m; ++i) {
-              copy_streaming(C2 + i * nb, outp + (I.r0 + i) * H + n0, nb);
-              S.pf.step();
-            }
+            // fp32 rows go straight to their place in out (no padding columns in fp32 panels)
+            gemm(m, A2, lda2, S.B2, outp + I.r0 * H + n0, H, false);
+            S.pf.step(per_row * m);
           } else {
-            pack_transposed<CT>(w2e + n0 * de, de, nb, de, S.B2);
             gemm(m, A2, lda2, S.B2, C2, S.B2.Np, false);
             for (int64_t i = 0; i < m; ++i) {
               narrow(C2 + i * S.B2.Np, outp + (I.r0 + i) * H + n0, nb);
-              S.pf.step();
+              S.pf.step(per_row);
             }
           }
         }
         S.pf.finish();
-        if constexpr (kF32) stream_fence();
       });
   combine<ST>(outp, R.rev.data_ptr<int32_t>(), tw, R.T, k, H, y.data_ptr<ST>());
 }

@@ -6,7 +6,7 @@
 
 #include <atomic>
 
-#include "moe_blas.h"
+#include "moe_rows.h"
 
 namespace smelt_moe {
 
@@ -72,35 +72,6 @@ void run_dynamic_ahead(int64_t n, Fn fn) {
   });
 }
 
-// Software prefetch of up to two byte ranges into L2, a few cache lines per step() so that
-// the loads overlap the computation between steps.
-class Prefetcher {
- public:
-  void reset(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes, int64_t steps) {
-    p_[0] = static_cast<const char*>(a);
-    end_[0] = p_[0] + (a ? a_bytes : 0);
-    p_[1] = static_cast<const char*>(b);
-    end_[1] = p_[1] + (b ? b_bytes : 0);
-    const int64_t lines = cdiv((a ? a_bytes : 0) + (b ? b_bytes : 0), 64);
-    per_step_ = steps > 0 ? cdiv(lines, steps) : lines;
-  }
-  void step() { step(per_step_); }
-  void step(int64_t lines) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    for (int s = 0; s < 2 && lines > 0; ++s)
-      for (; p_[s] < end_[s] && lines > 0; p_[s] += 64, --lines) _mm_prefetch(p_[s], _MM_HINT_T1);
-#else
-    (void)lines;
-#endif
-  }
-  void finish() { step(INT64_MAX); }
-
- private:
-  const char* p_[2] = {nullptr, nullptr};
-  const char* end_[2] = {nullptr, nullptr};
-  int64_t per_step_ = 0;
-};
-
 // Per-thread working set of the row items.
 template <typename CT>
 struct RowState {
@@ -109,7 +80,9 @@ struct RowState {
   Scratch<CT> A1, A2;
   Scratch<float> C1, C2, row, blk;
   Scratch<int64_t> tok;
-  Prefetcher pf;
+  Scratch<const float*> arow;  // row pointers of the rows kernel (moe_rows.h)
+  Scratch<float*> crow, orow;
+  LinePrefetch pf;
 };
 
 // y[t] = sum_j w[t, j] * rows[rev[t*k + j]] (w == nullptr: weight 1), summed in slot order.

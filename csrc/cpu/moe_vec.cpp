@@ -5,15 +5,6 @@
 
 namespace smelt_moe {
 
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx512f"))) static void stream_avx512(const float* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) dst[i] = src[i];
-  for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
-  for (; i < n; ++i) dst[i] = src[i];
-}
-#endif
-
 SMELT_MULTIVERSION
 void swiglu_forward(const float* gate, const float* up, float* h, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
@@ -64,16 +55,6 @@ void weighted_sum(const float* const* rows, const float* w, int64_t k, float* ou
     }
     for (int64_t i = 0; i < len; ++i) out[i0 + i] = acc[i];
   }
-}
-
-void copy_streaming(const float* src, float* dst, int64_t n) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (cpu_has_avx512()) {
-    stream_avx512(src, dst, n);
-    return;
-  }
-#endif
-  std::memcpy(dst, src, n * sizeof(float));
 }
 
 void stream_fence() {

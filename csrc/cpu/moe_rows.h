@@ -1,0 +1,197 @@
+// The fp32 AVX-512 micro-kernel of the CPU MoE forward, on row pointers.
+//
+//   c[i][n0 : n0 + nb] (=, +=) sum_{k < kb} a[i][k0 + k] * B[k][0 : nb],   i < M
+//
+// A and C are given as one pointer per row, so that token rows are read where they lie in x
+// (no gathered copy) and output rows are written straight to their place, with
+// non-temporal stores when they are only read back after the whole pass. B is a block of at
+// most 64 columns (one L1-resident block of a transposed weight matrix). Tiles of 6 rows x 64
+// columns keep 24 accumulators in registers over the whole K block, and every 4 steps of K
+// the kernel prefetches one cache line of what the next item will read, so that the next
+// expert's weights stream in while this one computes instead of stalling the transposes.
+#pragma once
+
+#include "moe_blas.h"
+
+namespace smelt_moe {
+
+constexpr int64_t kNtN = 64, kNtK = 128;  // columns and K rows of a transposed weight block
+
+// Cursor over up to two byte ranges that a kernel prefetches into L2 one line at a time.
+class LinePrefetch {
+ public:
+  void reset(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
+    p_[0] = static_cast<const char*>(a);
+    end_[0] = a ? p_[0] + a_bytes : p_[0];
+    p_[1] = static_cast<const char*>(b);
+    end_[1] = b ? p_[1] + b_bytes : p_[1];
+  }
+  void clear() { reset(nullptr, 0, nullptr, 0); }
+  // Prefetch the next line, if any is left.
+  void one() {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (p_[0] < end_[0]) {
+      _mm_prefetch(p_[0], _MM_HINT_T1);
+      p_[0] += 64;
+    } else if (p_[1] < end_[1]) {
+      _mm_prefetch(p_[1], _MM_HINT_T1);
+      p_[1] += 64;
+    }
+#endif
+  }
+  // Prefetch the next n lines.
+  void step(int64_t n) {
+    for (; n > 0 && (p_[0] < end_[0] || p_[1] < end_[1]); --n) one();
+  }
+  // Lines left to prefetch.
+  int64_t lines() const { return ((end_[0] - p_[0]) + (end_[1] - p_[1]) + 63) / 64; }
+  // Prefetch everything that is left.
+  void finish() { step(INT64_MAX); }
+
+ private:
+  const char* p_[2] = {nullptr, nullptr};
+  const char* end_[2] = {nullptr, nullptr};
+};
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SMELT_HAVE_ROWS_KERNEL 1
+
+// acc[r][:] += a[r][k] * B[k][:] for the R rows of a tile
+// (Full: all 64 columns are in use, so B is read without masks.)
+template <int R, bool Full>
+__attribute__((target("avx512f"), always_inline)) inline void rows_step(__m512 (&acc)[R][4], const float* const* a,
+                                                                        const float* B, int64_t ldb, int64_t k,
+                                                                        const __mmask16 (&mask)[4]) {
+  const float* b = B + k * ldb;
+  __m512 b0, b1, b2, b3;
+  if constexpr (Full) {
+    b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32), b3 = _mm512_loadu_ps(b + 48);
+  } else {
+    b0 = _mm512_maskz_loadu_ps(mask[0], b), b1 = _mm512_maskz_loadu_ps(mask[1], b + 16);
+    b2 = _mm512_maskz_loadu_ps(mask[2], b + 32), b3 = _mm512_maskz_loadu_ps(mask[3], b + 48);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 av = _mm512_set1_ps(a[r][k]);
+    acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
+    acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+    acc[r][2] = _mm512_fmadd_ps(av, b2, acc[r][2]);
+    acc[r][3] = _mm512_fmadd_ps(av, b3, acc[r][3]);
+  }
+}
+
+// One tile of R <= 6 rows. Lanes of B at or past nb are read as zero (masked loads) and never
+// stored, so B's padding may hold anything.
+template <int R, bool Add, bool Stream, bool Full>
+__attribute__((target("avx512f"), always_inline)) inline void rows_tile(const float* const* a, const float* B,
+                                                                        int64_t ldb, int64_t kb, float* const* c,
+                                                                        const __mmask16 (&mask)[4],
+                                                                        LinePrefetch* pf) {
+  __m512 acc[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      if constexpr (!Add) acc[r][v] = _mm512_setzero_ps();
+      else if constexpr (Full) acc[r][v] = _mm512_loadu_ps(c[r] + 16 * v);
+      else acc[r][v] = _mm512_maskz_loadu_ps(mask[v], c[r] + 16 * v);
+    }
+  }
+  const float* ap[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) ap[r] = a[r];
+  int64_t k = 0;
+  for (; k + 4 <= kb; k += 4) {  // one prefetched line per four steps of K
+    if (pf) pf->one();
+    rows_step<R, Full>(acc, ap, B, ldb, k, mask);
+    rows_step<R, Full>(acc, ap, B, ldb, k + 1, mask);
+    rows_step<R, Full>(acc, ap, B, ldb, k + 2, mask);
+    rows_step<R, Full>(acc, ap, B, ldb, k + 3, mask);
+  }
+  for (; k < kb; ++k) rows_step<R, Full>(acc, ap, B, ldb, k, mask);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      float* dst = c[r] + 16 * v;
+      if (Stream && (Full || mask[v] == 0xffff) && (reinterpret_cast<uintptr_t>(dst) & 63) == 0)
+        _mm512_stream_ps(dst, acc[r][v]);
+      else if (Full)
+        _mm512_storeu_ps(dst, acc[r][v]);
+      else
+        _mm512_mask_storeu_ps(dst, mask[v], acc[r][v]);
+    }
+  }
+}
+
+template <bool Add, bool Stream, bool Full>
+__attribute__((target("avx512f"))) inline void rows_block(int64_t M, const float* const* a, int64_t k0,
+                                                          const float* B, int64_t ldb, int64_t kb,
+                                                          float* const* c, int64_t n0, int64_t nb,
+                                                          LinePrefetch* pf) {
+  __mmask16 mask[4];
+  for (int v = 0; v < 4; ++v) {
+    const int64_t lanes = std::min<int64_t>(16, std::max<int64_t>(0, nb - 16 * v));
+    mask[v] = static_cast<__mmask16>((1u << lanes) - 1u);
+  }
+  const float* ar[6];
+  float* cr[6];
+  int64_t i = 0;
+  for (; i + 6 <= M; i += 6) {
+    for (int r = 0; r < 6; ++r) ar[r] = a[i + r] + k0, cr[r] = c[i + r] + n0;
+    rows_tile<6, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf);
+  }
+  const int64_t rest = M - i;
+  for (int64_t r = 0; r < rest; ++r) ar[r] = a[i + r] + k0, cr[r] = c[i + r] + n0;
+  switch (rest) {
+    case 5: rows_tile<5, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf); break;
+    case 4: rows_tile<4, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf); break;
+    case 3: rows_tile<3, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf); break;
+    case 2: rows_tile<2, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf); break;
+    case 1: rows_tile<1, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf); break;
+    default: break;
+  }
+}
+
+// c[i][n0 : n0 + N] = a[i][:K] @ W^T for W (N x K, row stride ldw), i < M; W is transposed one
+// 64 x 128 block at a time into buf (kNtN * kNtK floats) right before the kernel uses it.
+// stream: the finished rows are written with non-temporal stores (the caller fences).
+inline void gemm_rows_nt(int64_t M, const float* const* a, const float* W, int64_t ldw, int64_t N, int64_t K,
+                         float* const* c, int64_t n0, bool stream, float* buf, LinePrefetch* pf) {
+  if (M == 0 || N == 0) return;
+  for (int64_t j0 = 0; j0 < N; j0 += kNtN) {
+    const int64_t nb = std::min(kNtN, N - j0);
+    for (int64_t k0 = 0; k0 < K; k0 += kNtK) {
+      const int64_t kb = std::min(kNtK, K - k0);
+      transpose32(reinterpret_cast<const uint32_t*>(W + j0 * ldw + k0), ldw, nb, kb,
+                  reinterpret_cast<uint32_t*>(buf), kNtN);
+      const bool add = k0 > 0, stream_now = stream && k0 + kb >= K, full = nb == kNtN;
+      // the eight instantiations of (accumulate, stream, all columns)
+      const int which = (add ? 4 : 0) | (stream_now ? 2 : 0) | (full ? 1 : 0);
+      switch (which) {
+        case 0: rows_block<false, false, false>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
+        case 1: rows_block<false, false, true>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
+        case 2: rows_block<false, true, false>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
+        case 3: rows_block<false, true, true>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
+        case 4: rows_block<true, false, false>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
+        case 5: rows_block<true, false, true>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
+        case 6: rows_block<true, true, false>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
+        default: rows_block<true, true, true>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
+      }
+    }
+  }
+}
+#endif
+
+// Whether the forward may use the rows kernel: an AVX-512 CPU, unless SMELT_CPU_GENERIC is
+// set (which selects the portable path, e.g. to test it on such a CPU).
+inline bool use_rows_kernel() {
+#ifdef SMELT_HAVE_ROWS_KERNEL
+  const char* generic = std::getenv("SMELT_CPU_GENERIC");
+  return cpu_has_avx512() && !(generic && *generic && std::strcmp(generic, "0") != 0);
+#else
+  return false;
+#endif
+}
+
+}  // namespace smelt_moe
