@@ -14,6 +14,8 @@
 // depend on the number of threads.
 #include <torch/library.h>
 
+#include <unistd.h>
+
 #include "moe_plan.h"
 
 namespace smelt_moe {
@@ -69,10 +71,20 @@ constexpr int64_t kPanelBytes = 256 * 1024;  // weight panel packed at a time (f
 // Rows per item: an expert's rows are split only above this, so that most experts are one
 // item and read their weights once.
 constexpr int64_t kItemRows = 256;
-// The next item's weights are prefetched into L2 while the current item computes, when they
-// fit there comfortably: at many small experts, streaming each expert's weights from memory
+// fp32 experts with at most this many bytes of weights run in the rows kernel (moe_rows.h);
+// larger ones ran faster on the brgemm panels of the portable path.
+constexpr int64_t kRowsKernelBytes = 1024 * 1024;
+
+// The next item's weights are prefetched into L2 while the current item computes when they
+// take at most half of it: at many small experts, streaming each expert's weights from memory
 // would otherwise stall the transposes that lay them out.
-constexpr int64_t kPrefetchBytes = 512 * 1024;
+inline int64_t prefetch_limit() {
+  static const int64_t limit = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return static_cast<int64_t>(l2 > 0 ? l2 / 2 : 512 * 1024);
+  }();
+  return limit;
+}
 
 // Per item, fp32 on an AVX-512 CPU: the rows kernel (moe_rows.h) reads token rows in place
 // and writes the down-projection rows straight to out (non-temporal), and prefetches the
@@ -137,9 +149,8 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
   constexpr bool kF32 = std::is_same_v<ST, float>;
   const int64_t w1_bytes = 2 * de * H * static_cast<int64_t>(sizeof(ST));
   const int64_t w2_bytes = H * de * static_cast<int64_t>(sizeof(ST));
-  // The rows kernel is for many small experts, whose weights fit in L2 and are prefetched
-  // (larger experts run faster on the panels of the portable path).
-  const bool rows_kernel = kF32 && use_rows_kernel() && w1_bytes + w2_bytes <= kPrefetchBytes;
+  const bool rows_kernel = kF32 && use_rows_kernel() && w1_bytes + w2_bytes <= kRowsKernelBytes;
+  const bool prefetch = w1_bytes + w2_bytes <= prefetch_limit();
   // hidden units per up-projection panel (gate and up columns) and output columns per
   // down-projection panel, so that each packed panel stays in L2 however large H and d_e are
   const int64_t kHid = std::min<int64_t>(de, std::max<int64_t>(16, kPanelBytes / (2 * lda1 * sizeof(CT)) / 16 * 16));
@@ -152,7 +163,7 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
         const int64_t m = I.r1 - I.r0;
         const ST* w1e = w1p + I.e * 2 * de * H;
         const ST* w2e = w2p + I.e * H * de;
-        if (nx >= 0 && items[nx].e != I.e && w1_bytes + w2_bytes <= kPrefetchBytes)
+        if (prefetch && nx >= 0 && items[nx].e != I.e)
           S.pf.reset(w1p + items[nx].e * 2 * de * H, w1_bytes, w2p + items[nx].e * H * de, w2_bytes);
         else
           S.pf.clear();
