@@ -56,45 +56,37 @@ class LinePrefetch {
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SMELT_HAVE_ROWS_KERNEL 1
 
-// acc[r][:] += a[r][k] * B[k][:] for the R rows of a tile
-// (Full: all 64 columns are in use, so B is read without masks.)
-template <int R, bool Full>
-__attribute__((target("avx512f"), always_inline)) inline void rows_step(__m512 (&acc)[R][4], const float* const* a,
+// acc[r][:] += a[r][k] * B[k][:] for the R rows of a tile of V vectors of 16 columns; lanes
+// of the last vector outside `tail` are read as zero.
+template <int R, int V>
+__attribute__((target("avx512f"), always_inline)) inline void rows_step(__m512 (&acc)[R][V], const float* const* a,
                                                                         const float* B, int64_t ldb, int64_t k,
-                                                                        const __mmask16 (&mask)[4]) {
+                                                                        __mmask16 tail) {
   const float* b = B + k * ldb;
-  __m512 b0, b1, b2, b3;
-  if constexpr (Full) {
-    b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32), b3 = _mm512_loadu_ps(b + 48);
-  } else {
-    b0 = _mm512_maskz_loadu_ps(mask[0], b), b1 = _mm512_maskz_loadu_ps(mask[1], b + 16);
-    b2 = _mm512_maskz_loadu_ps(mask[2], b + 32), b3 = _mm512_maskz_loadu_ps(mask[3], b + 48);
-  }
+  __m512 bv[V];
+#pragma GCC unroll 4
+  for (int v = 0; v < V; ++v) bv[v] = v + 1 < V ? _mm512_loadu_ps(b + 16 * v) : _mm512_maskz_loadu_ps(tail, b + 16 * v);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const __m512 av = _mm512_set1_ps(a[r][k]);
-    acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
-    acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
-    acc[r][2] = _mm512_fmadd_ps(av, b2, acc[r][2]);
-    acc[r][3] = _mm512_fmadd_ps(av, b3, acc[r][3]);
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
   }
 }
 
-// One tile of R <= 6 rows. Lanes of B at or past nb are read as zero (masked loads) and never
-// stored, so B's padding may hold anything.
-template <int R, bool Add, bool Stream, bool Full>
+// One tile of R <= 6 rows by V vectors. Lanes of B past the block's columns are read as zero
+// (masked loads) and never stored, so B's padding may hold anything.
+template <int R, int V, bool Add, bool Stream>
 __attribute__((target("avx512f"), always_inline)) inline void rows_tile(const float* const* a, const float* B,
                                                                         int64_t ldb, int64_t kb, float* const* c,
-                                                                        const __mmask16 (&mask)[4],
-                                                                        LinePrefetch* pf) {
-  __m512 acc[R][4];
+                                                                        __mmask16 tail, LinePrefetch* pf) {
+  __m512 acc[R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) {
+    for (int v = 0; v < V; ++v) {
       if constexpr (!Add) acc[r][v] = _mm512_setzero_ps();
-      else if constexpr (Full) acc[r][v] = _mm512_loadu_ps(c[r] + 16 * v);
-      else acc[r][v] = _mm512_maskz_loadu_ps(mask[v], c[r] + 16 * v);
+      else acc[r][v] = v + 1 < V ? _mm512_loadu_ps(c[r] + 16 * v) : _mm512_maskz_loadu_ps(tail, c[r] + 16 * v);
     }
   }
   const float* ap[R];
@@ -103,53 +95,62 @@ __attribute__((target("avx512f"), always_inline)) inline void rows_tile(const fl
   int64_t k = 0;
   for (; k + 4 <= kb; k += 4) {  // one prefetched line per four steps of K
     if (pf) pf->one();
-    rows_step<R, Full>(acc, ap, B, ldb, k, mask);
-    rows_step<R, Full>(acc, ap, B, ldb, k + 1, mask);
-    rows_step<R, Full>(acc, ap, B, ldb, k + 2, mask);
-    rows_step<R, Full>(acc, ap, B, ldb, k + 3, mask);
+    rows_step<R, V>(acc, ap, B, ldb, k, tail);
+    rows_step<R, V>(acc, ap, B, ldb, k + 1, tail);
+    rows_step<R, V>(acc, ap, B, ldb, k + 2, tail);
+    rows_step<R, V>(acc, ap, B, ldb, k + 3, tail);
   }
-  for (; k < kb; ++k) rows_step<R, Full>(acc, ap, B, ldb, k, mask);
+  for (; k < kb; ++k) rows_step<R, V>(acc, ap, B, ldb, k, tail);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) {
+    for (int v = 0; v < V; ++v) {
       float* dst = c[r] + 16 * v;
-      if (Stream && (Full || mask[v] == 0xffff) && (reinterpret_cast<uintptr_t>(dst) & 63) == 0)
+      const bool whole = v + 1 < V || tail == 0xffff;
+      if (Stream && whole && (reinterpret_cast<uintptr_t>(dst) & 63) == 0)
         _mm512_stream_ps(dst, acc[r][v]);
-      else if (Full)
+      else if (whole)
         _mm512_storeu_ps(dst, acc[r][v]);
       else
-        _mm512_mask_storeu_ps(dst, mask[v], acc[r][v]);
+        _mm512_mask_storeu_ps(dst, tail, acc[r][v]);
     }
   }
 }
 
-template <bool Add, bool Stream, bool Full>
+template <int V, bool Add, bool Stream>
 __attribute__((target("avx512f"))) inline void rows_block(int64_t M, const float* const* a, int64_t k0,
                                                           const float* B, int64_t ldb, int64_t kb,
                                                           float* const* c, int64_t n0, int64_t nb,
                                                           LinePrefetch* pf) {
-  __mmask16 mask[4];
-  for (int v = 0; v < 4; ++v) {
-    const int64_t lanes = std::min<int64_t>(16, std::max<int64_t>(0, nb - 16 * v));
-    mask[v] = static_cast<__mmask16>((1u << lanes) - 1u);
-  }
+  const __mmask16 tail = static_cast<__mmask16>((1u << (nb - 16 * (V - 1))) - 1u);
   const float* ar[6];
   float* cr[6];
   int64_t i = 0;
   for (; i + 6 <= M; i += 6) {
     for (int r = 0; r < 6; ++r) ar[r] = a[i + r] + k0, cr[r] = c[i + r] + n0;
-    rows_tile<6, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf);
+    rows_tile<6, V, Add, Stream>(ar, B, ldb, kb, cr, tail, pf);
   }
   const int64_t rest = M - i;
   for (int64_t r = 0; r < rest; ++r) ar[r] = a[i + r] + k0, cr[r] = c[i + r] + n0;
   switch (rest) {
-    case 5: rows_tile<5, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf); break;
-    case 4: rows_tile<4, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf); break;
-    case 3: rows_tile<3, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf); break;
-    case 2: rows_tile<2, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf); break;
-    case 1: rows_tile<1, Add, Stream, Full>(ar, B, ldb, kb, cr, mask, pf); break;
+    case 5: rows_tile<5, V, Add, Stream>(ar, B, ldb, kb, cr, tail, pf); break;
+    case 4: rows_tile<4, V, Add, Stream>(ar, B, ldb, kb, cr, tail, pf); break;
+    case 3: rows_tile<3, V, Add, Stream>(ar, B, ldb, kb, cr, tail, pf); break;
+    case 2: rows_tile<2, V, Add, Stream>(ar, B, ldb, kb, cr, tail, pf); break;
+    case 1: rows_tile<1, V, Add, Stream>(ar, B, ldb, kb, cr, tail, pf); break;
     default: break;
+  }
+}
+
+// rows_block for a block of nb <= 64 columns: as many vectors as it needs.
+template <bool Add, bool Stream>
+inline void rows_block_any(int64_t M, const float* const* a, int64_t k0, const float* B, int64_t ldb, int64_t kb,
+                           float* const* c, int64_t n0, int64_t nb, LinePrefetch* pf) {
+  switch (cdiv(nb, 16)) {
+    case 1: rows_block<1, Add, Stream>(M, a, k0, B, ldb, kb, c, n0, nb, pf); break;
+    case 2: rows_block<2, Add, Stream>(M, a, k0, B, ldb, kb, c, n0, nb, pf); break;
+    case 3: rows_block<3, Add, Stream>(M, a, k0, B, ldb, kb, c, n0, nb, pf); break;
+    default: rows_block<4, Add, Stream>(M, a, k0, B, ldb, kb, c, n0, nb, pf); break;
   }
 }
 
@@ -165,18 +166,13 @@ inline void gemm_rows_nt(int64_t M, const float* const* a, const float* W, int64
       const int64_t kb = std::min(kNtK, K - k0);
       transpose32(reinterpret_cast<const uint32_t*>(W + j0 * ldw + k0), ldw, nb, kb,
                   reinterpret_cast<uint32_t*>(buf), kNtN);
-      const bool add = k0 > 0, stream_now = stream && k0 + kb >= K, full = nb == kNtN;
-      // the eight instantiations of (accumulate, stream, all columns)
-      const int which = (add ? 4 : 0) | (stream_now ? 2 : 0) | (full ? 1 : 0);
-      switch (which) {
-        case 0: rows_block<false, false, false>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
-        case 1: rows_block<false, false, true>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
-        case 2: rows_block<false, true, false>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
-        case 3: rows_block<false, true, true>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
-        case 4: rows_block<true, false, false>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
-        case 5: rows_block<true, false, true>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
-        case 6: rows_block<true, true, false>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
-        default: rows_block<true, true, true>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf); break;
+      const bool add = k0 > 0, stream_now = stream && k0 + kb >= K;
+      if (add) {
+        if (stream_now) rows_block_any<true, true>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf);
+        else rows_block_any<true, false>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf);
+      } else {
+        if (stream_now) rows_block_any<false, true>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf);
+        else rows_block_any<false, false>(M, a, k0, buf, kNtN, kb, c, n0 + j0, nb, pf);
       }
     }
   }
