@@ -5,8 +5,9 @@
 // A and C are given as one pointer per row, so that token rows are read where they lie in x
 // (no gathered copy) and output rows are written straight to their place, with
 // non-temporal stores when they are only read back after the whole pass. B is a block of at
-// most 64 columns (one L1-resident block of a transposed weight matrix). Tiles of 6 rows x 64
-// columns keep 24 accumulators in registers over the whole K block, and every 4 steps of K
+// most 64 columns (one L1-resident block of a transposed weight matrix). Tiles of 6 rows by
+// as many 16-column vectors as the block needs (up to 24 accumulators) stay in registers over
+// the whole K block, and every 4 steps of K
 // the kernel prefetches one cache line of what the next item will read, so that the next
 // expert's weights stream in while this one computes instead of stalling the transposes.
 #pragma once
