@@ -19,9 +19,12 @@ Backends (``backend=None``/``"auto"`` picks the first available for the device; 
 is logged on the ``smelt`` logger when it falls back):
 
 * CPU tensors: ``"cpu"`` -- the native kernels of ``smelt_kernels._cpu``
-  (``csrc/cpu/moe_*.cpp``: counting sort, per-expert GEMMs on gathered rows through ATen's
-  brgemm micro-kernel, fused SwiGLU, fixed-order combine; AMX for bf16/fp16 where the CPU
-  has it), then ``"torch"``. Without the extension ``"cpu"`` is unavailable (with the
+  (``csrc/cpu/moe_*``: counting sort, per-expert GEMMs, fused SwiGLU, fixed-order combine.
+  The fp32 forward with experts of at most 1 MB of weights runs an AVX-512 kernel on row
+  pointers that reads token rows in place and prefetches the next expert's weights
+  (``moe_rows.h``); the rest runs ATen's brgemm micro-kernel on gathered rows, with AMX for
+  bf16/fp16 where the CPU has it; ``SMELT_CPU_GENERIC=1`` forces the latter), then
+  ``"torch"``. Without the extension ``"cpu"`` is unavailable (with the
   reason) and auto picks ``"torch"``.
 * CUDA tensors: ``"triton"`` (:mod:`smelt_kernels.moe_triton`), then ``"cuda"`` (forward
   kernels from ``csrc/moe_gemm.cu``; its backward runs the Triton kernels), then
