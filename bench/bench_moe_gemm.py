@@ -127,6 +127,13 @@ def make_step(impl, inp, mode):
     return fn
 
 
+def _backend_label(backend, H, de, dtype):
+    """The backend, with the CPU forward's kernel for this expert shape (e.g. ``cpu/rows``)."""
+    if backend != "cpu":
+        return backend
+    return f"cpu/{moe_gemm.cpu_forward_kernel(H, de, dtype)}"
+
+
 def _stats(samples):
     xs = sorted(samples)
 
@@ -219,7 +226,7 @@ def main(argv=None):
                 t = time_interleaved(steps, device, args.repeats, args.min_time)
                 s = t["smelt"]
                 row = dict(shape=shape, T=T, H=H, d_e=de, E=E, k=k, dtype=dname, mode=mode,
-                           backend=backend_used, smelt_ms=s.median_ms, smelt_p20=s.p20_ms,
+                           backend=_backend_label(backend_used, H, de, dtype), smelt_ms=s.median_ms, smelt_p20=s.p20_ms,
                            smelt_p80=s.p80_ms, smelt_tflops=tflops(flops, s.median_ms))
                 for name in ("reference", "grouped_mm", "dense"):
                     if name in t:

@@ -64,7 +64,7 @@ import torch
 
 from . import _alloc, backends, moe_routing, reference
 
-__all__ = ["route", "moe_ffn", "grouped_gemm", "select_backend", "PREFERENCE"]
+__all__ = ["route", "moe_ffn", "grouped_gemm", "select_backend", "cpu_forward_kernel", "PREFERENCE"]
 
 PREFERENCE = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpu", "torch")}
 _OP = "moe_ffn"
@@ -116,6 +116,17 @@ def _select(op: str, native: str, device, dtype: torch.dtype, backend: Optional[
 def select_backend(x: torch.Tensor, backend: Optional[str] = None) -> str:
     """The backend :func:`moe_ffn` uses for ``x`` (same rules, same errors)."""
     return _select(_OP, "moe_ffn_fwd", x.device, x.dtype, backend)
+
+
+def cpu_forward_kernel(hidden_size: int, expert_size: int, dtype: torch.dtype = torch.float32) -> str:
+    """Which kernel the ``"cpu"`` backend's forward runs for experts of this shape and dtype
+    on this machine: ``"rows"`` (the AVX-512 row-pointer kernel), ``"panels"`` (brgemm on
+    packed panels, fp32 compute) or ``"panels-16bit"`` (brgemm on the CPU's matrix unit).
+    Raises :class:`~smelt_kernels.backends.BackendUnavailableError` without the extension."""
+    reason = _cpu_missing("moe_forward_kernel")
+    if reason is not None:
+        raise backends.BackendUnavailableError(f"cpu_forward_kernel: {reason}")
+    return torch.ops.smelt_cpu.moe_forward_kernel(int(hidden_size), int(expert_size), dtype)
 
 
 def _check_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:

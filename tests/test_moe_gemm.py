@@ -185,6 +185,27 @@ def test_cpu_kernels_agree():
     torch.testing.assert_close(auto, generic, rtol=1e-5, atol=1e-5)
 
 
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+@needs_cpu_kernel
+def test_cpu_forward_kernel_choice(monkeypatch):
+    monkeypatch.delenv("SMELT_CPU_GENERIC", raising=False)
+    small, large = moe_gemm.cpu_forward_kernel(256, 64), moe_gemm.cpu_forward_kernel(1280, 432)
+    assert small == ("rows" if _cpu_has_avx512() else "panels")
+    assert large == "panels"  # experts above 1 MB of weights stay on the brgemm panels
+    assert moe_gemm.cpu_forward_kernel(256, 64, torch.bfloat16).startswith("panels")
+    monkeypatch.setenv("SMELT_CPU_GENERIC", "1")
+    assert moe_gemm.cpu_forward_kernel(256, 64) == "panels"
+    with pytest.raises(ValueError, match="positive"):
+        moe_gemm.cpu_forward_kernel(0, 64)
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind,k", [("one_expert", 1), ("first_k", 8)])

@@ -16,6 +16,8 @@
 
 #include <unistd.h>
 
+#include <string>
+
 #include "moe_plan.h"
 
 namespace smelt_moe {
@@ -86,6 +88,15 @@ inline int64_t prefetch_limit() {
   return limit;
 }
 
+// Which forward kernel an (H, d_e, dtype) layer runs: "rows" (the rows kernel, fp32 on an
+// AVX-512 CPU with experts of at most kRowsKernelBytes), "panels" (brgemm on packed panels,
+// fp32 compute) or "panels-16bit" (brgemm on the matrix unit).
+std::string forward_kernel(int64_t H, int64_t de, at::ScalarType dtype) {
+  const int64_t bytes = 3 * H * de * static_cast<int64_t>(c10::elementSize(dtype));
+  if (dtype == at::kFloat) return use_rows_kernel() && bytes <= kRowsKernelBytes ? "rows" : "panels";
+  return native_16bit(dtype) ? "panels-16bit" : "panels";
+}
+
 // Per item, fp32 on an AVX-512 CPU: the rows kernel (moe_rows.h) reads token rows in place
 // and writes the down-projection rows straight to out (non-temporal), and prefetches the
 // next expert's weights from inside its K loop.
@@ -149,7 +160,7 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
   constexpr bool kF32 = std::is_same_v<ST, float>;
   const int64_t w1_bytes = 2 * de * H * static_cast<int64_t>(sizeof(ST));
   const int64_t w2_bytes = H * de * static_cast<int64_t>(sizeof(ST));
-  const bool rows_kernel = kF32 && use_rows_kernel() && w1_bytes + w2_bytes <= kRowsKernelBytes;
+  const bool rows_kernel = kF32 && forward_kernel(H, de, x.scalar_type()) == "rows";
   const bool prefetch = w1_bytes + w2_bytes <= prefetch_limit();
   // hidden units per up-projection panel (gate and up columns) and output columns per
   // down-projection panel, so that each packed panel stays in L2 however large H and d_e are
@@ -281,6 +292,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_bwd(
   return {dx, dw1, dw2, dtw};
 }
 
+std::string moe_forward_kernel(int64_t hidden, int64_t expert_size, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(hidden > 0 && expert_size > 0, "moe_forward_kernel: hidden and expert_size must be positive");
+  return forward_kernel(hidden, expert_size, dtype);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort(const at::Tensor& ids, int64_t num_experts) {
   Routing R = sort_pairs(ids, num_experts);
   return {R.order, R.rev, R.offsets};
@@ -291,6 +307,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort(const at::Tensor& ids, i
 
 TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {
   m.def("moe_sort(Tensor topk_ids, int num_experts) -> (Tensor order, Tensor rev, Tensor offsets)");
+  m.def("moe_forward_kernel(int hidden, int expert_size, ScalarType dtype) -> str", &smelt_moe::moe_forward_kernel);
   m.def(
       "moe_ffn_fwd(Tensor x, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, bool save_preact=True)"
       " -> (Tensor y, Tensor preact, Tensor order, Tensor rev, Tensor offsets)");
