@@ -171,16 +171,14 @@ def test_cpu_matches_reference(shape, dtype, cpu_kernel):
 
 
 @needs_cpu_kernel
-def test_cpu_kernels_agree():
+def test_cpu_kernels_agree(monkeypatch):
     """The rows kernel and the portable path sum in different orders but agree closely."""
     case = make_case(200, 67, 35, 288, 8, torch.float32)
+    monkeypatch.delenv("SMELT_CPU_GENERIC", raising=False)
     with torch.no_grad():
         auto = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend="cpu")
-        os.environ["SMELT_CPU_GENERIC"] = "1"
-        try:
-            generic = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend="cpu")
-        finally:
-            del os.environ["SMELT_CPU_GENERIC"]
+        monkeypatch.setenv("SMELT_CPU_GENERIC", "1")
+        generic = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend="cpu")
     assert torch.isfinite(auto).all()
     torch.testing.assert_close(auto, generic, rtol=1e-5, atol=1e-5)
 

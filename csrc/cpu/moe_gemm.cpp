@@ -113,7 +113,7 @@ void forward_rows_item(const float* xp, const float* w1e, const float* w2e, cons
   // Each token row is read once per 64 output columns of the up-projection. Read in place
   // when that is twice (gate and up columns of at most 64 units); otherwise gather the rows
   // into a buffer that stays in L2 for the repeated passes.
-  const bool in_place = cdiv(de, kHid) * 2 * cdiv(kHid, kNtN) <= 2;
+  const bool in_place = de <= kNtN;
   float* A1 = in_place ? nullptr : S.A1.get(m * H);
   for (int64_t i = 0; i < m; ++i) {
     const float* row = xp + static_cast<int64_t>(order[I.r0 + i] / k) * H;
@@ -160,7 +160,7 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
   constexpr bool kF32 = std::is_same_v<ST, float>;
   const int64_t w1_bytes = 2 * de * H * static_cast<int64_t>(sizeof(ST));
   const int64_t w2_bytes = H * de * static_cast<int64_t>(sizeof(ST));
-  const bool rows_kernel = kF32 && forward_kernel(H, de, x.scalar_type()) == "rows";
+  const bool rows_kernel = forward_kernel(H, de, x.scalar_type()) == "rows";
   const bool prefetch = w1_bytes + w2_bytes <= prefetch_limit();
   // hidden units per up-projection panel (gate and up columns) and output columns per
   // down-projection panel, so that each packed panel stays in L2 however large H and d_e are
