@@ -6,9 +6,9 @@ Install (CPU or GPU machine; torch must already be installed)::
 
 Native extensions are optional and built only when they can be:
 
-* ``smelt_kernels._cpu`` (``csrc/cpu/*.cpp``): C++ CPU kernels, built whenever torch and a
+* ``smelt_kernels._cpu`` (``csrc/<feature>/cpu_*.cpp``): C++ CPU kernels, built whenever torch and a
   C++ compiler are present at install time.
-* ``smelt_kernels._cuda`` (``csrc/*.cu`` + ``csrc/*.cpp``): CUDA kernels, built when torch
+* ``smelt_kernels._cuda`` (``csrc/<feature>/*.cu`` + ``cuda_*.cpp``): CUDA kernels, built when torch
   has CUDA support and nvcc is found. ``TORCH_CUDA_ARCH_LIST`` is respected; the default
   is ``8.0;9.0a`` (Ampere, and Hopper with its arch-specific instructions).
 
@@ -65,7 +65,10 @@ def native_extensions():
 
     exts = []
     cxx_flags = ["-O3", "-std=c++20"]
-    cpu_sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    # each feature keeps its native code in csrc/<feature>/: cpu_*.cpp for the CPU extension,
+    # *.cu and cuda_*.cpp (the bindings) for the CUDA one
+    cpu_sources = sorted(glob.glob(os.path.join("csrc", "*", "cpu_*.cpp")))
+    cpu_sources += [os.path.join("csrc", "cpu_module.cpp")]
     if cpu_sources:
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             if native:
@@ -83,8 +86,9 @@ def native_extensions():
                 )
             )
 
-    cuda_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-    cuda_sources += sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cuda_sources = sorted(glob.glob(os.path.join("csrc", "*", "*.cu")))
+    cuda_sources += sorted(glob.glob(os.path.join("csrc", "*", "cuda_*.cpp")))
+    cuda_sources += [os.path.join("csrc", "cuda_module.cpp")]
     has_cuda_torch = torch.version.cuda is not None
     has_nvcc = cpp_extension.CUDA_HOME is not None
     if want_cuda is False:
@@ -109,7 +113,7 @@ def native_extensions():
             "CUDA build requested but impossible: "
             + ("torch has no CUDA support; " if not has_cuda_torch else "")
             + ("nvcc / CUDA_HOME not found; " if not has_nvcc else "")
-            + ("no csrc/*.cu sources" if not cuda_sources else "")
+            + ("no csrc/*/*.cu sources" if not cuda_sources else "")
         )
     else:
         _note("no CUDA-enabled torch or no nvcc: skipping the CUDA extension")

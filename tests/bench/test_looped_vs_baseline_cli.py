@@ -9,7 +9,7 @@ import pytest
 
 from smelt_model import budget, presets
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "looped_vs_baseline.py")
 
 

@@ -11,10 +11,10 @@ import pytest
 
 from smelt_kernels import backends
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CU_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cu")))
-BINDINGS = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")))
-CPU_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CU_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*", "*.cu")))
+BINDINGS = sorted(glob.glob(os.path.join(ROOT, "csrc", "*", "cuda_*.cpp")))
+CPU_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*", "cpu_*.cpp")))
 
 
 def test_imports_without_extensions():
@@ -65,14 +65,14 @@ def test_report_lists_every_backend():
     assert set(rep) == set(backends.BACKENDS) and rep["torch"] is None
 
 
-@pytest.mark.skipif(not CPU_SOURCES, reason="no csrc/cpu sources")
+@pytest.mark.skipif(not CPU_SOURCES, reason="no csrc/*/cpu_*.cpp sources")
 @pytest.mark.skipif(os.environ.get("SMELT_BUILD_NATIVE") == "0", reason="native build disabled")
 def test_cpu_extension_is_built_and_loads():
     assert backends.extension("_cpu") is not None, backends.extension_error("_cpu")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("src", CU_SOURCES, ids=os.path.basename)
+@pytest.mark.parametrize("src", CU_SOURCES, ids=lambda p: os.path.relpath(p, ROOT))
 def test_cu_compiles_for_sm90a(src, tmp_path):
     obj = tmp_path / (os.path.basename(src) + ".o")
     cmd = ["nvcc", "-c", "-std=c++17", "-O2", "-arch=sm_90a", "--expt-relaxed-constexpr",
@@ -94,7 +94,7 @@ def _cuda_include():
 
 
 @pytest.mark.skipif(_cuda_include() is None, reason="CUDA headers not found")
-@pytest.mark.parametrize("src", BINDINGS, ids=os.path.basename)
+@pytest.mark.parametrize("src", BINDINGS, ids=lambda p: os.path.relpath(p, ROOT))
 def test_cuda_bindings_compile(src):
     """The extension's C++ bindings type-check against torch's and CUDA's headers."""
     from torch.utils.cpp_extension import include_paths

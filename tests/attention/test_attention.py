@@ -7,15 +7,13 @@ edges); on a GPU machine the same cases run on the device.
 """
 
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from smelt_kernels import _alloc, attention, backends, reference
+from smelt_kernels import _alloc, backends, reference
+from smelt_kernels.attention import ops as attention
 from smelt_kernels.attention import segment_attention, segment_bounds, select_backend
 
 # the Triton interpreter (numpy) warns on every scalar index; not ours to fix
@@ -180,7 +178,7 @@ def test_cpu_chunking(monkeypatch, chunk, layout):
     """The CPU path's chunks at sizes that put every case (prefix folded into the masked
     call, prefix as its own unmasked call merged through the LSE, chunk-crossing
     segments) inside a short row, forward and backward, full and decode form."""
-    from smelt_kernels import attention_cpu
+    from smelt_kernels.attention import cpu as attention_cpu
 
     monkeypatch.setattr(attention_cpu, "CHUNK", chunk)
     run_and_compare("cpu", "cpu", 2, 130, 130, (6, 2), 24, torch.float32,
@@ -305,7 +303,7 @@ def test_bad_inputs_raise_clear_errors(case):
 
 def _forbid_kernels(monkeypatch):
     """Make every backend's compute raise, to show validation happens first."""
-    from smelt_kernels import attention_cpu, attention_triton
+    from smelt_kernels.attention import cpu as attention_cpu, triton as attention_triton
 
     def boom(*a, **kw):
         raise AssertionError("a kernel ran before validation")
@@ -362,7 +360,7 @@ def test_segment_bounds_and_nan_policy():
     assert start[0].tolist() == [0, 0, 0, 3, 4, 4] and end[0].tolist() == [2, 2, 2, 3, 5, 5]
     assert start[1].tolist() == [1, 2, 3, 4, 5, 6]  # empty intervals
     dev = _triton_device()
-    from smelt_kernels import attention_triton
+    from smelt_kernels.attention import triton as attention_triton
 
     q, k, v, _ = make_inputs(2, 6, 6, 4, 2, 16, torch.float32, dev)
     o, lse, psink = attention_triton.forward(q, k, v, start.to(dev), 0.25, True)
@@ -502,60 +500,3 @@ def test_triton_gpu_paper_shapes(heads, D):
     T = 1024
     seg = make_segments("mixed", 1, T)
     run_and_compare("triton", dev, 1, T, T, heads, D, torch.bfloat16, seg)
-
-
-# ----------------------------------------------------------------------------- compiles for Hopper
-_AOT_SCRIPT = r"""
-import os
-os.environ.pop("TRITON_INTERPRET", None)
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from smelt_kernels import attention_triton as at
-
-PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV", "DQ", "LSE", "PSINK", "DELTA", "START", "END"}
-STATS = {"LSE", "PSINK", "DELTA"}
-
-
-def build(kernel, kind, D, extra):
-    dp = at.head_dim_pad(D)
-    cfg = at.block_config(kind, dp, torch.device("cuda"), torch.bfloat16)
-    opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-    consts = dict(G=6, D=D, D_PAD=dp, HAS_SEG=True, PRECISION=None, UPCAST=False, **cfg, **extra)
-    consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
-    sig, attrs = {}, {}
-    for i, n in enumerate(kernel.arg_names):
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in PTRS:
-            sig[n] = "*fp32" if n in STATS else "*i32" if n in ("START", "END") else "*bf16"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n] = "fp32" if n.endswith("scale") else "i32"
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    assert compiled.asm["cubin"], kernel
-    print(kernel.__name__, D, "ok")
-
-
-for D in (88, 128):
-    build(at._fwd_kernel, "fwd", D, dict(WANT_SINK=True))
-    build(at._bwd_dq_kernel, "dq", D, {})
-    build(at._bwd_dkdv_kernel, "dkdv", D, {})
-build(at._bwd_delta, "dq", 88, dict(BLOCK=64))
-"""
-
-
-def test_triton_kernels_compile_for_sm90a():
-    """Compile the GPU configurations ahead of time for Hopper (LLVM + Triton's bundled
-    ptxas, no device needed): the interpreter accepts code a real compile rejects."""
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("this Triton install has no bundled ptxas")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True,
-                         cwd=root, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.count(" ok") == 7, out.stdout

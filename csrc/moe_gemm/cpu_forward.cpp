@@ -7,7 +7,7 @@
 //   P[r] = x[tok(r)] @ W1[e]^T                 (pre-activation, kept for backward)
 //   O[r] = (silu(P_gate) * P_up)[r] @ W2[e]^T
 // and then y[t] = sum_j w[t,j] * O[rev(t,j)], a gather-and-sum in slot order (no atomics).
-// In fp32 on an AVX-512 CPU the GEMMs run in the rows kernel of moe_rows.h on the token rows
+// In fp32 on an AVX-512 CPU the GEMMs run in the rows kernel of cpu_rows.h on the token rows
 // in place; otherwise through the micro-kernel of moe_blas.h on token rows gathered into a
 // cache-resident buffer (the 16-bit types on the matrix unit). Every element is computed by
 // exactly one item in a fixed order, so the results are bitwise reproducible and do not
@@ -18,7 +18,7 @@
 
 #include <string>
 
-#include "moe_plan.h"
+#include "cpu_plan.h"
 
 namespace smelt_moe {
 namespace {
@@ -73,7 +73,7 @@ constexpr int64_t kPanelBytes = 256 * 1024;  // weight panel packed at a time (f
 // Rows per item: an expert's rows are split only above this, so that most experts are one
 // item and read their weights once.
 constexpr int64_t kItemRows = 256;
-// fp32 experts with at most this many bytes of weights run in the rows kernel (moe_rows.h);
+// fp32 experts with at most this many bytes of weights run in the rows kernel (cpu_rows.h);
 // larger ones ran faster on the brgemm panels of the portable path.
 constexpr int64_t kRowsKernelBytes = 1024 * 1024;
 
@@ -97,7 +97,7 @@ std::string forward_kernel(int64_t H, int64_t de, at::ScalarType dtype) {
   return native_16bit(dtype) ? "panels-16bit" : "panels";
 }
 
-// Per item, fp32 on an AVX-512 CPU: the rows kernel (moe_rows.h) reads token rows in place
+// Per item, fp32 on an AVX-512 CPU: the rows kernel (cpu_rows.h) reads token rows in place
 // and writes the down-projection rows straight to out (non-temporal), and prefetches the
 // next expert's weights from inside its K loop.
 void forward_rows_item(const float* xp, const float* w1e, const float* w2e, const int32_t* order, int64_t k,

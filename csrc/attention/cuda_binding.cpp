@@ -1,4 +1,4 @@
-// torch.library binding of the segment-attention forward kernel (csrc/attention.cu).
+// torch.library binding of the segment-attention forward kernel (csrc/attention/cuda.cu).
 //
 //   torch.ops.smelt_cuda.segment_attention_fwd(q, k, v, start, o, lse, psink, scale, want_sink)
 //

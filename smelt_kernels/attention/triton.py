@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _alloc
-from .backends import triton_interpret
+from .. import _alloc
+from ..backends import triton_interpret
 
 __all__ = ["forward", "backward", "head_dim_pad", "block_config"]
 

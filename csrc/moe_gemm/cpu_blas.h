@@ -1,4 +1,4 @@
-// Small-GEMM building blocks for the CPU MoE kernels (csrc/cpu/moe_*.cpp).
+// Small-GEMM building blocks for the CPU MoE kernels (csrc/moe_gemm/cpu_*.cpp).
 //
 // Every GEMM here is C (M x N, fp32) (+)= A (M x K, row-major) @ B (K x N), run on one
 // thread through ATen's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm: a
@@ -51,7 +51,7 @@ inline D cvt(S v) {
   }
 }
 
-// Element-wise row kernels (csrc/cpu/moe_vec.cpp), fp32 in registers.
+// Element-wise row kernels (csrc/moe_gemm/cpu_vec.cpp), fp32 in registers.
 // h = silu(gate) * up
 void swiglu_forward(const float* gate, const float* up, float* h, int64_t n);
 // From G = dL/dh_unweighted (the down-projection's input gradient before the routing weight

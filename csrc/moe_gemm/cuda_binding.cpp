@@ -1,11 +1,11 @@
-// torch.library binding of the grouped MoE forward kernels (csrc/moe_gemm.cu).
+// torch.library binding of the grouped MoE forward kernels (csrc/moe_gemm/cuda.cu).
 //
 //   torch.ops.smelt_cuda.moe_up(x, w1, tok, tile_e, tile_r0, tile_r1, pre, hid)
 //   torch.ops.smelt_cuda.moe_down(hid, w2, tile_e, tile_r0, tile_r1, out)
 //   torch.ops.smelt_cuda.moe_combine(src, rev, topk_weights, y)
 //
 // write pre (T*k, 2 d_e) and hid (T*k, d_e), out (T*k, H), y (T, H). The tile table comes
-// from smelt_kernels/moe_routing.py with BM = 64. smelt_kernels/moe_gemm.py validates the
+// from smelt_kernels/moe_gemm/routing.py with BM = 64. smelt_kernels/moe_gemm/ops.py validates the
 // public inputs first; the checks here guard the kernels' own assumptions.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>

@@ -2,7 +2,7 @@
 // accumulation. Same semantics as the Triton kernels in smelt_kernels/moe_triton.py:
 //
 // * Rows are the T*k (token, slot) pairs sorted by expert; a tile table (built on the device
-//   by smelt_kernels/moe_routing.py) gives each BM-row tile its expert and row range; tiles
+//   by smelt_kernels/routing.py) gives each BM-row tile its expert and row range; tiles
 //   with expert -1 are unused (the table is sized from a host-known upper bound).
 // * up:      PRE[r] = x[tok[r]] @ W1[e]^T (gate block and up block in two accumulators, the
 //            gather in the A-load), HID[r] = silu(gate) * up.

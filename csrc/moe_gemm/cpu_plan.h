@@ -6,7 +6,7 @@
 
 #include <atomic>
 
-#include "moe_rows.h"
+#include "cpu_rows.h"
 
 namespace smelt_moe {
 
@@ -80,7 +80,7 @@ struct RowState {
   Scratch<CT> A1, A2;
   Scratch<float> C1, C2, row, blk;
   Scratch<int64_t> tok;
-  Scratch<const float*> arow;  // row pointers of the rows kernel (moe_rows.h)
+  Scratch<const float*> arow;  // row pointers of the rows kernel (cpu_rows.h)
   Scratch<float*> crow, orow;
   LinePrefetch pf;
 };

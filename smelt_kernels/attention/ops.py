@@ -18,13 +18,13 @@ returned with ``requires_grad=False``); ``o`` is differentiable w.r.t. q, k and 
 Backends (``backend=None``/``"auto"`` picks the first available for the device):
 
 * CUDA tensors: ``"triton"`` (forward and backward kernels in
-  :mod:`smelt_kernels.attention_triton`), then ``"cuda"`` (the forward kernel from
-  ``csrc/attention.cu``; its backward runs the Triton kernels, or the reference when
+  :mod:`smelt_kernels.attention.triton`), then ``"cuda"`` (the forward kernel from
+  ``csrc/attention/cuda.cu``; its backward runs the Triton kernels, or the reference when
   Triton is missing), then ``"torch"``.
-* CPU tensors: ``"cpu"`` (:mod:`smelt_kernels.attention_cpu`: ATen's CPU flash kernel on
+* CPU tensors: ``"cpu"`` (:mod:`smelt_kernels.attention.cpu`: ATen's CPU flash kernel on
   segment-aware chunks), then ``"torch"``. ``"triton"`` also runs on CPU tensors under
   ``TRITON_INTERPRET=1`` when asked for explicitly.
-* ``"torch"``: :func:`smelt_kernels.reference.segment_attention` (forward) and an explicit
+* ``"torch"``: :func:`smelt_kernels.attention.reference.segment_attention` (forward) and an explicit
   masked-softmax backward; materialises (B, Hq, Tq, Tk) scores.
 
 Limits: "triton" and "cuda" need D a multiple of 8 and at most 128 (padded internally to
@@ -52,7 +52,10 @@ from typing import Optional
 
 import torch
 
-from . import _alloc, attention_cpu, backends, reference
+from .. import _alloc, backends
+from . import cpu as attention_cpu
+from . import cuda as attention_cuda
+from . import reference
 
 __all__ = ["segment_attention", "select_backend", "segment_bounds", "PREFERENCE"]
 
@@ -106,25 +109,6 @@ def _sink_mean(p_start: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp_min(1), torch.zeros_like(num))
 
 
-def _query_starts(start: Optional[torch.Tensor], B: int, Tq: int, Tk: int, device):
-    """(segment start of each query (B, Tq) int64, counted mask (B, Tq))."""
-    q_pos = torch.arange(Tk - Tq, Tk, device=device)
-    s = start[:, Tk - Tq:].long() if start is not None else \
-        torch.zeros(B, Tq, dtype=torch.long, device=device)
-    return s, s != q_pos[None, :]
-
-
-def _sink_from_lse(q, k, lse, start, scale):
-    """Sink from the score against each query's segment start and its LSE (torch ops)."""
-    B, Tq, Hq, D = q.shape
-    Tk, hkv = k.shape[1], k.shape[2]
-    s_q, counted = _query_starts(start, B, Tq, Tk, q.device)
-    k0 = torch.gather(k, 1, s_q[:, :, None, None].expand(B, Tq, hkv, D))
-    s0 = (q.to(lse.dtype).reshape(B, Tq, hkv, Hq // hkv, D) * k0.to(lse.dtype)[:, :, :, None]).sum(-1)
-    p0 = torch.exp(s0.reshape(B, Tq, Hq).transpose(1, 2) * scale - lse)
-    return _sink_mean(torch.where(counted[:, None, :], p0, 0.0), counted)
-
-
 # ----------------------------------------------------------------------------- backends
 def _torch_forward(q, k, v, segment_ids, scale):
     o, lse, sink = reference.segment_attention(q, k, v, segment_ids, scale)
@@ -159,26 +143,9 @@ def _torch_backward(do, q, k, v, segment_ids, scale):
             dv.to(v.dtype).contiguous())
 
 
-def _rows_aligned(x: torch.Tensor) -> bool:
-    """Unit stride over D and 16-byte aligned rows: what the CUDA kernel's vector loads need."""
-    return (x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:3])
-            and x.data_ptr() % 16 == 0)
-
-
-def _cuda_forward(q, k, v, start, scale, want_sink):
-    backends.extension("_cuda")
-    q, k, v = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
-    B, Tq, Hq, D = q.shape
-    o = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
-    lse = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
-    psink = _alloc.empty((B, Hq, Tq) if want_sink else (0,), torch.float32, q.device)
-    torch.ops.smelt_cuda.segment_attention_fwd(q, k, v, start, o, lse, psink, scale, want_sink)
-    return o, lse, (psink if want_sink else None)
-
-
 def _cuda_op_missing(dev) -> Optional[str]:
     if not hasattr(torch.ops.smelt_cuda, "segment_attention_fwd"):
-        return "smelt_kernels._cuda was built without csrc/attention.cu"
+        return "smelt_kernels._cuda was built without csrc/attention/cuda.cu"
     return None
 
 
@@ -233,21 +200,18 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return o, lse, (sink if want_sink else q.new_zeros(0, dtype=stat))
     start = segment_bounds(segment_ids)[0] if segment_ids is not None else None
     if backend == "cpu":
-        starts = start.tolist() if start is not None else None
-        o, lse = attention_cpu.forward(q, k, v, starts, scale)
-        sink = _sink_from_lse(q, k, lse, start, scale) if want_sink else q.new_zeros(0, dtype=stat)
-        return o, lse, sink
-    if backend == "triton":
-        from . import attention_triton
+        o, lse, psink = attention_cpu.forward(q, k, v, start, scale, want_sink)
+    elif backend == "triton":
+        from . import triton as attention_triton
 
         o, lse, psink = attention_triton.forward(q, k, v, start, scale, want_sink)
     elif backend == "cuda":
-        o, lse, psink = _cuda_forward(q, k, v, start, scale, want_sink)
+        o, lse, psink = attention_cuda.forward(q, k, v, start, scale, want_sink)
     else:
         raise ValueError(f"segment_attention: unknown backend {backend!r}")
     if not want_sink:
         return o, lse, q.new_zeros(0, dtype=stat)
-    return o, lse, _sink_mean(psink, _query_starts(start, B, Tq, Tk, q.device)[1])
+    return o, lse, _sink_mean(psink, reference.query_starts(start, B, Tq, Tk, q.device)[1])
 
 
 @_attention_fwd.register_fake
@@ -268,10 +232,9 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         return _torch_backward(do, q, k, v, segment_ids, scale)
     start, end = segment_bounds(segment_ids) if segment_ids is not None else (None, None)
     if backend == "cpu":
-        starts = start.tolist() if start is not None else None
-        return attention_cpu.backward(do, q, k, v, o, lse, starts, scale)
+        return attention_cpu.backward(do, q, k, v, o, lse, start, end, scale)
     if backend == "triton":
-        from . import attention_triton
+        from . import triton as attention_triton
 
         return attention_triton.backward(do, q, k, v, o, lse, start, end, scale)
     raise ValueError(f"segment_attention backward: unknown backend {backend!r}")

@@ -10,7 +10,7 @@
 // group's rows in a fixed order.
 #include <torch/library.h>
 
-#include "moe_plan.h"
+#include "cpu_plan.h"
 
 namespace smelt_moe {
 namespace {

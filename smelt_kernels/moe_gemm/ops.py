@@ -10,7 +10,7 @@ experts, top-k, optional renormalisation to sum 1); it is plain differentiable t
 with x (T, H), w1 (E, 2*d_e, H) holding the gate rows first, then the up rows, w2
 (E, H, d_e) and topk_weights / topk_ids (T, k). It is differentiable with respect to x,
 w1, w2 and topk_weights (so the router trains through the weights). Semantics are those
-of :func:`smelt_kernels.reference.moe_ffn`.
+of :func:`smelt_kernels.moe_gemm.reference.moe_ffn`.
 
 :func:`grouped_gemm` is the lower-level GEMM over rows already sorted by expert, for
 callers who bring their own permutation.
@@ -19,15 +19,15 @@ Backends (``backend=None``/``"auto"`` picks the first available for the device; 
 is logged on the ``smelt`` logger when it falls back):
 
 * CPU tensors: ``"cpu"`` -- the native kernels of ``smelt_kernels._cpu``
-  (``csrc/cpu/moe_*``: counting sort, per-expert GEMMs, fused SwiGLU, fixed-order combine.
+  (``csrc/moe_gemm/cpu_*``: counting sort, per-expert GEMMs, fused SwiGLU, fixed-order combine.
   The fp32 forward with experts of at most 1 MB of weights runs an AVX-512 kernel on row
   pointers that reads token rows in place and prefetches the next expert's weights
-  (``moe_rows.h``); the rest runs ATen's brgemm micro-kernel on gathered rows, with AMX for
+  (``cpu_rows.h``); the rest runs ATen's brgemm micro-kernel on gathered rows, with AMX for
   bf16/fp16 where the CPU has it; ``SMELT_CPU_GENERIC=1`` forces the latter), then
   ``"torch"``. Without the extension ``"cpu"`` is unavailable (with the
   reason) and auto picks ``"torch"``.
-* CUDA tensors: ``"triton"`` (:mod:`smelt_kernels.moe_triton`), then ``"cuda"`` (forward
-  kernels from ``csrc/moe_gemm.cu``; its backward runs the Triton kernels), then
+* CUDA tensors: ``"triton"`` (:mod:`smelt_kernels.moe_gemm.triton`), then ``"cuda"`` (forward
+  kernels from ``csrc/moe_gemm/cuda.cu``; its backward runs the Triton kernels), then
   ``"torch"``. ``"triton"`` also runs CPU tensors under ``TRITON_INTERPRET=1`` when asked.
 * ``"torch"``: the reference (a loop over experts), any floating dtype including fp64.
 
@@ -62,14 +62,17 @@ from typing import Optional
 
 import torch
 
-from . import _alloc, backends, moe_routing, reference
+from .. import _alloc, backends
+from . import cpu as moe_cpu
+from . import cuda as moe_cuda
+from . import reference
+from . import routing as moe_routing
 
 __all__ = ["route", "moe_ffn", "grouped_gemm", "select_backend", "cpu_forward_kernel", "PREFERENCE"]
 
 PREFERENCE = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpu", "torch")}
 _OP = "moe_ffn"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_CUDA_BLOCK_M = 64  # row tile of the CUDA kernels (csrc/moe_gemm.cu)
 
 
 # ----------------------------------------------------------------------------- backends
@@ -78,13 +81,13 @@ def _cpu_missing(op: str):
     if ext is None:
         return backends.extension_error("_cpu")
     if not hasattr(torch.ops.smelt_cpu, op):
-        return f"smelt_kernels._cpu was built without csrc/cpu/moe_gemm.cpp (no smelt_cpu.{op})"
+        return f"smelt_kernels._cpu was built without csrc/moe_gemm/cpu_forward.cpp (no smelt_cpu.{op})"
     return None
 
 
 def _cuda_missing(op: str):
     if not hasattr(torch.ops.smelt_cuda, op):
-        return f"smelt_kernels._cuda was built without csrc/moe_gemm.cu (no smelt_cuda.{op})"
+        return f"smelt_kernels._cuda was built without csrc/moe_gemm/cuda.cu (no smelt_cuda.{op})"
     # routing metadata and the backward run as Triton kernels
     return backends.unavailable_reason("triton", "cuda")
 
@@ -126,7 +129,7 @@ def cpu_forward_kernel(hidden_size: int, expert_size: int, dtype: torch.dtype = 
     reason = _cpu_missing("moe_forward_kernel")
     if reason is not None:
         raise backends.BackendUnavailableError(f"cpu_forward_kernel: {reason}")
-    return torch.ops.smelt_cpu.moe_forward_kernel(int(hidden_size), int(expert_size), dtype)
+    return moe_cpu.forward_kernel(int(hidden_size), int(expert_size), dtype)
 
 
 def _check_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
@@ -146,22 +149,6 @@ def _check_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
 
 
 # ----------------------------------------------------------------------------- implementations
-def _cuda_forward(x, w1, w2, tw, ids):
-    T, H = x.shape
-    E, two_de, _ = w1.shape
-    de, k = two_de // 2, ids.shape[1]
-    plan = moe_routing.plan(ids, E, _CUDA_BLOCK_M, use_triton=True)
-    pre = _alloc.empty((T * k, two_de), x.dtype, x.device)
-    hid = _alloc.empty((T * k, de), x.dtype, x.device)
-    out = _alloc.empty((T * k, H), x.dtype, x.device)
-    y = _alloc.empty((T, H), x.dtype, x.device)
-    ops = torch.ops.smelt_cuda
-    ops.moe_up(x, w1, plan.tok, plan.tile_e, plan.tile_r0, plan.tile_r1, pre, hid)
-    ops.moe_down(hid, w2, plan.tile_e, plan.tile_r0, plan.tile_r1, out)
-    ops.moe_combine(out, plan.rev, tw, y)
-    return y, pre, plan.order, plan.rev, plan.offsets
-
-
 def _empty_result(x, w1, ids):
     T, k = ids.shape
     E, two_de, _ = w1.shape
@@ -183,13 +170,13 @@ def _moe_ffn_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weigh
     if x.shape[0] == 0:
         out = _empty_result(x, w1, topk_ids)
     elif backend == "cpu":
-        out = torch.ops.smelt_cpu.moe_ffn_fwd(x, w1, w2, topk_weights, topk_ids, save_preact)
+        out = moe_cpu.forward(x, w1, w2, topk_weights, topk_ids, save_preact)
     elif backend == "triton":
-        from . import moe_triton
+        from . import triton as moe_triton
 
         out = moe_triton.forward(x, w1, w2, topk_weights, topk_ids)
     elif backend == "cuda":
-        out = _cuda_forward(x, w1, w2, topk_weights, topk_ids)
+        out = moe_cuda.forward(x, w1, w2, topk_weights, topk_ids)
     else:
         raise ValueError(f"moe_ffn: backend {backend!r} has no kernel path")
     if not save_preact and out[1].shape[0] != 0:
@@ -216,10 +203,10 @@ def _moe_ffn_bwd(grad_y: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: to
     if x.shape[0] == 0:
         return x.new_zeros(x.shape), torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(topk_weights)
     if backend == "cpu":
-        return torch.ops.smelt_cpu.moe_ffn_bwd(grad_y, x, w1, w2, topk_weights, topk_ids, preact,
-                                               order, rev, offsets)
+        return moe_cpu.backward(grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev,
+                                offsets)
     if backend in ("triton", "cuda"):  # the CUDA kernels are forward-only
-        from . import moe_triton
+        from . import triton as moe_triton
 
         return moe_triton.backward(grad_y, x, w1, w2, topk_weights, preact, order, rev, offsets)
     raise ValueError(f"moe_ffn backward: backend {backend!r} has no kernel path")
@@ -291,9 +278,9 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, gather:
     if a.device.type == "cpu":
         _check_grouped_values(a, offsets, gather, gather.shape[0] if gather is not None else a.shape[0])
     if backend == "cpu":
-        return torch.ops.smelt_cpu.grouped_mm(a, b, offsets, gather, trans_b)
+        return moe_cpu.grouped_mm(a, b, offsets, gather, trans_b)
     if backend == "triton":
-        from . import moe_triton
+        from . import triton as moe_triton
 
         return moe_triton.grouped_mm(a, b, offsets, gather, trans_b)
     return _grouped_torch(a, b, offsets, gather, trans_b)
@@ -309,9 +296,9 @@ def _(a, b, offsets, gather, trans_b, backend):
 def _grouped_mm_wgrad(dc: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor,
                       gather: Optional[torch.Tensor], backend: str) -> torch.Tensor:
     if backend == "cpu":
-        return torch.ops.smelt_cpu.grouped_mm_wgrad(dc, a, offsets, gather)
+        return moe_cpu.grouped_wgrad(dc, a, offsets, gather)
     if backend == "triton":
-        from . import moe_triton
+        from . import triton as moe_triton
 
         return moe_triton.grouped_wgrad(dc, a, offsets, gather)
     return _grouped_wgrad_torch(dc, a, offsets, gather)

@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _alloc, moe_routing
-from .backends import triton_interpret
+from .. import _alloc
+from . import routing as moe_routing
+from ..backends import triton_interpret
 
 __all__ = ["forward", "backward", "grouped_mm", "grouped_wgrad", "config"]
 

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from . import reference
+
 __all__ = ["available", "forward", "backward", "CHUNK"]
 
 CHUNK = 128
@@ -115,11 +117,18 @@ def _flash(q, k, v, mask, scale):
         q, k, v, 0.0, False, attn_mask=mask, scale=scale)
 
 
-def forward(q, k, v, starts: Optional[list[list[int]]], scale: float):
-    """o (B, Tq, Hq, D) and lse (B, Hq, Tq) (fp32, or fp64 for fp64 inputs).
+def forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: bool):
+    """o (B, Tq, Hq, D), lse (B, Hq, Tq) (fp32, or fp64 for fp64 inputs) and, with
+    ``want_sink``, each query's probability on its segment's first key (B, Hq, Tq), else None.
 
-    ``starts[b]``: segment start of every key position of row b, or None (one segment).
+    ``start``: int32 (B, Tk) segment start of every key position, or None (one segment).
     """
+    starts = start.tolist() if start is not None else None
+    o, lse = _chunked_forward(q, k, v, starts, scale)
+    return o, lse, (reference.start_probs(q, k, lse, start, scale) if want_sink else None)
+
+
+def _chunked_forward(q, k, v, starts: Optional[list[list[int]]], scale: float):
     B, Tq, Hq, D = q.shape
     Tk, hkv = k.shape[1], k.shape[2]
     g = Hq // hkv
@@ -147,8 +156,11 @@ def forward(q, k, v, starts: Optional[list[list[int]]], scale: float):
     return _unpack(op, g), _unpack_lse(lsep, g)
 
 
-def backward(do, q, k, v, o, lse, starts: Optional[list[list[int]]], scale: float):
-    """(dq, dk, dv) for :func:`forward`, from its o and lse."""
+def backward(do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor],
+             scale: float):
+    """(dq, dk, dv) for :func:`forward`, from its o and lse (``end``, the last position of
+    each segment, is not needed here)."""
+    starts = start.tolist() if start is not None else None
     B, Tq, Hq, D = q.shape
     Tk, hkv = k.shape[1], k.shape[2]
     g = Hq // hkv

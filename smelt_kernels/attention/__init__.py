@@ -1,0 +1,11 @@
+"""Fused GQA attention with a segment-level mask (see :mod:`smelt_kernels.attention.ops`).
+
+    from smelt_kernels.attention import segment_attention
+
+Inside: ``ops`` (validation, custom ops, autograd), ``reference`` (pure torch), ``cpu``,
+``triton`` and ``cuda`` (the backends).
+"""
+
+from .ops import segment_attention, segment_bounds, select_backend
+
+__all__ = ["segment_attention", "segment_bounds", "select_backend"]

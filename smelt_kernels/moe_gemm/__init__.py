@@ -1,0 +1,11 @@
+"""Grouped top-k expert GEMMs for sparse MoE layers (see :mod:`smelt_kernels.moe_gemm.ops`).
+
+    from smelt_kernels.moe_gemm import route, moe_ffn, grouped_gemm
+
+Inside: ``ops`` (validation, custom ops, autograd), ``routing`` (device-side sort and tile
+metadata), ``reference`` (pure torch), ``cpu``, ``triton`` and ``cuda`` (the backends).
+"""
+
+from .ops import cpu_forward_kernel, grouped_gemm, moe_ffn, route, select_backend
+
+__all__ = ["route", "moe_ffn", "grouped_gemm", "cpu_forward_kernel", "select_backend"]
