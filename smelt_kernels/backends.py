@@ -1,16 +1,28 @@
-"""Backend discovery and selection shared by every smelt op.
+"""The one backend registry of every smelt op.
 
 Backends:
 
-* ``"torch"``  -- the pure-torch reference (:mod:`smelt_kernels.reference`); always there.
+* ``"torch"``  -- the pure-torch reference of the op (``<feature>/reference.py``); always there.
 * ``"cpu"``    -- fast CPU paths (native C++ from ``smelt_kernels._cpu`` where built).
 * ``"triton"`` -- Triton kernels: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
 * ``"cuda"``   -- hand-written CUDA kernels from the optional ``smelt_kernels._cuda`` extension.
 
-``None`` / ``"auto"`` picks the best backend available for the input's device, in the
-op's order of preference. Asking for a backend that is not available raises
-:class:`BackendUnavailableError` with the reason. The native extensions are imported
-behind a guard: without them everything imports and falls back.
+Each op registers its implementations here (:func:`register`): the op name, the backend
+name, the forward and backward callables, and what the implementation can take -- device
+types, dtypes, a check of what the extension provides (``requires``) and a check of the
+inputs (``supports``: head dims, shapes...). The op then asks :func:`select` for the
+implementation to run and calls it. ``None`` / ``"auto"`` resolution, the fallback and its
+log line (once per op, device and choice, on the ``smelt`` logger) and every "cannot run"
+error live in :func:`select`, and nowhere else:
+
+* an unknown backend name: ``ValueError``;
+* a backend the op has no implementation for, or one that cannot run here (not built,
+  wrong device, no Triton): :class:`BackendUnavailableError`, with the reason;
+* a dtype the implementation does not take: ``TypeError``;
+* inputs outside what it supports (``supports`` says why): ``ValueError``.
+
+The native extensions are imported behind a guard: without them everything imports and
+the registry reports why they are missing (:func:`report`).
 """
 
 from __future__ import annotations
@@ -18,29 +30,44 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "Implementation",
+    "register",
+    "implementation",
+    "implementations",
+    "registered_ops",
+    "select",
+    "backward_of",
+    "lazy",
+    "report",
     "extension",
     "extension_error",
+    "extension_op_missing",
     "triton_interpret",
     "unavailable_reason",
-    "resolve",
-    "report",
+    "can_read_values",
+    "check_values_flag",
 ]
 
 BACKENDS = ("torch", "cpu", "triton", "cuda")
 logger = logging.getLogger("smelt")
+
+#: the modules whose import registers the shipped ops (loaded by :func:`report`)
+OP_MODULES = ("smelt_kernels.moe_gemm", "smelt_kernels.attention")
 
 
 class BackendUnavailableError(RuntimeError):
     """A requested backend cannot run here (not built, wrong device, no Triton...)."""
 
 
+# ----------------------------------------------------------------------------- optional pieces
 _EXT_CACHE: dict[str, object] = {}
 _EXT_ERRORS: dict[str, str] = {}
 
@@ -67,6 +94,18 @@ def extension_error(name: str) -> Optional[str]:
     return _EXT_ERRORS.get(name)
 
 
+def extension_op_missing(name: str, op: str, source: str) -> Optional[str]:
+    """None if extension ``name`` loaded and registered ``torch.ops.<lib>.<op>``, else why not.
+
+    ``source`` names the file that defines the op (for the message)."""
+    if extension(name) is None:
+        return extension_error(name)
+    lib = {"_cpu": "smelt_cpu", "_cuda": "smelt_cuda"}[name]
+    if not hasattr(getattr(torch.ops, lib), op):
+        return f"smelt_kernels.{name} was built without {source} (no {lib}.{op})"
+    return None
+
+
 def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -78,7 +117,7 @@ def _triton_import_error() -> Optional[str]:
     if not _TRITON_ERROR:
         try:
             import triton  # noqa: F401
-            import triton.language  # noqa: F401
+            import triton.language  # noqa: F401  (the interpreter and compiler live there)
 
             _TRITON_ERROR.append(None)
         except Exception as e:
@@ -90,95 +129,222 @@ def _device(device) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device)
 
 
-def unavailable_reason(backend: str, device, extra: Optional[Callable[[torch.device], Optional[str]]] = None) -> Optional[str]:
-    """None if ``backend`` can run on ``device``; otherwise why it cannot.
+def unavailable_reason(backend: str, device) -> Optional[str]:
+    """None if the backend family ``backend`` can run on ``device`` at all; otherwise why not.
 
-    ``extra`` is an op-specific check (for example "the extension lacks this op").
-    """
+    This is the device-level check every implementation of that backend shares; what an
+    op's implementation needs beyond it is its ``requires`` check."""
     dev = _device(device)
     if backend not in BACKENDS:
         return f"unknown backend {backend!r}; choose one of {BACKENDS} or None"
-    reason: Optional[str] = None
-    if backend == "torch":
-        reason = None
-    elif backend == "cpu":
-        if dev.type != "cpu":
-            reason = f"the 'cpu' backend runs on CPU tensors, got device {dev}"
-    elif backend == "triton":
+    if backend == "cpu" and dev.type != "cpu":
+        return f"the 'cpu' backend runs on CPU tensors, got device {dev}"
+    if backend == "triton":
         reason = _triton_import_error()
         if reason is None and dev.type == "cpu" and not triton_interpret():
             reason = "Triton on CPU tensors needs TRITON_INTERPRET=1 (the interpreter)"
         elif reason is None and dev.type not in ("cpu", "cuda"):
             reason = f"Triton kernels need CUDA tensors, got device {dev}"
-    elif backend == "cuda":
+        return reason
+    if backend == "cuda":
         if dev.type != "cuda":
-            reason = f"the 'cuda' backend needs CUDA tensors, got device {dev}"
-        elif extension("_cuda") is None:
-            reason = extension_error("_cuda")
-    if reason is None and extra is not None:
-        reason = extra(dev)
-    return reason
+            return f"the 'cuda' backend needs CUDA tensors, got device {dev}"
+        if extension("_cuda") is None:
+            return extension_error("_cuda")
+    return None
 
 
+def lazy(module: str, attr: str) -> Callable[..., Any]:
+    """A callable that imports ``module`` on first use and calls its ``attr``: lets an op
+    register a Triton implementation without importing Triton."""
+    target: list[Callable[..., Any]] = []
+
+    def call(*args, **kwargs):
+        if not target:
+            target.append(getattr(importlib.import_module(module), attr))
+        return target[0](*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"{module}.{attr}"
+    return call
+
+
+# ----------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class Implementation:
+    """One backend's implementation of one op, and what it can take.
+
+    ``forward`` / ``backward``: the callables the op runs (their signatures are the op's
+    business). ``backward_via``: when ``backward`` is None, the backends of the same op whose
+    backward this one borrows, first available wins (a forward-only CUDA kernel uses the
+    Triton backward). ``devices``: device types it runs on; ``auto``: device types where
+    ``None``/``"auto"`` may pick it (default: ``devices``), in descending ``priority``.
+    ``dtypes``: the floating dtypes it takes (None: any). ``requires(device)`` and
+    ``supports(**features)`` return None or the reason it cannot run / cannot take them.
+    """
+
+    op: str
+    backend: str
+    forward: Callable[..., Any]
+    backward: Optional[Callable[..., Any]] = None
+    backward_via: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    auto: Optional[tuple[str, ...]] = None
+    priority: int = 0
+    dtypes: Optional[tuple[torch.dtype, ...]] = None
+    requires: Optional[Callable[[torch.device], Optional[str]]] = None
+    supports: Optional[Callable[..., Optional[str]]] = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def unavailable(self, device) -> Optional[str]:
+        """None if this implementation can run on ``device``, else why not."""
+        dev = _device(device)
+        if dev.type not in self.devices:
+            return (f"{self.op}: backend {self.backend!r} runs on {'/'.join(self.devices)} "
+                    f"tensors, got device {dev}")
+        reason = unavailable_reason(self.backend, dev)
+        if reason is None and self.requires is not None:
+            reason = self.requires(dev)
+        return reason
+
+    def dtype_reason(self, dtype: Optional[torch.dtype]) -> Optional[str]:
+        if dtype is None or self.dtypes is None or dtype in self.dtypes:
+            return None
+        names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
+        return f"backend {self.backend!r} takes {names}, got {str(dtype).replace('torch.', '')}"
+
+    def feature_reason(self, features: dict[str, Any]) -> Optional[str]:
+        if self.supports is None or not features:
+            return None
+        return self.supports(**features)
+
+
+_REGISTRY: dict[str, dict[str, Implementation]] = {}
 _REPORTED: set[tuple[str, str, str]] = set()
 
 
-def resolve(
-    op: str,
-    backend: Optional[str],
-    device,
-    preference: dict[str, Sequence[str]],
-    checks: Optional[dict[str, Callable[[torch.device], Optional[str]]]] = None,
-) -> str:
-    """Choose the backend for ``op`` on ``device``.
+def register(op: str, backend: str, forward: Callable[..., Any],
+             backward: Optional[Callable[..., Any]] = None, *,
+             backward_via: Sequence[str] = (), devices: Sequence[str] = ("cpu", "cuda"),
+             auto: Optional[Sequence[str]] = None, priority: int = 0,
+             dtypes: Optional[Sequence[torch.dtype]] = None,
+             requires: Optional[Callable[[torch.device], Optional[str]]] = None,
+             supports: Optional[Callable[..., Optional[str]]] = None,
+             replace: bool = False, **info: Any) -> Implementation:
+    """Register ``backend``'s implementation of ``op`` (see :class:`Implementation`).
 
-    ``preference`` maps a device type to the op's backends in order of preference (the
-    last should be ``"torch"``); ``checks`` adds op-specific availability checks.
-    An explicit ``backend`` that is unavailable raises :class:`BackendUnavailableError`.
-    """
+    Registering the same (op, backend) twice is an error unless ``replace=True`` (for
+    experiments: a user's own kernel under an existing name)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"register: backend must be one of {BACKENDS}, got {backend!r}")
+    if backward is not None and backward_via:
+        raise ValueError("register: give backward or backward_via, not both")
+    impls = _REGISTRY.setdefault(op, {})
+    if backend in impls and not replace:
+        raise ValueError(f"register: {op!r} already has a {backend!r} implementation")
+    impl = Implementation(op, backend, forward, backward, tuple(backward_via), tuple(devices),
+                          None if auto is None else tuple(auto), priority,
+                          None if dtypes is None else tuple(dtypes), requires, supports,
+                          dict(info))
+    impls[backend] = impl
+    return impl
+
+
+def registered_ops() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def implementations(op: str) -> tuple[Implementation, ...]:
+    """Every registered implementation of ``op``, in ``auto`` order (priority first)."""
+    if op not in _REGISTRY:
+        raise ValueError(f"no op {op!r} is registered (registered: {', '.join(_REGISTRY)})")
+    return tuple(sorted(_REGISTRY[op].values(), key=lambda i: (-i.priority, i.backend)))
+
+
+def implementation(op: str, backend: str) -> Implementation:
+    """The registered implementation of ``op`` by ``backend`` (no availability check)."""
+    impls = _REGISTRY.get(op, {})
+    if backend not in impls:
+        raise BackendUnavailableError(
+            f"{op}: no {backend!r} implementation (has {sorted(impls)})")
+    return impls[backend]
+
+
+def _check_name(backend) -> None:
+    if backend is not None and (not isinstance(backend, str)
+                                or backend not in BACKENDS + ("auto",)):
+        raise ValueError(f"backend must be one of {BACKENDS}, 'auto' or None; got {backend!r}")
+
+
+def select(op: str, backend: Optional[str] = None, *, device, dtype: Optional[torch.dtype] = None,
+           **features: Any) -> Implementation:
+    """The implementation of ``op`` to run for inputs on ``device`` of ``dtype`` with
+    ``features`` (what the implementations' ``supports`` checks read, e.g. ``head_dim``).
+
+    ``backend`` None or ``"auto"``: the highest-priority implementation that can run and
+    take the inputs; a fallback past a preferred one is logged once with the reasons.
+    An explicit backend is returned or refused with the error its failure calls for (see
+    the module docstring)."""
+    _check_name(backend)
     dev = _device(device)
-    checks = checks or {}
-    supported = sorted({b for order in preference.values() for b in order} | {"torch"})
     if backend is not None and backend != "auto":
-        if not isinstance(backend, str) or backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, 'auto' or None; got {backend!r}")
-        if backend not in supported:
-            raise BackendUnavailableError(f"{op}: no {backend!r} implementation (has {supported})")
-        reason = unavailable_reason(backend, dev, checks.get(backend))
+        impl = implementation(op, backend)
+        reason = impl.unavailable(dev)
         if reason is not None:
             raise BackendUnavailableError(f"{op}: backend {backend!r} is unavailable: {reason}")
-        return backend
-    order = preference.get(dev.type, ("torch",))
+        reason = impl.dtype_reason(dtype)
+        if reason is not None:
+            raise TypeError(f"{op}: {reason}")
+        reason = impl.feature_reason(features)
+        if reason is not None:
+            raise ValueError(f"{op}: {reason}")
+        return impl
     skipped = []
-    for name in order:
-        reason = unavailable_reason(name, dev, checks.get(name))
+    for impl in implementations(op):
+        if dev.type not in (impl.auto if impl.auto is not None else impl.devices):
+            continue
+        reason = (impl.unavailable(dev) or impl.dtype_reason(dtype)
+                  or impl.feature_reason(features))
         if reason is None:
-            key = (op, dev.type, name)
+            key = (op, dev.type, impl.backend)
             if skipped and key not in _REPORTED and not torch.compiler.is_compiling():
                 _REPORTED.add(key)
-                logger.info("%s on %s uses backend %r (%s)", op, dev.type, name, "; ".join(skipped))
-            return name
-        skipped.append(f"{name}: {reason}")
-    return "torch"
+                logger.info("%s on %s uses backend %r (%s)", op, dev.type, impl.backend,
+                            "; ".join(skipped))
+            return impl
+        skipped.append(f"{impl.backend}: {reason}")
+    raise BackendUnavailableError(
+        f"{op}: no backend can run these inputs on {dev} ({'; '.join(skipped) or 'none registered'})")
 
 
-def report(device="cpu") -> dict[str, Optional[str]]:
-    """Availability of every backend on ``device``: name -> None (available) or the reason."""
-    return {b: unavailable_reason(b, device) for b in BACKENDS}
+def backward_of(impl: Implementation, device) -> Callable[..., Any]:
+    """The backward callable for a forward run by ``impl``: its own, or the first available
+    backend of ``backward_via``."""
+    if impl.backward is not None:
+        return impl.backward
+    reasons = []
+    for name in impl.backward_via:
+        other = implementation(impl.op, name)
+        reason = other.unavailable(device)
+        if reason is None:
+            return backward_of(other, device)
+        reasons.append(f"{name}: {reason}")
+    raise BackendUnavailableError(
+        f"{impl.op}: backend {impl.backend!r} has no backward here ({'; '.join(reasons) or 'none registered'})")
 
 
-# Probe the optional pieces once, at import, so that backend selection inside a
-# torch.compile'd region is a plain lookup (dynamo does not trace imports).
-for _name in ("_cpu", "_cuda"):
-    extension(_name)
-_triton_import_error()
+def report(device="cpu") -> dict[str, dict[str, Optional[str]]]:
+    """For every registered op and each of its backends: None (can run on ``device``) or the
+    reason it cannot. Loads the shipped op modules first, so their registrations count."""
+    for mod in OP_MODULES:
+        importlib.import_module(mod)
+    return {op: {impl.backend: impl.unavailable(device) for impl in implementations(op)}
+            for op in _REGISTRY}
 
 
-def can_read_values(t: "torch.Tensor") -> bool:
+# ----------------------------------------------------------------------------- value checks
+def can_read_values(t: torch.Tensor) -> bool:
     """Whether an op may read ``t``'s values on the host before launching: not while
     ``torch.compile`` traces or a CUDA graph is being captured (both would break on the read)."""
-    import torch
-
     if torch.compiler.is_compiling():
         return False
     if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -190,3 +356,43 @@ def check_values_flag(op: str, check_values) -> None:
     """``check_values`` must be None (check where the values can be read) or a bool."""
     if check_values is not None and not isinstance(check_values, bool):
         raise TypeError(f"{op}: check_values must be None or a bool, got {type(check_values).__name__}")
+
+
+# Probe the optional pieces once, at import, so that backend selection inside a
+# torch.compile'd region is a plain lookup (dynamo does not trace imports).
+for _name in ("_cpu", "_cuda"):
+    extension(_name)
+_triton_import_error()
+
+
+# ----------------------------------------------------------------------------- transitional
+def resolve(op: str, backend: Optional[str], device, preference: dict[str, Sequence[str]],
+            checks: Optional[dict[str, Callable[[torch.device], Optional[str]]]] = None) -> str:
+    """The pre-registry selection by a preference table (kept while the ops move onto
+    :func:`select`; it goes when no op calls it)."""
+    dev = _device(device)
+    checks = checks or {}
+
+    def why(name):
+        return unavailable_reason(name, dev) or (checks[name](dev) if name in checks else None)
+
+    supported = sorted({b for order in preference.values() for b in order} | {"torch"})
+    if backend is not None and backend != "auto":
+        _check_name(backend)
+        if backend not in supported:
+            raise BackendUnavailableError(f"{op}: no {backend!r} implementation (has {supported})")
+        reason = why(backend)
+        if reason is not None:
+            raise BackendUnavailableError(f"{op}: backend {backend!r} is unavailable: {reason}")
+        return backend
+    skipped = []
+    for name in preference.get(dev.type, ("torch",)):
+        reason = why(name)
+        if reason is None:
+            key = (op, dev.type, name)
+            if skipped and key not in _REPORTED and not torch.compiler.is_compiling():
+                _REPORTED.add(key)
+                logger.info("%s on %s uses backend %r (%s)", op, dev.type, name, "; ".join(skipped))
+            return name
+        skipped.append(f"{name}: {reason}")
+    return "torch"

@@ -60,9 +60,11 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     assert backends.unavailable_reason("triton", "cpu") is None
 
 
-def test_report_lists_every_backend():
+def test_report_lists_every_op_and_backend():
     rep = backends.report("cpu")
-    assert set(rep) == set(backends.BACKENDS) and rep["torch"] is None
+    assert {"moe_ffn", "segment_attention"} <= set(rep)
+    for op, per_backend in rep.items():
+        assert per_backend["torch"] is None, op
 
 
 @pytest.mark.skipif(not CPU_SOURCES, reason="no csrc/*/cpu_*.cpp sources")
