@@ -45,6 +45,7 @@ __all__ = [
     "registered_ops",
     "select",
     "backward_of",
+    "backward_impl",
     "lazy",
     "report",
     "extension",
@@ -53,6 +54,9 @@ __all__ = [
     "triton_interpret",
     "unavailable_reason",
     "can_read_values",
+    "require_tensor",
+    "require_floating",
+    "require_device",
     "check_values_flag",
 ]
 
@@ -187,7 +191,7 @@ class Implementation:
     forward: Callable[..., Any]
     backward: Optional[Callable[..., Any]] = None
     backward_via: tuple[str, ...] = ()
-    devices: tuple[str, ...] = ("cpu", "cuda")
+    devices: Optional[tuple[str, ...]] = ("cpu", "cuda")
     auto: Optional[tuple[str, ...]] = None
     priority: int = 0
     dtypes: Optional[tuple[torch.dtype, ...]] = None
@@ -198,7 +202,7 @@ class Implementation:
     def unavailable(self, device) -> Optional[str]:
         """None if this implementation can run on ``device``, else why not."""
         dev = _device(device)
-        if dev.type not in self.devices:
+        if self.devices is not None and dev.type not in self.devices:
             return (f"{self.op}: backend {self.backend!r} runs on {'/'.join(self.devices)} "
                     f"tensors, got device {dev}")
         reason = unavailable_reason(self.backend, dev)
@@ -209,8 +213,9 @@ class Implementation:
     def dtype_reason(self, dtype: Optional[torch.dtype]) -> Optional[str]:
         if dtype is None or self.dtypes is None or dtype in self.dtypes:
             return None
-        names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
-        return f"backend {self.backend!r} takes {names}, got {str(dtype).replace('torch.', '')}"
+        names = [str(d).replace("torch.", "") for d in self.dtypes]
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        return f"backend {self.backend!r} takes {listed}, got {str(dtype).replace('torch.', '')}"
 
     def feature_reason(self, features: dict[str, Any]) -> Optional[str]:
         if self.supports is None or not features:
@@ -224,7 +229,7 @@ _REPORTED: set[tuple[str, str, str]] = set()
 
 def register(op: str, backend: str, forward: Callable[..., Any],
              backward: Optional[Callable[..., Any]] = None, *,
-             backward_via: Sequence[str] = (), devices: Sequence[str] = ("cpu", "cuda"),
+             backward_via: Sequence[str] = (), devices: Optional[Sequence[str]] = ("cpu", "cuda"),
              auto: Optional[Sequence[str]] = None, priority: int = 0,
              dtypes: Optional[Sequence[torch.dtype]] = None,
              requires: Optional[Callable[[torch.device], Optional[str]]] = None,
@@ -241,7 +246,8 @@ def register(op: str, backend: str, forward: Callable[..., Any],
     impls = _REGISTRY.setdefault(op, {})
     if backend in impls and not replace:
         raise ValueError(f"register: {op!r} already has a {backend!r} implementation")
-    impl = Implementation(op, backend, forward, backward, tuple(backward_via), tuple(devices),
+    impl = Implementation(op, backend, forward, backward, tuple(backward_via),
+                          None if devices is None else tuple(devices),
                           None if auto is None else tuple(auto), priority,
                           None if dtypes is None else tuple(dtypes), requires, supports,
                           dict(info))
@@ -300,7 +306,8 @@ def select(op: str, backend: Optional[str] = None, *, device, dtype: Optional[to
         return impl
     skipped = []
     for impl in implementations(op):
-        if dev.type not in (impl.auto if impl.auto is not None else impl.devices):
+        auto = impl.auto if impl.auto is not None else impl.devices
+        if auto is not None and dev.type not in auto:
             continue
         reason = (impl.unavailable(dev) or impl.dtype_reason(dtype)
                   or impl.feature_reason(features))
@@ -316,20 +323,25 @@ def select(op: str, backend: Optional[str] = None, *, device, dtype: Optional[to
         f"{op}: no backend can run these inputs on {dev} ({'; '.join(skipped) or 'none registered'})")
 
 
-def backward_of(impl: Implementation, device) -> Callable[..., Any]:
-    """The backward callable for a forward run by ``impl``: its own, or the first available
-    backend of ``backward_via``."""
+def backward_impl(impl: Implementation, device) -> Implementation:
+    """The implementation whose backward runs for a forward run by ``impl``: ``impl`` itself
+    when it has one, else the first available backend of its ``backward_via``."""
     if impl.backward is not None:
-        return impl.backward
+        return impl
     reasons = []
     for name in impl.backward_via:
         other = implementation(impl.op, name)
         reason = other.unavailable(device)
         if reason is None:
-            return backward_of(other, device)
+            return backward_impl(other, device)
         reasons.append(f"{name}: {reason}")
     raise BackendUnavailableError(
         f"{impl.op}: backend {impl.backend!r} has no backward here ({'; '.join(reasons) or 'none registered'})")
+
+
+def backward_of(impl: Implementation, device) -> Callable[..., Any]:
+    """The backward callable for a forward run by ``impl`` (see :func:`backward_impl`)."""
+    return backward_impl(impl, device).backward
 
 
 def report(device="cpu") -> dict[str, dict[str, Optional[str]]]:
@@ -352,6 +364,29 @@ def can_read_values(t: torch.Tensor) -> bool:
     return t.device.type != "meta"
 
 
+def require_tensor(op: str, name: str, value, what: str = "a torch.Tensor") -> None:
+    """A non-tensor argument is a ``TypeError`` naming it, in every op."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be {what}, got {type(value).__name__}")
+
+
+def require_floating(op: str, first: str, tensor: torch.Tensor, **same: torch.Tensor) -> None:
+    """``tensor`` (argument ``first``) floating point and every ``same`` of its dtype, else a
+    ``TypeError`` naming the argument."""
+    if not tensor.dtype.is_floating_point:
+        raise TypeError(f"{op}: {first} must be floating point, got {tensor.dtype}")
+    for name, t in same.items():
+        if t.dtype != tensor.dtype:
+            raise TypeError(f"{op}: {name} must have {first}'s dtype {tensor.dtype}, got {t.dtype}")
+
+
+def require_device(op: str, first: str, tensor: torch.Tensor, **same: Optional[torch.Tensor]) -> None:
+    """Every ``same`` (None skipped) on ``tensor``'s device, else a ``ValueError``."""
+    for name, t in same.items():
+        if t is not None and t.device != tensor.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {first} is on {tensor.device}")
+
+
 def check_values_flag(op: str, check_values) -> None:
     """``check_values`` must be None (check where the values can be read) or a bool."""
     if check_values is not None and not isinstance(check_values, bool):
@@ -363,36 +398,3 @@ def check_values_flag(op: str, check_values) -> None:
 for _name in ("_cpu", "_cuda"):
     extension(_name)
 _triton_import_error()
-
-
-# ----------------------------------------------------------------------------- transitional
-def resolve(op: str, backend: Optional[str], device, preference: dict[str, Sequence[str]],
-            checks: Optional[dict[str, Callable[[torch.device], Optional[str]]]] = None) -> str:
-    """The pre-registry selection by a preference table (kept while the ops move onto
-    :func:`select`; it goes when no op calls it)."""
-    dev = _device(device)
-    checks = checks or {}
-
-    def why(name):
-        return unavailable_reason(name, dev) or (checks[name](dev) if name in checks else None)
-
-    supported = sorted({b for order in preference.values() for b in order} | {"torch"})
-    if backend is not None and backend != "auto":
-        _check_name(backend)
-        if backend not in supported:
-            raise BackendUnavailableError(f"{op}: no {backend!r} implementation (has {supported})")
-        reason = why(backend)
-        if reason is not None:
-            raise BackendUnavailableError(f"{op}: backend {backend!r} is unavailable: {reason}")
-        return backend
-    skipped = []
-    for name in preference.get(dev.type, ("torch",)):
-        reason = why(name)
-        if reason is None:
-            key = (op, dev.type, name)
-            if skipped and key not in _REPORTED and not torch.compiler.is_compiling():
-                _REPORTED.add(key)
-                logger.info("%s on %s uses backend %r (%s)", op, dev.type, name, "; ".join(skipped))
-            return name
-        skipped.append(f"{name}: {reason}")
-    return "torch"

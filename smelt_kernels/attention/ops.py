@@ -15,7 +15,8 @@ first key of their own segment, over queries that are not themselves a segment s
 (0 where there are none). LSE and sink are statistics and carry no gradient (they are
 returned with ``requires_grad=False``); ``o`` is differentiable w.r.t. q, k and v.
 
-Backends (``backend=None``/``"auto"`` picks the first available for the device):
+Backends (registered with :mod:`smelt_kernels.backends`; ``backend=None``/``"auto"`` picks
+the first that can run the inputs; ``backends.report(device)`` says which can run and why not):
 
 * CUDA tensors: ``"triton"`` (forward and backward kernels in
   :mod:`smelt_kernels.attention.triton`), then ``"cuda"`` (the forward kernel from
@@ -24,15 +25,18 @@ Backends (``backend=None``/``"auto"`` picks the first available for the device):
 * CPU tensors: ``"cpu"`` (:mod:`smelt_kernels.attention.cpu`: ATen's CPU flash kernel on
   segment-aware chunks), then ``"torch"``. ``"triton"`` also runs on CPU tensors under
   ``TRITON_INTERPRET=1`` when asked for explicitly.
-* ``"torch"``: :func:`smelt_kernels.attention.reference.segment_attention` (forward) and an explicit
+* ``"torch"``: :func:`smelt_kernels.attention.reference.forward` and its explicit
   masked-softmax backward; materialises (B, Hq, Tq, Tk) scores.
 
 Limits: "triton" and "cuda" need D a multiple of 8 and at most 128 (padded internally to
 the kernel's width, never in the caller's tensors); "triton" takes fp16, bf16 and fp32,
 "cuda" fp16 and bf16; "cpu" and "torch" take any floating dtype and head dim.
 
-Validation: shapes, ranks, dtypes and devices are checked before any kernel runs and
-raise ``ValueError``/``TypeError`` naming the argument. Segment-id *values* must be
+Validation: arguments are checked before any kernel runs, one error class per kind of
+failure, naming the argument: a non-tensor or a wrong dtype (also one the chosen backend
+does not take) is a ``TypeError``; a wrong shape, rank or device, bad values or a head dim
+the chosen kernel cannot take, a ``ValueError``; an unknown backend name a ``ValueError``;
+a backend that cannot run here :class:`~smelt_kernels.backends.BackendUnavailableError`. Segment-id *values* must be
 non-decreasing along T, and are checked (``ValueError``, with the first offending position):
 always on CPU tensors; on CUDA tensors by a host read before the launch, unless
 ``check_values=False`` (for callers that checked their ids already, as ``SmeltLM`` does once
@@ -52,19 +56,15 @@ from typing import Optional
 
 import torch
 
-from .. import _alloc, backends
+from .. import backends
 from . import cpu as attention_cpu
 from . import cuda as attention_cuda
 from . import reference
 
-__all__ = ["segment_attention", "select_backend", "segment_bounds", "PREFERENCE"]
+__all__ = ["segment_attention", "select_backend", "segment_bounds"]
 
-PREFERENCE = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpu", "torch")}
 _OP = "segment_attention"
-_KERNEL_DTYPES = {
-    "triton": (torch.float16, torch.bfloat16, torch.float32),
-    "cuda": (torch.float16, torch.bfloat16),
-}
+_TRITON = "smelt_kernels.attention.triton"
 
 
 # ----------------------------------------------------------------------------- segments
@@ -102,84 +102,35 @@ def _check_segment_values(segment_ids: Optional[torch.Tensor], any_device: bool 
             f"{int(segment_ids[b, t])} at position {t} to {int(segment_ids[b, t + 1])} at {t + 1}")
 
 
-def _sink_mean(p_start: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
-    """(B, Hq) mean over counted queries of the per-query probability (B, Hq, Tq)."""
-    num = (p_start * counted[:, None, :]).sum(-1)
-    den = counted.sum(-1).to(num.dtype)[:, None]
-    return torch.where(den > 0, num / den.clamp_min(1), torch.zeros_like(num))
-
-
-# ----------------------------------------------------------------------------- backends
-def _torch_forward(q, k, v, segment_ids, scale):
-    o, lse, sink = reference.segment_attention(q, k, v, segment_ids, scale)
-    if segment_ids is not None and segment_ids.device.type != "cpu" and segment_ids.shape[1] > 1:
-        # the NaN policy for unchecked (non-CPU) ids, as the kernels apply it
-        bad = (segment_ids[:, 1:] < segment_ids[:, :-1]).any(dim=1)
-        o = torch.where(bad[:, None, None, None], float("nan"), o)
-        lse = torch.where(bad[:, None, None], float("nan"), lse)
-        sink = torch.where(bad[:, None], float("nan"), sink)
-    return o.contiguous(), lse.contiguous(), sink
-
-
-def _torch_backward(do, q, k, v, segment_ids, scale):
-    """dq, dk, dv of the reference by the explicit softmax-gradient formulas."""
-    B, Tq, Hq, D = q.shape
-    Tk, hkv = k.shape[1], k.shape[2]
-    g = Hq // hkv
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    seg = segment_ids if segment_ids is not None else \
-        torch.zeros(B, Tk, dtype=torch.long, device=q.device)
-    qa, ka, va, doa = (x.to(acc) for x in (q, k, v, do))
-    kk, vv = ka.repeat_interleave(g, dim=2), va.repeat_interleave(g, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", qa, kk) * scale
-    s = s.masked_fill(~reference.segment_mask(seg, Tq)[:, None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    dp = torch.einsum("bqhd,bkhd->bhqk", doa, vv)
-    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qa).reshape(B, Tk, hkv, g, D).sum(3) * scale
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, doa).reshape(B, Tk, hkv, g, D).sum(3)
-    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
-            dv.to(v.dtype).contiguous())
-
-
-def _cuda_op_missing(dev) -> Optional[str]:
-    if not hasattr(torch.ops.smelt_cuda, "segment_attention_fwd"):
-        return "smelt_kernels._cuda was built without csrc/attention/cuda.cu"
+# ----------------------------------------------------------------------------- implementations
+# Every implementation takes the backend-module arguments: forward(q, k, v, start, scale,
+# want_sink) -> (o, lse, psink or None); backward(do, q, k, v, o, lse, start, end, scale)
+# -> (dq, dk, dv).
+def _kernel_head_dim(head_dim: int) -> Optional[str]:
+    if head_dim % 8 != 0 or head_dim > 128:
+        return f"needs head dim D a multiple of 8 and <= 128, got D={head_dim}"
     return None
 
 
-def _limits(name: str, q: torch.Tensor) -> Optional[str]:
-    """Why backend ``name`` cannot take these inputs (dtype, head dim), or None."""
-    D = q.shape[-1]
-    if name in _KERNEL_DTYPES:
-        if q.dtype not in _KERNEL_DTYPES[name]:
-            return f"backend {name!r} takes {[str(d) for d in _KERNEL_DTYPES[name]]}, got q dtype {q.dtype}"
-        if D % 8 != 0 or D > 128:
-            return f"backend {name!r} needs head dim D a multiple of 8 and <= 128, got D={D}"
-    if name == "cpu":
-        return attention_cpu.available()
-    return None
+def _cuda_requires(device) -> Optional[str]:
+    return backends.extension_op_missing("_cuda", "segment_attention_fwd", "csrc/attention/cuda.cu")
+
+
+backends.register(_OP, "torch", reference.forward, reference.backward, devices=None)
+backends.register(_OP, "cpu", attention_cpu.forward, attention_cpu.backward, devices=("cpu",),
+                  priority=10, requires=lambda d: attention_cpu.available())
+backends.register(_OP, "triton", backends.lazy(_TRITON, "forward"), backends.lazy(_TRITON, "backward"),
+                  auto=("cuda",), priority=30,
+                  dtypes=(torch.float16, torch.bfloat16, torch.float32), supports=_kernel_head_dim)
+backends.register(_OP, "cuda", attention_cuda.forward, backward_via=("triton", "torch"),
+                  devices=("cuda",), priority=20, dtypes=(torch.float16, torch.bfloat16),
+                  requires=_cuda_requires, supports=_kernel_head_dim)
 
 
 def select_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
     """The backend :func:`segment_attention` uses for ``q`` (same rules, same errors)."""
-    if backend is None or backend == "auto":
-        checks = {name: (lambda dev, name=name: _limits(name, q)) for name in backends.BACKENDS}
-        checks["cuda"] = lambda dev: _limits("cuda", q) or _cuda_op_missing(dev)
-        return backends.resolve(_OP, None, q.device, PREFERENCE, checks)
-    checks = {"cuda": _cuda_op_missing}
-    name = backends.resolve(_OP, backend, q.device, PREFERENCE, checks)
-    reason = _limits(name, q)
-    if reason is not None:
-        raise ValueError(f"segment_attention: {reason}")
-    return name
-
-
-def _backward_backend(name: str, device) -> str:
-    if name == "cuda":  # the CUDA kernel is forward-only; its backward runs the Triton kernels
-        return "triton" if backends.unavailable_reason("triton", device) is None else "torch"
-    return name
+    return backends.select(_OP, backend, device=q.device, dtype=q.dtype,
+                           head_dim=q.shape[-1]).backend
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -195,23 +146,12 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o = q.new_zeros(B, Tq, Hq, D)
         lse = q.new_zeros(B, Hq, Tq, dtype=stat)
         return o, lse, q.new_zeros((B, Hq) if want_sink else (0,), dtype=stat)
-    if backend == "torch":
-        o, lse, sink = _torch_forward(q, k, v, segment_ids, scale)
-        return o, lse, (sink if want_sink else q.new_zeros(0, dtype=stat))
     start = segment_bounds(segment_ids)[0] if segment_ids is not None else None
-    if backend == "cpu":
-        o, lse, psink = attention_cpu.forward(q, k, v, start, scale, want_sink)
-    elif backend == "triton":
-        from . import triton as attention_triton
-
-        o, lse, psink = attention_triton.forward(q, k, v, start, scale, want_sink)
-    elif backend == "cuda":
-        o, lse, psink = attention_cuda.forward(q, k, v, start, scale, want_sink)
-    else:
-        raise ValueError(f"segment_attention: unknown backend {backend!r}")
+    o, lse, psink = backends.implementation(_OP, backend).forward(q, k, v, start, scale, want_sink)
     if not want_sink:
         return o, lse, q.new_zeros(0, dtype=stat)
-    return o, lse, _sink_mean(psink, reference.query_starts(start, B, Tq, Tk, q.device)[1])
+    counted = reference.query_starts(start, B, Tq, Tk, q.device)[1]
+    return o, lse, reference.sink_mean(psink, counted)
 
 
 @_attention_fwd.register_fake
@@ -228,16 +168,8 @@ def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    if backend == "torch":
-        return _torch_backward(do, q, k, v, segment_ids, scale)
     start, end = segment_bounds(segment_ids) if segment_ids is not None else (None, None)
-    if backend == "cpu":
-        return attention_cpu.backward(do, q, k, v, o, lse, start, end, scale)
-    if backend == "triton":
-        from . import triton as attention_triton
-
-        return attention_triton.backward(do, q, k, v, o, lse, start, end, scale)
-    raise ValueError(f"segment_attention backward: unknown backend {backend!r}")
+    return backends.implementation(_OP, backend).backward(do, q, k, v, o, lse, start, end, scale)
 
 
 @_attention_bwd.register_fake
@@ -250,15 +182,15 @@ def _setup_context(ctx, inputs, output):
     o, lse, sink = output
     ctx.save_for_backward(q, k, v, o, lse, segment_ids)
     ctx.scale = scale
-    ctx.backend = backend
+    # a forward-only kernel borrows another backend's backward
+    ctx.backend = backends.backward_impl(backends.implementation(_OP, backend), q.device).backend
     ctx.mark_non_differentiable(lse, sink)
 
 
 def _backward(ctx, do, _dlse, _dsink):
     q, k, v, o, lse, segment_ids = ctx.saved_tensors
-    name = _backward_backend(ctx.backend, q.device)
     dq, dk, dv = torch.ops.smelt.segment_attention_bwd(do, q, k, v, o, lse, segment_ids,
-                                                       ctx.scale, name)
+                                                       ctx.scale, ctx.backend)
     return dq, dk, dv, None, None, None, None
 
 
@@ -268,19 +200,13 @@ torch.library.register_autograd("smelt::segment_attention_fwd", _backward,
 
 # ----------------------------------------------------------------------------- entry point
 def _validate(q, k, v, segment_ids, scale) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"segment_attention: {name} must be a torch.Tensor, got {type(x).__name__}")
+    for name, x, layout in (("q", q, "(B, Tq, Hq, D)"), ("k", k, "(B, Tk, Hkv, D)"),
+                            ("v", v, "(B, Tk, Hkv, D)")):
+        backends.require_tensor(_OP, name, x)
         if x.dim() != 4:
-            layout = "(B, Tq, Hq, D)" if name == "q" else "(B, Tk, Hkv, D)"
             raise ValueError(f"segment_attention: {name} must be 4-D {layout}, got shape {tuple(x.shape)}")
-    if not q.dtype.is_floating_point:
-        raise TypeError(f"segment_attention: q must be floating point, got {q.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"segment_attention: {name} must have q's dtype {q.dtype}, got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"segment_attention: {name} is on {x.device} but q is on {q.device}")
+    backends.require_floating(_OP, "q", q, k=k, v=v)
+    backends.require_device(_OP, "q", q, k=k, v=v)
     B, Tq, Hq, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"segment_attention: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -295,15 +221,13 @@ def _validate(q, k, v, segment_ids, scale) -> None:
         raise ValueError(f"segment_attention: q length Tq={Tq} exceeds k/v length Tk={Tk} "
                          "(queries are the last Tq positions)")
     if segment_ids is not None:
-        if not isinstance(segment_ids, torch.Tensor):
-            raise TypeError(f"segment_attention: segment_ids must be a tensor or None, got {type(segment_ids).__name__}")
+        backends.require_tensor(_OP, "segment_ids", segment_ids, "a torch.Tensor or None")
         if segment_ids.dtype.is_floating_point or segment_ids.dtype.is_complex or segment_ids.dtype == torch.bool:
             raise TypeError(f"segment_attention: segment_ids must be an integer tensor, got {segment_ids.dtype}")
         if tuple(segment_ids.shape) != (B, Tk):
             raise ValueError(f"segment_attention: segment_ids must have shape (B, Tk) = {(B, Tk)}, "
                              f"got {tuple(segment_ids.shape)}")
-        if segment_ids.device != q.device:
-            raise ValueError(f"segment_attention: segment_ids is on {segment_ids.device} but q is on {q.device}")
+        backends.require_device(_OP, "q", q, segment_ids=segment_ids)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"segment_attention: scale must be a Python number or None, got {type(scale).__name__}")

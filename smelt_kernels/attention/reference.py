@@ -5,6 +5,12 @@ Written to be plainly correct, not fast: they materialise the (B, Hq, Tq, Tk) sc
 compute in the dtype they are given (tests pass float64 copies to get a high-precision
 oracle), except softmax statistics, which are kept in at least float32. They do not
 validate their inputs: the public op does that.
+
+* :func:`segment_attention`: the oracle, from segment ids (differentiable by autograd).
+* :func:`forward` / :func:`backward`: the ``"torch"`` backend, with the backend-module
+  signatures (segment starts instead of ids; the backward by the explicit softmax-gradient
+  formulas). A query whose key interval is empty (the encoding of a row with decreasing
+  ids) gets NaN, as from the kernels.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["segment_mask", "segment_attention", "query_starts", "start_probs"]
+__all__ = ["segment_mask", "segment_attention", "forward", "backward", "query_starts",
+           "start_probs", "sink_mean"]
 
 
 def segment_mask(segment_ids: torch.Tensor, q_len: Optional[int] = None) -> torch.Tensor:
@@ -32,12 +39,44 @@ def segment_mask(segment_ids: torch.Tensor, q_len: Optional[int] = None) -> torc
     return same & causal[None]
 
 
+def _attend(q, k, v, mask, scale, upcast: bool = True):
+    """(o in q's dtype, lse, p) of softmax attention under the boolean (B, Tq, Tk) mask,
+    computed in float32 (float64 for float64 inputs; q's dtype without ``upcast``); GQA by
+    repeating the KV heads."""
+    group = q.shape[2] // k.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc if upcast else q.dtype
+    kk = k.to(acc).repeat_interleave(group, dim=2)
+    vv = v.to(acc).repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kk) * scale
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    return torch.einsum("bhqk,bkhd->bqhd", p, vv).to(q.dtype), lse, p
+
+
+def _probs_at_start(p: torch.Tensor, q_start: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """(B, Hq, Tq) probability of each query on its segment's first key; 0 where not counted."""
+    B, Hq, Tq, Tk = p.shape
+    idx = q_start.clamp(max=Tk - 1)[:, None, :, None].expand(B, Hq, Tq, 1)
+    return torch.where(counted[:, None, :], torch.gather(p, 3, idx).squeeze(-1), 0.0)
+
+
+def sink_mean(p_start: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """(B, Hq) mean over counted queries of the per-query probability (B, Hq, Tq); 0 where
+    no query counts."""
+    num = (p_start * counted[:, None, :]).sum(-1)
+    den = counted.sum(-1).to(num.dtype)[:, None]
+    return torch.where(den > 0, num / den.clamp_min(1), torch.zeros_like(num))
+
+
 def segment_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     segment_ids: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
+    upcast: bool = True,
 ):
     """Causal attention inside segments, with GQA. Returns (o, lse, sink).
 
@@ -46,37 +85,62 @@ def segment_attention(
     lse: (B, Hq, Tq) natural-log log-sum-exp of the scaled scores (float32 or float64);
     sink: (B, Hq) mean probability that a query puts on the first key of its own segment,
     over queries that are not themselves a segment start (0 where there are none).
+    ``upcast=False`` computes everything in q's dtype: what plain PyTorch gets in that
+    precision (the yardstick of the tests' tolerance rule).
     """
     B, Tq, Hq, D = q.shape
-    Tk, Hkv = k.shape[1], k.shape[2]
+    Tk = k.shape[1]
     if segment_ids is None:
         segment_ids = torch.zeros(B, Tk, dtype=torch.long, device=q.device)
     scale = D ** -0.5 if scale is None else scale
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = Hq // Hkv
-    kk = k.to(acc).repeat_interleave(group, dim=2)
-    vv = v.to(acc).repeat_interleave(group, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kk) * scale
-    mask = segment_mask(segment_ids, Tq)[:, None]
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
-    o = torch.einsum("bhqk,bkhd->bqhd", p, vv).to(q.dtype)
-
+    o, lse, p = _attend(q, k, v, segment_mask(segment_ids, Tq), scale, upcast)
     # first key of each query's segment, and whether the query is that key itself
-    seg = segment_ids
     pos_k = torch.arange(Tk, device=q.device)
-    is_start = torch.ones_like(seg, dtype=torch.bool)
-    is_start[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    is_start = torch.ones_like(segment_ids, dtype=torch.bool)
+    is_start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
     start_idx = torch.cummax(torch.where(is_start, pos_k, torch.zeros_like(pos_k)), dim=1).values
-    q_start = start_idx[:, Tk - Tq:]  # (B, Tq)
-    q_pos = pos_k[Tk - Tq:]
-    counted = q_start != q_pos[None, :]  # (B, Tq)
-    p_start = torch.gather(p, 3, q_start[:, None, :, None].expand(B, Hq, Tq, 1)).squeeze(-1)
-    num = (p_start * counted[:, None, :]).sum(-1)
-    den = counted.sum(-1).to(acc)[:, None]
-    sink = torch.where(den > 0, num / den.clamp_min(1), torch.zeros_like(num))
-    return o, lse, sink
+    q_start = start_idx[:, Tk - Tq:]
+    counted = q_start != pos_k[None, Tk - Tq:]
+    return o, lse, sink_mean(_probs_at_start(p, q_start, counted), counted)
+
+
+def _interval_mask(start: Optional[torch.Tensor], B: int, Tq: int, Tk: int, device) -> torch.Tensor:
+    """(B, Tq, Tk): query i sees key j iff start(i) <= j <= position(i)."""
+    q_start, _ = query_starts(start, B, Tq, Tk, device)
+    pos_k = torch.arange(Tk, device=device)
+    pos_q = torch.arange(Tk - Tq, Tk, device=device)
+    return (pos_k[None, None, :] >= q_start[:, :, None]) & (pos_k[None, None, :] <= pos_q[None, :, None])
+
+
+def forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: bool):
+    """(o, lse, psink or None) with the backend-module signature: ``start`` int32 (B, Tk)
+    first position of every position's segment, or None (one segment per row)."""
+    B, Tq = q.shape[:2]
+    Tk = k.shape[1]
+    mask = _interval_mask(start, B, Tq, Tk, q.device)
+    o, lse, p = _attend(q, k, v, mask, scale)
+    lse = lse.masked_fill(~mask.any(-1)[:, None], float("nan"))
+    psink = _probs_at_start(p, *query_starts(start, B, Tq, Tk, q.device)) if want_sink else None
+    return o.contiguous(), lse.contiguous(), psink
+
+
+def backward(do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor],
+             scale: float):
+    """(dq, dk, dv) of :func:`forward` by the explicit softmax-gradient formulas."""
+    B, Tq, Hq, D = q.shape
+    Tk, hkv = k.shape[1], k.shape[2]
+    g = Hq // hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qa, ka, va, doa = (x.to(acc) for x in (q, k, v, do))
+    kk, vv = ka.repeat_interleave(g, dim=2), va.repeat_interleave(g, dim=2)
+    _, _, p = _attend(qa, ka, va, _interval_mask(start, B, Tq, Tk, q.device), scale)
+    dp = torch.einsum("bqhd,bkhd->bhqk", doa, vv)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qa).reshape(B, Tk, hkv, g, D).sum(3) * scale
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, doa).reshape(B, Tk, hkv, g, D).sum(3)
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
+            dv.to(v.dtype).contiguous())
 
 
 def query_starts(start: Optional[torch.Tensor], B: int, Tq: int, Tk: int, device):

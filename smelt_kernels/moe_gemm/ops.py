@@ -15,8 +15,9 @@ of :func:`smelt_kernels.moe_gemm.reference.moe_ffn`.
 :func:`grouped_gemm` is the lower-level GEMM over rows already sorted by expert, for
 callers who bring their own permutation.
 
-Backends (``backend=None``/``"auto"`` picks the first available for the device; the choice
-is logged on the ``smelt`` logger when it falls back):
+Backends (registered with :mod:`smelt_kernels.backends`; ``backend=None``/``"auto"`` picks
+the first that can run the inputs, and logs the choice on the ``smelt`` logger when it falls
+back; ``backends.report(device)`` says which can run and why not):
 
 * CPU tensors: ``"cpu"`` -- the native kernels of ``smelt_kernels._cpu``
   (``csrc/moe_gemm/cpu_*``: counting sort, per-expert GEMMs, fused SwiGLU, fixed-order combine.
@@ -29,7 +30,9 @@ is logged on the ``smelt`` logger when it falls back):
 * CUDA tensors: ``"triton"`` (:mod:`smelt_kernels.moe_gemm.triton`), then ``"cuda"`` (forward
   kernels from ``csrc/moe_gemm/cuda.cu``; its backward runs the Triton kernels), then
   ``"torch"``. ``"triton"`` also runs CPU tensors under ``TRITON_INTERPRET=1`` when asked.
-* ``"torch"``: the reference (a loop over experts), any floating dtype including fp64.
+* ``"torch"``: the reference (:mod:`smelt_kernels.moe_gemm.reference`: a loop over experts
+  with an explicit backward), any floating dtype including fp64. It runs inside the same
+  custom ops as the kernels, so it too compiles with ``torch.compile(fullgraph=True)``.
 
 dtypes: x, w1 and w2 share one of fp32, bf16, fp16 (``"cuda"``: bf16 and fp16; fp64 only
 with ``"torch"``); topk_weights any floating dtype (computed in fp32, its gradient returned
@@ -37,8 +40,11 @@ in its dtype); topk_ids int32 or int64. Non-contiguous inputs are accepted (copi
 contiguous). Accumulation is fp32; the pre-activation (T*k, 2*d_e) is kept for backward in
 x's dtype, and only when a gradient is required.
 
-Validation: shapes, ranks, dtypes and devices are checked before any kernel runs and
-raise ``ValueError``/``TypeError`` naming the argument. Id *values* (in [0, E), no expert
+Validation: arguments are checked before any kernel runs, one error class per kind of
+failure, naming the argument: a non-tensor or a wrong dtype (also one the chosen backend
+does not take) is a ``TypeError``; a wrong shape, rank or device, or bad values, a
+``ValueError``; an unknown backend name a ``ValueError``; a backend that cannot run here
+:class:`~smelt_kernels.backends.BackendUnavailableError`. Id *values* (in [0, E), no expert
 twice in one token's slots) are checked (``ValueError``): always on CPU tensors; on CUDA
 tensors by a host read before the launch, unless ``check_values=False`` (ids made by
 :func:`route`, as in ``SmeltLM``; the read is a device synchronisation) or the call is traced
@@ -47,9 +53,8 @@ CUDA kernels do with unchecked bad ids: a pair whose id is outside [0, E) is dro
 nothing and gets a zero weight gradient), and a token that names an expert twice gets that
 expert applied twice (the sum the reference computes).
 
-Determinism: the kernel backends (``"cpu"``, ``"triton"``, ``"cuda"``) reduce in a fixed
-order without atomics, so equal inputs give bitwise-equal outputs and gradients (the
-``"torch"`` reference uses ``index_add``, which is not deterministic on CUDA).
+Determinism: every backend reduces in a fixed order without atomics, so equal inputs give
+bitwise-equal outputs and gradients.
 
 ``torch.ops.smelt.moe_ffn_fwd`` / ``moe_ffn_bwd`` / ``grouped_mm`` / ``grouped_mm_wgrad``
 are the registered custom ops (fake implementations included), so
@@ -62,63 +67,74 @@ from typing import Optional
 
 import torch
 
-from .. import _alloc, backends
+from .. import backends
 from . import cpu as moe_cpu
 from . import cuda as moe_cuda
 from . import reference
-from . import routing as moe_routing
 
-__all__ = ["route", "moe_ffn", "grouped_gemm", "select_backend", "cpu_forward_kernel", "PREFERENCE"]
+__all__ = ["route", "moe_ffn", "grouped_gemm", "select_backend", "cpu_forward_kernel"]
 
-PREFERENCE = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpu", "torch")}
 _OP = "moe_ffn"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TRITON = "smelt_kernels.moe_gemm.triton"
 
 
-# ----------------------------------------------------------------------------- backends
-def _cpu_missing(op: str):
-    ext = backends.extension("_cpu")
-    if ext is None:
-        return backends.extension_error("_cpu")
-    if not hasattr(torch.ops.smelt_cpu, op):
-        return f"smelt_kernels._cpu was built without csrc/moe_gemm/cpu_forward.cpp (no smelt_cpu.{op})"
-    return None
+# ----------------------------------------------------------------------------- implementations
+# Every implementation of an op takes the same arguments:
+#   moe_ffn      forward(x, w1, w2, topk_weights, topk_ids, save_preact)
+#                  -> (y, preact, order, rev, offsets)
+#                backward(grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets)
+#                  -> (dx, dw1, dw2, dtopk_weights)
+#   grouped_gemm forward(a, b, offsets, gather, trans_b) -> c;
+#                backward(dc, a, offsets, gather) -> db (the weight gradient)
+#   route        forward(logits, top_k, renormalize) -> (weights, ids)
+# ``checks_ids``: the implementation rejects bad topk_ids itself (the native CPU kernel).
+_triton_fwd = backends.lazy(_TRITON, "forward")
+_triton_bwd = backends.lazy(_TRITON, "backward")
 
 
-def _cuda_missing(op: str):
-    if not hasattr(torch.ops.smelt_cuda, op):
-        return f"smelt_kernels._cuda was built without csrc/moe_gemm/cuda.cu (no smelt_cuda.{op})"
-    # routing metadata and the backward run as Triton kernels
-    return backends.unavailable_reason("triton", "cuda")
+def _triton_forward(x, w1, w2, tw, ids, save_preact):
+    return _triton_fwd(x, w1, w2, tw, ids)
 
 
-def _dtype_limit(name: str, dtype: torch.dtype):
-    if name == "cuda" and dtype not in (torch.bfloat16, torch.float16):
-        return f"backend 'cuda' takes bfloat16 or float16, got {dtype}"
-    if name != "torch" and dtype not in _KERNEL_DTYPES:
-        return f"backend {name!r} takes float32, bfloat16 or float16, got {dtype}"
-    return None
+def _triton_backward(grad_y, x, w1, w2, tw, ids, preact, order, rev, offsets):
+    return _triton_bwd(grad_y, x, w1, w2, tw, preact, order, rev, offsets)
 
 
-def _select(op: str, native: str, device, dtype: torch.dtype, backend: Optional[str]) -> str:
-    avail = {
-        "cpu": lambda d: _cpu_missing(native),
-        "cuda": lambda d: _cuda_missing("moe_up") if op == _OP else f"no CUDA kernel for {op}",
-    }
-    if backend is None or backend == "auto":
-        checks = {name: (lambda d, name=name: (avail[name](d) if name in avail else None)
-                         or _dtype_limit(name, dtype)) for name in backends.BACKENDS}
-        return backends.resolve(op, None, device, PREFERENCE, checks)
-    name = backends.resolve(op, backend, device, PREFERENCE, avail)
-    reason = _dtype_limit(name, dtype)
-    if reason is not None:
-        raise TypeError(f"{op}: {reason}")
-    return name
+def _cuda_forward(x, w1, w2, tw, ids, save_preact):
+    return moe_cuda.forward(x, w1, w2, tw, ids)
+
+
+def _cuda_requires(device) -> Optional[str]:
+    # the routing metadata and the backward run as Triton kernels
+    return (backends.extension_op_missing("_cuda", "moe_up", "csrc/moe_gemm/cuda.cu")
+            or backends.unavailable_reason("triton", device))
+
+
+backends.register(_OP, "torch", reference.moe_ffn_fwd, reference.moe_ffn_bwd, devices=None)
+backends.register(_OP, "cpu", moe_cpu.forward, moe_cpu.backward, devices=("cpu",), priority=10,
+                  dtypes=_KERNEL_DTYPES, requires=lambda d: moe_cpu.missing("moe_ffn_fwd"),
+                  checks_ids=True)
+backends.register(_OP, "triton", _triton_forward, _triton_backward, auto=("cuda",), priority=30,
+                  dtypes=_KERNEL_DTYPES)
+backends.register(_OP, "cuda", _cuda_forward, backward_via=("triton",), devices=("cuda",),
+                  priority=20, dtypes=(torch.bfloat16, torch.float16), requires=_cuda_requires)
+
+backends.register("grouped_gemm", "torch", reference.grouped_mm, reference.grouped_wgrad,
+                  devices=None)
+backends.register("grouped_gemm", "cpu", moe_cpu.grouped_mm, moe_cpu.grouped_wgrad,
+                  devices=("cpu",), priority=10, dtypes=_KERNEL_DTYPES,
+                  requires=lambda d: moe_cpu.missing("grouped_mm"))
+backends.register("grouped_gemm", "triton", backends.lazy(_TRITON, "grouped_mm"),
+                  backends.lazy(_TRITON, "grouped_wgrad"), auto=("cuda",), priority=30,
+                  dtypes=_KERNEL_DTYPES)
+
+backends.register("route", "torch", reference.route, devices=None)
 
 
 def select_backend(x: torch.Tensor, backend: Optional[str] = None) -> str:
     """The backend :func:`moe_ffn` uses for ``x`` (same rules, same errors)."""
-    return _select(_OP, "moe_ffn_fwd", x.device, x.dtype, backend)
+    return backends.select(_OP, backend, device=x.device, dtype=x.dtype).backend
 
 
 def cpu_forward_kernel(hidden_size: int, expert_size: int, dtype: torch.dtype = torch.float32) -> str:
@@ -126,14 +142,14 @@ def cpu_forward_kernel(hidden_size: int, expert_size: int, dtype: torch.dtype = 
     on this machine: ``"rows"`` (the AVX-512 row-pointer kernel), ``"panels"`` (brgemm on
     packed panels, fp32 compute) or ``"panels-16bit"`` (brgemm on the CPU's matrix unit).
     Raises :class:`~smelt_kernels.backends.BackendUnavailableError` without the extension."""
-    reason = _cpu_missing("moe_forward_kernel")
+    reason = moe_cpu.missing("moe_forward_kernel")
     if reason is not None:
         raise backends.BackendUnavailableError(f"cpu_forward_kernel: {reason}")
     return moe_cpu.forward_kernel(int(hidden_size), int(expert_size), dtype)
 
 
 def _check_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Range and distinctness of the ids (reads them: CPU tensors, or the torch backend)."""
+    """Range and distinctness of the ids (a host read)."""
     if topk_ids.numel() == 0:
         return
     lo, hi = int(topk_ids.min()), int(topk_ids.max())
@@ -148,7 +164,6 @@ def _check_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
                          f"({topk_ids[t].tolist()}); each token must pick distinct experts")
 
 
-# ----------------------------------------------------------------------------- implementations
 def _empty_result(x, w1, ids):
     T, k = ids.shape
     E, two_de, _ = w1.shape
@@ -164,21 +179,13 @@ def _moe_ffn_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weigh
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # outputs: y, the pre-activation in sorted-row order ((0, 2 d_e) unless save_preact,
     # which backward needs), and the routing sort (order, rev, offsets)
-    E = w1.shape[0]
-    if x.device.type == "cpu" and backend != "cpu":  # the native kernel checks its own
-        _check_id_values(topk_ids, E)
+    impl = backends.implementation(_OP, backend)
+    if x.device.type == "cpu" and not impl.info.get("checks_ids"):
+        _check_id_values(topk_ids, w1.shape[0])
     if x.shape[0] == 0:
         out = _empty_result(x, w1, topk_ids)
-    elif backend == "cpu":
-        out = moe_cpu.forward(x, w1, w2, topk_weights, topk_ids, save_preact)
-    elif backend == "triton":
-        from . import triton as moe_triton
-
-        out = moe_triton.forward(x, w1, w2, topk_weights, topk_ids)
-    elif backend == "cuda":
-        out = moe_cuda.forward(x, w1, w2, topk_weights, topk_ids)
     else:
-        raise ValueError(f"moe_ffn: backend {backend!r} has no kernel path")
+        out = impl.forward(x, w1, w2, topk_weights, topk_ids, save_preact)
     if not save_preact and out[1].shape[0] != 0:
         out = (out[0], out[1][:0].clone(), *out[2:])
     return out
@@ -202,14 +209,8 @@ def _moe_ffn_bwd(grad_y: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: to
     grad_y = grad_y.to(x.dtype).contiguous()
     if x.shape[0] == 0:
         return x.new_zeros(x.shape), torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(topk_weights)
-    if backend == "cpu":
-        return moe_cpu.backward(grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev,
-                                offsets)
-    if backend in ("triton", "cuda"):  # the CUDA kernels are forward-only
-        from . import triton as moe_triton
-
-        return moe_triton.backward(grad_y, x, w1, w2, topk_weights, preact, order, rev, offsets)
-    raise ValueError(f"moe_ffn backward: backend {backend!r} has no kernel path")
+    return backends.implementation(_OP, backend).backward(grad_y, x, w1, w2, topk_weights, topk_ids,
+                                                          preact, order, rev, offsets)
 
 
 @_moe_ffn_bwd.register_fake
@@ -222,7 +223,7 @@ def _fwd_setup(ctx, inputs, output):
     x, w1, w2, topk_weights, topk_ids, backend, _ = inputs
     _, preact, order, rev, offsets = output
     ctx.save_for_backward(x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets)
-    ctx.backend = backend
+    ctx.backend = backends.backward_impl(backends.implementation(_OP, backend), x.device).backend
     ctx.mark_non_differentiable(preact, order, rev, offsets)
 
 
@@ -239,31 +240,6 @@ def _fwd_backward(ctx, grad_y, *_):
 torch.library.register_autograd("smelt::moe_ffn_fwd", _fwd_backward, setup_context=_fwd_setup)
 
 
-def _grouped_torch(a, b, offsets, gather, trans_b):
-    """The plain loop over groups (reads the offsets on the host)."""
-    rows = a if gather is None else a[gather.long()]
-    N = b.shape[1] if trans_b else b.shape[2]
-    out = a.new_zeros(rows.shape[0], N)
-    offs = offsets.tolist()
-    for e in range(b.shape[0]):
-        r0, r1 = offs[e], offs[e + 1]
-        if r1 > r0:
-            out[r0:r1] = rows[r0:r1] @ (b[e].t() if trans_b else b[e])
-    return out
-
-
-def _grouped_wgrad_torch(dc, a, offsets, gather):
-    rows = a if gather is None else a[gather.long()]
-    E = offsets.numel() - 1
-    db = a.new_zeros(E, dc.shape[1], a.shape[1])
-    offs = offsets.tolist()
-    for e in range(E):
-        r0, r1 = offs[e], offs[e + 1]
-        if r1 > r0:
-            db[e] = dc[r0:r1].t() @ rows[r0:r1]
-    return db
-
-
 def _check_grouped_values(a, offsets, gather, M) -> None:
     if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > M:
         raise ValueError(f"grouped_gemm: offsets must be non-decreasing and at most M={M}, "
@@ -277,13 +253,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, gather:
                 trans_b: bool, backend: str) -> torch.Tensor:
     if a.device.type == "cpu":
         _check_grouped_values(a, offsets, gather, gather.shape[0] if gather is not None else a.shape[0])
-    if backend == "cpu":
-        return moe_cpu.grouped_mm(a, b, offsets, gather, trans_b)
-    if backend == "triton":
-        from . import triton as moe_triton
-
-        return moe_triton.grouped_mm(a, b, offsets, gather, trans_b)
-    return _grouped_torch(a, b, offsets, gather, trans_b)
+    return backends.implementation("grouped_gemm", backend).forward(a, b, offsets, gather, trans_b)
 
 
 @_grouped_mm.register_fake
@@ -295,13 +265,7 @@ def _(a, b, offsets, gather, trans_b, backend):
 @torch.library.custom_op("smelt::grouped_mm_wgrad", mutates_args=())
 def _grouped_mm_wgrad(dc: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor,
                       gather: Optional[torch.Tensor], backend: str) -> torch.Tensor:
-    if backend == "cpu":
-        return moe_cpu.grouped_wgrad(dc, a, offsets, gather)
-    if backend == "triton":
-        from . import triton as moe_triton
-
-        return moe_triton.grouped_wgrad(dc, a, offsets, gather)
-    return _grouped_wgrad_torch(dc, a, offsets, gather)
+    return backends.implementation("grouped_gemm", backend).backward(dc, a, offsets, gather)
 
 
 @_grouped_mm_wgrad.register_fake
@@ -339,8 +303,7 @@ def route(logits: torch.Tensor, top_k: int = 8, renormalize: bool = True):
     logits (T, E) floating. Returns (topk_weights fp32 (T, k), topk_ids int32 (T, k)),
     weights in descending order, differentiable w.r.t. ``logits``.
     """
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"route: logits must be a torch.Tensor, got {type(logits).__name__}")
+    backends.require_tensor("route", "logits", logits)
     if logits.dim() != 2:
         raise ValueError(f"route: logits must be (T, E), got shape {tuple(logits.shape)}")
     if not logits.dtype.is_floating_point:
@@ -350,13 +313,13 @@ def route(logits: torch.Tensor, top_k: int = 8, renormalize: bool = True):
     E = logits.shape[1]
     if not 1 <= top_k <= E:
         raise ValueError(f"route: top_k must be in [1, E={E}], got {top_k}")
-    return reference.route(logits, top_k, bool(renormalize))
+    impl = backends.select("route", None, device=logits.device, dtype=logits.dtype)
+    return impl.forward(logits, top_k, bool(renormalize))
 
 
 def _validate(x, w1, w2, topk_weights, topk_ids) -> None:
     for name, t in (("x", x), ("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"moe_ffn: {name} must be a torch.Tensor, got {type(t).__name__}")
+        backends.require_tensor(_OP, name, t)
     for name, t, rank in (("x", x, 2), ("w1", w1, 3), ("w2", w2, 3), ("topk_weights", topk_weights, 2),
                           ("topk_ids", topk_ids, 2)):
         if t.dim() != rank:
@@ -376,18 +339,11 @@ def _validate(x, w1, w2, topk_weights, topk_ids) -> None:
     k = topk_ids.shape[1]
     if not 1 <= k <= E:
         raise ValueError(f"moe_ffn: top-k k={k} must be in [1, E={E}]")
-    if not x.dtype.is_floating_point:
-        raise TypeError(f"moe_ffn: x must be floating point, got {x.dtype}")
-    for name, t in (("w1", w1), ("w2", w2)):
-        if t.dtype != x.dtype:
-            raise TypeError(f"moe_ffn: {name} dtype {t.dtype} differs from x dtype {x.dtype}")
-    if not topk_weights.dtype.is_floating_point:
-        raise TypeError(f"moe_ffn: topk_weights must be floating point, got {topk_weights.dtype}")
+    backends.require_floating(_OP, "x", x, w1=w1, w2=w2)
+    backends.require_floating(_OP, "topk_weights", topk_weights)
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"moe_ffn: topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    for name, t in (("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if t.device != x.device:
-            raise ValueError(f"moe_ffn: {name} is on {t.device}, x on {x.device}")
+    backends.require_device(_OP, "x", x, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     if T * k >= 2**31:
         raise ValueError(f"moe_ffn: T*k = {T * k} rows exceed the int32 row index")
 
@@ -401,11 +357,9 @@ def moe_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: t
     _validate(x, w1, w2, topk_weights, topk_ids)
     backends.check_values_flag("moe_ffn", check_values)
     name = select_backend(x, backend)
-    if name == "torch" or (x.device.type != "cpu" and check_values is not False):
-        if backends.can_read_values(topk_ids):
-            _check_id_values(topk_ids, w1.shape[0])
-    if name == "torch":
-        return reference.moe_ffn(x, w1, w2, topk_weights, topk_ids)
+    # CPU tensors are checked inside the op; a device read only when the caller allows it
+    if x.device.type != "cpu" and check_values is not False and backends.can_read_values(topk_ids):
+        _check_id_values(topk_ids, w1.shape[0])
     ids = topk_ids.to(torch.int32).contiguous()
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w2, topk_weights))
     y, *_ = torch.ops.smelt.moe_ffn_fwd(x.contiguous(), w1.contiguous(), w2.contiguous(),
@@ -430,8 +384,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *,
     Backends as for :func:`moe_ffn`, without ``"cuda"``.
     """
     for name, t in (("a", a), ("b", b), ("offsets", offsets)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"grouped_gemm: {name} must be a torch.Tensor, got {type(t).__name__}")
+        backends.require_tensor("grouped_gemm", name, t)
     if a.dim() != 2 or b.dim() != 3:
         raise ValueError(f"grouped_gemm: a must be (M, K) and b (E, N, K), got {tuple(a.shape)}, {tuple(b.shape)}")
     E, N, K = b.shape
@@ -444,18 +397,18 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *,
     if not a.dtype.is_floating_point or b.dtype != a.dtype:
         raise TypeError(f"grouped_gemm: a and b must share a floating dtype, got {a.dtype} and {b.dtype}")
     if gather_idx is not None:
-        if not isinstance(gather_idx, torch.Tensor) or gather_idx.dim() != 1:
-            raise ValueError("grouped_gemm: gather_idx must be a 1-D tensor of row indices")
+        backends.require_tensor("grouped_gemm", "gather_idx", gather_idx, "a torch.Tensor or None")
+        if gather_idx.dim() != 1:
+            raise ValueError(f"grouped_gemm: gather_idx must be 1-D row indices, got shape "
+                             f"{tuple(gather_idx.shape)}")
         if gather_idx.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"grouped_gemm: gather_idx must be int32 or int64, got {gather_idx.dtype}")
-    for name, t in (("b", b), ("offsets", offsets), ("gather_idx", gather_idx)):
-        if t is not None and t.device != a.device:
-            raise ValueError(f"grouped_gemm: {name} is on {t.device}, a on {a.device}")
+    backends.require_device("grouped_gemm", "a", a, b=b, offsets=offsets, gather_idx=gather_idx)
     backends.check_values_flag("grouped_gemm", check_values)
     starts = torch.cat([offsets.new_zeros(1), offsets]).to(torch.int32).contiguous()
     if a.device.type != "cpu" and check_values is not False and backends.can_read_values(a):
         _check_grouped_values(a, starts, gather_idx,
                               gather_idx.shape[0] if gather_idx is not None else a.shape[0])
-    name = _select("grouped_gemm", "grouped_mm", a.device, a.dtype, backend)
+    name = backends.select("grouped_gemm", backend, device=a.device, dtype=a.dtype).backend
     gather = gather_idx.to(torch.int32).contiguous() if gather_idx is not None else None
     return torch.ops.smelt.grouped_mm(a.contiguous(), b.contiguous(), starts, gather, True, name)

@@ -13,9 +13,11 @@ host (so the whole thing can be captured in a CUDA graph):
   have expert -1 and the kernels return at once for them.
 
 The counting sort runs as two Triton kernels (per-block histograms, then a stable scatter
-using each pair's rank inside its block) around a prefix sum in torch. :func:`sort_torch`
-does the same with ``torch.sort(stable=True)`` for devices without Triton; both are
-deterministic and agree exactly.
+using each pair's rank inside its block) around a prefix sum in torch.
+:func:`smelt_kernels.moe_gemm.reference.sort_pairs` does the same with
+``torch.sort(stable=True)`` for devices without Triton; both are deterministic and agree
+exactly on valid ids. Sorted rows past ``offsets[E]`` (pairs with an invalid id) hold pair
+and token 0 here.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Plan", "sort_pairs", "sort_torch", "tile_table", "plan"]
+from .. import _alloc
+from . import reference
+
+__all__ = ["Plan", "sort_pairs", "tile_table", "plan"]
 
 
 @dataclass
@@ -94,7 +99,7 @@ def sort_pairs(topk_ids: torch.Tensor, num_experts: int):
     ids = topk_ids.reshape(-1).to(torch.int32)
     block = 64
     nb = max(1, triton.cdiv(n, block))
-    counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
+    counts = _alloc.empty((nb, E), torch.int32, dev)
     count_kernel[(nb,)](ids, counts, n, E, BLOCK=block, EB=64)
     # exclusive prefix sums: expert-major over (expert, block)
     total = counts.sum(0, dtype=torch.int32)
@@ -102,27 +107,13 @@ def sort_pairs(topk_ids: torch.Tensor, num_experts: int):
     within = torch.cumsum(counts, 0, dtype=torch.int32) - counts
     base = (start[None, :] + within).contiguous()
     offsets = torch.cat([start, total.sum(0, keepdim=True, dtype=torch.int32)])
-    order = torch.zeros(n, dtype=torch.int32, device=dev)
-    tok = torch.zeros(n, dtype=torch.int32, device=dev)
-    rev = torch.empty(n, dtype=torch.int32, device=dev)
+    order = _alloc.empty((n,), torch.int32, dev)
+    tok = _alloc.empty((n,), torch.int32, dev)
+    rev = _alloc.empty((n,), torch.int32, dev)
     scatter_kernel[(nb,)](ids, base, order, rev, tok, n, E, k, BLOCK=block)
-    return order, rev, offsets, tok
-
-
-def sort_torch(topk_ids: torch.Tensor, num_experts: int):
-    """The same (order, rev, offsets, tok) with torch ops (a stable device sort)."""
-    T, k = topk_ids.shape
-    n, E, dev = T * k, num_experts, topk_ids.device
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    valid = (ids >= 0) & (ids < E)
-    key = torch.where(valid, ids, torch.full_like(ids, E))
-    sorted_key, order = torch.sort(key, stable=True)
-    ar = torch.arange(n, device=dev)
-    rev = torch.empty_like(order).scatter_(0, order, ar)
-    rev = torch.where(valid, rev, torch.full_like(rev, -1))
-    offsets = torch.searchsorted(sorted_key, torch.arange(E + 1, device=dev), out_int32=True)
-    order = order.to(torch.int32)
-    return order, rev.to(torch.int32), offsets, (order // k).to(torch.int32)
+    # the scatter writes the rows of valid pairs, [0, offsets[E]); the rest hold 0
+    written = torch.arange(n, device=dev) < offsets[-1]
+    return torch.where(written, order, 0), rev, offsets, torch.where(written, tok, 0)
 
 
 def tile_table(offsets: torch.Tensor, n_rows: int, block_m: int, extra_group: bool = False):
@@ -151,7 +142,7 @@ def tile_table(offsets: torch.Tensor, n_rows: int, block_m: int, extra_group: bo
 
 def plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_triton: bool = True) -> Plan:
     """The full routing plan for the Triton/CUDA kernels."""
-    sort = sort_pairs if use_triton else sort_torch
+    sort = sort_pairs if use_triton else reference.sort_pairs
     order, rev, offsets, tok = sort(topk_ids, num_experts)
     te, t0, t1 = tile_table(offsets, order.numel(), block_m)
     return Plan(order, rev, offsets, tok, te, t0, t1, block_m)
