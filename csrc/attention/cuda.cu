@@ -15,17 +15,18 @@
 // sixteen rows each: S = Q K^T and O += P V on WMMA 16x16x16 fragments; the softmax runs
 // on S in shared memory, two lanes per row; the O accumulator lives in shared memory (fp32).
 // No torch headers: the binding (attention.cpp) calls smelt_segment_attention_fwd.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 #include <mma.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "../cuda_common.cuh"
+
 namespace {
 
 using namespace nvcuda;
+using smelt::from_float;
+using smelt::to_float;
 
 constexpr int BM = 64;       // rows per block
 constexpr int BN = 64;       // keys per tile
@@ -46,14 +47,6 @@ struct Params {
   float scale;
   bool want_sink;
 };
-
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 template <int DP>
 struct Layout {
@@ -303,6 +296,6 @@ int smelt_segment_attention_fwd(const void* q, const void* k, const void* v, con
            B, Tq, Tk, Hq, Hkv, D, scale, want_sink};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const cudaError_t err =
-      dtype == 0 ? dispatch_head_dim<__half>(p, s) : dispatch_head_dim<__nv_bfloat16>(p, s);
+      smelt::with_dtype(dtype, [&](auto tag) { return dispatch_head_dim<decltype(tag)>(p, s); });
   return int(err);
 }

@@ -14,16 +14,17 @@
 // Tiles are staged in shared memory with element-wise bounds checks, so any H and d_e work.
 // Weights are read in their (out, in) row-major layout, which is exactly WMMA's col_major B.
 // No torch headers: the binding (moe_gemm.cpp) calls the smelt_moe_* launchers below.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 #include <mma.h>
 
 #include <cstdint>
 
+#include "../cuda_common.cuh"
+
 namespace {
 
 using namespace nvcuda;
+using smelt::from_float;
+using smelt::to_float;
 
 constexpr int BM = 64;
 constexpr int BN = 64;
@@ -31,14 +32,6 @@ constexpr int BK = 32;
 constexpr int LDS = BK + 8;   // shared row length of A and B tiles (elements)
 constexpr int LDC = BN + 4;   // shared row length of the fp32 epilogue tile
 constexpr int NTHREADS = 128;
-
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 struct RowsParams {
   const void* a;        // A rows (row stride lda), gathered through idx when idx != null
@@ -191,7 +184,7 @@ int smelt_moe_up(const void* x, const int* tok, const void* w1, const int* tile_
                  int dtype, void* stream) {
   RowsParams p{x, tok, w1, tile_e, tile_r0, tile_r1, pre, hid, ldx, int64_t(2) * de * H, de, H};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return int(dtype == 0 ? launch_rows<__half>(p, n_tiles, true, s) : launch_rows<__nv_bfloat16>(p, n_tiles, true, s));
+  return int(smelt::with_dtype(dtype, [&](auto t) { return launch_rows<decltype(t)>(p, n_tiles, true, s); }));
 }
 
 // down: hid (rows, de); w2 (E, H, de); out (rows, H).
@@ -199,7 +192,7 @@ int smelt_moe_down(const void* hid, const void* w2, const int* tile_e, const int
                    int n_tiles, void* out, int H, int de, int dtype, void* stream) {
   RowsParams p{hid, nullptr, w2, tile_e, tile_r0, tile_r1, out, nullptr, de, int64_t(H) * de, H, de};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return int(dtype == 0 ? launch_rows<__half>(p, n_tiles, false, s) : launch_rows<__nv_bfloat16>(p, n_tiles, false, s));
+  return int(smelt::with_dtype(dtype, [&](auto t) { return launch_rows<decltype(t)>(p, n_tiles, false, s); }));
 }
 
 // combine: src (rows, H); rev (T*k,); w (T*k,) fp32; y (T, H).
@@ -208,10 +201,10 @@ int smelt_moe_combine(const void* src, const int* rev, const float* w, void* y, 
   if (T == 0 || H == 0) return 0;
   const dim3 grid(T, (H + 255) / 256);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (dtype == 0)
-    combine_kernel<__half><<<grid, 256, 0, s>>>(static_cast<const __half*>(src), rev, w, static_cast<__half*>(y), T, H, k);
-  else
-    combine_kernel<__nv_bfloat16><<<grid, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(src), rev, w,
-                                                        static_cast<__nv_bfloat16*>(y), T, H, k);
+  smelt::with_dtype(dtype, [&](auto tag) {
+    using Elem = decltype(tag);
+    combine_kernel<Elem><<<grid, 256, 0, s>>>(static_cast<const Elem*>(src), rev, w, static_cast<Elem*>(y), T, H, k);
+    return 0;
+  });
   return int(cudaGetLastError());
 }
