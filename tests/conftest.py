@@ -1,6 +1,8 @@
-"""Test-session set-up: Triton through its interpreter when there is no GPU, poisoned outputs."""
+"""Test-session set-up: Triton through its interpreter when there is no GPU, poisoned
+outputs, and the shared helpers (tests/helpers*.py) importable from every test folder."""
 
 import os
+import sys
 
 # Both must be set before any module that defines Triton kernels is imported.
 os.environ.setdefault("SMELT_POISON", "1")
@@ -10,8 +12,12 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+import helpers  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -19,3 +25,15 @@ def _seed():
     torch.manual_seed(0)
     yield
 
+
+@pytest.fixture
+def triton_device():
+    """The device Triton kernels run on here (skips the test where there is none)."""
+    return helpers.triton_device()
+
+
+@pytest.fixture(params=["torch", "cpu", "triton"])
+def backend_device(request):
+    """(backend, device) for each CPU-side backend: a test runs once per backend (Triton on
+    its device, skipped where there is none)."""
+    return request.param, helpers.device_for(request.param)

@@ -1,6 +1,7 @@
 """Packaging: imports without native code, backend selection, csrc compiles for sm_90a."""
 
 import glob
+import logging
 import os
 import shutil
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import sysconfig
 
 import pytest
+import torch
 
 from smelt_kernels import backends
 
@@ -38,19 +40,64 @@ def test_imports_without_extensions():
     assert out.stdout.strip() == "ok"
 
 
-def test_backend_resolution():
-    pref = {"cpu": ("cpu", "torch"), "cuda": ("triton", "torch")}
-    assert backends.resolve("op", None, "cpu", pref) in ("cpu", "torch")
-    assert backends.resolve("op", "auto", "cpu", pref, checks={"cpu": lambda d: "not here"}) == "torch"
-    assert backends.resolve("op", "torch", "cpu", pref) == "torch"
-    with pytest.raises(backends.BackendUnavailableError, match="'cuda' backend needs CUDA"):
-        backends.resolve("op", "cuda", "cpu", {"cuda": ("cuda", "torch")})
-    with pytest.raises(backends.BackendUnavailableError, match="no 'cuda' implementation"):
-        backends.resolve("op", "cuda", "cpu", pref)
+@pytest.fixture
+def toy_op(monkeypatch):
+    """A registered op of its own (removed again after the test)."""
+    monkeypatch.setitem(backends._REGISTRY, "toy", {})
+    monkeypatch.setattr(backends, "_REPORTED", set())
+    backends.register("toy", "torch", lambda x: "torch", lambda g: g, devices=None)
+    backends.register("toy", "cpu", lambda x: "cpu", devices=("cpu",), priority=10,
+                      dtypes=(torch.float32,), supports=lambda size: None if size < 4 else "too big")
+    backends.register("toy", "cuda", lambda x: "cuda", backward_via=("torch",), devices=("cuda",),
+                      priority=20)
+    return "toy"
+
+
+def test_backend_selection(toy_op, caplog):
+    assert backends.select(toy_op, None, device="cpu", dtype=torch.float32, size=1).backend == "cpu"
+    assert backends.select(toy_op, "auto", device="cpu", dtype=torch.float32, size=1).backend == "cpu"
+    assert backends.select(toy_op, "torch", device="cpu").backend == "torch"
+    # auto falls back past what the preferred implementation cannot take, and says why once
+    with caplog.at_level(logging.INFO, logger="smelt"):
+        assert backends.select(toy_op, None, device="cpu", dtype=torch.float64, size=1).backend == "torch"
+        assert backends.select(toy_op, None, device="cpu", dtype=torch.float64, size=1).backend == "torch"
+    assert [r.getMessage() for r in caplog.records] == [
+        "toy on cpu uses backend 'torch' (cpu: backend 'cpu' takes float32, got float64)"]
+    assert backends.select(toy_op, None, device="cpu", dtype=torch.float32, size=9).backend == "torch"
+    # an explicit backend: one error class per kind of failure
+    with pytest.raises(TypeError, match="takes float32, got float64"):
+        backends.select(toy_op, "cpu", device="cpu", dtype=torch.float64)
+    with pytest.raises(ValueError, match="too big"):
+        backends.select(toy_op, "cpu", device="cpu", dtype=torch.float32, size=9)
+    with pytest.raises(backends.BackendUnavailableError, match="runs on cuda tensors"):
+        backends.select(toy_op, "cuda", device="cpu")
+    with pytest.raises(backends.BackendUnavailableError, match="no 'triton' implementation"):
+        backends.select(toy_op, "triton", device="cpu")
     with pytest.raises(ValueError, match="backend must be one of"):
-        backends.resolve("op", "tpu", "cpu", pref)
-    with pytest.raises(backends.BackendUnavailableError, match="custom reason"):
-        backends.resolve("op", "cpu", "cpu", pref, checks={"cpu": lambda d: "custom reason"})
+        backends.select(toy_op, "tpu", device="cpu")
+    with pytest.raises(ValueError, match="already has"):
+        backends.register(toy_op, "torch", lambda x: x)
+
+
+def test_backward_of_borrows(toy_op):
+    cuda = backends.implementation(toy_op, "cuda")
+    assert backends.backward_impl(cuda, "cuda").backend == "torch"
+    assert backends.backward_of(cuda, "cuda") is backends.implementation(toy_op, "torch").backward
+    forward_only = backends.register(toy_op, "triton", lambda x: x)
+    with pytest.raises(backends.BackendUnavailableError, match="has no backward"):
+        backends.backward_of(forward_only, "cpu")
+    with pytest.raises(ValueError, match="backward or backward_via"):
+        backends.register(toy_op, "triton", lambda x: x, lambda g: g, backward_via=("torch",))
+
+
+def test_no_chain_over_backend_names_in_the_ops():
+    """Backend choice lives in the registry: no op file compares a backend name."""
+    for path in glob.glob(os.path.join(ROOT, "smelt_kernels", "**", "*.py"), recursive=True):
+        if os.path.basename(path) == "backends.py":
+            continue
+        with open(path) as f:
+            text = f.read()
+        assert "backend ==" not in text and "name ==" not in text, path
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
@@ -62,9 +109,28 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 def test_report_lists_every_op_and_backend():
     rep = backends.report("cpu")
-    assert {"moe_ffn", "segment_attention"} <= set(rep)
+    assert set(rep) == {"moe_ffn", "grouped_gemm", "route", "segment_attention"}
+    assert set(rep["moe_ffn"]) == set(rep["segment_attention"]) == {"torch", "cpu", "triton", "cuda"}
+    assert set(rep["grouped_gemm"]) == {"torch", "cpu", "triton"}
     for op, per_backend in rep.items():
         assert per_backend["torch"] is None, op
+        for name, reason in per_backend.items():
+            assert reason is None or isinstance(reason, str) and reason, (op, name)
+    assert rep["moe_ffn"]["triton"] is None  # the suite runs Triton through the interpreter
+    for op in ("moe_ffn", "segment_attention"):
+        assert "cuda" in rep[op]["cuda"]  # the CUDA kernels need CUDA tensors
+
+
+def test_report_says_why_a_backend_is_unavailable(monkeypatch):
+    monkeypatch.setitem(backends._EXT_CACHE, "_cpu", None)
+    monkeypatch.setitem(backends._EXT_ERRORS, "_cpu", "smelt_kernels._cpu is not built (test)")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rep = backends.report("cpu")
+    assert rep["moe_ffn"]["cpu"] == rep["grouped_gemm"]["cpu"] == "smelt_kernels._cpu is not built (test)"
+    assert "TRITON_INTERPRET=1" in rep["moe_ffn"]["triton"]
+    assert "TRITON_INTERPRET=1" in rep["segment_attention"]["triton"]
+    assert rep["segment_attention"]["cpu"] is None  # ATen's flash kernel needs no extension
+    assert backends.report("cuda")["moe_ffn"]["cpu"].startswith("moe_ffn: backend 'cpu' runs on cpu")
 
 
 @pytest.mark.skipif(not CPU_SOURCES, reason="no csrc/*/cpu_*.cpp sources")

@@ -1,0 +1,83 @@
+"""Helpers shared by the kernel tests: the Triton device, the fp64 oracle and the one
+tolerance rule.
+
+The rule (flash-attn's): a kernel's error against the float64 oracle may be at most twice
+the error plain PyTorch makes on the same inputs in the same low precision, plus a tiny
+floor of two units of that precision at the output's scale (for small cases where plain
+PyTorch happens to round luckily). NaN or inf never passes. Every comparison of a kernel
+with the oracle in tests/ goes through :func:`assert_close`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import pytest
+import torch
+
+from smelt_kernels import backends
+
+#: the floor of the tolerance rule, in units of the dtype's epsilon at max(1, max |oracle|)
+FLOOR_ULPS = 2
+
+
+def triton_device() -> torch.device:
+    """Where Triton kernels run here: the GPU, else the CPU under TRITON_INTERPRET=1; skips
+    the test when neither."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if backends.triton_interpret():
+        return torch.device("cpu")
+    pytest.skip("Triton needs a CUDA device or TRITON_INTERPRET=1")
+
+
+def device_for(backend: str) -> torch.device:
+    """The device a backend's tests run on: Triton's (above), the GPU for "cuda", else the CPU."""
+    if backend == "triton":
+        return triton_device()
+    return torch.device("cuda" if backend == "cuda" else "cpu")
+
+
+def run_with_grads(fn: Callable, leaves: Sequence[torch.Tensor], grad_out: torch.Tensor, *rest,
+                   dtype=None) -> tuple:
+    """fn(*leaves, *rest) on CPU copies of the leaves (cast to ``dtype`` if given), and the
+    gradients of its (first) output against ``grad_out``: (outputs..., grads...)."""
+    xs = [t.detach().cpu().to(dtype or t.dtype).requires_grad_() for t in leaves]
+    out = fn(*xs, *rest)
+    outs = out if isinstance(out, tuple) else (out,)
+    g = grad_out.detach().cpu().to(outs[0].dtype)
+    grads = torch.autograd.grad(outs[0], xs, g)
+    return tuple(o.detach() for o in outs) + tuple(grads)
+
+
+def fp64_oracle(fn: Callable, leaves: Sequence[torch.Tensor], grad_out: torch.Tensor, *rest) -> tuple:
+    """:func:`run_with_grads` in float64: the oracle every kernel is measured against."""
+    return run_with_grads(fn, leaves, grad_out, *rest, dtype=torch.float64)
+
+
+def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    if ref.numel() == 0:
+        return 0.0
+    return (got.detach().cpu().double() - ref.detach().cpu().double()).abs().max().item()
+
+
+def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, base: torch.Tensor,
+                 dtype: Optional[torch.dtype] = None) -> None:
+    """The one tolerance rule: max |got - ref| <= 2 max |base - ref| + FLOOR_ULPS * eps *
+    max(1, max |ref|), with ``ref`` the float64 oracle, ``base`` plain PyTorch in the low
+    precision and eps that of ``dtype``, the precision the inputs were computed in (default:
+    got's dtype; an fp32 gradient of a bf16 computation is only as good as bf16)."""
+    assert got.shape == ref.shape, (name, tuple(got.shape), tuple(ref.shape))
+    assert torch.isfinite(got.detach()).all(), f"{name}: non-finite values"
+    scale = max(1.0, ref.abs().max().item() if ref.numel() else 0.0)
+    eps = torch.finfo(dtype or got.dtype).eps
+    err, base_err = max_err(got, ref), max_err(base, ref)
+    bound = 2 * base_err + FLOOR_ULPS * eps * scale
+    assert err <= bound, (f"{name}: max error {err:.3e} > 2 x {base_err:.3e} (plain torch in "
+                          f"{base.dtype}) + {FLOOR_ULPS} x {eps:.2g} x {scale:.3g}")
+
+
+def assert_all_close(names: Sequence[str], got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor],
+                     base: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> None:
+    for name, a, r, b in zip(names, got, ref, base):
+        assert_close(name, a, r, b, dtype)
