@@ -58,6 +58,17 @@ def check(got, case, names=OUTPUTS):
     assert_all_close(names, got, oracle(case), baseline(case), case["x"].dtype)
 
 
+def assert_deterministic(case, backend):
+    """Two runs give bitwise-equal outputs and gradients, and so does the inference forward
+    (nothing saved for backward)."""
+    a, b = run(case, backend), run(case, backend)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    with torch.no_grad():
+        y = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend=backend)
+    assert torch.equal(y, a[0])
+
+
 def skewed_ids(kind, T, E, k):
     if kind == "one_expert":  # every token on expert E-1 (k = 1)
         return torch.full((T, 1), E - 1, dtype=torch.int32)

@@ -5,7 +5,7 @@ independence and non-contiguous inputs."""
 import pytest
 import torch
 
-from helpers_moe import DTYPES, check, has_cpu_kernel, make_case, run, skewed_ids
+from helpers_moe import DTYPES, assert_deterministic, check, has_cpu_kernel, make_case, run, skewed_ids
 from smelt_kernels.moe_gemm import cpu_forward_kernel, moe_ffn
 
 pytestmark = pytest.mark.skipif(not has_cpu_kernel(), reason="smelt_kernels._cpu without moe kernels")
@@ -75,13 +75,7 @@ def test_cpu_skewed_routing(kind, k, dtype, cpu_kernel):
 
 
 def test_cpu_bitwise_deterministic(cpu_kernel):
-    case = make_case(300, 96, 40, 16, 4, torch.float32)
-    a, b = run(case, "cpu"), run(case, "cpu")
-    for u, v in zip(a, b):
-        assert torch.equal(u, v)
-    with torch.no_grad():  # the inference forward (nothing saved for backward) is the same
-        y = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend="cpu")
-    assert torch.equal(y, a[0])
+    assert_deterministic(make_case(300, 96, 40, 16, 4, torch.float32), "cpu")
 
 
 @pytest.mark.parametrize("skewed", [False, True])

@@ -6,7 +6,7 @@ launch and CUDA-graph capture."""
 import pytest
 import torch
 
-from helpers_moe import DTYPES, check, make_case, run, skewed_ids
+from helpers_moe import DTYPES, assert_deterministic, check, make_case, run, skewed_ids
 from smelt_kernels import backends
 from smelt_kernels.moe_gemm import moe_ffn
 
@@ -35,13 +35,7 @@ def test_triton_skewed_routing(kind, k, triton_device):
 
 
 def test_triton_bitwise_deterministic(triton_device):
-    case = make_case(40, 24, 12, 8, 4, torch.float32, device=triton_device)
-    a, b = run(case, "triton"), run(case, "triton")
-    for u, v in zip(a, b):
-        assert torch.equal(u, v)
-    with torch.no_grad():  # the inference forward (nothing saved for backward) is the same
-        y = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend="triton")
-    assert torch.equal(y, a[0])
+    assert_deterministic(make_case(40, 24, 12, 8, 4, torch.float32, device=triton_device), "triton")
 
 
 # ----------------------------------------------------------------------------- GPU only
