@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from smelt_kernels.plan import LoopPlan
+
 from .config import LoopSpec, ModelConfig, middle_loop
 
 __all__ = [
@@ -218,7 +220,7 @@ def match(
     """
     if not isinstance(baseline_cfg, ModelConfig):
         raise TypeError(f"baseline_cfg must be a ModelConfig, got {type(baseline_cfg).__name__}")
-    if baseline_cfg.loop is not None and baseline_cfg.loop.count > 1:
+    if baseline_cfg.is_looped:
         raise ValueError("baseline_cfg is already looped; pass the unlooped baseline")
     if len(tolerances) != 3 or any(not (t > 0) for t in tolerances):
         raise ValueError(f"tolerances must be three positive numbers, got {tolerances!r}")
@@ -228,12 +230,12 @@ def match(
         raise TypeError(f"loop must be a LoopSpec or None, got {type(loop).__name__}")
     if loop.end > baseline_cfg.n_layers:
         raise ValueError(f"loop {loop} lies outside the baseline's {baseline_cfg.n_layers} layers")
+    l_exec = LoopPlan(baseline_cfg.n_layers, loop).executed_layers
 
     c_bar = mean_attended(mean_doc_len, seq_len)
     base = ledger(baseline_cfg, mean_doc_len, seq_len)
     L = baseline_cfg.n_layers
     k = baseline_cfg.top_k
-    l_exec = L + (loop.count - 1) * loop.length
     tf, tp, tk = tolerances
     base_kv_unit = base.kv_bytes_per_token / (2 * 2)  # = L * n_kv * d_h
     kv_choices = (baseline_cfg.n_kv_heads,) if kv_heads is None else tuple(kv_heads)

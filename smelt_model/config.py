@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from smelt_kernels.plan import LoopPlan
+
 __all__ = ["LoopSpec", "ModelConfig", "middle_loop"]
 
 
@@ -159,33 +161,27 @@ class ModelConfig:
     def is_looped(self) -> bool:
         return self.loop is not None and self.loop.count > 1
 
+    @property
+    def plan(self) -> LoopPlan:
+        """The execution schedule (:class:`smelt_kernels.executor.LoopPlan`)."""
+        return LoopPlan(self.n_layers, self.loop)
+
     def execution_plan(self) -> tuple[tuple[int, int], ...]:
         """The executed layers in order, as (physical layer, visit) pairs, visits 0-based.
 
         Prelude layers and coda layers have visit 0; span layers appear ``loop.count`` times,
         the whole span repeated (layer s, s+1, ..., e-1, then again s, ..., e-1).
         """
-        if self.loop is None:
-            return tuple((layer, 0) for layer in range(self.n_layers))
-        lp = self.loop
-        steps = [(layer, 0) for layer in range(lp.start)]
-        for visit in range(lp.count):
-            steps += [(layer, visit) for layer in range(lp.start, lp.end)]
-        steps += [(layer, 0) for layer in range(lp.end, self.n_layers)]
-        return tuple(steps)
+        return self.plan.pairs()
 
     @property
     def executed_layers(self) -> int:
         """L_eff = L + (r - 1) * m."""
-        if self.loop is None:
-            return self.n_layers
-        return self.n_layers + (self.loop.count - 1) * self.loop.length
+        return self.plan.executed_layers
 
     def residual_scale(self, layer: int) -> float:
         """Scale applied to each sublayer update of ``layer`` (1/r inside the span)."""
-        if self.loop is not None and self.loop.contains(layer):
-            return 1.0 / self.loop.count
-        return 1.0
+        return self.plan.residual_scale(layer)
 
     # ------------------------------------------------------------------ (de)serialisation
     def replace(self, **changes: Any) -> "ModelConfig":

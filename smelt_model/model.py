@@ -23,7 +23,7 @@ from smelt_kernels.backends import BACKENDS
 from smelt_kernels.executor import Executor, LoopedSpan, LoopPlan
 
 from .config import ModelConfig
-from .layers import Block, ForwardContext, RMSNorm, Rotary, init_weights
+from .layers import Block, ForwardContext, MoE, RMSNorm, Rotary, SegmentAttention, init_weights
 
 __all__ = ["SmeltLM", "SmeltOutput", "IGNORE_INDEX"]
 
@@ -54,7 +54,8 @@ class SmeltLM(nn.Module):
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.backend = backend
+        if backend not in MODEL_BACKENDS:
+            raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")
         self.plan = LoopPlan.from_config(cfg)
         self.executor = Executor(self.plan, recompute)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -66,7 +67,7 @@ class SmeltLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-        self._recorder = None
+        self.backend = backend  # hands the kernel backend to every layer
         self.reset_parameters()
 
     # ------------------------------------------------------------------ set-up
@@ -85,6 +86,10 @@ class SmeltLM(nn.Module):
         if name not in MODEL_BACKENDS:
             raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {name!r}")
         self._backend = name
+        op_backend = None if name == "auto" else name
+        for m in self.modules():  # the layers carry the backend; forward never branches on it
+            if isinstance(m, (SegmentAttention, MoE)):
+                m.backend = op_backend
 
     @property
     def recompute(self) -> str:
@@ -141,11 +146,8 @@ class SmeltLM(nn.Module):
         B, T = input_ids.shape
         x = self.embed(input_ids)
         cos, sin = self.rotary.tables(cache_pos, T, x.device)
-        ctx = ForwardContext(
-            cos=cos, sin=sin, segment_ids=segment_ids,
-            backend=None if self._backend == "auto" else self._backend,
-            cache=cache, cache_pos=cache_pos, recorder=self._recorder,
-        )
+        ctx = ForwardContext(cos=cos, sin=sin, segment_ids=segment_ids, cache=cache,
+                             cache_pos=cache_pos)
         ex, p = self.executor, self.plan
         x, aux = ex.run(lambda i: self.prelude[i], x, ctx, p.prelude)
         if self.span is not None:

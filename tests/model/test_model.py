@@ -48,14 +48,14 @@ def unrolled_logits(model: SmeltLM, ids, seg):
         blk = model.layer(i)
         at = blk.attn
         h = blk.attn_norm(x)
-        q = Rotary.apply(at.wq(h).view(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
-        k = Rotary.apply(at.wk(h).view(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
-        v = at.wv(h).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        q = Rotary.apply(at.q_proj(h).view(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
+        k = Rotary.apply(at.k_proj(h).view(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
+        v = at.v_proj(h).view(B, T, cfg.n_kv_heads, cfg.head_dim)
         o, _, _ = R.segment_attention(q, k, v, seg)
-        x = x + scale * at.wo(o.reshape(B, T, -1))
+        x = x + scale * at.o_proj(o.reshape(B, T, -1))
         h = blk.moe_norm(x).reshape(B * T, -1)
         w, e_ids = R.route(blk.moe.router(h).float(), cfg.top_k, cfg.router_renormalize)
-        y = R.moe_ffn(h, blk.moe.w1, blk.moe.w2, w, e_ids)
+        y = R.moe_ffn(h, blk.moe.gate_up_proj, blk.moe.down_proj, w, e_ids)
         x = x + scale * y.view(B, T, -1)
     return model.lm_head(model.norm(x))
 
@@ -99,7 +99,7 @@ def test_shared_weight_gradients_are_the_sum_over_visits():
 
     B, T = ids.shape
     cos, sin = unrolled.rotary.tables(0, T, ids.device)
-    ctx = ForwardContext(cos=cos, sin=sin, segment_ids=seg, backend="torch")
+    ctx = ForwardContext(cos=cos, sin=sin, segment_ids=seg)
     x = unrolled.embed(ids)
     for step in LoopPlan.from_config(cfg).steps:
         x, _ = layer(step.layer, step.visit)(x, ctx, step)
@@ -209,7 +209,7 @@ def test_bad_inputs_fail_clearly():
 
 
 def test_backend_is_passed_to_the_ops(monkeypatch):
-    import smelt_model.layers as layers
+    import smelt_kernels.layers as layers
 
     seen = []
     real_moe, real_attn = layers.moe_ffn, layers.segment_attention
