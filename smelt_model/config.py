@@ -196,13 +196,28 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         if not isinstance(d, dict):
             raise TypeError(f"expected a dict, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        fields = dataclasses.fields(cls)
+        known = {f.name for f in fields}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
+        required = [f.name for f in fields if f.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in d]
+        if missing:
+            raise ValueError(f"missing ModelConfig field(s): {', '.join(missing)}")
         d = dict(d)
-        if d.get("loop") is not None:
-            d["loop"] = LoopSpec(**d["loop"])
+        loop = d.get("loop")
+        if loop is not None:
+            if not isinstance(loop, dict):
+                raise TypeError(f"loop must be an object with start, length, count or null, "
+                                f"got {type(loop).__name__}")
+            loop_fields = {f.name for f in dataclasses.fields(LoopSpec)}
+            bad = sorted(set(loop) - loop_fields)
+            if bad:
+                raise ValueError(f"unknown loop field(s): {', '.join(bad)}")
+            if not {"start", "length"} <= set(loop):
+                raise ValueError("loop needs start and length (count defaults to 2)")
+            d["loop"] = LoopSpec(**loop)
         return cls(**d)
 
     def to_json(self, path: Union[str, Path, None] = None, indent: int = 2) -> str:
@@ -215,10 +230,14 @@ class ModelConfig:
     def from_json(cls, text_or_path: Union[str, Path]) -> "ModelConfig":
         """Parse a JSON string, or read a JSON file when given a path."""
         if isinstance(text_or_path, Path) or not str(text_or_path).lstrip().startswith("{"):
-            text = Path(text_or_path).read_text()
+            source, text = f"{text_or_path}: ", Path(text_or_path).read_text()
         else:
-            text = str(text_or_path)
-        return cls.from_dict(json.loads(text))
+            source, text = "", str(text_or_path)
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source}malformed JSON ({e})") from None
+        return cls.from_dict(d)
 
     def describe(self) -> str:
         loop = "none (baseline)"
