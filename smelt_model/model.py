@@ -10,7 +10,6 @@ update is scaled by 1/r on every visit.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -26,6 +25,22 @@ from .config import ModelConfig
 from .layers import Block, ForwardContext, MoE, RMSNorm, Rotary, SegmentAttention, init_weights
 
 __all__ = ["SmeltLM", "SmeltOutput", "IGNORE_INDEX"]
+
+# parameter names of checkpoints written before the layers took Hugging Face's names
+_OLD_NAMES = {".attn.wq.": ".attn.q_proj.", ".attn.wk.": ".attn.k_proj.",
+              ".attn.wv.": ".attn.v_proj.", ".attn.wo.": ".attn.o_proj.",
+              ".moe.w1": ".moe.gate_up_proj", ".moe.w2": ".moe.down_proj"}
+
+
+def _renamed(state: dict) -> dict:
+    """``state`` with any old-style parameter names mapped to today's."""
+    out = {}
+    for key, value in state.items():
+        for old, new in _OLD_NAMES.items():
+            if old in key and (key.endswith(old) or old.endswith(".")):
+                key = key.replace(old, new)
+        out[key] = value
+    return out
 
 IGNORE_INDEX = -100
 MODEL_BACKENDS = ("auto",) + BACKENDS
@@ -241,9 +256,9 @@ class SmeltLM(nn.Module):
         for f in ("config.json", "model.safetensors"):
             if not (src / f).exists():
                 raise FileNotFoundError(f"{src / f} not found (expected a save_pretrained folder)")
-        cfg = ModelConfig.from_dict(json.loads((src / "config.json").read_text()))
+        cfg = ModelConfig.from_json(src / "config.json")
         model = cls(cfg, **kwargs)
-        model.load_state_dict(load_file(str(src / "model.safetensors")))
+        model.load_state_dict(_renamed(load_file(str(src / "model.safetensors"))))
         if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
         return model

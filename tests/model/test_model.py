@@ -179,6 +179,33 @@ def test_save_and_load_round_trip(tmp_path):
     torch.testing.assert_close(loaded(ids, seg).logits, model(ids, seg).logits, rtol=0, atol=0)
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
         SmeltLM.from_pretrained(tmp_path / "nothing")
+    (tmp_path / "ckpt" / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="config.json: malformed JSON"):
+        SmeltLM.from_pretrained(tmp_path / "ckpt")
+
+
+def test_parameter_names_follow_the_hf_layout_and_old_checkpoints_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = SmeltLM(micro(), backend="torch")
+    names = set(model.state_dict())
+    for name in ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight",
+                 "attn.o_proj.weight", "moe.router.weight", "moe.gate_up_proj",
+                 "moe.down_proj", "attn_norm.weight", "moe_norm.weight"):
+        assert f"prelude.0.{name}" in names and f"span.layers.1.{name}" in names, name
+    assert not any(".wq." in n or n.endswith(".w1") for n in names)
+    cfg = model.cfg
+    assert model.layer(0).moe.gate_up_proj.shape == (cfg.n_experts, 2 * cfg.expert_size,
+                                                     cfg.hidden_size)
+    # a checkpoint written with the earlier names (wq/wk/wv/wo, w1/w2) still loads
+    path = model.save_pretrained(tmp_path / "ckpt")
+    old = {k.replace(".attn.q_proj.", ".attn.wq.").replace(".attn.o_proj.", ".attn.wo.")
+            .replace(".moe.gate_up_proj", ".moe.w1").replace(".moe.down_proj", ".moe.w2"): v
+           for k, v in load_file(str(path / "model.safetensors")).items()}
+    save_file(old, str(path / "model.safetensors"))
+    loaded = SmeltLM.from_pretrained(path, backend="torch")
+    ids, seg = packed_batch()
+    torch.testing.assert_close(loaded(ids, seg).logits, model(ids, seg).logits, rtol=0, atol=0)
 
 
 def test_bad_inputs_fail_clearly():
