@@ -254,12 +254,16 @@ def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tenso
     p = Path(path)
     if not p.exists():
         raise SystemExit(f"no such token file: {path}")
-    if p.suffix == ".npy":
-        import numpy as np
+    try:
+        if p.suffix == ".npy":
+            import numpy as np
 
-        ids = torch.from_numpy(np.load(p)).long()
-    else:
-        ids = torch.load(p).long()
+            ids = torch.from_numpy(np.load(p)).long()
+        else:
+            ids = torch.load(p).long()
+    except Exception as e:  # a file that is not an array of token ids, whatever the reader says
+        raise SystemExit(f"cannot read token ids from {path} (.pt tensor or .npy array): "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     ids = ids.reshape(-1)
     need = seq_len * batch
     if ids.numel() < need:

@@ -132,4 +132,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert rc == 2 and err.startswith("error: ") and "not found" in err and err.count("\n") == 1
     with pytest.raises(SystemExit):
         analysis.main([str(tmp_path / "absent"), "--tokens", "x.pt", "--backend", "jax"])
+    SmeltLM(micro(), backend="torch").save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "bad.pt").write_text("not a tensor")
+    with pytest.raises(SystemExit, match="cannot read token ids"):
+        analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "bad.pt")])
 
