@@ -51,8 +51,14 @@ class Block(nn.Module):
         self.attn = SegmentAttention(H, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                      cfg.rope_theta, backend=backend)
         self.moe_norm = RMSNorm(H, cfg.norm_eps)
-        self.moe = MoE(H, cfg.n_experts, cfg.expert_size, cfg.top_k, cfg.router_renormalize,
-                       cfg.aux_loss_weight, cfg.z_loss_weight, backend=backend)
+        # SmeltLM.reset_parameters draws every weight afterwards; the MoE's own initial draw
+        # of its experts is kept off the global RNG (only its router's default Linear draw
+        # advances it), so a seed gives the same model as when the experts started empty
+        with torch.random.fork_rng(devices=[]):
+            self.moe = MoE(H, cfg.n_experts, cfg.expert_size, cfg.top_k,
+                           cfg.router_renormalize, cfg.aux_loss_weight, cfg.z_loss_weight,
+                           backend=backend)
+        nn.init.kaiming_uniform_(self.moe.router.weight, a=math.sqrt(5))  # nn.Linear's draw
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
                 step: Step) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
