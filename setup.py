@@ -1,8 +1,8 @@
 """smelt: kernels, a looped-block executor and a thin model layer for SMELT looped MoE models.
 
-Install (CPU or GPU machine; torch must already be installed)::
+Install (CPU or GPU machine; torch must already be installed), with the tested versions::
 
-    pip install --no-build-isolation -e .
+    pip install -c constraints.txt --no-build-isolation -e ".[test]"
 
 Native extensions are optional and built only when they can be:
 
@@ -133,6 +133,8 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md")).read()
     if os.path.exists(os.path.join(ROOT, "README.md")) else "",
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["smelt_kernels", "smelt_kernels.*",
                                     "smelt_model", "smelt_model.*"]),
@@ -145,9 +147,12 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark"],
+        # tested versions: constraints.txt (pip install -c constraints.txt -e ".[test]")
+        "test": ["pytest>=8", "pytest-benchmark"],
         "plot": ["matplotlib"],
-        "build": ["ninja", "pybind11"],
+        "hf": ["transformers>=5.23,<6"],
+        "train": ["tokenizers>=0.23"],
+        "build": ["ninja"],  # torch ships the pybind11 headers
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

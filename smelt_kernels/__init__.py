@@ -1,9 +1,12 @@
-"""smelt_kernels: Triton/CUDA/CPU kernels and the looped-block executor for SMELT models.
+"""smelt_kernels: Triton/CUDA/CPU kernels, drop-in layers and the looped-block executor for
+SMELT models.
 
-Import the op modules directly::
+Import the op modules, or the layers built on them, directly::
 
     from smelt_kernels.moe_gemm import route, moe_ffn
     from smelt_kernels.attention import segment_attention
+    from smelt_kernels.layers import MoE, SegmentAttention, RMSNorm, Rotary
+    from smelt_kernels.executor import LoopPlan, Executor, LoopedSpan
 
 The native extensions (``smelt_kernels._cpu``, ``smelt_kernels._cuda``) are optional and
 loaded on first use by :mod:`smelt_kernels.backends`; nothing here imports them.

@@ -1,8 +1,9 @@
 """The persistent looped-block executor.
 
-A looped model executes ``prelude -> span x r -> coda``. This module turns that recipe into
-a static :class:`LoopPlan` of :class:`Step` s (physical layer, visit, KV-cache slot, residual
-scale) and runs any stack of blocks along it:
+A looped model executes ``prelude -> span x r -> coda``. :class:`LoopPlan` (defined in
+:mod:`smelt_kernels.plan`, re-exported here) turns that recipe into a static sequence of
+:class:`Step` s (physical layer, visit, KV-cache slot, residual scale); this module runs any
+stack of blocks along it:
 
 * :class:`LoopedSpan` holds the shared span layers and runs all ``r`` visits in one
   ``forward`` call, so a sharding wrapper (FSDP2 ``fully_shard``) can treat the span as one
@@ -19,9 +20,8 @@ scale) and runs any stack of blocks along it:
   eager with a clear message when capture is impossible (no CUDA, or capture failed).
 
 A block is any module called as ``block(x, ctx, step) -> (x, extra)``: ``ctx`` is the
-per-forward context the model passes through (rotary tables, segment ids, KV cache,
-recorder...), ``extra`` a scalar tensor to sum over executed layers (e.g. a router loss) or
-None. Returning it, rather than stashing it in ``ctx``, keeps the step a pure function, as
+per-forward context the model passes through (rotary tables, segment ids, KV cache...),
+``extra`` a scalar tensor to sum over executed layers (e.g. a router loss) or None. Returning it, rather than stashing it in ``ctx``, keeps the step a pure function, as
 activation checkpointing and torch.compile need.
 """
 
@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .plan import LoopPlan, Step
+
 __all__ = [
     "Step",
     "LoopPlan",
@@ -49,86 +51,6 @@ __all__ = [
 ]
 
 RECOMPUTE_POLICIES = ("none", "visit1", "all")
-
-
-@dataclass(frozen=True)
-class Step:
-    """One executed layer: physical ``layer``, 0-based ``visit``, its index in the executed
-    sequence (``slot``: also its KV-cache slot) and the residual ``scale`` (1/r in the span)."""
-
-    layer: int
-    visit: int
-    slot: int
-    scale: float
-    in_span: bool
-
-
-class LoopPlan:
-    """The static execution order of a (looped) stack.
-
-    ``loop`` is anything with ``start``, ``length`` and ``count`` (e.g.
-    :class:`smelt_model.config.LoopSpec`), or None for an unlooped stack.
-    """
-
-    def __init__(self, n_layers: int, loop: Any = None):
-        if not isinstance(n_layers, int) or n_layers < 1:
-            raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
-        if loop is None:  # an unlooped stack is all prelude
-            start, length, count = n_layers, 0, 1
-        else:
-            start, length, count = int(loop.start), int(loop.length), int(loop.count)
-            if start < 0 or length < 1 or count < 1 or start + length > n_layers:
-                raise ValueError(
-                    f"loop (start={start}, length={length}, count={count}) does not fit a "
-                    f"stack of {n_layers} layers"
-                )
-        self.n_layers = n_layers
-        self.start, self.length, self.count = start, length, count
-        self.end = start + length
-        steps: list[Step] = []
-
-        def add(layer: int, visit: int, in_span: bool) -> None:
-            scale = 1.0 / count if in_span else 1.0
-            steps.append(Step(layer, visit, len(steps), scale, in_span))
-
-        for layer in range(start):
-            add(layer, 0, False)
-        for visit in range(count if length else 0):
-            for layer in range(start, self.end):
-                add(layer, visit, True)
-        for layer in range(self.end, n_layers):
-            add(layer, 0, False)
-        self.steps: tuple[Step, ...] = tuple(steps)
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "LoopPlan":
-        return cls(cfg.n_layers, cfg.loop)
-
-    @property
-    def executed_layers(self) -> int:
-        return len(self.steps)
-
-    @property
-    def prelude(self) -> tuple[Step, ...]:
-        return tuple(s for s in self.steps if not s.in_span and s.layer < self.start)
-
-    @property
-    def span(self) -> tuple[Step, ...]:
-        return tuple(s for s in self.steps if s.in_span)
-
-    @property
-    def coda(self) -> tuple[Step, ...]:
-        return tuple(s for s in self.steps if not s.in_span and s.layer >= self.end)
-
-    def pairs(self) -> tuple[tuple[int, int], ...]:
-        """The plan as (physical layer, visit) pairs."""
-        return tuple((s.layer, s.visit) for s in self.steps)
-
-    def __repr__(self) -> str:
-        if not self.length:
-            return f"LoopPlan({self.n_layers} layers, no loop)"
-        return (f"LoopPlan({self.n_layers} layers: prelude {self.start}, span "
-                f"{self.start}..{self.end - 1} x{self.count}, coda {self.n_layers - self.end})")
 
 
 class Executor:

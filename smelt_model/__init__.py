@@ -1,14 +1,15 @@
 """smelt_model: configs, presets, the three-budget ledger, the thin SMELT / baseline model,
 generation, probes and the scaling-law tools.
 
-The model, generation, probe and scaling names load on first use (they pull in torch, the
-kernels or scipy), so ``import smelt_model`` stays light.
+The budget, model, generation, probe and scaling names load on first use (the model pulls
+in torch and the kernels, the scaling tools scipy), so ``import smelt_model`` stays light;
+loading ``budget`` lazily also lets ``python -m smelt_model.budget`` run it as a script
+without runpy's "found in sys.modules" warning.
 """
 
 import importlib
 
-from . import budget, presets
-from .budget import Ledger, Ratios, compare, ledger, match
+from . import presets
 from .config import LoopSpec, ModelConfig, middle_loop
 
 _SCALING = ("Surface", "fit_surface", "frontier", "gamma", "compute_for_loss",
@@ -17,6 +18,8 @@ _SCALING = ("Surface", "fit_surface", "frontier", "gamma", "compute_for_loss",
 
 
 _LAZY = {
+    "Ledger": "budget", "Ratios": "budget", "compare": "budget", "ledger": "budget",
+    "match": "budget",
     "SmeltLM": "model", "SmeltOutput": "model",
     "generate": "generation", "KVCache": "generation",
     "capture": "probes", "Recorder": "probes",
@@ -26,7 +29,7 @@ _LAZY = {
 
 def __getattr__(name):
     # the model layer imports the kernels, the scaling tools scipy: load them on first use
-    if name in ("scaling", "analysis"):
+    if name in ("budget", "scaling", "analysis"):
         return importlib.import_module(f"{__name__}.{name}")
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

@@ -186,12 +186,13 @@ def analyze(model, input_ids: torch.Tensor, segment_ids: Optional[torch.Tensor] 
 
     Hq = cfg.n_heads
     half = Hq // 2
-    for layer in range(cfg.loop.start, cfg.loop.end):
+    plan = model.plan
+    for layer in range(plan.start, plan.end):
         tops = {}
-        for visit in range(cfg.loop.count):
+        for visit in range(plan.count):
             r = rec[(layer, visit)]
             tops[visit] = top_attended(r["q"], r["k"], segment_ids, top_n)
-        for visit in range(1, cfg.loop.count):
+        for visit in range(1, plan.count):
             a, b = rec[(layer, visit - 1)], rec[(layer, visit)]
             upd_a = {"attn": a["attn_write"], "moe": a["moe_write"], "layer": a["x_out"] - a["x"]}
             upd_b = {"attn": b["attn_write"], "moe": b["moe_write"], "layer": b["x_out"] - b["x"]}
@@ -253,12 +254,16 @@ def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tenso
     p = Path(path)
     if not p.exists():
         raise SystemExit(f"no such token file: {path}")
-    if p.suffix == ".npy":
-        import numpy as np
+    try:
+        if p.suffix == ".npy":
+            import numpy as np
 
-        ids = torch.from_numpy(np.load(p)).long()
-    else:
-        ids = torch.load(p).long()
+            ids = torch.from_numpy(np.load(p)).long()
+        else:
+            ids = torch.load(p).long()
+    except Exception as e:  # a file that is not an array of token ids, whatever the reader says
+        raise SystemExit(f"cannot read token ids from {path} (.pt tensor or .npy array): "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     ids = ids.reshape(-1)
     need = seq_len * batch
     if ids.numel() < need:
@@ -270,7 +275,7 @@ def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tenso
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .model import SmeltLM
+    from .model import MODEL_BACKENDS, SmeltLM
 
     ap = argparse.ArgumentParser(prog="python -m smelt_model.analysis",
                                  description="Mechanism probes for a SMELT (and baseline) checkpoint.")
@@ -279,7 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--tokens", required=True, help="held-out token ids (.pt or .npy)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--backend", default="auto", choices=MODEL_BACKENDS)
     ap.add_argument("--plot", help="write the sink-by-depth plot here (needs matplotlib)")
     args = ap.parse_args(argv)
 
@@ -288,7 +293,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         models.append(("baseline", args.baseline))
     reports = {}
     for name, path in models:
-        model = SmeltLM.from_pretrained(path, backend=args.backend)
+        try:
+            model = SmeltLM.from_pretrained(path, backend=args.backend)
+        except (OSError, TypeError, ValueError, RuntimeError) as e:
+            print(f"error: {path}: {e}", file=sys.stderr)
+            return 2
         ids = _load_tokens(args.tokens, args.seq_len, args.batch, model.cfg.vocab_size)
         reports[name] = analyze(model, ids)
         print(format_report(reports[name]))
@@ -300,7 +309,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            print("--plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+            print("error: --plot needs matplotlib (pip install matplotlib, or install smelt "
+                  "with the [plot] extra)", file=sys.stderr)
             return 1
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, rep in reports.items():

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from smelt_kernels.plan import LoopPlan
+
 from .config import LoopSpec, ModelConfig, middle_loop
 
 __all__ = [
@@ -218,8 +220,13 @@ def match(
     """
     if not isinstance(baseline_cfg, ModelConfig):
         raise TypeError(f"baseline_cfg must be a ModelConfig, got {type(baseline_cfg).__name__}")
-    if baseline_cfg.loop is not None and baseline_cfg.loop.count > 1:
+    if baseline_cfg.is_looped:
         raise ValueError("baseline_cfg is already looped; pass the unlooped baseline")
+    for name, m in (("head_dim_multiple", head_dim_multiple),
+                    ("expert_size_multiple", expert_size_multiple),
+                    ("expert_count_multiple", expert_count_multiple)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"{name} must be a positive int, got {m!r}")
     if len(tolerances) != 3 or any(not (t > 0) for t in tolerances):
         raise ValueError(f"tolerances must be three positive numbers, got {tolerances!r}")
     if loop is None:
@@ -228,12 +235,12 @@ def match(
         raise TypeError(f"loop must be a LoopSpec or None, got {type(loop).__name__}")
     if loop.end > baseline_cfg.n_layers:
         raise ValueError(f"loop {loop} lies outside the baseline's {baseline_cfg.n_layers} layers")
+    l_exec = LoopPlan(baseline_cfg.n_layers, loop).executed_layers
 
     c_bar = mean_attended(mean_doc_len, seq_len)
     base = ledger(baseline_cfg, mean_doc_len, seq_len)
     L = baseline_cfg.n_layers
     k = baseline_cfg.top_k
-    l_exec = L + (loop.count - 1) * loop.length
     tf, tp, tk = tolerances
     base_kv_unit = base.kv_bytes_per_token / (2 * 2)  # = L * n_kv * d_h
     kv_choices = (baseline_cfg.n_kv_heads,) if kv_heads is None else tuple(kv_heads)
@@ -289,7 +296,8 @@ def match(
         raise MatchError(
             f"no looped config within tolerances (flops {tf}, params {tp}, kv {tk}) for "
             f"baseline {baseline_cfg.describe()} with loop {loop}; widen the tolerances or "
-            f"the search (head_dim_multiple, expert_size_multiple, kv_heads)"
+            f"the search (head_dim_multiple, expert_size_multiple, kv_heads; at the command "
+            f"line --tolerances, --head-dim-multiple, --expert-size-multiple, --kv-heads)"
         )
     _, cfg, _ = best
     return cfg, compare(baseline_cfg, cfg, mean_doc_len, seq_len)
@@ -325,16 +333,20 @@ def _format_side_by_side(names: Sequence[str], ledgers: Sequence[Ledger], cfgs) 
 
 
 def _load_config(spec: str) -> ModelConfig:
+    """A preset name or a JSON config file; ValueError/OSError with a clear message."""
     from . import presets
 
     if spec in presets.names():
         return presets.get(spec)
     path = Path(spec)
     if path.suffix == ".json" or path.exists():
-        if not path.exists():
-            raise SystemExit(f"no such config file: {spec}")
-        return ModelConfig.from_json(path)
-    raise SystemExit(
+        if not path.is_file():
+            raise FileNotFoundError(f"no such config file: {spec}")
+        try:
+            return ModelConfig.from_json(path)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{spec}: {e}" if not str(e).startswith(spec) else str(e)) from None
+    raise ValueError(
         f"unknown preset or config file {spec!r}; presets: {', '.join(presets.names())}"
     )
 
@@ -356,27 +368,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument(
         "--tolerances", type=float, nargs=3, default=(0.04, 0.01, 0.04), metavar=("F", "N", "KV")
     )
+    ap.add_argument("--head-dim-multiple", type=int, default=8,
+                    help="--match: head sizes tried are multiples of this")
+    ap.add_argument("--expert-size-multiple", type=int, default=8,
+                    help="--match: expert sizes tried are multiples of this")
+    ap.add_argument("--kv-heads", type=int, nargs="+",
+                    help="--match: KV-head counts to try (default: the baseline's)")
     args = ap.parse_args(argv)
 
-    if args.config in presets.pairs():
-        base, looped = presets.pair(args.config)
-        names = [f"{args.config}-baseline", f"{args.config}-smelt"]
-    else:
-        base = _load_config(args.config)
-        looped = None
-        names = [args.config]
-    if args.match:
-        try:
+    try:
+        if args.config in presets.pairs():
+            base, looped = presets.pair(args.config)
+            names = [f"{args.config}-baseline", f"{args.config}-smelt"]
+        else:
+            base = _load_config(args.config)
+            looped = None
+            names = [args.config]
+        if args.match:
             looped, _ = match(
                 base, tolerances=args.tolerances, mean_doc_len=args.mean_doc_len,
-                seq_len=args.seq_len,
+                seq_len=args.seq_len, head_dim_multiple=args.head_dim_multiple,
+                expert_size_multiple=args.expert_size_multiple, kv_heads=args.kv_heads,
             )
-        except MatchError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        names = [names[0], "matched-smelt"]
-    cfgs = [base] if looped is None else [base, looped]
-    leds = [ledger(c, args.mean_doc_len, args.seq_len) for c in cfgs]
+            names = [names[0], "matched-smelt"]
+        cfgs = [base] if looped is None else [base, looped]
+        leds = [ledger(c, args.mean_doc_len, args.seq_len) for c in cfgs]
+    except MatchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (OSError, TypeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(_format_side_by_side(names, leds, cfgs))
     if looped is not None:
         r = compare(base, looped, args.mean_doc_len, args.seq_len)

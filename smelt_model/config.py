@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from smelt_kernels.plan import LoopPlan
+
 __all__ = ["LoopSpec", "ModelConfig", "middle_loop"]
 
 
@@ -159,33 +161,27 @@ class ModelConfig:
     def is_looped(self) -> bool:
         return self.loop is not None and self.loop.count > 1
 
+    @property
+    def plan(self) -> LoopPlan:
+        """The execution schedule (:class:`smelt_kernels.executor.LoopPlan`)."""
+        return LoopPlan(self.n_layers, self.loop)
+
     def execution_plan(self) -> tuple[tuple[int, int], ...]:
         """The executed layers in order, as (physical layer, visit) pairs, visits 0-based.
 
         Prelude layers and coda layers have visit 0; span layers appear ``loop.count`` times,
         the whole span repeated (layer s, s+1, ..., e-1, then again s, ..., e-1).
         """
-        if self.loop is None:
-            return tuple((layer, 0) for layer in range(self.n_layers))
-        lp = self.loop
-        steps = [(layer, 0) for layer in range(lp.start)]
-        for visit in range(lp.count):
-            steps += [(layer, visit) for layer in range(lp.start, lp.end)]
-        steps += [(layer, 0) for layer in range(lp.end, self.n_layers)]
-        return tuple(steps)
+        return self.plan.pairs()
 
     @property
     def executed_layers(self) -> int:
         """L_eff = L + (r - 1) * m."""
-        if self.loop is None:
-            return self.n_layers
-        return self.n_layers + (self.loop.count - 1) * self.loop.length
+        return self.plan.executed_layers
 
     def residual_scale(self, layer: int) -> float:
         """Scale applied to each sublayer update of ``layer`` (1/r inside the span)."""
-        if self.loop is not None and self.loop.contains(layer):
-            return 1.0 / self.loop.count
-        return 1.0
+        return self.plan.residual_scale(layer)
 
     # ------------------------------------------------------------------ (de)serialisation
     def replace(self, **changes: Any) -> "ModelConfig":
@@ -200,13 +196,28 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         if not isinstance(d, dict):
             raise TypeError(f"expected a dict, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        fields = dataclasses.fields(cls)
+        known = {f.name for f in fields}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
+        required = [f.name for f in fields if f.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in d]
+        if missing:
+            raise ValueError(f"missing ModelConfig field(s): {', '.join(missing)}")
         d = dict(d)
-        if d.get("loop") is not None:
-            d["loop"] = LoopSpec(**d["loop"])
+        loop = d.get("loop")
+        if loop is not None:
+            if not isinstance(loop, dict):
+                raise TypeError(f"loop must be an object with start, length, count or null, "
+                                f"got {type(loop).__name__}")
+            loop_fields = {f.name for f in dataclasses.fields(LoopSpec)}
+            bad = sorted(set(loop) - loop_fields)
+            if bad:
+                raise ValueError(f"unknown loop field(s): {', '.join(bad)}")
+            if not {"start", "length"} <= set(loop):
+                raise ValueError("loop needs start and length (count defaults to 2)")
+            d["loop"] = LoopSpec(**loop)
         return cls(**d)
 
     def to_json(self, path: Union[str, Path, None] = None, indent: int = 2) -> str:
@@ -219,10 +230,14 @@ class ModelConfig:
     def from_json(cls, text_or_path: Union[str, Path]) -> "ModelConfig":
         """Parse a JSON string, or read a JSON file when given a path."""
         if isinstance(text_or_path, Path) or not str(text_or_path).lstrip().startswith("{"):
-            text = Path(text_or_path).read_text()
+            source, text = f"{text_or_path}: ", Path(text_or_path).read_text()
         else:
-            text = str(text_or_path)
-        return cls.from_dict(json.loads(text))
+            source, text = "", str(text_or_path)
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source}malformed JSON ({e})") from None
+        return cls.from_dict(d)
 
     def describe(self) -> str:
         loop = "none (baseline)"

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["KVCache", "generate"]
+__all__ = ["KVCache", "CacheSlot", "generate"]
 
 
 class KVCache:
@@ -64,6 +64,24 @@ class KVCache:
         if segment_ids is not None and slot == 0:
             self.segment_ids[:, pos:end] = segment_ids
         return self.k[slot, :, :end], self.v[slot, :, :end], self.segment_ids[:, :end]
+
+    def slot(self, slot: int, pos: int) -> "CacheSlot":
+        """One executed layer's view for a call whose tokens start at ``pos``: what
+        :class:`smelt_kernels.layers.SegmentAttention` takes as ``kv_cache``."""
+        return CacheSlot(self, slot, pos)
+
+
+class CacheSlot:
+    """Slot ``slot`` of a :class:`KVCache`, written at ``pos``: ``update(k, v, segment_ids)``
+    stores this call's K/V and returns all K/V/segment ids cached so far."""
+
+    __slots__ = ("cache", "index", "pos")
+
+    def __init__(self, cache: KVCache, index: int, pos: int):
+        self.cache, self.index, self.pos = cache, index, pos
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor]):
+        return self.cache.update(self.index, self.pos, k, v, segment_ids)
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int],

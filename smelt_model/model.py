@@ -10,7 +10,6 @@ update is scaled by 1/r on every visit.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -23,9 +22,25 @@ from smelt_kernels.backends import BACKENDS
 from smelt_kernels.executor import Executor, LoopedSpan, LoopPlan
 
 from .config import ModelConfig
-from .layers import Block, ForwardContext, RMSNorm, Rotary, init_weights
+from .layers import Block, ForwardContext, MoE, RMSNorm, Rotary, SegmentAttention, init_weights
 
 __all__ = ["SmeltLM", "SmeltOutput", "IGNORE_INDEX"]
+
+# parameter names of checkpoints written before the layers took Hugging Face's names
+_OLD_NAMES = {".attn.wq.": ".attn.q_proj.", ".attn.wk.": ".attn.k_proj.",
+              ".attn.wv.": ".attn.v_proj.", ".attn.wo.": ".attn.o_proj.",
+              ".moe.w1": ".moe.gate_up_proj", ".moe.w2": ".moe.down_proj"}
+
+
+def _renamed(state: dict) -> dict:
+    """``state`` with any old-style parameter names mapped to today's."""
+    out = {}
+    for key, value in state.items():
+        for old, new in _OLD_NAMES.items():
+            if old in key and (key.endswith(old) or old.endswith(".")):
+                key = key.replace(old, new)
+        out[key] = value
+    return out
 
 IGNORE_INDEX = -100
 MODEL_BACKENDS = ("auto",) + BACKENDS
@@ -54,7 +69,8 @@ class SmeltLM(nn.Module):
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.backend = backend
+        if backend not in MODEL_BACKENDS:
+            raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")
         self.plan = LoopPlan.from_config(cfg)
         self.executor = Executor(self.plan, recompute)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -66,7 +82,7 @@ class SmeltLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-        self._recorder = None
+        self.backend = backend  # hands the kernel backend to every layer
         self.reset_parameters()
 
     # ------------------------------------------------------------------ set-up
@@ -85,6 +101,10 @@ class SmeltLM(nn.Module):
         if name not in MODEL_BACKENDS:
             raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {name!r}")
         self._backend = name
+        op_backend = None if name == "auto" else name
+        for m in self.modules():  # the layers carry the backend; forward never branches on it
+            if isinstance(m, (SegmentAttention, MoE)):
+                m.backend = op_backend
 
     @property
     def recompute(self) -> str:
@@ -141,11 +161,8 @@ class SmeltLM(nn.Module):
         B, T = input_ids.shape
         x = self.embed(input_ids)
         cos, sin = self.rotary.tables(cache_pos, T, x.device)
-        ctx = ForwardContext(
-            cos=cos, sin=sin, segment_ids=segment_ids,
-            backend=None if self._backend == "auto" else self._backend,
-            cache=cache, cache_pos=cache_pos, recorder=self._recorder,
-        )
+        ctx = ForwardContext(cos=cos, sin=sin, segment_ids=segment_ids, cache=cache,
+                             cache_pos=cache_pos)
         ex, p = self.executor, self.plan
         x, aux = ex.run(lambda i: self.prelude[i], x, ctx, p.prelude)
         if self.span is not None:
@@ -239,9 +256,9 @@ class SmeltLM(nn.Module):
         for f in ("config.json", "model.safetensors"):
             if not (src / f).exists():
                 raise FileNotFoundError(f"{src / f} not found (expected a save_pretrained folder)")
-        cfg = ModelConfig.from_dict(json.loads((src / "config.json").read_text()))
+        cfg = ModelConfig.from_json(src / "config.json")
         model = cls(cfg, **kwargs)
-        model.load_state_dict(load_file(str(src / "model.safetensors")))
+        model.load_state_dict(_renamed(load_file(str(src / "model.safetensors"))))
         if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
         return model

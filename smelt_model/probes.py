@@ -14,14 +14,18 @@ Names that can be recorded (:data:`PROBES`):
 * ``sink``: per-head mass on the segment's first token, (B, n_heads), from the attention op
 * ``router_ids``, ``router_weights``: the top-k routing, (B, T, k)
 
-When no capture is active the model does no recording work at all (one ``is None`` test per
-block). Records are detached; with activation recomputation a recomputed layer overwrites its
-record with identical values.
+The recorder attaches with forward hooks on the model's blocks and their layers (the
+parameter-free ``SegmentAttention.core`` and ``MoE.topk`` submodules expose q/k/v, the
+attention output and the routing); only the hooks the requested names need are registered,
+and all are removed when the ``with`` block ends, so outside a capture the model runs no
+recording code at all. Records are detached; with activation recomputation a recomputed
+layer overwrites its record with identical values.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -77,14 +81,85 @@ class Recorder:
         self.order.clear()
 
 
+_ACTIVE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _attach(block, rec: Recorder) -> list:
+    """Register the hooks ``rec`` needs on one :class:`smelt_model.layers.Block`."""
+    state: dict = {}
+    handles = []
+    w = rec.wants
+
+    def block_pre(_, args):
+        x, _ctx, step = args
+        state["step"], state["shape"] = step, x.shape[:-1]
+        rec.record(step, "x", x)
+
+    handles.append(block.register_forward_pre_hook(block_pre))
+    if w("x_out"):
+        handles.append(block.register_forward_hook(
+            lambda _, args, out: rec.record(state["step"], "x_out", out[0])))
+
+    def write(name):
+        def hook(_, args, out):
+            step = state["step"]
+            rec.record(step, name, out * step.scale if step.scale != 1.0 else out)
+        return hook
+
+    if w("attn_write"):
+        handles.append(block.attn.register_forward_hook(write("attn_write")))
+    if w("o"):
+        handles.append(block.attn.register_forward_hook(
+            lambda _, args, out: rec.record(state["step"], "o", out)))
+    if w("moe_write"):
+        handles.append(block.moe.register_forward_hook(write("moe_write")))
+    if any(w(n) for n in ("q", "k", "v", "pv", "sink")):
+        def attend(_, args, out):
+            q, k, v = args[:3]
+            step, T = state["step"], q.shape[1]
+            for name, t in (("q", q), ("k", k[:, -T:]), ("v", v[:, -T:]), ("pv", out[0])):
+                rec.record(step, name, t)
+            if out[1] is not None:
+                rec.record(step, "sink", out[1])
+        handles.append(block.attn.core.register_forward_hook(attend))
+    if w("router_ids") or w("router_weights"):
+        def route(_, args, out):
+            weights, ids = out
+            lead = tuple(state["shape"])
+            rec.record(state["step"], "router_ids", ids.view(*lead, -1))
+            rec.record(state["step"], "router_weights", weights.view(*lead, -1))
+        handles.append(block.moe.topk.register_forward_hook(route))
+    return handles
+
+
 @contextlib.contextmanager
 def capture(model, what: Optional[Iterable[str]] = None, to_cpu: bool = False) -> Iterator[Recorder]:
-    """Record probes from every forward of ``model`` inside the ``with`` block."""
-    if getattr(model, "_recorder", None) is not None:
+    """Record probes from every forward of ``model`` inside the ``with`` block.
+
+    ``model`` is a :class:`smelt_model.SmeltLM` (any module whose blocks are
+    :class:`smelt_model.layers.Block`); records are keyed by (physical layer, visit).
+    """
+    from .layers import Block
+
+    if model in _ACTIVE:
         raise RuntimeError("a capture is already active on this model")
     rec = Recorder(what, to_cpu=to_cpu)
-    model._recorder = rec
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    if not blocks:
+        raise ValueError(f"capture needs a model built of smelt_model.layers.Block, got "
+                         f"{type(model).__name__}")
+    handles, sinks = [], []
+    _ACTIVE.add(model)
     try:
+        for blk in blocks:
+            handles += _attach(blk, rec)
+            if rec.wants("sink"):
+                sinks.append((blk.attn.core, blk.attn.core.keep_sink))
+                blk.attn.core.keep_sink = True
         yield rec
     finally:
-        model._recorder = None
+        for h in handles:
+            h.remove()
+        for core, keep in sinks:
+            core.keep_sink = keep
+        _ACTIVE.discard(model)

@@ -128,3 +128,42 @@ def test_cuda_graph_capture_of_forward_and_train_step():
     assert step.graph is not None, getattr(step, "reason", "")
     losses = [step(ids, seg).item() for _ in range(5)]
     assert losses[-1] < losses[0]
+
+
+def test_plan_answers_the_config_ledger_and_matcher():
+    from smelt_model import budget
+
+    cfg = micro(loop=LoopSpec(1, 2, 3))
+    plan = LoopPlan.from_config(cfg)
+    assert cfg.plan.pairs() == plan.pairs() == cfg.execution_plan()
+    assert [cfg.residual_scale(i) for i in range(4)] == [plan.residual_scale(i)
+                                                        for i in range(4)]
+    assert plan.residual_scale(2) == pytest.approx(1 / 3) and plan.residual_scale(3) == 1.0
+    assert [s.visit for s in plan.visits(1)] == [0, 1, 2] and len(plan.visits(0)) == 1
+    assert budget.ledger(cfg).executed_layers == plan.executed_layers == 8
+    with pytest.raises(IndexError, match="layer 4"):
+        plan.residual_scale(4)
+
+
+def test_layering_executor_below_the_model_plan_without_torch():
+    """The executor and the layers import nothing from smelt_model; the plan (and with it
+    the budget tools) needs no torch."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    below = ("import sys\n"
+             "import smelt_kernels.executor, smelt_kernels.layers\n"
+             "assert not [m for m in sys.modules if m.startswith('smelt_model')]\n"
+             "print('ok')\n")
+    light = ("import sys\n"
+             "from smelt_model import budget, presets\n"
+             "budget.ledger(presets.get('tiny-smelt'))\n"
+             "assert 'torch' not in sys.modules, 'the plan or the ledger imported torch'\n"
+             "print('ok')\n")
+    for code in (below, light):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             cwd=root)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "ok"

@@ -123,3 +123,17 @@ def test_cli_on_checkpoints(tmp_path, capsys):
     with pytest.raises(SystemExit, match="need 2000"):
         analysis.main([str(tmp_path / "smelt"), "--tokens", str(tmp_path / "ids.pt"),
                        "--seq-len", "1000", "--batch", "2"])
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    torch.save(torch.randint(0, 97, (200,)), tmp_path / "ids.pt")
+    rc = analysis.main([str(tmp_path / "absent"), "--tokens", str(tmp_path / "ids.pt")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and "not found" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        analysis.main([str(tmp_path / "absent"), "--tokens", "x.pt", "--backend", "jax"])
+    SmeltLM(micro(), backend="torch").save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "bad.pt").write_text("not a tensor")
+    with pytest.raises(SystemExit, match="cannot read token ids"):
+        analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "bad.pt")])
+

@@ -1,5 +1,7 @@
 """The ledger reproduces the paper's appendix; the matcher finds matched looped configs."""
 
+import json
+
 import pytest
 
 from smelt_model import budget, presets
@@ -136,3 +138,56 @@ def test_cli_match(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "matched config (JSON)" in out
     assert budget.main(["tiny-baseline", "--match", "--tolerances", "1e-6", "1e-6", "1e-6"]) == 1
+
+
+def _run_cli(*args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-m", "smelt_model.budget", *args],
+                          capture_output=True, text=True, cwd=root)
+
+
+def test_cli_as_a_module_prints_no_runpy_warning():
+    out = _run_cli("tiny")
+    assert out.returncode == 0, out.stderr
+    assert "RuntimeWarning" not in out.stderr and out.stderr == ""
+    assert "ratios (looped / baseline)" in out.stdout
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"vocab_size": 8,', "malformed JSON"),
+    ('{"vocab_size": 8}', "missing ModelConfig field(s): hidden_size"),
+    (None, "unknown ModelConfig field(s): colour"),
+    (None, "already looped"),
+    (None, "no such config file"),
+    ('[1, 2]', "expected a dict"),
+    (None, "unknown loop field(s): stride"),
+], ids=["malformed", "incomplete", "unknown-field", "looped-to-match", "missing-file",
+        "not-an-object", "bad-loop"])
+def test_cli_bad_configs_exit_with_one_line(tmp_path, capsys, text, message):
+    path = tmp_path / "c.json"
+    base = presets.get("tiny-baseline").to_dict()
+    if message.startswith("unknown ModelConfig"):
+        text = json.dumps({**base, "colour": "blue"})
+    elif message == "already looped":
+        text = presets.get("tiny-smelt").to_json()
+    elif message.startswith("unknown loop"):
+        text = json.dumps({**base, "loop": {"start": 1, "length": 2, "stride": 1}})
+    if text is not None:
+        path.write_text(text)
+    args = [str(path if text is not None else tmp_path / "absent.json"), "--match"]
+    assert budget.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_cli_match_error_options_exist(capsys):
+    args = ["tiny-baseline", "--match", "--tolerances", "1e-6", "1e-6", "1e-6",
+            "--head-dim-multiple", "4", "--expert-size-multiple", "4", "--kv-heads", "1", "2"]
+    assert budget.main(args) == 1
+    err = capsys.readouterr().err
+    for option in ("--tolerances", "--head-dim-multiple", "--expert-size-multiple", "--kv-heads"):
+        assert option in err

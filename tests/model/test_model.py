@@ -48,14 +48,14 @@ def unrolled_logits(model: SmeltLM, ids, seg):
         blk = model.layer(i)
         at = blk.attn
         h = blk.attn_norm(x)
-        q = Rotary.apply(at.wq(h).view(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
-        k = Rotary.apply(at.wk(h).view(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
-        v = at.wv(h).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        q = Rotary.apply(at.q_proj(h).view(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
+        k = Rotary.apply(at.k_proj(h).view(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
+        v = at.v_proj(h).view(B, T, cfg.n_kv_heads, cfg.head_dim)
         o, _, _ = R.segment_attention(q, k, v, seg)
-        x = x + scale * at.wo(o.reshape(B, T, -1))
+        x = x + scale * at.o_proj(o.reshape(B, T, -1))
         h = blk.moe_norm(x).reshape(B * T, -1)
         w, e_ids = R.route(blk.moe.router(h).float(), cfg.top_k, cfg.router_renormalize)
-        y = R.moe_ffn(h, blk.moe.w1, blk.moe.w2, w, e_ids)
+        y = R.moe_ffn(h, blk.moe.gate_up_proj, blk.moe.down_proj, w, e_ids)
         x = x + scale * y.view(B, T, -1)
     return model.lm_head(model.norm(x))
 
@@ -99,7 +99,7 @@ def test_shared_weight_gradients_are_the_sum_over_visits():
 
     B, T = ids.shape
     cos, sin = unrolled.rotary.tables(0, T, ids.device)
-    ctx = ForwardContext(cos=cos, sin=sin, segment_ids=seg, backend="torch")
+    ctx = ForwardContext(cos=cos, sin=sin, segment_ids=seg)
     x = unrolled.embed(ids)
     for step in LoopPlan.from_config(cfg).steps:
         x, _ = layer(step.layer, step.visit)(x, ctx, step)
@@ -179,6 +179,33 @@ def test_save_and_load_round_trip(tmp_path):
     torch.testing.assert_close(loaded(ids, seg).logits, model(ids, seg).logits, rtol=0, atol=0)
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
         SmeltLM.from_pretrained(tmp_path / "nothing")
+    (tmp_path / "ckpt" / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="config.json: malformed JSON"):
+        SmeltLM.from_pretrained(tmp_path / "ckpt")
+
+
+def test_parameter_names_follow_the_hf_layout_and_old_checkpoints_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = SmeltLM(micro(), backend="torch")
+    names = set(model.state_dict())
+    for name in ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight",
+                 "attn.o_proj.weight", "moe.router.weight", "moe.gate_up_proj",
+                 "moe.down_proj", "attn_norm.weight", "moe_norm.weight"):
+        assert f"prelude.0.{name}" in names and f"span.layers.1.{name}" in names, name
+    assert not any(".wq." in n or n.endswith(".w1") for n in names)
+    cfg = model.cfg
+    assert model.layer(0).moe.gate_up_proj.shape == (cfg.n_experts, 2 * cfg.expert_size,
+                                                     cfg.hidden_size)
+    # a checkpoint written with the earlier names (wq/wk/wv/wo, w1/w2) still loads
+    path = model.save_pretrained(tmp_path / "ckpt")
+    old = {k.replace(".attn.q_proj.", ".attn.wq.").replace(".attn.o_proj.", ".attn.wo.")
+            .replace(".moe.gate_up_proj", ".moe.w1").replace(".moe.down_proj", ".moe.w2"): v
+           for k, v in load_file(str(path / "model.safetensors")).items()}
+    save_file(old, str(path / "model.safetensors"))
+    loaded = SmeltLM.from_pretrained(path, backend="torch")
+    ids, seg = packed_batch()
+    torch.testing.assert_close(loaded(ids, seg).logits, model(ids, seg).logits, rtol=0, atol=0)
 
 
 def test_bad_inputs_fail_clearly():
@@ -209,7 +236,7 @@ def test_bad_inputs_fail_clearly():
 
 
 def test_backend_is_passed_to_the_ops(monkeypatch):
-    import smelt_model.layers as layers
+    import smelt_kernels.layers as layers
 
     seen = []
     real_moe, real_attn = layers.moe_ffn, layers.segment_attention
