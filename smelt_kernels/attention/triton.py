@@ -465,8 +465,8 @@ def block_config(kind: str, d: int, device: torch.device,
     if device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     width = head_dim_pad(d)
-    if dtype == torch.float32:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    if dtype == torch.float32:  # 32-row backward tiles spilled (dK/dV 200 bytes, dQ 16)
+        return dict(BLOCK_M=32 if kind == "fwd" else 16, BLOCK_N=32, num_warps=4, num_stages=2)
     if kind == "fwd":
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     # dq (rows streamed over key tiles) and dkdv (keys streamed over row tiles): 64 x 64
@@ -573,32 +573,31 @@ def backward(do, q, k, v, o, lse, start, end, scale: float):
 
 
 def audit_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
-    """The GPU launches the static audit compiles (bf16, segments, sink): forward, dK/dV and
-    dQ at every head dim, from meta tensors shaped like one ``tokens``-long sequence."""
-    meta, cuda, bf16 = torch.device("meta"), torch.device("cuda"), torch.bfloat16
+    """The GPU launches the static audit compiles: forward, dK/dV and dQ in bf16 at every head
+    dim (segments, sink) and in fp32 at the first split one, from meta tensors shaped like one
+    ``tokens``-long sequence (nothing is allocated)."""
+    meta, cuda = torch.device("meta"), torch.device("cuda")
     hq, hkv = heads
     jobs = []
-
-    def job(name, fn, args, kwargs, D, hot):
+    f32_dim = next((d for d in head_dims if head_dim_split(d)[1]), head_dims[0])
+    for dtype, D in [(torch.bfloat16, d) for d in head_dims] + [(torch.float32, f32_dim)]:
         da, dt = head_dim_split(D)
-        split = f"{da}+{dt}" if dt else f"{da}"
-        cfg = "BM{BLOCK_M} BN{BLOCK_N}".format(**kwargs)
-        jobs.append(dict(kernel=f"attention.{name}", fn=fn, args=args, kwargs=kwargs, hot=hot,
-                         config=f"bf16 D{D} (blocks {split}) {cfg} heads {hq}/{hkv}"))
-
-    for D in head_dims:
-        q = torch.empty((1, tokens, hq, D), dtype=bf16, device=meta)
-        k = torch.empty((1, tokens, hkv, D), dtype=bf16, device=meta)
+        label = f"{'bf16' if dtype == torch.bfloat16 else 'float32'} D{D} (blocks {da}{f'+{dt}' if dt else ''})"
+        q = torch.empty((1, tokens, hq, D), dtype=dtype, device=meta)
+        k = torch.empty((1, tokens, hkv, D), dtype=dtype, device=meta)
         stat = torch.empty((1, hq, tokens), dtype=torch.float32, device=meta)
         seg = torch.empty((1, tokens), dtype=torch.int32, device=meta)
-        _, args, kw = _fwd_launch(q, k, k, q, stat, stat, seg, 0.1, True,
-                                  block_config("fwd", D, cuda, bf16))
-        job("forward", _fwd_kernel, args, kw, D, True)
-        for kernel, _, args, kw in _bwd_launches(q, q, k, k, stat, stat, q, k, k, seg, seg, 0.1,
-                                                 block_config("dkdv", D, cuda, bf16),
-                                                 block_config("dq", D, cuda, bf16)):
-            job("backward_dkdv" if kernel is _bwd_dkdv_kernel else "backward_dq", kernel, args, kw,
-                D, False)
+        cfgs = {kind: block_config(kind, D, cuda, dtype) for kind in ("fwd", "dkdv", "dq")}
+        launches = [(_fwd_kernel, None) + _fwd_launch(q, k, k, q, stat, stat, seg, 0.1, True, cfgs["fwd"])[1:]]
+        launches += _bwd_launches(q, q, k, k, stat, stat, q, k, k, seg, seg, 0.1, cfgs["dkdv"], cfgs["dq"])
+        for kernel, _, args, kw in launches:
+            if dtype == torch.float32:
+                kw = dict(kw, PRECISION="ieee")
+            name = {_fwd_kernel: "forward", _bwd_dkdv_kernel: "backward_dkdv"}.get(kernel, "backward_dq")
+            jobs.append(dict(kernel=f"attention.{name}", fn=kernel, args=args, kwargs=kw,
+                             hot=name == "forward" and dtype == torch.bfloat16,
+                             config=f"{label} BM{kw['BLOCK_M']} BN{kw['BLOCK_N']} heads {hq}/{hkv}"))
+    bf16 = torch.bfloat16
     jobs.append(dict(kernel="attention.backward_delta", fn=_bwd_delta, hot=False,
                      config="bf16 D88 BLOCK64",
                      args=(torch.empty(8, dtype=bf16, device=meta),) * 2

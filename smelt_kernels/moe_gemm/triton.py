@@ -260,7 +260,7 @@ def tile_key(rows_per_group: float, n: int | None = None, k: int | None = None) 
 
 
 def config(device: torch.device, rows_per_group: float = 0.0, n: int | None = None,
-           k: int | None = None, kind: str = "gemm") -> dict:
+           k: int | None = None, kind: str = "gemm", dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tile sizes for a grouped GEMM with ``rows_per_group`` mean rows per expert, output
     width ``n`` and reduction depth ``k``; ``kind`` is "gemm", "up" (two accumulators: the
     SwiGLU up-projection) or "dgrad" (the dSwiGLU epilogue's register load). The interpreter gets small tiles (so small tests cross many
@@ -273,7 +273,10 @@ def config(device: torch.device, rows_per_group: float = 0.0, n: int | None = No
         return dict(BM=16, BN=16, BK=16, GROUP=4, num_warps=1, num_stages=1)
     if kind not in ("gemm", "up", "dgrad"):
         raise ValueError(f"kind must be 'gemm', 'up' or 'dgrad', got {kind!r}")
-    return dict(_gpu_config(tile_key(rows_per_group, n, k), kind))
+    cfg = dict(_gpu_config(tile_key(rows_per_group, n, k), kind))
+    if dtype == torch.float32:  # fp32 operands: BN 128 spilled (the down projection, 32 bytes)
+        cfg["BN"] = min(cfg["BN"], 64)
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -360,7 +363,7 @@ def forward(x, w1, w2, topk_weights, topk_ids, plan=None):
     plan = plan or make_plan(topk_ids, E, x.device)
     cfg = config(x.device, TK / E, de, H, kind="up")
     cfg["BM"] = plan.block_m
-    cfg_down = dict(config(x.device, TK / E, H, de), BM=plan.block_m)
+    cfg_down = dict(config(x.device, TK / E, H, de, dtype=x.dtype), BM=plan.block_m)
     n_tiles = plan.tile_e.numel()
     pre = _alloc.empty((TK, 2 * de), x.dtype, x.device)
     hid = _alloc.empty((TK, de), x.dtype, x.device)
@@ -398,7 +401,7 @@ def backward(dy, x, w1, w2, topk_weights, pre, order, rev, offsets):
     dxs = _alloc.empty((TK, H), x.dtype, x.device)
     # dXs = dP @ W1[e]: B[e][k][n] = w1[e][k][n]
     _rows(dp, w1, dxs, None, plan, H, 2 * de, w1.stride(0), w1.stride(1), w1.stride(2),
-          config(x.device, TK / E, H, 2 * de))
+          config(x.device, TK / E, H, 2 * de, dtype=x.dtype))
     dx = _combine(dxs, rev, None, T, k, x.dtype)
     dw1 = _alloc.empty(w1.shape, w1.dtype, w1.device)
     _wgrad(dp, x, dw1, None, tok, offsets, 2 * de, H, dw1.stride(0), dw1.stride(1))
@@ -414,7 +417,7 @@ def grouped_mm(a, b, offsets, gather, trans_b: bool):
     N = b.shape[1] if trans_b else b.shape[2]
     K = a.shape[1]
     E = b.shape[0]
-    cfg = config(a.device, M / max(E, 1), N, K)
+    cfg = config(a.device, M / max(E, 1), N, K, dtype=a.dtype)
     te, t0, t1 = moe_routing.tile_table(offsets, M, cfg["BM"], extra_group=True)
     plan = moe_routing.Plan(None, None, offsets, None, te, t0, t1, cfg["BM"])
     c = _alloc.empty((M, N), a.dtype, a.device)
@@ -484,6 +487,28 @@ def audit_launches(shapes: dict, tokens, top_k: int) -> list[dict]:
             job("grouped_mm", _rows_kernel, (x, w1, hid, idx, tiles, tiles, tiles, 64, de, H, x.stride(0),
                                              w1.stride(0), w1.stride(2), w1.stride(1), hid.stride(0), E),
                 dict(gm, GATHER=True, **ms), label)
+    # fp32 (IEEE products) at the first shape and token count: the up, down and dgrad GEMMs
+    name, sh = next(iter(shapes.items()))
+    H, de, E, T = sh["H"], sh["de"], sh["E"], tokens[0]
+    m, fp = T * top_k / E, dict(PREC="ieee", UPCAST=False)
+    x, w1, w2 = t(T, H, dtype=f32), t(E, 2 * de, H, dtype=f32), t(E, H, de, dtype=f32)
+    pre, hid, tiles, idx = t(T * top_k, 2 * de, dtype=f32), t(T * top_k, de, dtype=f32), t(64, dtype=i32), \
+        t(T * top_k, dtype=i32)
+    label = f"float32 {name} T{T}"
+    up = config(cuda, m, de, H, kind="up")
+    jobs.append(dict(kernel="moe.up_proj", fn=_up_kernel, hot=False, config=f"{label} BM{up['BM']} BN{up['BN']}",
+                     args=(x, w1, idx, tiles, tiles, tiles, pre, hid, 64, H, de, x.stride(0), w1.stride(0),
+                           w1.stride(1)), kwargs=dict(up, **fp)))
+    down = dict(config(cuda, m, H, de, dtype=f32), BM=up["BM"])
+    jobs.append(dict(kernel="moe.down_proj", fn=_rows_kernel, hot=False,
+                     config=f"{label} BM{down['BM']} BN{down['BN']}",
+                     args=(hid, w2, x, tiles, tiles, tiles, tiles, 64, H, de, hid.stride(0), w2.stride(0),
+                           w2.stride(2), w2.stride(1), x.stride(0), -1), kwargs=dict(down, GATHER=False, **fp)))
+    dh = config(cuda, m, de, H, kind="dgrad")
+    jobs.append(dict(kernel="moe.dgrad_swiglu", fn=_dh_kernel, hot=False, config=f"{label} BM{dh['BM']} BN{dh['BN']}",
+                     args=(x, w2, pre, t(T * top_k, dtype=f32), idx, idx, tiles, tiles, tiles, pre, hid,
+                           t(8, T * top_k, dtype=f32), 64, T * top_k, H, de, x.stride(0), w2.stride(0)),
+                     kwargs=dict(dh, **fp)))
     count, scatter = moe_routing._kernels()
     ids = t(4096 * top_k, dtype=i32)
     job("route_count", count, (ids, ids, ids.numel(), 288), dict(BLOCK=64, EB=64), "routing")
