@@ -265,9 +265,10 @@ def config(device: torch.device, rows_per_group: float = 0.0, n: int | None = No
     width ``n`` and reduction depth ``k``; ``kind`` is "gemm", "up" (two accumulators: the
     SwiGLU up-projection) or "dgrad" (the dSwiGLU epilogue's register load). The interpreter gets small tiles (so small tests cross many
     tile edges). On the GPU: BM 64 (one warpgroup's wgmma height) below 256 rows per expert,
-    128 above; BN and BK fitted to n and k with masked tails (at d_e 352: BN 64 leaves 9% of
-    the last block's columns unused; BK 32 divides 1056 and 352 exactly) rather than a fixed
-    128. Every configuration is compiled by ``python -m smelt_kernels.audit`` without spills;
+    128 above; BN (128 or 64; 64 with two accumulators) and BK (64 or 32) fitted to n and k
+    with masked tails: the largest block whose tail wastes at most 1/8 (BN) or 1/16 (BK) of
+    the padded work (at d_e 352: BN 64, 9% unused in the last column block; K 352: BK 32,
+    which divides it; K 1056: BK 64, 3%), rather than a fixed 128. Every configuration is compiled by ``python -m smelt_kernels.audit`` without spills;
     none is timed on a device yet."""
     if device.type != "cuda":
         return dict(BM=16, BN=16, BK=16, GROUP=4, num_warps=1, num_stages=1)

@@ -30,8 +30,8 @@ def test_configs_fit_the_shapes(name, tokens):
     for kind, n, k in (("up", de, H), ("gemm", H, de), ("dgrad", de, H), ("gemm", H, 2 * de)):
         cfg = moe_triton.config(CUDA, m, n, k, kind=kind)
         assert cfg["BM"] == (128 if m >= 256 else 64), (m, cfg)
-        # masked tails waste at most an eighth of the last blocks' columns; the reduction
-        # tail at most a sixteenth (BK 32 divides 1056 and 352; 64 divides 1280 and 704)
+        # masked tails waste at most an eighth of the padded columns; the reduction tail at
+        # most a sixteenth (K 352: BK 32 divides it; 1280 and 704: BK 64 does)
         assert _waste(n, cfg["BN"]) <= 1 / 8 + 1e-9, (kind, n, cfg)
         assert _waste(k, cfg["BK"]) <= 1 / 16 + 1e-9, (kind, k, cfg)
         assert cfg["BN"] >= 32 and cfg["BK"] >= 32 and cfg["num_warps"] in (4, 8)
