@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # One prepared run on a GPU machine (written for one H200): build the CUDA extension, run the
-# GPU tests, the kernel benchmarks and the main job, and write every result into one folder.
+# GPU tests, the kernel benchmarks, the peers (bench/bench_peers.py) and the main job, and
+# write every result into one folder.
 #
 #   bash bench/gpu_check.sh OUT_DIR          # under 8 minutes: the stage limits sum to 470 s
 #
 # It expects torch (with CUDA), triton and nvcc already installed and no network: the package
-# is installed without dependencies. Each stage has its own time limit and a failed stage does
-# not stop the others; OUT_DIR/summary.md says what ran, how long it took and how it ended.
-# At most eight files are written (logs are merged), none more than two folders down.
+# is installed without dependencies. Peers that pip would fetch (sonic-moe, FlashAttention-3's
+# `flash_attn_interface`) travel as wheels: on a machine with network, for the GPU image's
+# Python and CUDA,
+#   pip download --no-deps --only-binary=:all: --python-version 3.X --dest wheels <package>
+# (or build the wheel there), put them in ./wheels at the repository root and carry that
+# folder with the run; this script installs them offline (pip --no-index --find-links wheels).
+# Without ./wheels those peers are listed as not importable. Each stage has its own time limit
+# and a failed stage does not stop the others; OUT_DIR/summary.md says what ran, how long it
+# took and how it ended. Logs are merged into one file; nothing is written more than
+# two folders down (summary, log, and each benchmark's JSON and Markdown).
 set -u
 OUT=${1:-${OUT:-gpu_results}}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the script moves to the repository root
@@ -36,14 +44,22 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...
 stage environment 20 bash -c 'nvidia-smi; $0 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"; nvcc --version' "$PY"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-16}
-stage build 150 env SMELT_BUILD_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
+if compgen -G "wheels/*.whl" >/dev/null; then
+  stage wheels 20 "$PY" -m pip install --no-index --find-links wheels --no-deps wheels/*.whl
+else
+  echo "| wheels | 0 | skipped: no ./wheels/*.whl |" >>"$SUMMARY"
+fi
+stage build 120 env SMELT_BUILD_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
 stage extension 20 "$PY" -c "from smelt_kernels import backends; print(backends.report('cuda')); assert backends.extension('_cuda') is not None, backends.extension_error('_cuda')"
 # GPU tests: the kernels on CUDA against the references, capture, and the rest of the suite's
 # CUDA-marked cases (everything else ran on the CPU in CI).
-stage gpu_tests 120 "$PY" -m pytest tests -q -rfE -k "cuda or gpu or capture or triton" -p no:cacheprovider
-stage bench_moe_gemm 50 "$PY" bench/bench_moe_gemm.py --device cuda --dtypes bfloat16 --out "$OUT"
-stage bench_attention 50 "$PY" bench/bench_attention.py --device cuda --out "$OUT"
-stage looped_vs_baseline 60 "$PY" bench/looped_vs_baseline.py --preset 200M-S95 --device cuda \
+stage gpu_tests 90 "$PY" -m pytest tests -q -rfE -k "cuda or gpu or capture or triton" -p no:cacheprovider \
+  --ignore=tests/kernels/test_audit.py  # the static audit needs no GPU: it ran here already
+stage bench_moe_gemm 40 "$PY" bench/bench_moe_gemm.py --device cuda --dtypes bfloat16 --out "$OUT"
+stage bench_attention 40 "$PY" bench/bench_attention.py --device cuda --out "$OUT"
+# the peers a user would pick instead, timed on the same GPU in the same run
+stage bench_peers 80 "$PY" bench/bench_peers.py --out "$OUT"
+stage looped_vs_baseline 40 "$PY" bench/looped_vs_baseline.py --preset 200M-S95 --device cuda \
   --tokens 32768 --quiet --json "$OUT/looped_vs_baseline_cuda.json"
 echo >>"$SUMMARY"
 echo "Full output: log.txt. Tables: *.md; every number: *.json." >>"$SUMMARY"

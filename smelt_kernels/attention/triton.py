@@ -23,10 +23,14 @@ start and the row's LSE: the forward picks that score out of the S tiles it comp
 anyway (only tiles at or below the tile's last segment start can hold one) and writes
 the probability per row; the caller averages it.
 
-Head dims: any multiple of 8 up to 128 runs at D_PAD = the next power of two (>= 16) in
-registers, with masked loads and stores; the caller's tensors are never padded. Gathered
-(query, head) rows carry a multiple-of-8 alignment hint, so the launchers pass strides
-that are multiples of 8 elements (copying otherwise).
+Head dims: any multiple of 8 up to 128. A power of two runs as one block; any other head
+dim as a power-of-two block plus a masked power-of-two tail (:func:`head_dim_split`:
+72 and 80 = 64 + 16, 88 and 96 = 64 + 32), so each QK^T and PV product is two ``tl.dot``
+calls whose widths sum to 80 or 96 columns instead of one padded to 128 (at 88: 9% over the
+useful work instead of 45%). 112 runs at 128 (64 + 64 would do the same work in two
+products). The caller's tensors are never padded. Gathered (query, head) rows carry a
+multiple-of-8 alignment hint, so the launchers pass strides that are multiples of 8
+elements (copying otherwise).
 
 Backward (deterministic, no atomics): ``_bwd_delta`` computes rowsum(dO * O);
 ``_bwd_dkdv`` owns a key tile and loops over every row (all G heads) that can see it,
@@ -46,7 +50,7 @@ import triton.language as tl
 from .. import _alloc
 from ..backends import triton_interpret
 
-__all__ = ["forward", "backward", "head_dim_pad", "block_config"]
+__all__ = ["forward", "backward", "head_dim_split", "head_dim_pad", "block_config", "audit_launches"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -59,7 +63,7 @@ _LN2 = tl.constexpr(LN2)
 @triton.jit
 def _load_tile(ptrs, offs_n, n_max, offs_d, D: tl.constexpr, CHECK_N: tl.constexpr,
                EVEN_D: tl.constexpr):
-    """Load a (rows, D_PAD) tile; rows >= n_max (if CHECK_N) and columns >= D read as 0."""
+    """Load a (rows, width) tile; rows >= n_max (if CHECK_N) and columns >= D read as 0."""
     if CHECK_N:
         if EVEN_D:
             x = tl.load(ptrs, mask=offs_n[:, None] < n_max, other=0.0)
@@ -74,11 +78,44 @@ def _load_tile(ptrs, offs_n, n_max, offs_d, D: tl.constexpr, CHECK_N: tl.constex
 
 
 @triton.jit
-def _store_tile(ptrs, x, offs_n, n_max, offs_d, D: tl.constexpr, EVEN_D: tl.constexpr):
-    if EVEN_D:
-        tl.store(ptrs, x, mask=offs_n[:, None] < n_max)
+def _load_split(rows_ptr, offs_n, n_max, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
+                ROWS: tl.constexpr, CHECK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """The head-dim blocks of ``ROWS`` rows (``rows_ptr`` (ROWS, 1) points at column 0):
+    columns [0, DA) and, when DT > 0, the masked tail [DA, DA + DT). Without a tail the
+    second value is an unused (ROWS, 16) placeholder."""
+    offs_a = tl.arange(0, DA)
+    xa = _load_tile(rows_ptr + offs_a[None, :], offs_n, n_max, offs_a, D, CHECK_N, DA <= D)
+    if DT > 0:
+        offs_t = DA + tl.arange(0, DT)
+        xt = _load_tile(rows_ptr + offs_t[None, :], offs_n, n_max, offs_t, D, CHECK_N, DA + DT == D)
     else:
-        tl.store(ptrs, x, mask=(offs_n[:, None] < n_max) & (offs_d[None, :] < D))
+        xt = tl.zeros([ROWS, 16], dtype=xa.dtype)
+    if UPCAST:
+        xa = xa.to(tl.float32)
+        xt = xt.to(tl.float32)
+    return xa, xt
+
+
+@triton.jit
+def _store_split(rows_ptr, xa, xt, offs_n, n_max, D: tl.constexpr, DA: tl.constexpr,
+                 DT: tl.constexpr):
+    offs_a = tl.arange(0, DA)
+    if DA <= D:
+        tl.store(rows_ptr + offs_a[None, :], xa, mask=offs_n[:, None] < n_max)
+    else:
+        tl.store(rows_ptr + offs_a[None, :], xa, mask=(offs_n[:, None] < n_max) & (offs_a[None, :] < D))
+    if DT > 0:
+        offs_t = DA + tl.arange(0, DT)
+        tl.store(rows_ptr + offs_t[None, :], xt, mask=(offs_n[:, None] < n_max) & (offs_t[None, :] < D))
+
+
+@triton.jit
+def _dot_split(a_a, a_t, b_a, b_t, DT: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ b^T over both head-dim blocks (the tail only when DT > 0)."""
+    s = tl.dot(a_a, tl.trans(b_a), input_precision=PRECISION)
+    if DT > 0:
+        s = tl.dot(a_t, tl.trans(b_t), s, input_precision=PRECISION)
+    return s
 
 
 @triton.jit
@@ -115,19 +152,32 @@ def _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N: tl.constexp
     return lo, mid, diag, pos_last + 1
 
 
+@triton.jit
+def _seg_starts(START, b, Tk, pos, pos_first, pos_last, HAS_SEG: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    if HAS_SEG:
+        seg = START + b * Tk
+        start = tl.load(seg + pos)
+        start_first = tl.load(seg + pos_first)
+        start_last = tl.load(seg + pos_last)
+    else:
+        start = tl.zeros([BLOCK_M], dtype=tl.int32)
+        start_first = pos_first * 0
+        start_last = pos_first * 0
+    return start, start_first, start_last
+
+
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, s0, q, pos, start, start_last, k_base, v_base, skt, svt, lo, hi,
-               Tk, qk_scale, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               EVEN_D: tl.constexpr, WANT_SINK: tl.constexpr, PRECISION: tl.constexpr,
-               UPCAST: tl.constexpr):
+def _fwd_inner(acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base,
+               skt, svt, lo, hi, Tk, qk_scale, D: tl.constexpr, DA: tl.constexpr,
+               DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+               WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base + offs_n[:, None] * skt + offs_d[None, :], offs_n, Tk, offs_d, D,
-                       MASK, EVEN_D)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        k_a, k_t = _load_split(k_base + offs_n[:, None] * skt, offs_n, Tk, D, DA, DT, BLOCK_N,
+                               MASK, UPCAST)
+        s = _dot_split(q_a, q_t, k_a, k_t, DT, PRECISION) * qk_scale
         if MASK:
             vis = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] <= pos[:, None])
             s = tl.where(vis, s, float("-inf"))
@@ -139,21 +189,21 @@ def _fwd_inner(acc, m_i, l_i, s0, q, pos, start, start_last, k_base, v_base, skt
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base + offs_n[:, None] * svt + offs_d[None, :], offs_n, Tk, offs_d, D,
-                       MASK, EVEN_D)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        v_a, v_t = _load_split(v_base + offs_n[:, None] * svt, offs_n, Tk, D, DA, DT, BLOCK_N,
+                               MASK, UPCAST)
+        p = p.to(v_a.dtype)
+        acc_a = tl.dot(p, v_a, acc_a * alpha[:, None], input_precision=PRECISION)
+        if DT > 0:
+            acc_t = tl.dot(p, v_t, acc_t * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    return acc, m_i, l_i, s0
+    return acc_a, acc_t, m_i, l_i, s0
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk"])
 def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
                 Tq, Tk, Hq, qk_scale,
-                G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
                 WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # the longest tiles (last positions) first
@@ -162,46 +212,36 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
     Hkv = Hq // G
     b = (bh // Hkv).to(tl.int64)
     hkv = bh % Hkv
-    EVEN_D: tl.constexpr = D == D_PAD
     rows, row_ok, qi, h, pos, pos_first, pos_last = _row_tile(tile, Tq, Tk, hkv, G, BLOCK_M)
-    if HAS_SEG:
-        seg = START + b * Tk
-        start = tl.load(seg + pos)
-        start_first = tl.load(seg + pos_first)
-        start_last = tl.load(seg + pos_last)
-    else:
-        start = tl.zeros([BLOCK_M], dtype=tl.int32)
-        start_first = pos_first * 0
-        start_last = pos_first * 0
-
-    offs_d = tl.arange(0, D_PAD)
-    q = _load_tile(Q + b * sqb + _rows(qi, h, sqt, sqh) + offs_d[None, :],
-                   rows, 0, offs_d, D, False, EVEN_D)
-    if UPCAST:
-        q = q.to(tl.float32)
+    start, start_first, start_last = _seg_starts(START, b, Tk, pos, pos_first, pos_last, HAS_SEG,
+                                                 BLOCK_M)
+    q_a, q_t = _load_split(Q + b * sqb + _rows(qi, h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
+                           False, UPCAST)
     k_base = K + b * skb + hkv * skh
     v_base = V + b * svb + hkv * svh
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_M, DA], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_M, DT if DT > 0 else 16], dtype=tl.float32)
     lo, mid, diag, hi = _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N)
     s0 = tl.zeros([BLOCK_M], dtype=tl.float32)  # score against the segment's first key
-    acc, m_i, l_i, s0 = _fwd_inner(acc, m_i, l_i, s0, q, pos, start, start_last, k_base, v_base,
-                                   skt, svt, lo, mid, Tk, qk_scale, offs_d, D, BLOCK_N, True,
-                                   EVEN_D, WANT_SINK, PRECISION, UPCAST)
-    acc, m_i, l_i, s0 = _fwd_inner(acc, m_i, l_i, s0, q, pos, start, start_last, k_base, v_base,
-                                   skt, svt, mid, diag, Tk, qk_scale, offs_d, D, BLOCK_N, False,
-                                   EVEN_D, WANT_SINK, PRECISION, UPCAST)
-    acc, m_i, l_i, s0 = _fwd_inner(acc, m_i, l_i, s0, q, pos, start, start_last, k_base, v_base,
-                                   skt, svt, diag, hi, Tk, qk_scale, offs_d, D, BLOCK_N, True,
-                                   EVEN_D, WANT_SINK, PRECISION, UPCAST)
+    acc_a, acc_t, m_i, l_i, s0 = _fwd_inner(
+        acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base, skt, svt,
+        lo, mid, Tk, qk_scale, D, DA, DT, BLOCK_N, True, WANT_SINK, PRECISION, UPCAST)
+    acc_a, acc_t, m_i, l_i, s0 = _fwd_inner(
+        acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base, skt, svt,
+        mid, diag, Tk, qk_scale, D, DA, DT, BLOCK_N, False, WANT_SINK, PRECISION, UPCAST)
+    acc_a, acc_t, m_i, l_i, s0 = _fwd_inner(
+        acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base, skt, svt,
+        diag, hi, Tk, qk_scale, D, DA, DT, BLOCK_N, True, WANT_SINK, PRECISION, UPCAST)
 
     # an empty interval (invalid segment ids) gives NaN, never a plausible number
     lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("nan"))
-    o = acc / l_i[:, None]
-    _store_tile(O + b * sob + _rows(qi, h, sot, soh) + offs_d[None, :],
-                o.to(O.dtype.element_ty), rows, Tq * G, offs_d, D, EVEN_D)
+    inv_l = 1.0 / l_i
+    _store_split(O + b * sob + _rows(qi, h, sot, soh),
+                 (acc_a * inv_l[:, None]).to(O.dtype.element_ty),
+                 (acc_t * inv_l[:, None]).to(O.dtype.element_ty), rows, Tq * G, D, DA, DT)
     stat = (b * Hq + h) * Tq + qi
     tl.store(LSE + stat, lse2 * _LN2, mask=row_ok)
     if WANT_SINK:
@@ -227,34 +267,34 @@ def _bwd_delta(O, DO, DELTA, n_rows, Tq, Hq, D: tl.constexpr, D_PAD: tl.constexp
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, pos, start, k_base, v_base, skt, svt, lo, hi, Tk,
-                  qk_scale, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                  EVEN_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_base, v_base,
+                  skt, svt, lo, hi, Tk, qk_scale, D: tl.constexpr, DA: tl.constexpr,
+                  DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base + offs_n[:, None] * skt + offs_d[None, :], offs_n, Tk, offs_d, D,
-                       MASK, EVEN_D)
-        v = _load_tile(v_base + offs_n[:, None] * svt + offs_d[None, :], offs_n, Tk, offs_d, D,
-                       MASK, EVEN_D)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        k_a, k_t = _load_split(k_base + offs_n[:, None] * skt, offs_n, Tk, D, DA, DT, BLOCK_N,
+                               MASK, UPCAST)
+        v_a, v_t = _load_split(v_base + offs_n[:, None] * svt, offs_n, Tk, D, DA, DT, BLOCK_N,
+                               MASK, UPCAST)
+        s = _dot_split(q_a, q_t, k_a, k_t, DT, PRECISION) * qk_scale
         if MASK:
             vis = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] <= pos[:, None])
             s = tl.where(vis, s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-    return dq
+        dp = _dot_split(do_a, do_t, v_a, v_t, DT, PRECISION)
+        ds = (p * (dp - delta[:, None])).to(k_a.dtype)
+        dq_a = tl.dot(ds, k_a, dq_a, input_precision=PRECISION)
+        if DT > 0:
+            dq_t = tl.dot(ds, k_t, dq_t, input_precision=PRECISION)
+    return dq_a, dq_t
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk"])
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
                    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh,
                    Tq, Tk, Hq, sm_scale, qk_scale,
-                   G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                   G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """dQ for a row tile; DQ has dO's strides (sd*)."""
@@ -263,48 +303,39 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
     Hkv = Hq // G
     b = (bh // Hkv).to(tl.int64)
     hkv = bh % Hkv
-    EVEN_D: tl.constexpr = D == D_PAD
     rows, row_ok, qi, h, pos, pos_first, pos_last = _row_tile(tile, Tq, Tk, hkv, G, BLOCK_M)
-    if HAS_SEG:
-        seg = START + b * Tk
-        start = tl.load(seg + pos)
-        start_first = tl.load(seg + pos_first)
-        start_last = tl.load(seg + pos_last)
-    else:
-        start = tl.zeros([BLOCK_M], dtype=tl.int32)
-        start_first = pos_first * 0
-        start_last = pos_first * 0
-    offs_d = tl.arange(0, D_PAD)
-    q = _load_tile(Q + b * sqb + _rows(qi, h, sqt, sqh) + offs_d[None, :],
-                   rows, 0, offs_d, D, False, EVEN_D)
-    do = _load_tile(DO + b * sdb + _rows(qi, h, sdt, sdh) + offs_d[None, :],
-                    rows, 0, offs_d, D, False, EVEN_D)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    start, start_first, start_last = _seg_starts(START, b, Tk, pos, pos_first, pos_last, HAS_SEG,
+                                                 BLOCK_M)
+    q_a, q_t = _load_split(Q + b * sqb + _rows(qi, h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
+                           False, UPCAST)
+    do_a, do_t = _load_split(DO + b * sdb + _rows(qi, h, sdt, sdh), rows, 0, D, DA, DT, BLOCK_M,
+                             False, UPCAST)
     stat = (b * Hq + h) * Tq + qi
     lse2 = tl.load(LSE + stat) * _LOG2E
     delta = tl.load(DELTA + stat)
     k_base = K + b * skb + hkv * skh
     v_base = V + b * svb + hkv * svh
-    dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    dq_a = tl.zeros([BLOCK_M, DA], dtype=tl.float32)
+    dq_t = tl.zeros([BLOCK_M, DT if DT > 0 else 16], dtype=tl.float32)
     lo, mid, diag, hi = _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, pos, start, k_base, v_base, skt, svt, lo, mid, Tk,
-                       qk_scale, offs_d, D, BLOCK_N, True, EVEN_D, PRECISION, UPCAST)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, pos, start, k_base, v_base, skt, svt, mid, diag, Tk,
-                       qk_scale, offs_d, D, BLOCK_N, False, EVEN_D, PRECISION, UPCAST)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, pos, start, k_base, v_base, skt, svt, diag, hi, Tk,
-                       qk_scale, offs_d, D, BLOCK_N, True, EVEN_D, PRECISION, UPCAST)
-    dq = dq * sm_scale
-    _store_tile(DQ + b * sdb + _rows(qi, h, sdt, sdh) + offs_d[None, :],
-                dq.to(DQ.dtype.element_ty), rows, Tq * G, offs_d, D, EVEN_D)
+    dq_a, dq_t = _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_base,
+                               v_base, skt, svt, lo, mid, Tk, qk_scale, D, DA, DT, BLOCK_N, True,
+                               PRECISION, UPCAST)
+    dq_a, dq_t = _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_base,
+                               v_base, skt, svt, mid, diag, Tk, qk_scale, D, DA, DT, BLOCK_N, False,
+                               PRECISION, UPCAST)
+    dq_a, dq_t = _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_base,
+                               v_base, skt, svt, diag, hi, Tk, qk_scale, D, DA, DT, BLOCK_N, True,
+                               PRECISION, UPCAST)
+    _store_split(DQ + b * sdb + _rows(qi, h, sdt, sdh), (dq_a * sm_scale).to(DQ.dtype.element_ty),
+                 (dq_t * sm_scale).to(DQ.dtype.element_ty), rows, Tq * G, D, DA, DT)
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, stat_base, LSE, DELTA, seg,
-                    sqt, sqh, sdt, sdh, lo, hi, Tq, Tk, hkv, qk_scale, offs_d,
-                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    MASK: tl.constexpr, HAS_SEG: tl.constexpr, EVEN_D: tl.constexpr,
+def _bwd_dkdv_inner(dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, do_base,
+                    stat_base, LSE, DELTA, seg, sqt, sqh, sdt, sdh, lo, hi, Tq, Tk, hkv, qk_scale,
+                    G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_SEG: tl.constexpr,
                     PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     n_rows = Tq * G
     off = Tk - Tq
@@ -315,17 +346,14 @@ def _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, stat_base, LSE, DELTA
         qi = rows_c // G
         h = hkv * G + rows_c % G
         pos = qi + off
-        q = _load_tile(q_base + _rows(qi, h, sqt, sqh) + offs_d[None, :],
-                       rows, 0, offs_d, D, False, EVEN_D)
-        do = _load_tile(do_base + _rows(qi, h, sdt, sdh) + offs_d[None, :],
-                        rows, 0, offs_d, D, False, EVEN_D)
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
+        q_a, q_t = _load_split(q_base + _rows(qi, h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
+                               False, UPCAST)
+        do_a, do_t = _load_split(do_base + _rows(qi, h, sdt, sdh), rows, 0, D, DA, DT, BLOCK_M,
+                                 False, UPCAST)
         stat = stat_base + h * Tq + qi
         lse2 = tl.load(LSE + stat) * _LOG2E
         delta = tl.load(DELTA + stat)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (keys, rows)
+        s_t = _dot_split(k_a, k_t, q_a, q_t, DT, PRECISION) * qk_scale  # (keys, rows)
         if MASK:
             if HAS_SEG:
                 start = tl.load(seg + pos)
@@ -335,18 +363,23 @@ def _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, stat_base, LSE, DELTA
                 & row_ok[None, :]
             s_t = tl.where(vis, s_t, float("-inf"))
         p_t = tl.math.exp2(s_t - lse2[None, :])
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
-    return dk, dv
+        p_lo = p_t.to(do_a.dtype)
+        dv_a = tl.dot(p_lo, do_a, dv_a, input_precision=PRECISION)
+        if DT > 0:
+            dv_t = tl.dot(p_lo, do_t, dv_t, input_precision=PRECISION)
+        dp_t = _dot_split(v_a, v_t, do_a, do_t, DT, PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q_a.dtype)
+        dk_a = tl.dot(ds_t, q_a, dk_a, input_precision=PRECISION)
+        if DT > 0:
+            dk_t = tl.dot(ds_t, q_t, dk_t, input_precision=PRECISION)
+    return dk_a, dk_t, dv_a, dv_t
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk"])
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh,
                      Tq, Tk, Hq, sm_scale, qk_scale,
-                     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                     G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """dK, dV for a key tile of one KV head, summed over every row (all G heads) that sees
@@ -356,16 +389,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
     Hkv = Hq // G
     b = (bh // Hkv).to(tl.int64)
     hkv = bh % Hkv
-    EVEN_D: tl.constexpr = D == D_PAD
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    k = _load_tile(K + b * skb + hkv * skh + offs_n[:, None] * skt + offs_d[None, :], offs_n, Tk,
-                   offs_d, D, True, EVEN_D)
-    v = _load_tile(V + b * svb + hkv * svh + offs_n[:, None] * svt + offs_d[None, :], offs_n, Tk,
-                   offs_d, D, True, EVEN_D)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k_a, k_t = _load_split(K + b * skb + hkv * skh + offs_n[:, None] * skt, offs_n, Tk, D, DA, DT,
+                           BLOCK_N, True, UPCAST)
+    v_a, v_t = _load_split(V + b * svb + hkv * svh + offs_n[:, None] * svt, offs_n, Tk, D, DA, DT,
+                           BLOCK_N, True, UPCAST)
     n_last = tl.minimum(n0 + BLOCK_N, Tk) - 1
     seg = START + b * Tk
     if HAS_SEG:
@@ -385,44 +413,67 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
     q_base = Q + b * sqb
     do_base = DO + b * sdb
     stat_base = b * Hq * Tq
-    dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, stat_base, LSE, DELTA, seg,
-                             sqt, sqh, sdt, sdh, row_lo, mid, Tq, Tk, hkv, qk_scale, offs_d,
-                             G, D, BLOCK_M, True, HAS_SEG, EVEN_D, PRECISION, UPCAST)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, stat_base, LSE, DELTA, seg,
-                             sqt, sqh, sdt, sdh, mid, tail, Tq, Tk, hkv, qk_scale, offs_d,
-                             G, D, BLOCK_M, False, HAS_SEG, EVEN_D, PRECISION, UPCAST)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, stat_base, LSE, DELTA, seg,
-                             sqt, sqh, sdt, sdh, tail, row_hi, Tq, Tk, hkv, qk_scale, offs_d,
-                             G, D, BLOCK_M, True, HAS_SEG, EVEN_D, PRECISION, UPCAST)
-    dk = dk * sm_scale
-    out = b * Tk * Hkv * D + offs_n[:, None] * (Hkv * D) + hkv * D + offs_d[None, :]
-    _store_tile(DK + out, dk.to(DK.dtype.element_ty), offs_n, Tk, offs_d, D, EVEN_D)
-    _store_tile(DV + out, dv.to(DV.dtype.element_ty), offs_n, Tk, offs_d, D, EVEN_D)
+    dk_a = tl.zeros([BLOCK_N, DA], dtype=tl.float32)
+    dv_a = tl.zeros([BLOCK_N, DA], dtype=tl.float32)
+    dk_t = tl.zeros([BLOCK_N, DT if DT > 0 else 16], dtype=tl.float32)
+    dv_t = tl.zeros([BLOCK_N, DT if DT > 0 else 16], dtype=tl.float32)
+    dk_a, dk_t, dv_a, dv_t = _bwd_dkdv_inner(
+        dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, do_base, stat_base, LSE, DELTA,
+        seg, sqt, sqh, sdt, sdh, row_lo, mid, Tq, Tk, hkv, qk_scale, G, D, DA, DT, BLOCK_M, True,
+        HAS_SEG, PRECISION, UPCAST)
+    dk_a, dk_t, dv_a, dv_t = _bwd_dkdv_inner(
+        dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, do_base, stat_base, LSE, DELTA,
+        seg, sqt, sqh, sdt, sdh, mid, tail, Tq, Tk, hkv, qk_scale, G, D, DA, DT, BLOCK_M, False,
+        HAS_SEG, PRECISION, UPCAST)
+    dk_a, dk_t, dv_a, dv_t = _bwd_dkdv_inner(
+        dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, do_base, stat_base, LSE, DELTA,
+        seg, sqt, sqh, sdt, sdh, tail, row_hi, Tq, Tk, hkv, qk_scale, G, D, DA, DT, BLOCK_M, True,
+        HAS_SEG, PRECISION, UPCAST)
+    out = DK.dtype.element_ty
+    rows_ptr = (b * Tk * Hkv * D + offs_n * (Hkv * D) + hkv * D)[:, None]
+    _store_split(DK + rows_ptr, (dk_a * sm_scale).to(out), (dk_t * sm_scale).to(out), offs_n, Tk,
+                 D, DA, DT)
+    _store_split(DV + rows_ptr, dv_a.to(out), dv_t.to(out), offs_n, Tk, D, DA, DT)
 
 
 # ----------------------------------------------------------------------------- launchers
+def head_dim_split(d: int) -> tuple[int, int]:
+    """(DA, DT): the head dim runs as a power-of-two block of DA columns plus, when DT > 0, a
+    masked power-of-two tail of DT columns (88 = 64 + 32 with 24 used; 72 = 64 + 16). Without
+    a tail DA is the next power of two (>= 16, what ``tl.dot`` needs), masked when above d."""
+    full = max(16, triton.next_power_of_2(d))
+    if d == full or d < 16:
+        return full, 0
+    da = full // 2
+    dt = max(16, triton.next_power_of_2(d - da))
+    return (full, 0) if da + dt >= full else (da, dt)
+
+
 def head_dim_pad(d: int) -> int:
-    """The power-of-two register width a head dim runs at (>= 16 for ``tl.dot``)."""
-    return max(16, triton.next_power_of_2(d))
+    """The register width a head dim runs at: the two blocks of :func:`head_dim_split`."""
+    da, dt = head_dim_split(d)
+    return da + dt
 
 
-def block_config(kind: str, d_pad: int, device: torch.device,
+def block_config(kind: str, d: int, device: torch.device,
                  dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Tile sizes per kernel. The interpreter gets small tiles (so small tests cross many
-    tile edges). The GPU values are FlashAttention-2-style choices for Hopper, checked to
-    compile for sm_90a without register spills (16-bit inputs) but not timed on the device;
-    fp32 inputs (exact "ieee" products, no tensor-core tiles) get small tiles."""
+    """Tile sizes per kernel (``kind`` 'fwd', 'dq' or 'dkdv') at head dim ``d``. The
+    interpreter gets small tiles (so small tests cross many tile edges). The GPU values are
+    FlashAttention-2-style choices for Hopper, each compiled by ``python -m
+    smelt_kernels.audit`` for sm_90a without register spills and with shared memory under the
+    limit, but not timed on the device; fp32 inputs (exact "ieee" products) get small tiles."""
     if device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
-    if dtype == torch.float32:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    width = head_dim_pad(d)
+    if dtype == torch.float32:  # 32-row backward tiles spilled (dK/dV 200 bytes, dQ 16)
+        return dict(BLOCK_M=32 if kind == "fwd" else 16, BLOCK_N=32, num_warps=4, num_stages=2)
     if kind == "fwd":
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     # dq (rows streamed over key tiles) and dkdv (keys streamed over row tiles): 64 x 64
-    # keeps two fp32 accumulators plus the streamed tiles in registers at D_PAD = 128
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8 if d_pad > 64 else 4, num_stages=2)
+    # keeps two fp32 accumulators plus the streamed tiles in registers up to 96 columns; at
+    # 128 dK/dV streams 32 rows at a time (64 spilled 120 bytes at head dim 112)
+    bm = 32 if kind == "dkdv" and width > 96 else 64
+    return dict(BLOCK_M=bm, BLOCK_N=64, num_warps=8 if width > 64 else 4, num_stages=2)
 
 
 def _precision(dtype: torch.dtype):
@@ -443,28 +494,57 @@ def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
     return x if ok else x.contiguous()
 
 
+def _meta(q, has_seg: bool) -> dict:
+    B, Tq, Hq, D = q.shape
+    da, dt = head_dim_split(D)
+    return dict(D=D, DA=da, DT=dt, HAS_SEG=has_seg, PRECISION=_precision(q.dtype),
+                UPCAST=_upcast(q.dtype))
+
+
+def _fwd_launch(q, k, v, o, lse, psink, start, scale, want_sink, cfg):
+    """(grid, args, kwargs) of the forward kernel; also what the audit compiles."""
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    grid = (triton.cdiv(Tq * G, cfg["BLOCK_M"]), B * Hkv)
+    args = (q, k, v, o, lse, psink, start if start is not None else lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            Tq, Tk, Hq, scale * LOG2E)
+    return grid, args, dict(G=G, WANT_SINK=want_sink, **_meta(q, start is not None), **cfg)
+
+
+def _bwd_launches(do, q, k, v, lse, delta, dq, dk, dv, start, end, scale, cfg_dkdv, cfg_dq):
+    """[(kernel, grid, args, kwargs)] of the dK/dV and dQ kernels."""
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    seg = start if start is not None else delta
+    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+              v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+              Tq, Tk, Hq, scale, scale * LOG2E)
+    meta = dict(G=G, **_meta(q, start is not None))
+    return [
+        (_bwd_dkdv_kernel, (triton.cdiv(Tk, cfg_dkdv["BLOCK_N"]), B * Hkv),
+         (q, k, v, do, lse, delta, dk, dv, seg, end if start is not None else seg, *common),
+         dict(meta, **cfg_dkdv)),
+        (_bwd_dq_kernel, (triton.cdiv(Tq * G, cfg_dq["BLOCK_M"]), B * Hkv),
+         (q, k, v, do, lse, delta, dq, seg, *common), dict(meta, **cfg_dq)),
+    ]
+
+
 def forward(q, k, v, start, scale: float, want_sink: bool):
     """o (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 and, with ``want_sink``, the per-row
     probability on the segment's first key (B, Hq, Tq) fp32 (0 for segment starts).
     ``start``: int32 (B, Tk) segment start of every position, or None (one segment)."""
     q, k, v = (_rows_aligned(x) for x in (q, k, v))
     B, Tq, Hq, D = q.shape
-    Tk, Hkv = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    d_pad = head_dim_pad(D)
     o = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
     psink = _alloc.empty((B, Hq, Tq), torch.float32, q.device) if want_sink else lse
-    cfg = block_config("fwd", d_pad, q.device, q.dtype)
-    grid = (triton.cdiv(Tq * G, cfg["BLOCK_M"]), B * Hkv)
-    _fwd_kernel[grid](
-        q, k, v, o, lse, psink, start if start is not None else lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        Tq, Tk, Hq, scale * LOG2E,
-        G=G, D=D, D_PAD=d_pad, HAS_SEG=start is not None, WANT_SINK=want_sink,
-        PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), **cfg,
-    )
+    cfg = block_config("fwd", D, q.device, q.dtype)
+    grid, args, kwargs = _fwd_launch(q, k, v, o, lse, psink, start, scale, want_sink, cfg)
+    _fwd_kernel[grid](*args, **kwargs)
     return o, lse, (psink if want_sink else None)
 
 
@@ -476,27 +556,51 @@ def backward(do, q, k, v, o, lse, start, end, scale: float):
     o = o.contiguous()  # _bwd_delta reads both as contiguous rows
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    d_pad = head_dim_pad(D)
-    has_seg = start is not None
     delta = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
     n = B * Tq * Hq
     blk = 16 if q.device.type != "cuda" else 64
-    _bwd_delta[(triton.cdiv(n, blk),)](o, do, delta, n, Tq, Hq, D=D, D_PAD=d_pad, BLOCK=blk)
-
+    _bwd_delta[(triton.cdiv(n, blk),)](o, do, delta, n, Tq, Hq, D=D, D_PAD=triton.next_power_of_2(D),
+                                       BLOCK=blk)
     dq = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
     dk = _alloc.empty((B, Tk, Hkv, D), k.dtype, k.device)
     dv = _alloc.empty((B, Tk, Hkv, D), v.dtype, v.device)
-    seg = start if has_seg else delta
-    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-              v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-              Tq, Tk, Hq, scale, scale * LOG2E)
-    meta = dict(G=G, D=D, D_PAD=d_pad, HAS_SEG=has_seg, PRECISION=_precision(q.dtype),
-                UPCAST=_upcast(q.dtype))
-    cfg = block_config("dkdv", d_pad, q.device, q.dtype)
-    _bwd_dkdv_kernel[(triton.cdiv(Tk, cfg["BLOCK_N"]), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, seg, end if has_seg else seg, *common, **meta, **cfg)
-    cfg = block_config("dq", d_pad, q.device, q.dtype)
-    _bwd_dq_kernel[(triton.cdiv(Tq * G, cfg["BLOCK_M"]), B * Hkv)](
-        q, k, v, do, lse, delta, dq, seg, *common, **meta, **cfg)
+    launches = _bwd_launches(do, q, k, v, lse, delta, dq, dk, dv, start, end, scale,
+                             block_config("dkdv", D, q.device, q.dtype),
+                             block_config("dq", D, q.device, q.dtype))
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
     return dq, dk, dv
+
+
+def audit_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
+    """The GPU launches the static audit compiles: forward, dK/dV and dQ in bf16 at every head
+    dim (segments, sink) and in fp32 at the first split one, from meta tensors shaped like one
+    ``tokens``-long sequence (nothing is allocated)."""
+    meta, cuda = torch.device("meta"), torch.device("cuda")
+    hq, hkv = heads
+    jobs = []
+    f32_dim = next((d for d in head_dims if head_dim_split(d)[1]), head_dims[0])
+    for dtype, D in [(torch.bfloat16, d) for d in head_dims] + [(torch.float32, f32_dim)]:
+        da, dt = head_dim_split(D)
+        label = f"{'bf16' if dtype == torch.bfloat16 else 'float32'} D{D} (blocks {da}{f'+{dt}' if dt else ''})"
+        q = torch.empty((1, tokens, hq, D), dtype=dtype, device=meta)
+        k = torch.empty((1, tokens, hkv, D), dtype=dtype, device=meta)
+        stat = torch.empty((1, hq, tokens), dtype=torch.float32, device=meta)
+        seg = torch.empty((1, tokens), dtype=torch.int32, device=meta)
+        cfgs = {kind: block_config(kind, D, cuda, dtype) for kind in ("fwd", "dkdv", "dq")}
+        launches = [(_fwd_kernel, None) + _fwd_launch(q, k, k, q, stat, stat, seg, 0.1, True, cfgs["fwd"])[1:]]
+        launches += _bwd_launches(q, q, k, k, stat, stat, q, k, k, seg, seg, 0.1, cfgs["dkdv"], cfgs["dq"])
+        for kernel, _, args, kw in launches:
+            if dtype == torch.float32:
+                kw = dict(kw, PRECISION="ieee")
+            name = {_fwd_kernel: "forward", _bwd_dkdv_kernel: "backward_dkdv"}.get(kernel, "backward_dq")
+            jobs.append(dict(kernel=f"attention.{name}", fn=kernel, args=args, kwargs=kw,
+                             hot=name == "forward" and dtype == torch.bfloat16,
+                             config=f"{label} BM{kw['BLOCK_M']} BN{kw['BLOCK_N']} heads {hq}/{hkv}"))
+    bf16 = torch.bfloat16
+    jobs.append(dict(kernel="attention.backward_delta", fn=_bwd_delta, hot=False,
+                     config="bf16 D88 BLOCK64",
+                     args=(torch.empty(8, dtype=bf16, device=meta),) * 2
+                     + (torch.empty(8, dtype=torch.float32, device=meta), tokens * hq, tokens, hq),
+                     kwargs=dict(D=88, D_PAD=128, BLOCK=64)))
+    return jobs

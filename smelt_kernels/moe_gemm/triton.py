@@ -30,6 +30,8 @@ dot is wrong); fp32 operands use IEEE products unless TF32 is enabled in torch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +40,7 @@ from .. import _alloc
 from . import routing as moe_routing
 from ..backends import triton_interpret
 
-__all__ = ["forward", "backward", "grouped_mm", "grouped_wgrad", "config"]
+__all__ = ["forward", "backward", "grouped_mm", "grouped_wgrad", "config", "tile_key", "audit_launches"]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -239,20 +241,67 @@ def _wgrad_kernel(L, R, OUT, IDX_L, IDX_R, OFF, NI, NC, s_l, s_r, s_oe, s_oi,
 
 
 # ----------------------------------------------------------------------------- launchers
-def config(device: torch.device, rows_per_group: float = 0.0) -> dict:
-    """Tile sizes. The interpreter gets small tiles (so small tests cross many tile
-    edges); the GPU values follow common grouped-GEMM choices for Hopper (BM 64 or 128 by
-    mean rows per expert) and have not been tuned on the device."""
+def _fit(n: int, choices, slack: float) -> int:
+    """The largest block in ``choices`` whose masked tail leaves at most ``slack`` of the
+    blocks' columns unused; else the block that wastes least."""
+    def waste(b):
+        return (triton.cdiv(n, b) * b - n) / (triton.cdiv(n, b) * b)
+    ok = [b for b in choices if waste(b) <= slack]
+    return max(ok) if ok else min(choices, key=waste)
+
+
+def tile_key(rows_per_group: float, n: int | None = None, k: int | None = None) -> tuple:
+    """The key tile choices are made on: the tokens-per-expert bucket, the output width and
+    the reduction depth. Buckets: fewer than 64 rows per expert (decode, small batches),
+    64-255 (a few thousand tokens over hundreds of experts: SMELT's 200M cell has ~114 at
+    4k tokens), 256 and more (~900 at 32k tokens)."""
+    bucket = 0 if rows_per_group < 64 else 1 if rows_per_group < 256 else 2
+    return bucket, n, k
+
+
+def config(device: torch.device, rows_per_group: float = 0.0, n: int | None = None,
+           k: int | None = None, kind: str = "gemm", dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tile sizes for a grouped GEMM with ``rows_per_group`` mean rows per expert, output
+    width ``n`` and reduction depth ``k``; ``kind`` is "gemm", "up" (two accumulators: the
+    SwiGLU up-projection) or "dgrad" (the dSwiGLU epilogue's register load). The interpreter gets small tiles (so small tests cross many
+    tile edges). On the GPU: BM 64 (one warpgroup's wgmma height) below 256 rows per expert,
+    128 above; BN (128 or 64; 64 with two accumulators) and BK (64 or 32) fitted to n and k
+    with masked tails: the largest block whose tail wastes at most 1/8 (BN) or 1/16 (BK) of
+    the padded work (at d_e 352: BN 64, 9% unused in the last column block; K 352: BK 32,
+    which divides it; K 1056: BK 64, 3%), rather than a fixed 128. Every configuration is compiled by ``python -m smelt_kernels.audit`` without spills;
+    none is timed on a device yet."""
     if device.type != "cuda":
         return dict(BM=16, BN=16, BK=16, GROUP=4, num_warps=1, num_stages=1)
-    bm = 128 if rows_per_group >= 128 else 64
-    return dict(BM=bm, BN=64, BK=64, GROUP=8, num_warps=4 if bm == 64 else 8, num_stages=3)
+    if kind not in ("gemm", "up", "dgrad"):
+        raise ValueError(f"kind must be 'gemm', 'up' or 'dgrad', got {kind!r}")
+    cfg = dict(_gpu_config(tile_key(rows_per_group, n, k), kind))
+    if dtype == torch.float32:  # fp32 operands: BN 128 spilled (the down projection, 32 bytes)
+        cfg["BN"] = min(cfg["BN"], 64)
+    return cfg
 
 
-def _wgrad_config(device: torch.device) -> dict:
+@functools.lru_cache(maxsize=None)
+def _gpu_config(key: tuple, kind: str) -> tuple:
+    bucket, n, k = key
+    bm = 128 if bucket == 2 else 64
+    bn = _fit(n, (64,) if kind != "gemm" else (128, 64), 1 / 8) if n else 64
+    bk = _fit(k, (64, 32), 1 / 16) if k else 64
+    warps = 8 if bm == 128 else 4
+    if kind == "dgrad":
+        # the dSwiGLU epilogue holds ~8 (BM, BN) fp32 tiles: at 4 warps x 64 x 64 or
+        # 8 warps x 128 x 64 it spills (255 registers), at 8 x 64 x 64 or 8 x 128 x 32 not
+        warps, bn = 8, (bn if bm == 64 else 32)
+    return tuple(dict(BM=bm, BN=bn, BK=bk, GROUP=8, num_warps=warps, num_stages=3).items())
+
+
+def _wgrad_config(device: torch.device, ni: int | None = None, nc: int | None = None) -> dict:
     if device.type != "cuda":
         return dict(BI=16, BC=16, BK=16, num_warps=1, num_stages=1)
-    return dict(BI=64, BC=64, BK=64, num_warps=4, num_stages=3)
+    bi = _fit(ni, (128, 64), 1 / 8) if ni else 64
+    bc = _fit(nc, (128, 64), 1 / 8) if nc else 64
+    if bi * bc > 128 * 64:
+        bc = 64
+    return dict(BI=bi, BC=bc, BK=64, num_warps=8 if bi * bc >= 128 * 64 else 4, num_stages=3)
 
 
 def _precision(dtype: torch.dtype):
@@ -290,7 +339,7 @@ def _combine(src, rev, tw, T, k, out_dtype):
 
 
 def _wgrad(L, R, out, idx_l, idx_r, offsets, NI, NC, s_oe, s_oi):
-    cfg = _wgrad_config(L.device)
+    cfg = _wgrad_config(L.device, NI, NC)
     E = offsets.numel() - 1
     grid = (E, triton.cdiv(NI, cfg["BI"]) * triton.cdiv(NC, cfg["BC"]))
     dummy = offsets
@@ -313,8 +362,9 @@ def forward(x, w1, w2, topk_weights, topk_ids, plan=None):
     de, k = two_de // 2, topk_ids.shape[1]
     TK = T * k
     plan = plan or make_plan(topk_ids, E, x.device)
-    cfg = config(x.device, TK / E)
+    cfg = config(x.device, TK / E, de, H, kind="up")
     cfg["BM"] = plan.block_m
+    cfg_down = dict(config(x.device, TK / E, H, de, dtype=x.dtype), BM=plan.block_m)
     n_tiles = plan.tile_e.numel()
     pre = _alloc.empty((TK, 2 * de), x.dtype, x.device)
     hid = _alloc.empty((TK, de), x.dtype, x.device)
@@ -323,7 +373,7 @@ def forward(x, w1, w2, topk_weights, topk_ids, plan=None):
                      n_tiles, H, de, x.stride(0), w1.stride(0), w1.stride(1), **cfg, **_meta(x.dtype))
     out = _alloc.empty((TK, H), x.dtype, x.device)
     # O = h @ W2[e]^T: B[e][k][n] = w2[e][n][k]
-    _rows(hid, w2, out, None, plan, H, de, w2.stride(0), w2.stride(2), w2.stride(1), cfg)
+    _rows(hid, w2, out, None, plan, H, de, w2.stride(0), w2.stride(2), w2.stride(1), cfg_down)
     y = _combine(out, plan.rev, topk_weights, T, k, x.dtype)
     return y, pre, plan.order, plan.rev, plan.offsets
 
@@ -335,7 +385,7 @@ def backward(dy, x, w1, w2, topk_weights, pre, order, rev, offsets):
     de = two_de // 2
     TK = order.numel()
     k = TK // max(T, 1)
-    cfg = config(x.device, TK / E)
+    cfg = config(x.device, TK / E, de, H, kind="dgrad")
     te, t0, t1 = moe_routing.tile_table(offsets, TK, cfg["BM"])
     tok = (order // k).to(torch.int32)
     plan = moe_routing.Plan(order, rev, offsets, tok, te, t0, t1, cfg["BM"])
@@ -351,7 +401,8 @@ def backward(dy, x, w1, w2, topk_weights, pre, order, rev, offsets):
     dtw = torch.where(valid, dtw_sorted[rev.clamp_min(0).long()], torch.zeros_like(dtw_sorted[:1]))
     dxs = _alloc.empty((TK, H), x.dtype, x.device)
     # dXs = dP @ W1[e]: B[e][k][n] = w1[e][k][n]
-    _rows(dp, w1, dxs, None, plan, H, 2 * de, w1.stride(0), w1.stride(1), w1.stride(2), cfg)
+    _rows(dp, w1, dxs, None, plan, H, 2 * de, w1.stride(0), w1.stride(1), w1.stride(2),
+          config(x.device, TK / E, H, 2 * de, dtype=x.dtype))
     dx = _combine(dxs, rev, None, T, k, x.dtype)
     dw1 = _alloc.empty(w1.shape, w1.dtype, w1.device)
     _wgrad(dp, x, dw1, None, tok, offsets, 2 * de, H, dw1.stride(0), dw1.stride(1))
@@ -367,7 +418,7 @@ def grouped_mm(a, b, offsets, gather, trans_b: bool):
     N = b.shape[1] if trans_b else b.shape[2]
     K = a.shape[1]
     E = b.shape[0]
-    cfg = config(a.device, M / max(E, 1))
+    cfg = config(a.device, M / max(E, 1), N, K, dtype=a.dtype)
     te, t0, t1 = moe_routing.tile_table(offsets, M, cfg["BM"], extra_group=True)
     plan = moe_routing.Plan(None, None, offsets, None, te, t0, t1, cfg["BM"])
     c = _alloc.empty((M, N), a.dtype, a.device)
@@ -383,3 +434,84 @@ def grouped_wgrad(dc, a, offsets, gather):
     db = _alloc.empty((E, N, K), a.dtype, a.device)
     _wgrad(dc, a, db, None, gather, offsets, N, K, db.stride(0), db.stride(1))
     return db
+
+
+def audit_launches(shapes: dict, tokens, top_k: int) -> list[dict]:
+    """The GPU launches the static audit compiles: every kernel of forward, backward and
+    the grouped GEMM, bf16, at each shape ({name: dict(H, de, E)}) and token count, with
+    the arguments the launchers above pass (meta tensors: nothing is allocated)."""
+    meta, cuda, bf16, i32, f32 = torch.device("meta"), torch.device("cuda"), torch.bfloat16, torch.int32, torch.float32
+
+    def t(*shape, dtype=bf16):
+        return torch.empty(shape, dtype=dtype, device=meta)
+
+    jobs, ms = [], dict(PREC=None, UPCAST=False)
+
+    def job(kernel, fn, args, kwargs, label, hot=False):
+        cfg = " ".join(f"{k}{v}" for k, v in kwargs.items() if k[:2] in ("BM", "BN", "BK", "BI", "BC"))
+        jobs.append(dict(kernel=f"moe.{kernel}", fn=fn, args=args, kwargs=kwargs, hot=hot,
+                         config=f"bf16 {label} {cfg}"))
+
+    for name, sh in shapes.items():
+        H, de, E = sh["H"], sh["de"], sh["E"]
+        for T in tokens:
+            TK = T * top_k
+            m = TK / E
+            label = f"{name} H{H} d_e{de} E{E} T{T} ({m:.0f} rows/expert)"
+            x, w1, w2, dy = t(T, H), t(E, 2 * de, H), t(E, H, de), t(T, H)
+            pre, hid, out, idx, tiles = t(TK, 2 * de), t(TK, de), t(TK, H), t(TK, dtype=i32), t(64, dtype=i32)
+            up = config(cuda, m, de, H, kind="up")
+            job("up_proj", _up_kernel, (x, w1, idx, tiles, tiles, tiles, pre, hid, 64, H, de, x.stride(0),
+                                        w1.stride(0), w1.stride(1)), dict(up, **ms), label, hot=True)
+            down = dict(config(cuda, m, H, de), BM=up["BM"])
+            job("down_proj", _rows_kernel, (hid, w2, out, tiles, tiles, tiles, tiles, 64, H, de, hid.stride(0),
+                                            w2.stride(0), w2.stride(2), w2.stride(1), out.stride(0), -1),
+                dict(down, GATHER=False, **ms), label, hot=True)
+            job("combine", _combine_kernel, (out, idx, t(TK, dtype=f32), dy, T, H, top_k),
+                dict(HAS_W=True, BT=32, BH=128), label)
+            job("dgrad_swiglu", _dh_kernel, (dy, w2, pre, t(TK, dtype=f32), idx, idx, tiles, tiles, tiles, pre,
+                                             hid, t(8, TK, dtype=f32), 64, TK, H, de, dy.stride(0), w2.stride(0)),
+                dict(config(cuda, m, de, H, kind="dgrad"), **ms), label)
+            dx = dict(config(cuda, m, H, 2 * de), BM=up["BM"])
+            job("dgrad_x", _rows_kernel, (pre, w1, out, tiles, tiles, tiles, tiles, 64, H, 2 * de, pre.stride(0),
+                                          w1.stride(0), w1.stride(1), w1.stride(2), out.stride(0), -1),
+                dict(dx, GATHER=False, **ms), label)
+            offs = t(E + 1, dtype=i32)
+            for kname, L, R, il, ir, NI, NC, out_w in (("wgrad_w1", pre, x, None, idx, 2 * de, H, w1),
+                                                       ("wgrad_w2", dy, hid, idx, None, H, de, w2)):
+                wc = _wgrad_config(cuda, NI, NC)
+                job(kname, _wgrad_kernel, (L, R, out_w, il if il is not None else offs,
+                                           ir if ir is not None else offs, offs, NI, NC, L.stride(0),
+                                           R.stride(0), out_w.stride(0), out_w.stride(1)),
+                    dict(wc, GATHER_L=il is not None, GATHER_R=ir is not None, **ms), label)
+            gm = config(cuda, m, de, H)
+            job("grouped_mm", _rows_kernel, (x, w1, hid, idx, tiles, tiles, tiles, 64, de, H, x.stride(0),
+                                             w1.stride(0), w1.stride(2), w1.stride(1), hid.stride(0), E),
+                dict(gm, GATHER=True, **ms), label)
+    # fp32 (IEEE products) at the first shape and token count: the up, down and dgrad GEMMs
+    name, sh = next(iter(shapes.items()))
+    H, de, E, T = sh["H"], sh["de"], sh["E"], tokens[0]
+    m, fp = T * top_k / E, dict(PREC="ieee", UPCAST=False)
+    x, w1, w2 = t(T, H, dtype=f32), t(E, 2 * de, H, dtype=f32), t(E, H, de, dtype=f32)
+    pre, hid, tiles, idx = t(T * top_k, 2 * de, dtype=f32), t(T * top_k, de, dtype=f32), t(64, dtype=i32), \
+        t(T * top_k, dtype=i32)
+    label = f"float32 {name} T{T}"
+    up = config(cuda, m, de, H, kind="up")
+    jobs.append(dict(kernel="moe.up_proj", fn=_up_kernel, hot=False, config=f"{label} BM{up['BM']} BN{up['BN']}",
+                     args=(x, w1, idx, tiles, tiles, tiles, pre, hid, 64, H, de, x.stride(0), w1.stride(0),
+                           w1.stride(1)), kwargs=dict(up, **fp)))
+    down = dict(config(cuda, m, H, de, dtype=f32), BM=up["BM"])
+    jobs.append(dict(kernel="moe.down_proj", fn=_rows_kernel, hot=False,
+                     config=f"{label} BM{down['BM']} BN{down['BN']}",
+                     args=(hid, w2, x, tiles, tiles, tiles, tiles, 64, H, de, hid.stride(0), w2.stride(0),
+                           w2.stride(2), w2.stride(1), x.stride(0), -1), kwargs=dict(down, GATHER=False, **fp)))
+    dh = config(cuda, m, de, H, kind="dgrad")
+    jobs.append(dict(kernel="moe.dgrad_swiglu", fn=_dh_kernel, hot=False, config=f"{label} BM{dh['BM']} BN{dh['BN']}",
+                     args=(x, w2, pre, t(T * top_k, dtype=f32), idx, idx, tiles, tiles, tiles, pre, hid,
+                           t(8, T * top_k, dtype=f32), 64, T * top_k, H, de, x.stride(0), w2.stride(0)),
+                     kwargs=dict(dh, **fp)))
+    count, scatter = moe_routing._kernels()
+    ids = t(4096 * top_k, dtype=i32)
+    job("route_count", count, (ids, ids, ids.numel(), 288), dict(BLOCK=64, EB=64), "routing")
+    job("route_scatter", scatter, (ids, ids, ids, ids, ids, ids.numel(), 288, top_k), dict(BLOCK=64), "routing")
+    return jobs
