@@ -1,29 +1,44 @@
 """Segment attention: smelt's kernels against SDPA with a mask and FlexAttention with a
-document block mask, at the paper's 200M head shapes, forward and backward.
+document block mask, at the paper's 200M head shapes and the tiny pair's, forward and
+backward; on the CPU also the native kernel against the ATen-chunked path, and the head-dim
+target (below).
 
-    python bench/bench_attention.py                   # CPU, fp32, batch 1: a few minutes
+    python bench/bench_attention.py                   # CPU, fp32, batch 1: prints only
+    python bench/bench_attention.py --out             # ... and writes bench/results/
     python bench/bench_attention.py --device cuda     # bf16, batch 8 (32k tokens per step)
 
-Shapes: baseline 10/2 query/KV heads x 128, SMELT 12/2 x 88, T = 4096. Document layouts
-per row: one 4096-token document, mixed lengths (mean about 800) and short documents
+Shapes: paper baseline 10/2 query/KV heads x 128 and SMELT 12/2 x 88 at T = 4096; tiny
+baseline 4/1 x 96 and tiny SMELT 5/1 x 64 (smelt_model/presets.py) at T = 2048 (the tiny
+main job's sequence length); ``--seq`` sets one T for all. Document layouts
+per row: one document filling the row, mixed lengths (mean about 800) and short documents
 (mean about 128). Useful FLOPs count only what the segment mask keeps: forward
 4 * d_h * n_q * sum over documents of l(l+1)/2, backward 2.5x the forward.
 
 Methods (same device, same inputs): ``smelt-<backend>`` (:func:`segment_attention`; on
-CUDA the Triton kernels and, when built, the CUDA forward), ``sdpa-mask``
+CUDA the Triton kernels and, when built, the CUDA forward; on the CPU the native kernel,
+or the chunked path where the native one is not built: the notes say which),
+``cpu-chunked`` (CPU: the "cpu" backend's ATen-chunked path, the native kernel's
+predecessor), ``sdpa-mask``
 (``F.scaled_dot_product_attention`` with the boolean (T, T) mask built once per batch,
 inputs pre-laid-out as (B, H, T, D)), ``flex`` (compiled ``flex_attention`` with a
 document-causal block mask built once; no backward on CPU). The backward pass is timed
 alone (``autograd.grad`` on a retained graph). ``vs smelt`` is the method's time over
 smelt's for the same pass: above 1 means smelt is faster.
 
-Writes ``bench/results/attention_<device>.{json,md}``. CPU timings on a machine shared
-with other work are noisy; the ratios come from one process run.
+Head-dim target (CPU, native kernel): its achieved FLOP rate at the tiny SMELT heads
+(d_h 64, 5:1 GQA) over its rate at the tiny baseline heads (d_h 96, 4:1) at the same T and
+documents, forward and backward, timed interleaved (A, B, A, B, ...); the issue asks for
+at least 0.95. Reported as medians with the p20-p80 spread.
+
+With ``--out [DIR]`` writes ``DIR/attention_<device>.{json,md}`` (DIR defaults to
+bench/results); without it nothing is written. CPU timings on a machine shared with other
+work are noisy; the ratios come from one process run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Callable, Optional
@@ -32,15 +47,24 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import environment, measure, tflops, write_results  # noqa: E402
+from timing import (environment, measure, measure_interleaved, markdown_table, tflops,  # noqa: E402
+                    write_results)
 
 from smelt_kernels import backends  # noqa: E402
-from smelt_kernels.attention import segment_attention  # noqa: E402
+from smelt_kernels.attention import cpu as attention_cpu  # noqa: E402
+from smelt_kernels.attention import segment_attention, segment_bounds  # noqa: E402
 
-SHAPES = {"baseline 10/2x128": (10, 2, 128), "SMELT 12/2x88": (12, 2, 88)}
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# (query heads, KV heads, head dim, default T)
+SHAPES = {"baseline 10/2x128": (10, 2, 128, 4096), "SMELT 12/2x88": (12, 2, 88, 4096),
+          "tiny baseline 4/1x96": (4, 1, 96, 2048), "tiny SMELT 5/1x64": (5, 1, 64, 2048)}
+TARGET = ("tiny SMELT 5/1x64", "tiny baseline 4/1x96")  # rate of the first over the second
+TARGET_RATIO = 0.95
 LAYOUTS = ("one", "mixed", "short")
-COLUMNS = ["shape", "layout", "mean doc", "method", "pass", "ms", "p20", "p80", "TFLOP/s",
+COLUMNS = ["shape", "T", "layout", "mean doc", "method", "pass", "ms", "p20", "p80", "TFLOP/s",
            "vs smelt"]
+TARGET_COLUMNS = ["T", "layout", "pass", "d64 5:1 ms", "d96 4:1 ms", "d64 GFLOP/s",
+                  "d96 GFLOP/s", "spread", "rate ratio", "target"]
 
 
 # ----------------------------------------------------------------------------- workload
@@ -112,7 +136,32 @@ def _smelt(name):
     return build
 
 
-def methods_for(device: torch.device, skip_flex: bool) -> list[tuple[str, Callable, bool]]:
+class _Chunked(torch.autograd.Function):
+    """The "cpu" backend's ATen-chunked path as an autograd function (the comparison)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, start, end, scale):
+        o, lse, _ = attention_cpu.chunked_forward(q, k, v, start, scale, False)
+        ctx.save_for_backward(q, k, v, o, lse, start, end)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, start, end = ctx.saved_tensors
+        dq, dk, dv = attention_cpu.chunked_backward(do, q, k, v, o, lse, start, end, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def _chunked(q, k, v, ids):
+    leaves = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
+    start, end = segment_bounds(ids)
+    scale = q.shape[-1] ** -0.5
+    return (lambda: _Chunked.apply(*leaves, start, end, scale)), leaves
+
+
+def methods_for(device: torch.device, skip_flex: bool,
+                only: Optional[list[str]] = None) -> list[tuple[str, Callable, bool]]:
     """(name, builder, time the backward) per method; smelt's first."""
     out = []
     if device.type == "cuda":
@@ -122,9 +171,12 @@ def methods_for(device: torch.device, skip_flex: bool) -> list[tuple[str, Callab
             out.append(("smelt-cuda", _smelt("cuda"), False))
     else:
         out.append(("smelt-cpu", _smelt("cpu"), True))
+        out.append(("cpu-chunked", _chunked, True))
     out.append(("sdpa-mask", _sdpa, True))
     if not skip_flex:
         out.append(("flex", _flex, device.type != "cpu"))
+    if only:
+        out = [m for i, m in enumerate(out) if i == 0 or m[0] in only]
     return out
 
 
@@ -158,17 +210,19 @@ def run(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     B = args.batch
     rows = []
-    for shape, (n_q, n_kv, d_h) in SHAPES.items():
+    for shape in args.shapes:
+        n_q, n_kv, d_h, T = SHAPES[shape]
+        T = args.seq or T
         gen = torch.Generator().manual_seed(1)
-        q = torch.randn(B, args.seq, n_q, d_h, generator=gen).to(device, dtype)
-        k = torch.randn(B, args.seq, n_kv, d_h, generator=gen).to(device, dtype)
-        v = torch.randn(B, args.seq, n_kv, d_h, generator=gen).to(device, dtype)
+        q = torch.randn(B, T, n_q, d_h, generator=gen).to(device, dtype)
+        k = torch.randn(B, T, n_kv, d_h, generator=gen).to(device, dtype)
+        v = torch.randn(B, T, n_kv, d_h, generator=gen).to(device, dtype)
         for layout in args.layouts:
-            ids, docs = workload(layout, B, args.seq, device, seed=2)
+            ids, docs = workload(layout, B, T, device, seed=2)
             flops = useful_flops(docs, n_q, d_h)
-            mean_doc = B * args.seq / sum(len(r) for r in docs)
+            mean_doc = B * T / sum(len(r) for r in docs)
             per_pass: dict[str, dict[str, object]] = {}
-            for name, build, backward in methods_for(device, args.skip_flex):
+            for name, build, backward in methods_for(device, args.skip_flex, args.methods):
                 try:
                     per_pass[name] = time_method(build, backward, q, k, v, ids, device, args)
                 except Exception as e:  # a baseline that cannot run here is reported, not fatal
@@ -180,7 +234,7 @@ def run(args) -> list[dict]:
             for name, res in per_pass.items():
                 for p, mult in (("fwd", 1.0), ("bwd", 2.5)):
                     t = res.get(p)
-                    row = {"shape": shape, "layout": layout, "mean doc": round(mean_doc),
+                    row = {"shape": shape, "T": T, "layout": layout, "mean doc": round(mean_doc),
                            "method": name, "pass": p, "useful_gflop": flops * mult / 1e9}
                     if t is None or not hasattr(t, "median_ms"):
                         row["ms"] = None
@@ -196,13 +250,63 @@ def run(args) -> list[dict]:
     return rows
 
 
+def target_rows(args) -> list[dict]:
+    """The head-dim target: the native kernel's FLOP rate at the tiny SMELT heads over its
+    rate at the tiny baseline heads, same T and documents, forward and backward, all four
+    timed interleaved."""
+    a, b = TARGET
+    out = []
+    for layout in args.layouts:
+        fns, flops = {}, {}
+        for shape in (a, b):
+            n_q, n_kv, d_h, T = SHAPES[shape]
+            T = args.seq or T
+            gen = torch.Generator().manual_seed(1)
+            q = torch.randn(args.batch, T, n_q, d_h, generator=gen)
+            k = torch.randn(args.batch, T, n_kv, d_h, generator=gen)
+            v = torch.randn(args.batch, T, n_kv, d_h, generator=gen)
+            do = torch.randn_like(q)
+            ids, docs = workload(layout, args.batch, T, "cpu", seed=2)
+            start, end = segment_bounds(ids)
+            scale = d_h ** -0.5
+            o, lse, _ = attention_cpu.native_forward(q, k, v, start, scale, False)
+            fns[(shape, "fwd")] = (lambda q=q, k=k, v=v, s=start, c=scale:
+                                   attention_cpu.native_forward(q, k, v, s, c, False))
+            fns[(shape, "bwd")] = (lambda q=q, k=k, v=v, o=o, l=lse, s=start, e=end, c=scale, do=do:
+                                   attention_cpu.native_backward(do, q, k, v, o, l, s, e, c))
+            flops[(shape, "fwd")] = useful_flops(docs, n_q, d_h)
+            flops[(shape, "bwd")] = 2.5 * flops[(shape, "fwd")]
+        t = measure_interleaved(fns, warmup=args.warmup, repeats=args.repeats)
+        for p in ("fwd", "bwd"):
+            ta, tb = t[(a, p)], t[(b, p)]
+            ra = flops[(a, p)] / (ta.median_ms * 1e-3) / 1e9
+            rb = flops[(b, p)] / (tb.median_ms * 1e-3) / 1e9
+            ratio = ra / rb
+            out.append({"kind": "target", "T": args.seq or SHAPES[a][3], "layout": layout,
+                        "pass": p, "d64 5:1 ms": ta.median_ms, "d96 4:1 ms": tb.median_ms,
+                        "d64 GFLOP/s": ra, "d96 GFLOP/s": rb,
+                        "spread": f"{ta.spread:.0%} / {tb.spread:.0%}", "rate ratio": ratio,
+                        "target": ("met" if ratio >= TARGET_RATIO else
+                                   f"missed by {TARGET_RATIO - ratio:.2f}"),
+                        "timing": {"d64": ta.to_dict(), "d96": tb.to_dict()}})
+            print(f"target {layout:6s} {p}: d64 5:1 {ra:7.1f} GFLOP/s, d96 4:1 {rb:7.1f} GFLOP/s, "
+                  f"ratio {ratio:.3f} ({out[-1]['target']})", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--batch", type=int, default=None, help="default: 1 on CPU, 8 on CUDA")
-    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=None,
+                    help="sequence length for every shape (default: 4096 paper, 2048 tiny)")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="only these comparison methods (smelt's always runs): cpu-chunked, "
+                         "sdpa-mask, flex")
+    ap.add_argument("--skip-target", action="store_true", help="skip the CPU head-dim target")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--forward-only", action="store_true")
@@ -211,8 +315,13 @@ def main(argv=None):
                     help="torch CPU threads (default: torch's); 1 gives stable numbers on a "
                          "machine whose cores other jobs share")
     ap.add_argument("--note", default="", help="a line added to the results' notes")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", nargs="?", const=RESULTS, default=None, metavar="DIR",
+                    help="write attention_<device>.{json,md} into DIR (default bench/results); "
+                         "without --out nothing is written")
     args = ap.parse_args(argv)
+    for name in ("seq", "batch", "repeats"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
@@ -220,17 +329,28 @@ def main(argv=None):
     args.batch = args.batch or (8 if cuda else 1)
     args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 2)
     args.repeats = args.repeats or (20 if cuda else 5)
-    rows = run(args)
     dev = torch.device(args.device)
+    impl = ""
+    if dev.type == "cpu":
+        ran = attention_cpu.implementation(getattr(torch, args.dtype), 64)
+        isa = attention_cpu.native_isa()
+        impl = (f"smelt-cpu ran the native kernel ({isa})" if ran == "native" else
+                f"smelt-cpu ran the chunked path (native kernel: {attention_cpu.native_missing()})")
+        print(impl, flush=True)
+    rows = run(args)
+    targets = []
+    if dev.type == "cpu" and not args.skip_target and attention_cpu.native_missing() is None:
+        targets = target_rows(args)
     env = environment(dev)
     env.update(dtype=args.dtype, batch=args.batch, seq=args.seq)
-    notes = (f"B={args.batch}, T={args.seq}, {args.dtype}, {torch.get_num_threads()} CPU "
+    notes = (f"B={args.batch}, {args.dtype}, {torch.get_num_threads()} CPU "
              f"thread(s); median of {args.repeats} after "
              f"{args.warmup} warm-up. TFLOP/s counts useful FLOPs only (backward 2.5x forward). "
              "'vs smelt' = method time / smelt time for the same pass (> 1: smelt faster).")
     if dev.type == "cpu":
         notes += (" CPU: measured on a 2-core machine shared with other jobs, so absolute "
                   "times are noisy; FlexAttention has no CPU backward.")
+        notes += f" {impl}."
     if args.note:
         notes += f" {args.note}"
     seen = set()
@@ -239,8 +359,22 @@ def main(argv=None):
         if r.get("note") and key not in seen:
             seen.add(key)
             notes += f"\n- {r['method']} {r['pass']}: {r['note']}"
-    j, m = write_results(f"attention_{dev.type}", rows, COLUMNS, args.out, env,
-                         title=f"Segment attention on {dev.type}", notes=notes)
+    if targets:
+        notes += (f"\n\n## Head-dim target (native kernel)\n\nFLOP rate at d_h 64 with 5:1 GQA "
+                  f"over the rate at d_h 96 with 4:1, same T and documents; the four calls "
+                  f"timed interleaved, {args.repeats} rounds; spread = (p80 - p20) / median "
+                  f"(d64 / d96). Target: ratio >= {TARGET_RATIO}.\n\n"
+                  + markdown_table(targets, TARGET_COLUMNS))
+    title = f"Segment attention on {dev.type}"
+    if args.out is None:
+        print(markdown_table(rows, COLUMNS) + "\n\n" + notes)
+        return
+    j, m = write_results(f"attention_{dev.type}", rows, COLUMNS, args.out, env, title=title,
+                         notes=notes)
+    if targets:  # the target rows go beside the table's rows in the JSON
+        data = json.loads(j.read_text())
+        data["target"] = targets
+        j.write_text(json.dumps(data, indent=2, default=str) + "\n")
     print(open(m).read())
 
 

@@ -3,7 +3,9 @@
     python -m pytest bench/test_bench_attention.py --benchmark-only
 
 Shapes are the SMELT 200M heads (12/2 x 88) at T = 1024 with mixed documents, so a run
-takes seconds; ``bench/bench_attention.py`` has the full comparison at T = 4096.
+takes seconds; ``bench/bench_attention.py`` has the full comparison at T = 4096. The
+"cpu" backend runs the native kernel where it is built; ``test_cpu_chunked_*`` times the
+ATen-chunked path beside it.
 """
 
 import os
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import workload  # noqa: E402
+from bench_attention import _chunked, workload  # noqa: E402
 
 from smelt_kernels.attention import segment_attention  # noqa: E402
 
@@ -46,6 +48,14 @@ def test_cpu_forward_backward(benchmark, inputs):
         return torch.autograd.grad(o, leaves, do)
 
     benchmark(step)
+
+
+def test_cpu_chunked_forward_backward(benchmark, inputs):
+    """The "cpu" backend's ATen-chunked path (what the native kernel replaced)."""
+    q, k, v, ids = inputs
+    fwd, leaves = _chunked(q, k, v, ids)
+    do = torch.randn(1, T, HQ, D)
+    benchmark(lambda: torch.autograd.grad(fwd(), leaves, do))
 
 
 def test_sdpa_mask_forward_backward(benchmark, inputs):

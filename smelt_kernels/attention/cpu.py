@@ -1,9 +1,24 @@
-"""The ``"cpu"`` backend of segment attention: ATen's CPU flash-attention kernel on
-segment-aware chunks.
+"""The ``"cpu"`` backend of segment attention.
 
-A batch row's queries are cut into chunks of ``CHUNK`` positions. A chunk [c0, c1) only
-needs keys from the start of its first query's segment, and splits into two calls of
-``aten._scaled_dot_product_flash_attention_for_cpu``:
+Two implementations, same contract (see :func:`forward`, :func:`backward`):
+
+* ``native`` (the default where it can run): the fused kernel of
+  ``csrc/attention/cpu_attention.cpp`` (``torch.ops.smelt_cpu.segment_attention_fwd`` /
+  ``_bwd`` in the ``smelt_kernels._cpu`` extension). Flash-style tiles with an online
+  softmax and a vectorised exp (AVX-512 or AVX2 + FMA, picked at load time), the G query
+  heads of a KV head as rows of one tile so each K/V tile is read once for the group, only
+  the key tiles inside each query's segment interval, dK/dV owned per key tile and dQ per
+  query block (no atomics: bitwise the same for any thread count). float32, bfloat16 and
+  float16 inputs, head dim any multiple of 8; 16-bit inputs are widened to fp32 once per
+  call and computed with fp32 FMAs (no AMX path).
+* ``chunked`` (:func:`chunked_forward`, :func:`chunked_backward`): ATen's CPU
+  flash-attention kernel on segment-aware chunks, described below. It runs where the native
+  kernel cannot: float64 inputs, head dims that are not a multiple of 8, or a build without
+  the extension. :func:`implementation` says which one a call takes.
+
+The chunked path. A batch row's queries are cut into chunks of ``CHUNK`` positions. A chunk
+[c0, c1) only needs keys from the start of its first query's segment, and splits into two
+calls of ``aten._scaled_dot_product_flash_attention_for_cpu``:
 
 * the diagonal block (keys c0..c1-1), with a small additive mask built from the segment
   starts (one shared causal mask for chunks inside one segment);
@@ -30,15 +45,18 @@ from typing import Optional
 
 import torch
 
+from .. import _alloc, backends
 from . import reference
 
-__all__ = ["available", "forward", "backward", "CHUNK"]
+__all__ = ["available", "forward", "backward", "implementation", "native_missing", "native_isa",
+           "native_forward", "native_backward", "chunked_forward", "chunked_backward", "CHUNK"]
 
 CHUNK = 128
+_SOURCE = "csrc/attention/cpu_attention.cpp"
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def available() -> Optional[str]:
-    """None if ATen's CPU flash-attention kernels are present, else why not."""
+def _chunked_missing() -> Optional[str]:
     ops = torch.ops.aten
     for name in ("_scaled_dot_product_flash_attention_for_cpu",
                  "_scaled_dot_product_flash_attention_for_cpu_backward"):
@@ -47,6 +65,84 @@ def available() -> Optional[str]:
     return None
 
 
+def native_missing() -> Optional[str]:
+    """None if the native kernel is built and registered, else why not."""
+    return (backends.extension_op_missing("_cpu", "segment_attention_fwd", _SOURCE)
+            or backends.extension_op_missing("_cpu", "segment_attention_bwd", _SOURCE))
+
+
+def native_isa() -> Optional[str]:
+    """The instruction set the native kernel runs with here ("avx512", "avx2", "generic"),
+    or None without it."""
+    return None if native_missing() else torch.ops.smelt_cpu.segment_attention_isa()
+
+
+def available() -> Optional[str]:
+    """None if either implementation can run, else why neither can."""
+    chunked = _chunked_missing()
+    if chunked is None or native_missing() is None:
+        return None
+    return f"native kernel: {native_missing()}; chunked path: {chunked}"
+
+
+def implementation(dtype: torch.dtype, head_dim: int) -> str:
+    """``"native"`` or ``"chunked"``: what :func:`forward` / :func:`backward` run for inputs
+    of this dtype and head dim."""
+    if dtype in _NATIVE_DTYPES and head_dim % 8 == 0 and native_missing() is None:
+        return "native"
+    return "chunked"
+
+
+def forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: bool):
+    """o (B, Tq, Hq, D), lse (B, Hq, Tq) (fp32, or fp64 for fp64 inputs) and, with
+    ``want_sink``, each query's probability on its segment's first key (B, Hq, Tq), else None.
+
+    ``start``: int32 (B, Tk) segment start of every key position, or None (one segment).
+    """
+    if implementation(q.dtype, q.shape[-1]) == "native":
+        return native_forward(q, k, v, start, scale, want_sink)
+    return chunked_forward(q, k, v, start, scale, want_sink)
+
+
+def backward(do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor],
+             scale: float):
+    """(dq, dk, dv) for :func:`forward`, from its o and lse (``end``, the last position of
+    each segment, is not needed here)."""
+    if implementation(q.dtype, q.shape[-1]) == "native":
+        return native_backward(do, q, k, v, o, lse, start, end, scale)
+    return chunked_backward(do, q, k, v, o, lse, start, end, scale)
+
+
+# ----------------------------------------------------------------------------- native
+def native_forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: bool):
+    """:func:`forward` on the native kernel (float32 / bfloat16 / float16, D % 8 == 0)."""
+    reason = native_missing()
+    if reason is not None:
+        raise RuntimeError(f"segment_attention cpu: native kernel unavailable: {reason}")
+    B, Tq, Hq, D = q.shape
+    o = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
+    lse = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
+    psink = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
+    torch.ops.smelt_cpu.segment_attention_fwd(q, k, v, start, float(scale), o, lse, psink)
+    return o, lse, (psink if want_sink else None)
+
+
+def native_backward(do, q, k, v, o, lse, start: Optional[torch.Tensor],
+                    end: Optional[torch.Tensor], scale: float):
+    """:func:`backward` on the native kernel (the segment ends are derived from ``start``)."""
+    reason = native_missing()
+    if reason is not None:
+        raise RuntimeError(f"segment_attention cpu: native kernel unavailable: {reason}")
+    dq = _alloc.empty(q.shape, q.dtype, q.device)
+    dk = _alloc.empty(k.shape, k.dtype, k.device)
+    dv = _alloc.empty(v.shape, v.dtype, v.device)
+    torch.ops.smelt_cpu.segment_attention_bwd(do.to(q.dtype), q, k, v, o.to(q.dtype),
+                                              lse.to(torch.float32), start, float(scale),
+                                              dq, dk, dv)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- chunked
 def _pack(x: torch.Tensor, hkv: int) -> torch.Tensor:
     """(B, T, Hq, D) -> (B, Hkv, T*G, D), row t*G + g."""
     B, T, Hq, D = x.shape
@@ -117,12 +213,11 @@ def _flash(q, k, v, mask, scale):
         q, k, v, 0.0, False, attn_mask=mask, scale=scale)
 
 
-def forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: bool):
-    """o (B, Tq, Hq, D), lse (B, Hq, Tq) (fp32, or fp64 for fp64 inputs) and, with
-    ``want_sink``, each query's probability on its segment's first key (B, Hq, Tq), else None.
-
-    ``start``: int32 (B, Tk) segment start of every key position, or None (one segment).
-    """
+def chunked_forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: bool):
+    """:func:`forward` on ATen's CPU flash kernel in segment-aware chunks (any float dtype)."""
+    reason = _chunked_missing()
+    if reason is not None:
+        raise RuntimeError(f"segment_attention cpu: chunked path unavailable: {reason}")
     starts = start.tolist() if start is not None else None
     o, lse = _chunked_forward(q, k, v, starts, scale)
     return o, lse, (reference.start_probs(q, k, lse, start, scale) if want_sink else None)
@@ -156,10 +251,9 @@ def _chunked_forward(q, k, v, starts: Optional[list[list[int]]], scale: float):
     return _unpack(op, g), _unpack_lse(lsep, g)
 
 
-def backward(do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor],
-             scale: float):
-    """(dq, dk, dv) for :func:`forward`, from its o and lse (``end``, the last position of
-    each segment, is not needed here)."""
+def chunked_backward(do, q, k, v, o, lse, start: Optional[torch.Tensor],
+                     end: Optional[torch.Tensor], scale: float):
+    """:func:`backward` on ATen's CPU flash backward kernel, on the same chunks."""
     starts = start.tolist() if start is not None else None
     B, Tq, Hq, D = q.shape
     Tk, hkv = k.shape[1], k.shape[2]

@@ -1,0 +1,397 @@
+// Fused segment attention on the CPU, forward and backward (the "cpu" attention backend,
+// smelt_kernels/attention/cpu.py).
+//
+// Layouts: q, o (B, Tq, Hq, D); k, v (B, Tk, Hkv, D); the Tq queries are the last Tq
+// positions; start (B, Tk) int32, the first position of each position's segment. Query p
+// sees keys start(p)..p. lse and psink are (B, Hq, Tq) fp32.
+//
+// Scheme (flash attention, with the segment structure and GQA folded into the tiling):
+// * Work items are (batch row, KV head, block of query positions). The G query heads of the
+//   KV head are rows (t - t0) * G + g of one block, so every K/V tile is read once for all
+//   of them. A block visits only the key tiles between its first query's segment start and
+//   its last query, from the top down, and within a tile only the rows whose interval
+//   [start(p), p] meets it; masked scores are set to -inf only in the tiles that need it.
+// * Scores are kept in log2 units (q is scaled by scale * log2 e), with an online softmax
+//   per row and a vectorised 2^x. LSE is returned in natural log; psink is the probability
+//   on the segment's first key, from that key's score and the row's final LSE.
+// * Backward: delta = rowsum(dO * O); dK and dV are owned per key tile (one work item each,
+//   over every query that sees the tile), dQ per query block, each recomputing the
+//   probabilities from the LSE. No atomics, no reduction across threads: every output
+//   element is computed by one thread in a fixed order, so results are bitwise the same for
+//   any thread count.
+// * Inputs are widened to fp32 (and K, V also laid out transposed, (D, Tk)) once per call,
+//   an O(T D) pass; the O(T^2 D) work runs on fp32 in registers with FMA. 16-bit inputs
+//   therefore compute in fp32 (no AMX path here); outputs are rounded once at the end.
+// * The loops (cpu_attention_body.h) are compiled three times, for AVX-512, AVX2 + FMA and
+//   the baseline, and picked at load time (SMELT_ATTENTION_ISA=avx2|generic forces a lower
+//   one, for tests and comparisons; =avx2-wide runs the AVX-512 variant's code on AVX2).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace smelt_att {
+
+struct Problem {
+  int64_t B = 0, Tq = 0, Tk = 0, Hq = 0, Hkv = 0, G = 0, D = 0, Tkp = 0;
+  int64_t BK = 64;  // keys per tile (score buffer row stride)
+  int64_t BQ = 16;  // query positions per block
+  float scale = 1.0f, qscale = 1.0f;
+  const float* q = nullptr;     // (B, Tq, Hq, D)
+  const float* dout = nullptr;  // (B, Tq, Hq, D)
+  const float* k = nullptr;     // (B, Hkv, Tk, D)
+  const float* v = nullptr;     // (B, Hkv, Tk, D)
+  const float* kt = nullptr;    // (B, Hkv, D, Tkp), zero past Tk
+  const float* vt = nullptr;    // (B, Hkv, D, Tkp)
+  const float* lse = nullptr;   // (B, Hq, Tq), natural log
+  const float* delta = nullptr; // (B, Tq, Hq)
+  const int32_t* start = nullptr;  // (B, Tk)
+  const int32_t* end = nullptr;    // (B, Tk)
+};
+
+struct Buffers {
+  std::vector<float> q, o, s, dp, dov, stat1, stat2, acc1, acc2;
+};
+Buffers& buffers() {
+  thread_local Buffers b;
+  return b;
+}
+float* grow(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+}  // namespace smelt_att
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SMELT_ATT_X86 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")
+namespace smelt_att::avx512 {
+#define SMELT_ATT_W 16
+#define SMELT_ATT_RA 7
+#define SMELT_ATT_RB 6
+#include "cpu_attention_body.h"
+#undef SMELT_ATT_W
+#undef SMELT_ATT_RA
+#undef SMELT_ATT_RB
+}  // namespace smelt_att::avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace smelt_att::avx2 {
+#define SMELT_ATT_W 8
+#define SMELT_ATT_RA 2
+#define SMELT_ATT_RB 3
+#include "cpu_attention_body.h"
+#undef SMELT_ATT_W
+#undef SMELT_ATT_RA
+#undef SMELT_ATT_RB
+}  // namespace smelt_att::avx2
+
+// The AVX-512 variant's code (16-float vectors, its micro-tile sizes) on AVX2: only chosen
+// through SMELT_ATTENTION_ISA=avx2-wide, so its logic is tested where AVX-512 is missing.
+namespace smelt_att::avx2_wide {
+#define SMELT_ATT_W 16
+#define SMELT_ATT_RA 7
+#define SMELT_ATT_RB 6
+#include "cpu_attention_body.h"
+#undef SMELT_ATT_W
+#undef SMELT_ATT_RA
+#undef SMELT_ATT_RB
+}  // namespace smelt_att::avx2_wide
+#pragma GCC pop_options
+#endif
+
+namespace smelt_att::generic {
+#define SMELT_ATT_W 8
+#define SMELT_ATT_RA 2
+#define SMELT_ATT_RB 2
+#include "cpu_attention_body.h"
+#undef SMELT_ATT_W
+#undef SMELT_ATT_RA
+#undef SMELT_ATT_RB
+}  // namespace smelt_att::generic
+
+namespace smelt_att {
+namespace {
+
+struct Isa {
+  const char* name;
+  void (*forward)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*, float*, float*);
+  void (*dq)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*);
+  void (*dkdv)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*, float*);
+};
+
+const Isa& isa() {
+  static const Isa chosen = [] {
+    const char* env = std::getenv("SMELT_ATTENTION_ISA");
+    const std::string want = env ? env : "";
+    const Isa generic_isa{"generic", &generic::forward_block, &generic::dq_block, &generic::dkdv_block};
+#ifdef SMELT_ATT_X86
+    const Isa avx512_isa{"avx512", &avx512::forward_block, &avx512::dq_block, &avx512::dkdv_block};
+    const Isa avx2_isa{"avx2", &avx2::forward_block, &avx2::dq_block, &avx2::dkdv_block};
+    const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+    const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const Isa wide_isa{"avx2-wide", &avx2_wide::forward_block, &avx2_wide::dq_block,
+                       &avx2_wide::dkdv_block};
+    if (want == "avx2-wide" && has2) return wide_isa;
+    if (want != "generic") {
+      if (has512 && want != "avx2") return avx512_isa;
+      if (has2) return avx2_isa;
+    }
+#endif
+    return generic_isa;
+  }();
+  return chosen;
+}
+
+std::string attention_isa() { return isa().name; }
+
+int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const c10::optional<at::Tensor>& start) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "segment_attention_cpu: q, k, v must be 4-d (B, T, H, D)");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "segment_attention_cpu: CPU tensors only");
+  TORCH_CHECK(k.sizes() == v.sizes(), "segment_attention_cpu: k and v shapes differ");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3),
+              "segment_attention_cpu: q and k disagree on batch or head dim");
+  TORCH_CHECK(q.size(1) <= k.size(1), "segment_attention_cpu: more queries than keys");
+  TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0,
+              "segment_attention_cpu: query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(3) % 8 == 0 && q.size(3) > 0, "segment_attention_cpu: head dim must be a multiple of 8");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "segment_attention_cpu: q, k, v dtypes differ");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "segment_attention_cpu: float32, bfloat16 or float16 only");
+  if (start.has_value()) {
+    TORCH_CHECK(start->scalar_type() == at::kInt && start->dim() == 2 && start->size(0) == k.size(0) &&
+                    start->size(1) == k.size(1),
+                "segment_attention_cpu: start must be int32 (B, Tk)");
+  }
+}
+
+void check_out(const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dt, const char* name) {
+  TORCH_CHECK(t.sizes() == shape && t.scalar_type() == dt && t.device().is_cpu(),
+              "segment_attention_cpu: output ", name, " has the wrong shape or dtype");
+}
+
+// Segment starts (validated: 0 <= start(p) <= p, one segment per run) and ends, (B, Tk).
+void bounds(const c10::optional<at::Tensor>& start, int64_t B, int64_t Tk, std::vector<int32_t>& st,
+            std::vector<int32_t>& en) {
+  st.assign(B * Tk, 0);
+  en.assign(B * Tk, 0);
+  if (start.has_value()) {
+    const at::Tensor s = start->contiguous();
+    std::memcpy(st.data(), s.data_ptr<int32_t>(), B * Tk * sizeof(int32_t));
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t* s = st.data() + b * Tk;
+    for (int64_t p = 0; p < Tk; ++p) {
+      const bool ok = s[p] >= 0 && s[p] <= p && (p == 0 || s[p] == s[p - 1] || s[p] == p);
+      TORCH_CHECK(ok, "segment_attention_cpu: start[", b, ", ", p, "] = ", s[p],
+                  " is not a segment start at or before its position");
+    }
+    int32_t* e = en.data() + b * Tk;
+    for (int64_t p = Tk - 1; p >= 0; --p)
+      e[p] = (p == Tk - 1 || s[p + 1] != s[p]) ? static_cast<int32_t>(p) : e[p + 1];
+  }
+}
+
+// (B, H, D, Tkp) fp32 copy of x (B, Tk, H, D), zero past Tk.
+at::Tensor transposed(const at::Tensor& x, int64_t Tkp) {
+  auto out = at::zeros({x.size(0), x.size(2), x.size(3), Tkp}, x.options().dtype(at::kFloat));
+  out.narrow(3, 0, x.size(1)).copy_(x.permute({0, 2, 3, 1}));
+  return out;
+}
+
+Problem problem(const at::Tensor& q, const at::Tensor& k, double scale) {
+  Problem P;
+  P.B = q.size(0);
+  P.Tq = q.size(1);
+  P.Hq = q.size(2);
+  P.D = q.size(3);
+  P.Tk = k.size(1);
+  P.Hkv = k.size(2);
+  P.G = P.Hq / P.Hkv;
+  P.Tkp = round_up(P.Tk, 16) + P.BK;
+  P.BQ = std::max<int64_t>(1, 64 / P.G);
+  P.scale = static_cast<float>(scale);
+  P.qscale = static_cast<float>(scale * 1.4426950408889634);
+  return P;
+}
+
+// Runs f(item) for items 0..n-1 on the intra-op threads, in contiguous ranges of similar
+// cost. Which thread runs an item never changes what it computes.
+template <typename F>
+void run_items(const std::vector<int64_t>& cost, F&& f) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<int64_t> cum(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) cum[i + 1] = cum[i] + std::max<int64_t>(cost[i], 1);
+  std::vector<int64_t> bound(parts + 1, n);
+  bound[0] = 0;
+  for (int64_t p = 1, i = 0; p < parts; ++p) {
+    while (i < n && cum[i] * parts < cum[n] * p) ++i;
+    bound[p] = i;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t i = bound[p]; i < bound[p + 1]; ++i) f(i);
+  });
+}
+
+// Query-block items (b, h, t0) with their cost (keys seen).
+void query_items(const Problem& P, const std::vector<int32_t>& st, std::vector<int64_t>& t0s,
+                 std::vector<int64_t>& cost) {
+  const int64_t off = P.Tk - P.Tq;
+  for (int64_t b = 0; b < P.B; ++b)
+    for (int64_t h = 0; h < P.Hkv; ++h)
+      for (int64_t t0 = 0; t0 < P.Tq; t0 += P.BQ) {
+        const int64_t t1 = std::min(P.Tq, t0 + P.BQ);
+        t0s.push_back((b * P.Hkv + h) * P.Tq + t0);
+        cost.push_back((off + t1 - st[b * P.Tk + off + t0]) * (t1 - t0));
+      }
+}
+
+at::Tensor as_float(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
+at::Tensor kv_major(const at::Tensor& x) { return x.to(at::kFloat).transpose(1, 2).contiguous(); }
+
+// fp32 contiguous buffer the kernel writes for out (out itself when it already is one).
+at::Tensor staging(const at::Tensor& out) {
+  if (out.scalar_type() == at::kFloat && out.is_contiguous()) return out;
+  return at::empty(out.sizes(), out.options().dtype(at::kFloat));
+}
+
+void segment_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const c10::optional<at::Tensor>& start, double scale, at::Tensor o,
+                           at::Tensor lse, at::Tensor psink) {
+  check_inputs(q, k, v, start);
+  Problem P = problem(q, k, scale);
+  check_out(o, q.sizes(), q.scalar_type(), "o");
+  check_out(lse, {P.B, P.Hq, P.Tq}, at::kFloat, "lse");
+  check_out(psink, {P.B, P.Hq, P.Tq}, at::kFloat, "psink");
+  TORCH_CHECK(lse.is_contiguous() && psink.is_contiguous(), "segment_attention_cpu: lse/psink not contiguous");
+  if (P.Tq == 0 || P.Hq == 0 || P.B == 0) return;
+  std::vector<int32_t> st, en;
+  bounds(start, P.B, P.Tk, st, en);
+  const at::Tensor qf = as_float(q), vf = kv_major(v), kt = transposed(k, P.Tkp);
+  P.q = qf.data_ptr<float>();
+  P.v = vf.data_ptr<float>();
+  P.kt = kt.data_ptr<float>();
+  P.start = st.data();
+  P.end = en.data();
+  at::Tensor of = staging(o);
+  float* op = of.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  float* sp = psink.data_ptr<float>();
+  std::vector<int64_t> items, cost;
+  query_items(P, st, items, cost);
+  const Isa& I = isa();
+  run_items(cost, [&](int64_t i) {
+    const int64_t bh = items[i] / P.Tq, t0 = items[i] % P.Tq;
+    I.forward(P, bh / P.Hkv, bh % P.Hkv, t0, std::min(P.Tq, t0 + P.BQ), op, lp, sp);
+  });
+  if (!of.is_same(o)) o.copy_(of);
+}
+
+void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
+                           const c10::optional<at::Tensor>& start, double scale, at::Tensor dq,
+                           at::Tensor dk, at::Tensor dv) {
+  check_inputs(q, k, v, start);
+  Problem P = problem(q, k, scale);
+  TORCH_CHECK(dout.sizes() == q.sizes() && o.sizes() == q.sizes(), "segment_attention_cpu: do/o shape");
+  check_out(lse, {P.B, P.Hq, P.Tq}, at::kFloat, "lse");
+  check_out(dq, q.sizes(), q.scalar_type(), "dq");
+  check_out(dk, k.sizes(), k.scalar_type(), "dk");
+  check_out(dv, v.sizes(), v.scalar_type(), "dv");
+  if (P.B == 0 || P.Hq == 0) return;
+  std::vector<int32_t> st, en;
+  bounds(start, P.B, P.Tk, st, en);
+  const at::Tensor qf = as_float(q), dof = as_float(dout), of = as_float(o), lsef = lse.contiguous();
+  const at::Tensor kf = kv_major(k), kt = transposed(k, P.Tkp), vt = transposed(v, P.Tkp);
+  // delta = rowsum(dO * O), one row per (b, t, head), summed in order
+  std::vector<float> delta(P.B * P.Tq * P.Hq);
+  const float* dp = dof.data_ptr<float>();
+  const float* opf = of.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(delta.size()), 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float s = 0.0f;
+      for (int64_t d = 0; d < P.D; ++d) s += dp[r * P.D + d] * opf[r * P.D + d];
+      delta[r] = s;
+    }
+  });
+  P.q = qf.data_ptr<float>();
+  P.dout = dp;
+  P.k = kf.data_ptr<float>();
+  P.kt = kt.data_ptr<float>();
+  P.vt = vt.data_ptr<float>();
+  P.lse = lsef.data_ptr<float>();
+  P.delta = delta.data();
+  P.start = st.data();
+  P.end = en.data();
+  at::Tensor dqf = staging(dq), dkf = staging(dk), dvf = staging(dv);
+  float* dqp = dqf.data_ptr<float>();
+  float* dkp = dkf.data_ptr<float>();
+  float* dvp = dvf.data_ptr<float>();
+  const Isa& I = isa();
+  if (P.Tq > 0) {
+    std::vector<int64_t> items, cost;
+    query_items(P, st, items, cost);
+    run_items(cost, [&](int64_t i) {
+      const int64_t bh = items[i] / P.Tq, t0 = items[i] % P.Tq;
+      I.dq(P, bh / P.Hkv, bh % P.Hkv, t0, std::min(P.Tq, t0 + P.BQ), dqp);
+    });
+  }
+  // key tiles: (b, h, j0) with the number of queries that see them
+  constexpr int64_t kKeyTile = 32;
+  const int64_t off = P.Tk - P.Tq;
+  std::vector<int64_t> items, cost;
+  for (int64_t b = 0; b < P.B; ++b)
+    for (int64_t h = 0; h < P.Hkv; ++h)
+      for (int64_t j0 = 0; j0 < P.Tk; j0 += kKeyTile) {
+        const int64_t n = std::min(kKeyTile, P.Tk - j0);
+        const int64_t hi = en[b * P.Tk + j0 + n - 1], lo = std::max(j0, off);
+        items.push_back((b * P.Hkv + h) * P.Tk + j0);
+        cost.push_back(n * std::max<int64_t>(0, hi - lo + 1));
+      }
+  run_items(cost, [&](int64_t i) {
+    const int64_t bh = items[i] / P.Tk, j0 = items[i] % P.Tk;
+    I.dkdv(P, bh / P.Hkv, bh % P.Hkv, j0, std::min(kKeyTile, P.Tk - j0), dkp, dvp);
+  });
+  if (!dqf.is_same(dq)) dq.copy_(dqf);
+  if (!dkf.is_same(dk)) dk.copy_(dkf);
+  if (!dvf.is_same(dv)) dv.copy_(dvf);
+}
+
+}  // namespace
+}  // namespace smelt_att
+
+TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {
+  m.def("segment_attention_isa() -> str", &smelt_att::attention_isa);
+  m.def(
+      "segment_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? start, float scale,"
+      " Tensor(a!) o, Tensor(b!) lse, Tensor(c!) psink) -> ()");
+  m.def(
+      "segment_attention_bwd(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,"
+      " Tensor? start, float scale, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(smelt_cpu, CPU, m) {
+  m.impl("segment_attention_fwd", &smelt_att::segment_attention_fwd);
+  m.impl("segment_attention_bwd", &smelt_att::segment_attention_bwd);
+}

@@ -1,0 +1,420 @@
+// The loops of the CPU segment attention (csrc/attention/cpu_attention.cpp), written once with
+// GCC vector types and included once per instruction set: cpu_attention.cpp wraps each
+// inclusion in `#pragma GCC target(...)` and a namespace, and picks one at load time (the
+// extension is built without -march flags). Everything here works on fp32 buffers the
+// caller prepared; see cpu_attention.cpp for the layouts and the scheme.
+//
+// Needs before inclusion: SMELT_ATT_W (widest vector, floats), SMELT_ATT_RA (rows per
+// score micro-tile), SMELT_ATT_RB (rows per accumulate micro-tile), <cstdint>, <cmath>,
+// <algorithm>, and smelt_att::{Problem, Buffers, buffers, grow} (declared outside the
+// target regions, so no library code is compiled for a wider instruction set than this).
+
+template <int W>
+struct Vec {
+  typedef float f __attribute__((vector_size(W * 4)));
+  typedef int32_t i __attribute__((vector_size(W * 4)));
+};
+template <int W>
+using vf = typename Vec<W>::f;
+template <int W>
+using vi = typename Vec<W>::i;
+
+template <int W>
+inline vf<W> load(const float* p) {
+  vf<W> v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+template <int W>
+inline void store(float* p, vf<W> v) {
+  __builtin_memcpy(p, &v, sizeof v);
+}
+template <int W>
+inline vf<W> splat(float s) {
+  return vf<W>{} + s;
+}
+
+// 2^x, relative error about 2e-7; 0 below -126 (so 2^-inf is exactly 0), NaN stays NaN.
+template <int W>
+inline vf<W> exp2v(vf<W> x) {
+  const vf<W> lo = splat<W>(-126.0f);
+  vf<W> xc = x < lo ? lo : x;
+  xc = xc > 127.0f ? splat<W>(127.0f) : xc;
+  const vf<W> r = (xc + 12582912.0f) - 12582912.0f;  // round to nearest
+  const vf<W> f = xc - r;                            // [-0.5, 0.5]
+  vf<W> p = splat<W>(1.5403530393381606e-4f);         // ln2^k / k!, k = 6..0
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const vi<W> e = (__builtin_convertvector(r, vi<W>) + 127) << 23;
+  vf<W> s;
+  __builtin_memcpy(&s, &e, sizeof s);
+  const vf<W> y = p * s;
+  return x < lo ? vf<W>{} : y;
+}
+
+template <int W>
+inline float hmax(vf<W> v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
+  return m;
+}
+template <int W>
+inline float hsum(vf<W> v) {
+  float s = 0.0f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+constexpr int W = SMELT_ATT_W;
+constexpr int CB = 32;  // score columns per micro-tile (keys)
+constexpr int CV = CB / W;
+
+// ---------------------------------------------------------------------- micro-kernels
+// S[r][c] = sum_d A[r][d] * BT[d][c] for R rows and CB columns; A row stride lda, BT row
+// stride ldb, S row stride lds.
+template <int R>
+inline void scores_tile(const float* A, int64_t lda, const float* BT, int64_t ldb, int64_t K,
+                        float* S, int64_t lds) {
+  vf<W> acc[R][CV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CV; ++c) acc[r][c] = vf<W>{};
+  for (int64_t d = 0; d < K; ++d) {
+    vf<W> b[CV];
+    for (int c = 0; c < CV; ++c) b[c] = load<W>(BT + d * ldb + c * W);
+    for (int r = 0; r < R; ++r) {
+      const vf<W> a = splat<W>(A[r * lda + d]);
+      for (int c = 0; c < CV; ++c) acc[r][c] += a * b[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CV; ++c) store<W>(S + r * lds + c * W, acc[r][c]);
+}
+
+template <int R>
+inline void scores_rows(const float* A, int64_t lda, const float* BT, int64_t ldb, int64_t K,
+                        float* S, int64_t lds, int64_t ncb) {
+  for (int64_t cb = 0; cb < ncb; ++cb) scores_tile<R>(A, lda, BT + cb * CB, ldb, K, S + cb * CB, lds);
+}
+
+// S (M x ncb*CB) = A (M x K) @ BT (K x ncb*CB).
+inline void scores(const float* A, int64_t lda, const float* BT, int64_t ldb, int64_t K,
+                   float* S, int64_t lds, int64_t M, int64_t ncb) {
+  constexpr int R = SMELT_ATT_RA;
+  int64_t r = 0;
+  for (; r + R <= M; r += R) scores_rows<R>(A + r * lda, lda, BT, ldb, K, S + r * lds, lds, ncb);
+  const int64_t left = M - r;
+  A += r * lda;
+  S += r * lds;
+  switch (left) {
+#define SMELT_ROWS_CASE(n) \
+  case n:                  \
+    if constexpr (n < R) scores_rows<n>(A, lda, BT, ldb, K, S, lds, ncb); break;
+    SMELT_ROWS_CASE(1) SMELT_ROWS_CASE(2) SMELT_ROWS_CASE(3) SMELT_ROWS_CASE(4)
+    SMELT_ROWS_CASE(5) SMELT_ROWS_CASE(6) SMELT_ROWS_CASE(7)
+#undef SMELT_ROWS_CASE
+    default: break;
+  }
+}
+
+// C[r][0:NV*V] += sum_k A[r*sar + k*sak] * B[k][0:NV*V] for R rows.
+template <int V, int R, int NV>
+inline void acc_tile(const float* A, int64_t sar, int64_t sak, const float* B, int64_t ldb,
+                     int64_t K, float* C, int64_t ldc) {
+  vf<V> acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = load<V>(C + r * ldc + c * V);
+  for (int64_t k = 0; k < K; ++k) {
+    vf<V> b[NV];
+    for (int c = 0; c < NV; ++c) b[c] = load<V>(B + k * ldb + c * V);
+    for (int r = 0; r < R; ++r) {
+      const vf<V> a = splat<V>(A[r * sar + k * sak]);
+      for (int c = 0; c < NV; ++c) acc[r][c] += a * b[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) store<V>(C + r * ldc + c * V, acc[r][c]);
+}
+
+template <int V, int R>
+inline void acc_rows(const float* A, int64_t sar, int64_t sak, const float* B, int64_t ldb,
+                     int64_t K, float* C, int64_t ldc, int64_t D) {
+  constexpr int NV = 4;
+  int64_t d = 0;
+  for (; d + NV * V <= D; d += NV * V) acc_tile<V, R, NV>(A, sar, sak, B + d, ldb, K, C + d, ldc);
+  switch ((D - d) / V) {
+    case 3: acc_tile<V, R, 3>(A, sar, sak, B + d, ldb, K, C + d, ldc); break;
+    case 2: acc_tile<V, R, 2>(A, sar, sak, B + d, ldb, K, C + d, ldc); break;
+    case 1: acc_tile<V, R, 1>(A, sar, sak, B + d, ldb, K, C + d, ldc); break;
+    default: break;
+  }
+}
+
+template <int V>
+inline void accumulate_v(const float* A, int64_t sar, int64_t sak, const float* B, int64_t ldb,
+                         int64_t K, float* C, int64_t ldc, int64_t M, int64_t D) {
+  constexpr int R = SMELT_ATT_RB;
+  int64_t r = 0;
+  for (; r + R <= M; r += R) acc_rows<V, R>(A + r * sar, sar, sak, B, ldb, K, C + r * ldc, ldc, D);
+  A += r * sar;
+  C += r * ldc;
+  switch (M - r) {
+#define SMELT_ROWS_CASE(n) \
+  case n:                  \
+    if constexpr (n < R) acc_rows<V, n>(A, sar, sak, B, ldb, K, C, ldc, D); break;
+    SMELT_ROWS_CASE(1) SMELT_ROWS_CASE(2) SMELT_ROWS_CASE(3) SMELT_ROWS_CASE(4)
+    SMELT_ROWS_CASE(5) SMELT_ROWS_CASE(6) SMELT_ROWS_CASE(7)
+#undef SMELT_ROWS_CASE
+    default: break;
+  }
+}
+
+// C (M x D) += A (M x K, element (r, k) at r*sar + k*sak) @ B (K x D, row stride ldb).
+// D a multiple of 8; widest vectors that divide it.
+inline void accumulate(const float* A, int64_t sar, int64_t sak, const float* B, int64_t ldb,
+                       int64_t K, float* C, int64_t ldc, int64_t M, int64_t D) {
+  if (M <= 0 || K <= 0) return;
+  if constexpr (W > 8) {
+    if (D % W == 0) return accumulate_v<W>(A, sar, sak, B, ldb, K, C, ldc, M, D);
+  }
+  accumulate_v<8>(A, sar, sak, B, ldb, K, C, ldc, M, D);
+}
+
+// ---------------------------------------------------------------------- row helpers
+// Sets S[c] = -inf where key j0 + c is outside [s, p] or c >= n, for ncb*CB columns.
+inline void mask_row(float* S, int64_t ncb, int64_t j0, int64_t s, int64_t p, int64_t n) {
+  vf<W> iota;
+  for (int i = 0; i < W; ++i) iota[i] = static_cast<float>(i);
+  const float lo = static_cast<float>(s - j0), hi = static_cast<float>(std::min(p - j0, n - 1));
+  const vf<W> ninf = splat<W>(-INFINITY);
+  for (int64_t c = 0; c < ncb * CB; c += W) {
+    const vf<W> col = iota + static_cast<float>(c);
+    const vf<W> x = load<W>(S + c);
+    store<W>(S + c, ((col < lo) | (col > hi)) ? ninf : x);
+  }
+}
+
+inline bool needs_mask(int64_t ncb, int64_t j0, int64_t s, int64_t p, int64_t n) {
+  return s > j0 || p < j0 + ncb * CB - 1 || n < ncb * CB;
+}
+
+inline float row_max(const float* S, int64_t ncb) {
+  vf<W> m = load<W>(S);
+  for (int64_t c = W; c < ncb * CB; c += W) {
+    const vf<W> x = load<W>(S + c);
+    m = x > m ? x : m;
+  }
+  return hmax<W>(m);
+}
+
+// S[c] = 2^(S[c] - m); returns the sum.
+inline float exp_row(float* S, int64_t ncb, float m) {
+  vf<W> sum = vf<W>{};
+  for (int64_t c = 0; c < ncb * CB; c += W) {
+    const vf<W> e = exp2v<W>(load<W>(S + c) - m);
+    store<W>(S + c, e);
+    sum += e;
+  }
+  return hsum<W>(sum);
+}
+
+// dS[c] = P[c] * (dP[c] - delta), in place in dP.
+inline void ds_row(const float* P, float* dP, int64_t ncb, float delta) {
+  for (int64_t c = 0; c < ncb * CB; c += W)
+    store<W>(dP + c, load<W>(P + c) * (load<W>(dP + c) - delta));
+}
+
+inline void scale_row(float* x, int64_t n, float a) {
+  for (int64_t i = 0; i < n; i += 8) {
+    vf<8> v = load<8>(x + i);
+    store<8>(x + i, v * a);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t stride_b, int64_t n) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i * stride_b];
+  return s;
+}
+
+// Rows r = (t - t0) * G + g of query positions t0..t1-1 of (b, h), as fp32 times mul.
+inline void gather_rows(const Problem& P, const float* src, int64_t b, int64_t h, int64_t t0,
+                        int64_t t1, float mul, float* dst) {
+  const int64_t G = P.G, D = P.D;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* row = src + ((b * P.Tq + t) * P.Hq + h * G) * D;
+    float* out = dst + (t - t0) * G * D;
+    for (int64_t i = 0; i < G * D; ++i) out[i] = row[i] * mul;
+  }
+}
+
+// Key tiles of the queries t0..t1-1: from the last position down to the first query's
+// segment start, BK keys each (the lowest one partial). Calls f(j0, n, ta, tb) with the
+// tile's keys j0..j0+n-1 and the queries ta..tb-1 whose segment interval meets it.
+template <typename F>
+inline void for_key_tiles(const Problem& P, const int32_t* st, int64_t t0, int64_t t1, F&& f) {
+  const int64_t off = P.Tk - P.Tq, BK = P.BK;
+  const int64_t kbeg = st[off + t0], kend = off + t1;
+  for (int64_t j1 = kend; j1 > kbeg; j1 -= BK) {
+    const int64_t j0 = std::max(kbeg, j1 - BK);
+    int64_t ta = t0, tb = t1;
+    while (ta < t1 && off + ta < j0) ++ta;
+    while (tb > ta && st[off + tb - 1] > j1 - 1) --tb;
+    if (ta < tb) f(j0, j1 - j0, ta, tb);
+  }
+}
+
+// ---------------------------------------------------------------------- forward
+// Queries t0..t1-1 of (b, h): o (fp32, (B, Tq, Hq, D)), lse (natural log) and psink.
+inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, int64_t t1,
+                          float* o, float* lse, float* psink) {
+  const int64_t G = P.G, D = P.D, BK = P.BK, off = P.Tk - P.Tq;
+  const int64_t M = (t1 - t0) * G;
+  Buffers& buf = buffers();
+  float* Q = grow(buf.q, M * D);
+  float* O = grow(buf.o, M * D);
+  float* S = grow(buf.s, M * BK);
+  float* mx = grow(buf.stat1, M);
+  float* l = grow(buf.stat2, M);
+  gather_rows(P, P.q, b, h, t0, t1, P.qscale, Q);
+  std::fill(O, O + M * D, 0.0f);
+  std::fill(mx, mx + M, -INFINITY);
+  std::fill(l, l + M, 0.0f);
+  const int32_t* st = P.start + b * P.Tk;
+  const float* KT = P.kt + (b * P.Hkv + h) * D * P.Tkp;
+  const float* V = P.v + (b * P.Hkv + h) * P.Tk * D;
+  for_key_tiles(P, st, t0, t1, [&](int64_t j0, int64_t n, int64_t ta, int64_t tb) {
+    const int64_t r0 = (ta - t0) * G, r1 = (tb - t0) * G, ncb = (n + CB - 1) / CB;
+    scores(Q + r0 * D, D, KT + j0, P.Tkp, D, S + r0 * BK, BK, r1 - r0, ncb);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t p = off + t0 + r / G, s = st[p];
+      float* Sr = S + r * BK;
+      if (needs_mask(ncb, j0, s, p, n)) mask_row(Sr, ncb, j0, s, p, n);
+      const float m_new = std::max(mx[r], row_max(Sr, ncb));
+      const float alpha = std::exp2(mx[r] - m_new);
+      const float sum = exp_row(Sr, ncb, m_new);
+      l[r] = l[r] * alpha + sum;
+      if (alpha != 1.0f) scale_row(O + r * D, D, alpha);
+      mx[r] = m_new;
+    }
+    accumulate(S + r0 * BK, BK, 1, V + j0 * D, D, n, O + r0 * D, D, r1 - r0, D);
+  });
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t t = t0 + r / G, g = r % G, p = off + t, s = st[p];
+    const float lse2 = mx[r] + std::log2(l[r]);
+    float* out = o + ((b * P.Tq + t) * P.Hq + h * G + g) * D;
+    const float inv = 1.0f / l[r];
+    for (int64_t d = 0; d < D; ++d) out[d] = O[r * D + d] * inv;
+    const int64_t si = (b * P.Hq + h * G + g) * P.Tq + t;
+    lse[si] = lse2 * 0.69314718055994531f;
+    psink[si] = s == p ? 0.0f : std::exp2(dot(Q + r * D, KT + s, P.Tkp, D) - lse2);
+  }
+}
+
+// ---------------------------------------------------------------------- backward
+// Loads, for queries t0..t1-1 of (b, h): Q (scaled by qscale), dO, lse in log2 units and
+// delta = rowsum(dO * O).
+inline void backward_rows(const Problem& P, int64_t b, int64_t h, int64_t t0, int64_t t1,
+                          float* Q, float* dO, float* lse2, float* delta) {
+  const int64_t G = P.G;
+  gather_rows(P, P.q, b, h, t0, t1, P.qscale, Q);
+  gather_rows(P, P.dout, b, h, t0, t1, 1.0f, dO);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = (t - t0) * G + g, hq = h * G + g;
+      lse2[r] = P.lse[(b * P.Hq + hq) * P.Tq + t] * 1.4426950408889634f;
+      delta[r] = P.delta[(b * P.Tq + t) * P.Hq + hq];
+    }
+}
+
+// Probabilities (in S) and dS (in dP) of rows r0..r1-1 against keys j0..j0+n-1.
+inline void probs_and_ds(const Problem& P, const int32_t* st, int64_t tq0, int64_t j0, int64_t n,
+                         int64_t r0, int64_t r1, const float* Q, const float* dO, const float* lse2,
+                         const float* delta, const float* KT, const float* VT, float* S, float* dP) {
+  const int64_t G = P.G, D = P.D, BK = P.BK, off = P.Tk - P.Tq, ncb = (n + CB - 1) / CB;
+  scores(Q + r0 * D, D, KT + j0, P.Tkp, D, S + r0 * BK, BK, r1 - r0, ncb);
+  scores(dO + r0 * D, D, VT + j0, P.Tkp, D, dP + r0 * BK, BK, r1 - r0, ncb);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t p = off + tq0 + r / G, s = st[p];
+    float* Sr = S + r * BK;
+    if (needs_mask(ncb, j0, s, p, n)) mask_row(Sr, ncb, j0, s, p, n);
+    exp_row(Sr, ncb, lse2[r]);
+    ds_row(Sr, dP + r * BK, ncb, delta[r]);
+  }
+}
+
+// dQ of queries t0..t1-1 of (b, h), fp32 (B, Tq, Hq, D).
+inline void dq_block(const Problem& P, int64_t b, int64_t h, int64_t t0, int64_t t1, float* dq) {
+  const int64_t G = P.G, D = P.D, BK = P.BK;
+  const int64_t M = (t1 - t0) * G;
+  Buffers& buf = buffers();
+  float* Q = grow(buf.q, M * D);
+  float* dO = grow(buf.dov, M * D);
+  float* dQ = grow(buf.o, M * D);
+  float* S = grow(buf.s, M * BK);
+  float* dP = grow(buf.dp, M * BK);
+  float* lse2 = grow(buf.stat1, M);
+  float* delta = grow(buf.stat2, M);
+  backward_rows(P, b, h, t0, t1, Q, dO, lse2, delta);
+  std::fill(dQ, dQ + M * D, 0.0f);
+  const int32_t* st = P.start + b * P.Tk;
+  const int64_t kv = (b * P.Hkv + h);
+  const float* KT = P.kt + kv * D * P.Tkp;
+  const float* VT = P.vt + kv * D * P.Tkp;
+  const float* K = P.k + kv * P.Tk * D;
+  for_key_tiles(P, st, t0, t1, [&](int64_t j0, int64_t n, int64_t ta, int64_t tb) {
+    const int64_t r0 = (ta - t0) * G, r1 = (tb - t0) * G;
+    probs_and_ds(P, st, t0, j0, n, r0, r1, Q, dO, lse2, delta, KT, VT, S, dP);
+    accumulate(dP + r0 * BK, BK, 1, K + j0 * D, D, n, dQ + r0 * D, D, r1 - r0, D);
+  });
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t t = t0 + r / G, g = r % G;
+    float* out = dq + ((b * P.Tq + t) * P.Hq + h * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = dQ[r * D + d] * P.scale;
+  }
+}
+
+// dK, dV of keys j0..j0+n-1 of (b, h), fp32 (B, Tk, Hkv, D): every query that sees one of
+// them, BQ positions at a time.
+inline void dkdv_block(const Problem& P, int64_t b, int64_t h, int64_t j0, int64_t n, float* dk,
+                       float* dv) {
+  const int64_t G = P.G, D = P.D, BK = P.BK, BQ = P.BQ, off = P.Tk - P.Tq;
+  Buffers& buf = buffers();
+  float* Q = grow(buf.q, BQ * G * D);
+  float* dO = grow(buf.dov, BQ * G * D);
+  float* S = grow(buf.s, BQ * G * BK);
+  float* dP = grow(buf.dp, BQ * G * BK);
+  float* lse2 = grow(buf.stat1, BQ * G);
+  float* delta = grow(buf.stat2, BQ * G);
+  float* dK = grow(buf.acc1, n * D);
+  float* dV = grow(buf.acc2, n * D);
+  std::fill(dK, dK + n * D, 0.0f);
+  std::fill(dV, dV + n * D, 0.0f);
+  const int32_t* st = P.start + b * P.Tk;
+  const int32_t* en = P.end + b * P.Tk;
+  const int64_t kv = (b * P.Hkv + h);
+  const float* KT = P.kt + kv * D * P.Tkp;
+  const float* VT = P.vt + kv * D * P.Tkp;
+  // queries at positions j0 .. end(last key) see the tile (all others see none of it)
+  const int64_t p_lo = std::max(j0, off), p_hi = std::min<int64_t>(en[j0 + n - 1], P.Tk - 1);
+  for (int64_t pa = p_lo; pa <= p_hi; pa += BQ) {
+    const int64_t t0 = pa - off, t1 = std::min(p_hi + 1, pa + BQ) - off;
+    const int64_t M = (t1 - t0) * G;
+    backward_rows(P, b, h, t0, t1, Q, dO, lse2, delta);
+    probs_and_ds(P, st, t0, j0, n, 0, M, Q, dO, lse2, delta, KT, VT, S, dP);
+    accumulate(S, 1, BK, dO, D, M, dV, D, n, D);  // dV += P^T dO
+    accumulate(dP, 1, BK, Q, D, M, dK, D, n, D);  // dK += dS^T Q (Q carries qscale)
+  }
+  const float kmul = P.scale / P.qscale;
+  for (int64_t j = 0; j < n; ++j) {
+    float* ok = dk + ((b * P.Tk + j0 + j) * P.Hkv + h) * D;
+    float* ov = dv + ((b * P.Tk + j0 + j) * P.Hkv + h) * D;
+    for (int64_t d = 0; d < D; ++d) {
+      ok[d] = dK[j * D + d] * kmul;
+      ov[d] = dV[j * D + d];
+    }
+  }
+}
