@@ -3,7 +3,8 @@
 // C[i][n] = sum_k W[n][k] * X[i][k] for weight rows n (row-major, as stored) and fp32 rows
 // X[i]. On an AVX2 + FMA CPU a tile of 4 weight rows by 3 rows of X keeps 12 accumulators of
 // 8 lanes over K (16-bit weights widened as they are loaded); lanes are summed in a fixed
-// order, the K tail after them. Without AVX2 a plain loop does the same sums. One item runs
+// order, the K tail after them; the first tile of a block prefetches the weight rows two
+// blocks on. Without AVX2 a plain loop does the same sums. One item runs
 // on one thread and each output is summed in one fixed order, so results are bitwise
 // reproducible and independent of the thread count.
 #include "cpu_decode.h"
@@ -59,14 +60,24 @@ SMELT_DECODE_AVX2 inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
 }
 
-template <int NB, int MB, typename ST>
+// Weight rows ahead of the block in use that its first tile prefetches: the rows are short
+// streams that the hardware prefetcher picks up late.
+constexpr int kAheadRows = 8;
+
+template <int NB, int MB, bool Ahead, typename ST>
 SMELT_DECODE_AVX2 void dots_tile(const ST* W, int64_t ldw, int64_t K, const float* X, int64_t ldx, float* C,
                                  int64_t ldc) {
   __m256 acc[NB][MB];
   for (int a = 0; a < NB; ++a)
     for (int b = 0; b < MB; ++b) acc[a][b] = _mm256_setzero_ps();
   const int64_t K8 = K / 8 * 8;
+  constexpr int64_t kLine = 64 / sizeof(ST);  // elements per cache line
   for (int64_t q = 0; q < K8; q += 8) {
+    if constexpr (Ahead) {
+      if (q % kLine == 0)
+        for (int a = 0; a < NB; ++a)
+          _mm_prefetch(reinterpret_cast<const char*>(W + (kAheadRows + a) * ldw + q), _MM_HINT_T0);
+    }
     __m256 wv[NB], xv[MB];
 #pragma GCC unroll 4
     for (int a = 0; a < NB; ++a) wv[a] = load8(W + a * ldw + q);
@@ -88,10 +99,22 @@ SMELT_DECODE_AVX2 void dots_tile(const ST* W, int64_t ldw, int64_t K, const floa
 template <int NB, typename ST>
 SMELT_DECODE_AVX2 void dots_rows(const ST* W, int64_t ldw, int64_t K, const float* X, int64_t ldx, int64_t m,
                                  float* C, int64_t ldc) {
+  // the first tile prefetches the weight rows kAheadRows on (prefetches never fault, so
+  // those past the matrix's end are harmless)
   int64_t i = 0;
-  for (; i + 3 <= m; i += 3) dots_tile<NB, 3>(W, ldw, K, X + i * ldx, ldx, C + i * ldc, ldc);
-  if (m - i == 2) dots_tile<NB, 2>(W, ldw, K, X + i * ldx, ldx, C + i * ldc, ldc);
-  if (m - i == 1) dots_tile<NB, 1>(W, ldw, K, X + i * ldx, ldx, C + i * ldc, ldc);
+  if (m >= 3) {
+    dots_tile<NB, 3, true>(W, ldw, K, X, ldx, C, ldc);
+    i = 3;
+  } else if (m == 2) {
+    dots_tile<NB, 2, true>(W, ldw, K, X, ldx, C, ldc);
+    i = 2;
+  } else if (m == 1) {
+    dots_tile<NB, 1, true>(W, ldw, K, X, ldx, C, ldc);
+    i = 1;
+  }
+  for (; i + 3 <= m; i += 3) dots_tile<NB, 3, false>(W, ldw, K, X + i * ldx, ldx, C + i * ldc, ldc);
+  if (m - i == 2) dots_tile<NB, 2, false>(W, ldw, K, X + i * ldx, ldx, C + i * ldc, ldc);
+  if (m - i == 1) dots_tile<NB, 1, false>(W, ldw, K, X + i * ldx, ldx, C + i * ldc, ldc);
 }
 
 template <typename ST>

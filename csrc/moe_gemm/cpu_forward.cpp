@@ -79,6 +79,9 @@ constexpr int64_t kItemRows = 256;
 // fp32 experts with at most this many bytes of weights run in the rows kernel (cpu_rows.h);
 // larger ones ran faster on the brgemm panels of the portable path.
 constexpr int64_t kRowsKernelBytes = 1024 * 1024;
+// A forward whose items read at most this many bytes of weights in all (a decode step of
+// small experts) runs on the calling thread.
+constexpr int64_t kInlineBytes = 2 * 1024 * 1024;
 
 // The next item's weights are prefetched into L2 while the current item computes when they
 // take at most half of it: at many small experts, streaming each expert's weights from memory
@@ -171,9 +174,7 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
   const int64_t kHid = std::min<int64_t>(de, std::max<int64_t>(16, kPanelBytes / (2 * lda1 * sizeof(CT)) / 16 * 16));
   const int64_t kOut = std::min<int64_t>(H, std::max<int64_t>(64, kPanelBytes / (lda2 * sizeof(CT)) / 64 * 64));
 
-  run_dynamic_ahead<RowState<CT>, CT>(
-      static_cast<int64_t>(items.size()),
-      [&](int64_t it, int64_t nx, RowState<CT>& S) {
+  auto item = [&](int64_t it, int64_t nx, RowState<CT>& S) {
         const Item& I = items[it];
         const int64_t m = I.r1 - I.r0;
         const ST* w1e = w1p + I.e * 2 * de * H;
@@ -247,7 +248,16 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
           }
         }
         S.pf.finish();
-      });
+      };
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  if (n_items * (w1_bytes + w2_bytes) <= kInlineBytes) {
+    // a call this small runs on the calling thread: waking the pool costs more than it saves
+    RowState<CT> S;
+    for (int64_t it = 0; it < n_items; ++it) item(it, it + 1 < n_items ? it + 1 : -1, S);
+    gemm_done<CT>();
+  } else {
+    run_dynamic_ahead<RowState<CT>, CT>(n_items, item);
+  }
   combine<ST>(outp, R.rev.data_ptr<int32_t>(), tw, R.T, k, H, y.data_ptr<ST>());
 }
 
