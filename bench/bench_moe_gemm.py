@@ -2,6 +2,7 @@
 ``torch._grouped_mm`` composite and a dense SwiGLU FFN doing the same FLOPs.
 
     python bench/bench_moe_gemm.py                 # CPU, the default shapes, fp32 and bf16
+    python bench/bench_moe_gemm.py --out           # ... and write bench/results/moe_gemm_cpu.*
     python bench/bench_moe_gemm.py --device cuda   # GPU (paper micro-batch T = 32k)
     python bench/bench_moe_gemm.py --shapes cpu-target --dtypes float32 --modes fwd
 
@@ -23,13 +24,23 @@ a random upstream gradient), ``fwd+bwd`` (a training step of the layer). Each ro
 the dense FFN's (the CPU target is >= 0.8). CPU timings on a shared machine
 are noisy: the implementations of a row are timed round-robin (one call each per round)
 so that load drifts hit them alike; compare ratios within a row, and see p20/p80.
-Results go to ``bench/results/moe_gemm_<device>.{json,md}``.
+
+Decode rows (``--decode-shapes``, CPU): the inference forward at T = 1, 8, 64 tokens
+(``--decode-tokens``), all batch sizes and implementations interleaved, per-token time:
+smelt as selected (experts with at most 16 rows take the few-rows path), smelt with that
+path off (``SMELT_CPU_DECODE=0``: the packed-panel kernels), and the dense FFN of the same
+FLOPs; ``GB/s`` is the bytes of the distinct selected experts' weights over smelt's time.
+
+Nothing is written unless asked: ``--out`` writes ``bench/results/moe_gemm_<device>.{json,md}``
+(``--out DIR``: into DIR), the Markdown with the command that produced it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import statistics
 import sys
 
@@ -37,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import Timing, environment, measure, tflops, write_results  # noqa: E402
+from timing import Timing, environment, markdown_table, measure, tflops, write_results  # noqa: E402
 
 from smelt_kernels import moe_gemm  # noqa: E402
 
@@ -159,9 +170,68 @@ def time_interleaved(steps, device, repeats, min_time_s):
         done = min(len(v) for v in samples.values()) >= repeats
         if done and min(sum(v) for v in samples.values()) >= min_time_s * 1e3:
             break
-        if done and len(samples["smelt"]) >= 50:
+        if done and len(next(iter(samples.values()))) >= 50:
             break
     return {name: _stats(v) for name, v in samples.items()}
+
+
+def _decode_off(fn):
+    """fn with the CPU forward's few-rows path turned off (the packed-panel kernels)."""
+    def run():
+        before = os.environ.get("SMELT_CPU_DECODE")
+        os.environ["SMELT_CPU_DECODE"] = "0"
+        try:
+            fn()
+        finally:
+            if before is None:
+                os.environ.pop("SMELT_CPU_DECODE", None)
+            else:
+                os.environ["SMELT_CPU_DECODE"] = before
+    return run
+
+
+def decode_rows(shape, dtype_name, tokens, args, device):
+    """Per-token inference-forward time at each batch size in ``tokens``, every (batch,
+    implementation) pair timed round-robin in one loop."""
+    H, de, E, k = SHAPES[shape][:4]
+    dtype = DTYPES[dtype_name]
+    steps, meta = {}, {}
+    for T in tokens:
+        inp = make_inputs(H, de, E, k, T, dtype, device, seed=T)
+        args_ = (inp["x"], inp["w1"], inp["w2"], inp["tw"], inp["ids"])
+
+        def smelt(a=args_):
+            with torch.no_grad():
+                moe_gemm.moe_ffn(*a, backend=args.backend, check_values=False)
+
+        def dense(x=inp["x"], w1=inp["dense_w1"], w2=inp["dense_w2"]):
+            with torch.no_grad():
+                dense_ffn(x, w1, w2)
+
+        steps[f"smelt@{T}"] = smelt
+        if device.type == "cpu":
+            steps[f"panels@{T}"] = _decode_off(smelt)
+        if "dense" not in args.skip.split(","):
+            steps[f"dense@{T}"] = dense
+        experts = torch.unique(inp["ids"]).numel()
+        meta[T] = experts * 3 * H * de * inp["w1"].element_size()
+    t = time_interleaved(steps, device, args.repeats, args.min_time)
+    rows = []
+    for T in tokens:
+        s = t[f"smelt@{T}"]
+        row = dict(shape=shape, T=T, H=H, d_e=de, E=E, k=k, dtype=dtype_name, mode="decode",
+                   smelt_ms=s.median_ms, smelt_p20=s.p20_ms, smelt_p80=s.p80_ms, spread=s.spread,
+                   smelt_ms_per_token=s.median_ms / T, gb_per_s=meta[T] / (s.median_ms * 1e-3) / 1e9)
+        for name in ("panels", "dense"):
+            if f"{name}@{T}" in t:
+                o = t[f"{name}@{T}"]
+                row[f"{name}_ms_per_token"] = o.median_ms / T
+                row[f"{name}_spread"] = o.spread
+                row[f"vs_{name}"] = o.median_ms / s.median_ms
+        rows.append(row)
+        print(" ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()),
+              flush=True)
+    return rows
 
 
 class Impl:
@@ -185,7 +255,12 @@ def main(argv=None):
     p.add_argument("--reference-bwd-params", type=float, default=20e6,
                    help="time the reference backward only up to this many expert parameters")
     p.add_argument("--skip", default="", help="comma list of reference,grouped_mm,dense to skip")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--decode-shapes", default="cpu-target,100M-smelt",
+                   help="shapes of the decode rows ('' for none; CPU only)")
+    p.add_argument("--decode-tokens", default="1,8,64", help="batch sizes of the decode rows")
+    p.add_argument("--out", nargs="?", default=None,
+                   const=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                   help="write the results (default folder bench/results); without it, print only")
     p.add_argument("--name", default=None, help="results file stem (default moe_gemm_<device>)")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -195,7 +270,19 @@ def main(argv=None):
     skip = set(filter(None, args.skip.split(",")))
     rows = []
     backend_used = moe_gemm.select_backend(torch.empty(1, 1, device=device), args.backend)
-    for shape in args.shapes.split(","):
+    try:
+        decode_tokens = [int(v) for v in args.decode_tokens.split(",") if v]
+    except ValueError:
+        p.error(f"--decode-tokens must be a comma list of positive ints, got {args.decode_tokens!r}")
+    if any(v <= 0 for v in decode_tokens):
+        p.error(f"--decode-tokens must be positive, got {args.decode_tokens!r}")
+    for name in filter(None, args.shapes.split(",") + args.decode_shapes.split(",")):
+        if name not in SHAPES:
+            p.error(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
+    for name in args.dtypes.split(","):
+        if name not in DTYPES:
+            p.error(f"--dtypes: unknown dtype {name!r} (known: {', '.join(DTYPES)})")
+    for shape in filter(None, args.shapes.split(",")):
         H, de, E, k, t_cpu, t_gpu = SHAPES[shape]
         T = args.tokens or (t_gpu if device.type == "cuda" else t_cpu)
         fl_fwd = 6.0 * T * k * H * de
@@ -237,6 +324,14 @@ def main(argv=None):
                 rows.append(row)
                 print(" ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()),
                       flush=True)
+    decode = []
+    if device.type == "cpu":
+        for shape in filter(None, args.decode_shapes.split(",")):
+            for dname in args.dtypes.split(","):
+                decode += decode_rows(shape, dname, decode_tokens, args, device)
+    if args.out is None:
+        print("(not written: pass --out to write bench/results/)")
+        return
     cols = ["shape", "T", "dtype", "mode", "backend", "smelt_ms", "smelt_tflops", "reference_ms", "vs_reference",
             "grouped_mm_ms", "vs_grouped_mm", "dense_ms", "dense_tflops", "vs_dense"]
     notes = ("vs_X = X time / smelt time (> 1: smelt is faster); vs_dense is smelt's FLOP rate as a "
@@ -244,9 +339,25 @@ def main(argv=None):
              "fwd: no_grad forward; bwd: backward of a retained graph; fwd+bwd: one training step. "
              f"Threads: {torch.get_num_threads()}. Shared CPU machines are noisy: compare ratios "
              "within a row (its implementations are timed round-robin); p20/p80 are in the JSON.")
+    command = "python bench/bench_moe_gemm.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    notes += f"\n\nCommand: `{command.strip()}`"
     name = args.name or f"moe_gemm_{device.type}"
     jpath, mpath = write_results(name, rows, cols, args.out, env=environment(device),
                                  title=f"Grouped top-k MoE GEMMs ({device.type})", notes=notes)
+    if decode:
+        data = json.loads(jpath.read_text())
+        data["decode_rows"] = decode
+        data["command"] = command.strip()
+        jpath.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        dcols = ["shape", "T", "dtype", "smelt_ms", "spread", "smelt_ms_per_token", "gb_per_s",
+                 "panels_ms_per_token", "vs_panels", "dense_ms_per_token", "vs_dense"]
+        with open(mpath, "a") as f:
+            f.write("\n## Decode: inference forward per token by batch size\n\n"
+                    + markdown_table(decode, dcols) + "\n\n"
+                    "smelt: experts with at most 16 rows take the few-rows path; panels: the same "
+                    "op with it off (SMELT_CPU_DECODE=0); dense: a SwiGLU FFN of the same FLOPs. "
+                    "vs_X = X time / smelt time. gb_per_s: bytes of the distinct selected experts' "
+                    "weights / smelt time. spread = (p80 - p20) / median of the samples.\n")
     print(f"wrote {jpath} and {mpath}")
 
 

@@ -8,7 +8,8 @@
 // gradients as GEMMs over the expert's rows (K = rows, reduced in chunk order):
 //   dW1[e][:, cols]   = [dgate, dup]^T @ x[tok][:, cols]
 //   dW2[e][cols, :]^T = (w h)^T @ dy[tok][:, cols]
-// An ordinary expert is one work item (both phases on one thread, its buffers in cache).
+// An ordinary expert is one work item (both phases on one thread, its buffers in cache);
+// threads claim these items one at a time, costliest first.
 // An expert with more rows than a fair share of a thread is done alone with all threads:
 // phase A split by chunks, phase B by column blocks. Each output element is reduced by one
 // thread in a fixed order, so the gradients are bitwise reproducible.
@@ -206,7 +207,14 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
     Scratch<CT> AT;
     Scratch<float> C;
   };
-  run_balanced<State, CT>(cost, [&](int64_t i, State& st) { B.expert(small[i], st.S, st.AT, st.C); });
+  // Threads claim experts one at a time, the costliest first, so that they finish together
+  // whatever the routing; an expert's gradients do not depend on which thread computes them.
+  std::vector<int64_t> by_cost(small.size());
+  for (size_t i = 0; i < small.size(); ++i) by_cost[i] = static_cast<int64_t>(i);
+  std::stable_sort(by_cost.begin(), by_cost.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  run_dynamic_ahead<State, CT>(static_cast<int64_t>(by_cost.size()), [&](int64_t i, int64_t, State& st) {
+    B.expert(small[by_cost[i]], st.S, st.AT, st.C);
+  });
   combine<ST>(B.dxs, rev.data_ptr<int32_t>(), nullptr, T, k, H, dx.data_ptr<ST>());
 }
 

@@ -7,7 +7,9 @@
 //   P[r] = x[tok(r)] @ W1[e]^T                 (pre-activation, kept for backward)
 //   O[r] = (silu(P_gate) * P_up)[r] @ W2[e]^T
 // and then y[t] = sum_j w[t,j] * O[rev(t,j)], a gather-and-sum in slot order (no atomics).
-// In fp32 on an AVX-512 CPU the GEMMs run in the rows kernel of cpu_rows.h on the token rows
+// An expert with at most kDecodeRows rows (decode, small batches) runs the few-rows path of
+// cpu_decode.h: dot products against its weights in place, nothing packed. Otherwise, in
+// fp32 on an AVX-512 CPU the GEMMs run in the rows kernel of cpu_rows.h on the token rows
 // in place; otherwise through the micro-kernel of moe_blas.h on token rows gathered into a
 // cache-resident buffer (the 16-bit types on the matrix unit). Every element is computed by
 // exactly one item in a fixed order, so the results are bitwise reproducible and do not
@@ -18,6 +20,7 @@
 
 #include <string>
 
+#include "cpu_decode.h"
 #include "cpu_plan.h"
 
 namespace smelt_moe {
@@ -76,6 +79,9 @@ constexpr int64_t kItemRows = 256;
 // fp32 experts with at most this many bytes of weights run in the rows kernel (cpu_rows.h);
 // larger ones ran faster on the brgemm panels of the portable path.
 constexpr int64_t kRowsKernelBytes = 1024 * 1024;
+// A forward whose items read at most this many bytes of weights in all (a decode step of
+// small experts) runs on the calling thread.
+constexpr int64_t kInlineBytes = 2 * 1024 * 1024;
 
 // The next item's weights are prefetched into L2 while the current item computes when they
 // take at most half of it: at many small experts, streaming each expert's weights from memory
@@ -162,14 +168,13 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
   const int64_t w2_bytes = H * de * static_cast<int64_t>(sizeof(ST));
   const bool rows_kernel = forward_kernel(H, de, x.scalar_type()) == "rows";
   const bool prefetch = w1_bytes + w2_bytes <= prefetch_limit();
+  const bool decode = use_decode_path();
   // hidden units per up-projection panel (gate and up columns) and output columns per
   // down-projection panel, so that each packed panel stays in L2 however large H and d_e are
   const int64_t kHid = std::min<int64_t>(de, std::max<int64_t>(16, kPanelBytes / (2 * lda1 * sizeof(CT)) / 16 * 16));
   const int64_t kOut = std::min<int64_t>(H, std::max<int64_t>(64, kPanelBytes / (lda2 * sizeof(CT)) / 64 * 64));
 
-  run_dynamic_ahead<RowState<CT>, CT>(
-      static_cast<int64_t>(items.size()),
-      [&](int64_t it, int64_t nx, RowState<CT>& S) {
+  auto item = [&](int64_t it, int64_t nx, RowState<CT>& S) {
         const Item& I = items[it];
         const int64_t m = I.r1 - I.r0;
         const ST* w1e = w1p + I.e * 2 * de * H;
@@ -178,6 +183,11 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
           S.pf.reset(w1p + items[nx].e * 2 * de * H, w1_bytes, w2p + items[nx].e * H * de, w2_bytes);
         else
           S.pf.clear();
+        if (decode && m <= kDecodeRows) {  // few rows: dot products on the weights in place
+          decode_item<ST>(xp, w1e, w2e, order, k, H, de, I.r0, m, prep, outp, &S.pf);
+          S.pf.finish();
+          return;
+        }
         if constexpr (kF32) {
           if (rows_kernel) {
             forward_rows_item(xp, w1e, w2e, order, k, H, de, I, prep, outp, S);
@@ -238,7 +248,16 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
           }
         }
         S.pf.finish();
-      });
+      };
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  if (n_items * (w1_bytes + w2_bytes) <= kInlineBytes) {
+    // a call this small runs on the calling thread: waking the pool costs more than it saves
+    RowState<CT> S;
+    for (int64_t it = 0; it < n_items; ++it) item(it, it + 1 < n_items ? it + 1 : -1, S);
+    gemm_done<CT>();
+  } else {
+    run_dynamic_ahead<RowState<CT>, CT>(n_items, item);
+  }
   combine<ST>(outp, R.rev.data_ptr<int32_t>(), tw, R.T, k, H, y.data_ptr<ST>());
 }
 
