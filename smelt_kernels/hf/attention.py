@@ -161,8 +161,9 @@ def smelt_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         _refuse(f"a sliding window ({sliding_window}) shorter than the {Tk} keys")
     if kwargs.get("position_bias") is not None:
         _refuse("an additive position bias")
-    if value.shape[-1] != D:
-        _refuse(f"a value head dim ({value.shape[-1]}) different from the query's ({D})")
+    Dv = value.shape[-1]
+    if Dv > D:
+        _refuse(f"a value head dim ({Dv}) larger than the query's ({D})")
     if Tq > Tk:
         _refuse(f"more queries ({Tq}) than keys ({Tk})")
 
@@ -188,6 +189,8 @@ def smelt_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
+    if Dv < D:  # e.g. DeepSeek's MLA: zero columns in V give zero columns in the output
+        v = torch.nn.functional.pad(v, (0, D - Dv))
     # the ids above are non-decreasing by construction (cumulative sums of starts)
     out = segment_attention(q, k, v, seg, scale=scaling, check_values=False)
-    return out, None
+    return (out[..., :Dv] if Dv < D else out), None

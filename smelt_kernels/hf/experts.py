@@ -54,11 +54,12 @@ _logged: set[tuple[str, str]] = set()
 _reasons: dict[type, Optional[str]] = {}
 
 
-def set_strict(on: bool = True) -> bool:
-    """Raise instead of falling back (for experts and attention); returns the old setting."""
+def set_strict(on: Optional[bool] = True) -> Optional[bool]:
+    """Raise instead of falling back; ``None`` goes back to ``SMELT_HF_STRICT``.
+    Returns the previous setting (pass it back to restore)."""
     global _strict
-    old = is_strict()
-    _strict = bool(on)
+    old = _strict
+    _strict = None if on is None else bool(on)
     return old
 
 
