@@ -40,16 +40,9 @@ def _refuse(feature: str, hint: str = "") -> None:
 
 # ---------------------------------------------------------------------- segment ids
 def _boundaries_to_ids(new: torch.Tensor) -> torch.Tensor:
-    """new (B, T) bool, True where a segment starts -> non-decreasing ids starting at 0."""
-    new = new.clone()
-    new[:, 0] = False
-    return new.to(torch.int32).cumsum(-1, dtype=torch.int32)
-
-
-def _mask_starts(mask: torch.Tensor) -> torch.Tensor:
-    m = mask.to(torch.bool)
-    prev = torch.cat([m[:, :1], m[:, :-1]], dim=1)
-    return m != prev
+    """new (B, T-1) bool, True where position t+1 starts a segment -> (B, T) ids from 0."""
+    ids = new.to(torch.int32).cumsum(-1, dtype=torch.int32)
+    return torch.cat([torch.zeros_like(ids[:, :1]), ids], dim=1)
 
 
 def segments_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -67,15 +60,13 @@ def segments_from_mask(mask: torch.Tensor) -> torch.Tensor:
         torch._assert_async(~holes.any(), msg)
     elif bool(holes.any()):
         raise ValueError(msg)
-    return _boundaries_to_ids(_mask_starts(m))
+    return _boundaries_to_ids(m[:, 1:] != m[:, :-1])
 
 
 def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) positions -> a new segment wherever the position does not advance by one."""
     p = position_ids
-    new = torch.ones_like(p, dtype=torch.bool)
-    new[:, 1:] = p[:, 1:] != p[:, :-1] + 1
-    return _boundaries_to_ids(new)
+    return _boundaries_to_ids(p[:, 1:] != p[:, :-1] + 1)
 
 
 def segments_from_cu_seqlens(cu: torch.Tensor, length: int) -> torch.Tensor:
@@ -90,9 +81,7 @@ def _union(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[tor
     if a is None or b is None:
         return a if b is None else b
     a, b = torch.broadcast_tensors(a, b)
-    new = torch.zeros_like(a, dtype=torch.bool)
-    new[:, 1:] = (a[:, 1:] != a[:, :-1]) | (b[:, 1:] != b[:, :-1])
-    return _boundaries_to_ids(new)
+    return _boundaries_to_ids((a[:, 1:] != a[:, :-1]) | (b[:, 1:] != b[:, :-1]))
 
 
 # ---------------------------------------------------------------------- mask interface
