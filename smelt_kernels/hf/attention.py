@@ -111,8 +111,6 @@ def smelt_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offse
                          kv_offset: int = 0, mask_function=None,
                          attention_mask: Optional[torch.Tensor] = None, **kwargs):
     """``AttentionMaskInterface`` entry: hand the 2-D padding mask through (or None)."""
-    from transformers import masking_utils as mu
-
     if isinstance(q_offset, torch.Tensor) or (isinstance(kv_offset, torch.Tensor)):
         _refuse("caches with tensor offsets (e.g. StaticCache)", "use DynamicCache")
     if kv_offset != 0 or q_offset + q_length != kv_length:
@@ -172,7 +170,9 @@ def smelt_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         seg = _union(seg, segments_from_cu_seqlens(cu, Tk))
     else:
         pos = kwargs.get("position_ids")
-        if pos is not None and Tq == Tk and Tq > 1:
+        if pos is not None and pos.dim() == 3:  # multimodal RoPE (3, B, T): text positions
+            pos = pos[0]
+        if pos is not None and Tq == Tk and Tq > 1 and pos.shape[-1] == Tk:
             seg = _union(seg, segments_from_positions(pos.expand(B, -1)))
 
     q = query.transpose(1, 2)

@@ -164,3 +164,11 @@ def test_registered_under_smelt():
     assert sh.register() == "smelt"
     assert ALL_EXPERTS_FUNCTIONS["smelt"] is sh.smelt_experts_forward
     assert AttentionInterface()["smelt"] is sh.smelt_attention_forward
+    from transformers import AutoModelForCausalLM
+
+    from hf_testutil import config
+
+    model = AutoModelForCausalLM.from_config(config("olmoe"), experts_implementation="smelt",
+                                             attn_implementation="smelt")
+    assert model.config._experts_implementation == "smelt"
+    assert model.config._attn_implementation == "smelt"
