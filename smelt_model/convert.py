@@ -43,13 +43,14 @@ LAYER_KEYS: dict[str, tuple[str, ...]] = {
     "self_attn.k_proj.weight": ("attn.wk.weight", "attn.k_proj.weight", "self_attn.k_proj.weight"),
     "self_attn.v_proj.weight": ("attn.wv.weight", "attn.v_proj.weight", "self_attn.v_proj.weight"),
     "self_attn.o_proj.weight": ("attn.wo.weight", "attn.o_proj.weight", "self_attn.o_proj.weight"),
-    "post_attention_layernorm.weight": ("moe_norm.weight", "post_attention_layernorm.weight"),
+    "post_attention_layernorm.weight": ("moe_norm.weight", "post_attention_layernorm.weight",
+                                        "mlp_norm.weight", "ffn_norm.weight"),
     "mlp.gate.weight": ("moe.router.weight", "moe.gate.weight", "mlp.gate.weight",
-                        "moe.router.linear.weight"),
+                        "mlp.router.weight", "moe.router.linear.weight"),
     "mlp.experts.gate_up_proj": ("moe.w1", "moe.gate_up_proj", "moe.experts.gate_up_proj",
-                                 "mlp.experts.gate_up_proj"),
+                                 "mlp.experts.gate_up_proj", "mlp.gate_up_proj"),
     "mlp.experts.down_proj": ("moe.w2", "moe.down_proj", "moe.experts.down_proj",
-                              "mlp.experts.down_proj"),
+                              "mlp.experts.down_proj", "mlp.down_proj"),
 }
 #: outside the layers: Mixtral name -> smelt names
 TOP_KEYS: dict[str, tuple[str, ...]] = {
@@ -138,14 +139,24 @@ def config_to_hf(cfg: ModelConfig, max_position_embeddings: int = 32768, **overr
 
 # ---------------------------------------------------------------------- tensor names
 def _layer_prefixes(model) -> list[str]:
-    """The state-dict prefix of each physical layer of a SmeltLM, in layer order."""
+    """The state-dict prefix of each physical layer of a SmeltLM, in layer order: from
+    ``model.layer(i)`` when the model has it, else the modules holding an attention norm
+    (prelude, span and coda are registered in layer order)."""
     names = {id(m): n for n, m in model.named_modules()}
-    out = []
-    for i in range(model.cfg.n_layers):
-        block = model.layer(i)
-        if id(block) not in names:
-            raise ValueError(f"convert: physical layer {i} is not a submodule of the model")
-        out.append(names[id(block)] + ".")
+    L = model.cfg.n_layers
+    if hasattr(model, "layer"):
+        out = []
+        for i in range(L):
+            block = model.layer(i)
+            if id(block) not in names:
+                raise ValueError(f"convert: physical layer {i} is not a submodule of the model")
+            out.append(names[id(block)] + ".")
+        return out
+    sd = model.state_dict()
+    norms = LAYER_KEYS["input_layernorm.weight"]
+    out = [n + "." for n in names.values() if n and any(f"{n}.{c}" in sd for c in norms)]
+    if len(out) != L:
+        raise ValueError(f"convert: found {len(out)} blocks in the model, its config has {L}")
     return out
 
 

@@ -196,6 +196,7 @@ def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
         device=str(device), device_name=(torch.cuda.get_device_name(device)
                                          if device.type == "cuda" else _cpu_name()),
         cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
+        load_average=round(os.getloadavg()[0], 1) if hasattr(os, "getloadavg") else None,
         python=platform.python_version(), torch=torch.__version__,
         transformers=transformers.__version__, dtype=str(shape["dtype"]),
         smelt_moe_backend=moe_backend(probe, None), smelt_attention_backend=attn_backend(q, None),
@@ -225,7 +226,8 @@ def markdown(result: dict) -> str:
     s = env["shape"]
     m = s["model"]
     head = (f"# smelt inside transformers ({env['device']})\n\n"
-            f"{env['date']} · {env['device_name']} · {env['torch_threads']} threads · torch "
+            f"{env['date']} · {env['device_name']} · {env['torch_threads']} threads (load "
+            f"average {env.get('load_average')}) · torch "
             f"{env['torch']} · transformers {env['transformers']} · {env['dtype']} · smelt "
             f"backends: moe {env['smelt_moe_backend']}, attention "
             f"{env['smelt_attention_backend']}\n\n"

@@ -28,7 +28,7 @@ def test_memory_estimate_guards_large_shapes():
 
 def test_markdown_has_a_row_per_measurement():
     env = dict(date="d", device="cpu", device_name="x", torch_threads=1, torch="t",
-               transformers="5", dtype="float32", smelt_moe_backend="cpu",
+               load_average=1.0, transformers="5", dtype="float32", smelt_moe_backend="cpu",
                smelt_attention_backend="cpu", shape=dict(bench.SHAPES["cpu"], dtype="float32"))
     row = {c: 1.0 for c in bench.COLUMNS}
     text = bench.markdown(dict(environment=env, rows=[row, row]))
