@@ -256,6 +256,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch (default: torch's own choice); on a shared "
+                         "machine 1 avoids threads waiting on each other")
     ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run")
     ap.add_argument("--out", default=None, help="folder for hf_bench_<device>.json/.md")
     args = ap.parse_args(argv)
@@ -270,6 +273,10 @@ def main(argv=None) -> int:
         _fail("--device cuda asked for, but no CUDA device is available")
     if args.repeats < 1 or args.warmup < 0:
         _fail("--repeats must be >= 1 and --warmup >= 0")
+    if args.threads is not None:
+        if args.threads < 1:
+            _fail("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
     result = run(torch.device(dev), args.repeats, args.warmup, args.quick)
     text = markdown(result)
     print(text)
