@@ -226,7 +226,7 @@ def markdown(result: dict) -> str:
     s = env["shape"]
     m = s["model"]
     head = (f"# smelt inside transformers ({env['device']})\n\n"
-            f"{env['date']} · {env['device_name']} · {env['torch_threads']} threads (load "
+            f"{env['date']} · {env['device_name']} · {env['torch_threads']} thread(s) (load "
             f"average {env.get('load_average')}) · torch "
             f"{env['torch']} · transformers {env['transformers']} · {env['dtype']} · smelt "
             f"backends: moe {env['smelt_moe_backend']}, attention "
