@@ -1,0 +1,62 @@
+"""smelt as a backend of Hugging Face transformers (5.x).
+
+    import smelt_kernels.hf            # registers "smelt" (or call smelt_kernels.hf.register())
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="smelt",
+                                             attn_implementation="smelt")
+    model.set_experts_implementation("smelt"); model.set_attn_implementation("smelt")
+
+``"smelt"`` lands in three of transformers' registries: ``ExpertsInterface``
+(:mod:`.experts`: the routed SwiGLU experts on :func:`smelt_kernels.moe_gemm.moe_ffn`),
+``AttentionInterface`` (:mod:`.attention`: :func:`smelt_kernels.attention.segment_attention`
+with padding-free packing) and ``AttentionMaskInterface`` (hands the 2-D padding mask to the
+attention function instead of building a 4-D one). Experts the kernel cannot serve fall
+back to transformers' eager path with one log line (``smelt.hf`` logger); attention
+features it does not have raise a ``ValueError`` naming them. :func:`set_strict` (or
+``SMELT_HF_STRICT=1``) turns the experts fallback into an error.
+
+transformers is an optional dependency (``pip install -e ".[hf]"``); importing this package
+without it raises an ``ImportError`` that says so.
+"""
+
+from __future__ import annotations
+
+try:
+    import transformers as _transformers
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("smelt_kernels.hf needs transformers 5.x: pip install -e \".[hf]\"") from e
+
+from .attention import smelt_attention_forward, smelt_attention_mask
+from .experts import (SUPPORTED_FAMILIES, UnsupportedExperts, is_strict, set_strict,
+                      smelt_experts_forward, unsupported_reason)
+
+__all__ = ["NAME", "register", "set_strict", "is_strict", "unsupported_reason",
+           "UnsupportedExperts", "SUPPORTED_FAMILIES", "smelt_experts_forward",
+           "smelt_attention_forward", "smelt_attention_mask"]
+
+NAME = "smelt"
+#: the transformers releases this integration was written and tested against
+TESTED = ("5.0", "6.0")
+
+
+def _check_version() -> None:
+    major = int(_transformers.__version__.split(".")[0])
+    if major != 5:
+        raise ImportError(f"smelt_kernels.hf supports transformers 5.x, found "
+                          f"{_transformers.__version__}")
+
+
+def register(name: str = NAME) -> str:
+    """Register ``name`` (default ``"smelt"``) in transformers' experts, attention and
+    attention-mask interfaces; idempotent. Returns the name."""
+    _check_version()
+    from transformers import AttentionInterface
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    ExpertsInterface.register(name, smelt_experts_forward)
+    AttentionInterface.register(name, smelt_attention_forward)
+    AttentionMaskInterface.register(name, smelt_attention_mask)
+    return name
+
+
+register()

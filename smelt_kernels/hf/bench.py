@@ -1,0 +1,293 @@
+"""Benchmark smelt inside transformers: ``python -m smelt_kernels.hf.bench``.
+
+Builds a small Mixtral-shaped ``MixtralForCausalLM`` from a config (random O(1)-scale
+weights; nothing downloads) and times, on one model whose implementations are switched
+between calls, a training step (zero_grad, forward with labels, backward; no optimizer)
+and greedy generation (prompt, then new tokens with transformers' DynamicCache) for:
+
+    experts eager      + attention sdpa     (transformers' reference loop)
+    experts grouped_mm + attention sdpa     (transformers' fast path)
+    experts smelt      + attention sdpa
+    experts smelt      + attention smelt
+
+Calls are interleaved round-robin (A, B, C, D, A, B, ...) after a warm-up, so machine drift
+hits all alike; the table gives medians, the 20-80% spread and each row's speed-up over
+the grouped_mm + sdpa row. Before timing, the smelt rows' logits are checked against the
+eager row's. CPU by default (fp32); ``--device cuda`` (bf16, a larger model) when a GPU is
+there. ``--out DIR`` writes ``hf_bench_<device>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+CONFIGS = (("eager", "sdpa"), ("grouped_mm", "sdpa"), ("smelt", "sdpa"), ("smelt", "smelt"))
+BASELINE = ("grouped_mm", "sdpa")
+
+#: model and workload per device: Mixtral geometry, scaled down
+SHAPES = {
+    "cpu": dict(model=dict(vocab_size=2048, hidden_size=256, intermediate_size=384,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                           head_dim=32, num_local_experts=8, num_experts_per_tok=2),
+                batch=2, seq=128, prompt=32, new_tokens=8, dtype=torch.float32),
+    "cuda": dict(model=dict(vocab_size=32000, hidden_size=1024, intermediate_size=1408,
+                            num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                            head_dim=64, num_local_experts=16, num_experts_per_tok=2),
+                 batch=8, seq=2048, prompt=256, new_tokens=64, dtype=torch.bfloat16),
+}
+MEMORY_LIMIT_BYTES = 8 * 2 ** 30
+
+
+def _fail(msg: str) -> "None":
+    print(f"smelt_kernels.hf.bench: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def build_model(shape: dict, device: torch.device, seed: int = 0):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(**shape["model"], max_position_embeddings=8192,
+                        tie_word_embeddings=False, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(cfg)
+    with torch.no_grad():  # O(1)-scale weights: routing that is not near uniform
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+    return model.to(device=device, dtype=shape["dtype"])
+
+
+def estimate_bytes(shape: dict) -> int:
+    m = shape["model"]
+    H, L, E, de, V = (m["hidden_size"], m["num_hidden_layers"], m["num_local_experts"],
+                      m["intermediate_size"], m["vocab_size"])
+    qkv = H * m["head_dim"] * (2 * m["num_attention_heads"] + 2 * m["num_key_value_heads"])
+    params = L * (qkv + E * 3 * H * de + E * H) + 2 * V * H
+    elem = torch.finfo(shape["dtype"]).bits // 8
+    tokens = shape["batch"] * shape["seq"]
+    acts = tokens * L * (16 * H + 2 * m["num_experts_per_tok"] * 3 * de) * 4 + tokens * V * 8
+    return 2 * params * elem + acts
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int,
+                repeats: int, label: str) -> dict[str, list[float]]:
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+        print(f"  {label}: round {r + 1}/{repeats}", file=sys.stderr, flush=True)
+    return samples
+
+
+def _q(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
+    import transformers
+
+    import smelt_kernels.hf  # noqa: F401  (registers "smelt")
+    from smelt_kernels.attention import select_backend as attn_backend
+    from smelt_kernels.moe_gemm import select_backend as moe_backend
+
+    shape = dict(SHAPES[device.type])
+    if quick:
+        shape.update(batch=1, seq=64, prompt=16, new_tokens=4)
+        shape["model"] = dict(shape["model"], num_hidden_layers=2)
+    need = estimate_bytes(shape)
+    if need > MEMORY_LIMIT_BYTES:
+        _fail(f"the benchmark model needs about {need / 2**30:.1f} GiB, over the "
+              f"{MEMORY_LIMIT_BYTES / 2**30:.0f} GiB this command allows itself")
+    print(f"building a Mixtral-shaped model on {device} ({shape['dtype']})", file=sys.stderr)
+    model = build_model(shape, device)
+    V = shape["model"]["vocab_size"]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (shape["batch"], shape["seq"]), generator=g).to(device)
+    prompt = torch.randint(3, V, (1, shape["prompt"]), generator=g).to(device)
+
+    def use(experts: str, attn: str):
+        model.set_experts_implementation(experts)
+        model.set_attn_implementation(attn)
+
+    # the smelt rows must compute what the eager row computes
+    with torch.no_grad():
+        use("eager", "eager")
+        ref = model(ids[:1, :64], use_cache=False).logits.float()
+        checks = {}
+        for experts, attn in CONFIGS:
+            use(experts, attn)
+            got = model(ids[:1, :64], use_cache=False).logits.float()
+            checks[f"{experts}+{attn}"] = float((got - ref).abs().max() / ref.abs().max())
+
+    def train_step(experts: str, attn: str):
+        def fn():
+            use(experts, attn)
+            model.zero_grad(set_to_none=True)
+            model(ids, labels=ids, use_cache=False).loss.backward()
+        return fn
+
+    def generate(experts: str, attn: str):
+        def fn():
+            use(experts, attn)
+            with torch.no_grad():
+                return model.generate(prompt, max_new_tokens=shape["new_tokens"],
+                                      min_new_tokens=shape["new_tokens"], do_sample=False,
+                                      pad_token_id=0)
+        return fn
+
+    # greedy tokens agree between the rows (reported, not asserted: bf16 may flip a near tie)
+    outs = {f"{e}+{a}": generate(e, a)() for e, a in CONFIGS}
+    base_tokens = outs["eager+sdpa"]
+    same_tokens = {k: bool(torch.equal(v, base_tokens)) for k, v in outs.items()}
+
+    rows = []
+    tokens = shape["batch"] * shape["seq"]
+    for task, maker, n_tok in (("train step", train_step, tokens),
+                               ("greedy generate", generate, shape["new_tokens"])):
+        fns = {f"{e}+{a}": maker(e, a) for e, a in CONFIGS}
+        samples = interleaved(fns, device, warmup, repeats, task)
+        base = statistics.median(samples["+".join(BASELINE)])
+        for (experts, attn) in CONFIGS:
+            name = f"{experts}+{attn}"
+            xs = samples[name]
+            med = statistics.median(xs)
+            rows.append(dict(
+                task=task, experts=experts, attention=attn, median_ms=med,
+                p20_ms=_q(xs, 0.2), p80_ms=_q(xs, 0.8),
+                spread=(_q(xs, 0.8) - _q(xs, 0.2)) / med, repeats=len(xs),
+                tokens_per_s=n_tok / (med / 1e3), speedup_vs_grouped_mm=base / med,
+                max_rel_logit_diff_vs_eager=checks[name], same_greedy_tokens=same_tokens[name],
+            ))
+    probe = torch.empty(1, shape["model"]["hidden_size"], device=device, dtype=shape["dtype"])
+    q = torch.empty(1, 1, 1, shape["model"]["head_dim"], device=device, dtype=shape["dtype"])
+    env = dict(
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        device=str(device), device_name=(torch.cuda.get_device_name(device)
+                                         if device.type == "cuda" else _cpu_name()),
+        cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
+        load_average=round(os.getloadavg()[0], 1) if hasattr(os, "getloadavg") else None,
+        python=platform.python_version(), torch=torch.__version__,
+        transformers=transformers.__version__, dtype=str(shape["dtype"]),
+        smelt_moe_backend=moe_backend(probe, None), smelt_attention_backend=attn_backend(q, None),
+        shape={k: (str(v) if k == "dtype" else v) for k, v in shape.items()},
+    )
+    return dict(environment=env, rows=rows)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+COLUMNS = ("task", "experts", "attention", "median_ms", "p20_ms", "p80_ms", "spread",
+           "tokens_per_s", "speedup_vs_grouped_mm", "max_rel_logit_diff_vs_eager",
+           "same_greedy_tokens")
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    s = env["shape"]
+    m = s["model"]
+    head = (f"# smelt inside transformers ({env['device']})\n\n"
+            f"{env['date']} · {env['device_name']} · {env['torch_threads']} thread(s) (load "
+            f"average {env.get('load_average')}) · torch "
+            f"{env['torch']} · transformers {env['transformers']} · {env['dtype']} · smelt "
+            f"backends: moe {env['smelt_moe_backend']}, attention "
+            f"{env['smelt_attention_backend']}\n\n"
+            f"MixtralForCausalLM from a config: H={m['hidden_size']}, L={m['num_hidden_layers']}, "
+            f"heads {m['num_attention_heads']}/{m['num_key_value_heads']}x{m['head_dim']}, "
+            f"{m['num_local_experts']} experts top-{m['num_experts_per_tok']}, "
+            f"d_e={m['intermediate_size']}, vocab {m['vocab_size']}. Train step: batch "
+            f"{s['batch']} x {s['seq']} tokens, forward + backward. Generate: prompt "
+            f"{s['prompt']}, {s['new_tokens']} new tokens, greedy, DynamicCache. Interleaved "
+            f"calls; medians in ms, spread = (p80 - p20) / median.\n\n")
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in result["rows"]:
+        lines.append("| " + " | ".join(fmt(r[c]) for c in COLUMNS) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m smelt_kernels.hf.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch (default: torch's own choice); on a shared "
+                         "machine 1 avoids threads waiting on each other")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run")
+    ap.add_argument("--out", default=None, help="folder for hf_bench_<device>.json/.md")
+    args = ap.parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        _fail("transformers is not installed (pip install -e '.[hf]')")
+    dev = args.device or "cpu"
+    if dev not in ("cpu", "cuda"):
+        _fail(f"--device must be cpu or cuda, got {dev!r}")
+    if dev == "cuda" and not torch.cuda.is_available():
+        _fail("--device cuda asked for, but no CUDA device is available")
+    if args.repeats < 1 or args.warmup < 0:
+        _fail("--repeats must be >= 1 and --warmup >= 0")
+    if args.threads is not None:
+        if args.threads < 1:
+            _fail("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    result = run(torch.device(dev), args.repeats, args.warmup, args.quick)
+    text = markdown(result)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"hf_bench_{dev}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / f"hf_bench_{dev}.md").write_text(text)
+        print(f"wrote {out / f'hf_bench_{dev}.json'} and .md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

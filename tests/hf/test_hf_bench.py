@@ -1,0 +1,35 @@
+"""The benchmark command: bad arguments give one line on stderr and exit 2; the table
+renders every row. (Timings themselves are not tested.)"""
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+
+from smelt_kernels.hf import bench  # noqa: E402
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_bad_arguments_fail_with_one_line(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0]
+
+
+def test_memory_estimate_guards_large_shapes():
+    big = dict(bench.SHAPES["cpu"], batch=512, seq=8192)
+    assert bench.estimate_bytes(big) > bench.MEMORY_LIMIT_BYTES
+    assert bench.estimate_bytes(bench.SHAPES["cpu"]) < bench.MEMORY_LIMIT_BYTES
+
+
+def test_markdown_has_a_row_per_measurement():
+    env = dict(date="d", device="cpu", device_name="x", torch_threads=1, torch="t",
+               load_average=1.0, transformers="5", dtype="float32", smelt_moe_backend="cpu",
+               smelt_attention_backend="cpu", shape=dict(bench.SHAPES["cpu"], dtype="float32"))
+    row = {c: 1.0 for c in bench.COLUMNS}
+    text = bench.markdown(dict(environment=env, rows=[row, row]))
+    assert text.count("\n| 1 |") == 2
