@@ -36,7 +36,6 @@ How it measures, and why:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -49,7 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import (Timing, available_memory, environment, measure, measure_parts,  # noqa: E402
-                    merge)
+                    merge, peak_rss, release_memory)
 
 from smelt_model import budget, presets  # noqa: E402
 from smelt_model.config import ModelConfig  # noqa: E402
@@ -432,7 +431,8 @@ def measure_block(cfg: ModelConfig, wl: Workload, args, device, dtype, modes, fi
             del fn, step
             bar.update(1)
     del model
-    gc.collect()
+    release_memory()
+    out["peak_rss_bytes"] = peak_rss()
     return out
 
 
@@ -471,7 +471,7 @@ def run_pair(args) -> dict[str, Any]:
         for a in (ARCHS if r % 2 == 0 else ARCHS[::-1]):
             bar.set_postfix_str(f"round {r + 1}/{args.rounds}: {a}")
             blocks[a].append(measure_block(cfgs[a], wl, args, device, dtype, modes,
-                                           first=r < 2, bar=bar))
+                                           first=r == 0, bar=bar))
     bar.close()
     results: dict[str, Any] = {"arch": {}}
     for a in ARCHS:
@@ -479,6 +479,7 @@ def run_pair(args) -> dict[str, Any]:
         res = {"config": cfgs[a].to_dict(), "ledger": leds[a].__dict__,
                "params_total": first["params_total"], "params_active": first["params_active"],
                "memory_estimate_bytes": est[a], "backend_requested": args.backend,
+               "peak_rss_bytes": [b["peak_rss_bytes"] for b in blocks[a]],
                "backends_available": bk.report(device)}
         for mode in ("train", "prefill"):
             if mode in modes:
@@ -630,7 +631,9 @@ def format_tables(res: dict[str, Any]) -> str:
           f"{sch['repeats_per_block']} timed repeats per block")
     arch = res["arch"]
     est = [sum(arch[a]["memory_estimate_bytes"].values()) / GiB for a in ARCHS]
-    print(f"memory estimate: baseline {est[0]:.2f} GiB, smelt {est[1]:.2f} GiB")
+    rss = [max((x or 0) for x in arch[a].get("peak_rss_bytes", [0])) / GiB for a in ARCHS]
+    print(f"memory estimate: baseline {est[0]:.2f} GiB, smelt {est[1]:.2f} GiB; process peak "
+          f"RSS after their blocks {rss[0]:.2f} / {rss[1]:.2f} GiB")
     for mode, rows in res["summary"].items():
         print("")
         print(f"== {mode} ==")

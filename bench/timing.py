@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 __all__ = ["Timing", "PartsTiming", "measure", "measure_interleaved", "measure_parts", "merge",
-           "available_memory", "environment", "write_results", "markdown_table", "tflops"]
+           "available_memory", "peak_rss", "release_memory", "environment", "write_results", "markdown_table", "tflops"]
 
 
 @dataclass
@@ -241,6 +241,31 @@ def available_memory(device: Optional[torch.device | str] = None) -> Optional[in
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def peak_rss() -> Optional[int]:
+    """This process's peak resident memory so far (bytes; Linux ``VmHWM``), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the system (glibc ``malloc_trim``),
+    so that the next model built does not sit on top of the last one's freed memory."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def tflops(flops: float, ms: float) -> float:

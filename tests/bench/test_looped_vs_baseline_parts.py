@@ -67,13 +67,18 @@ def _t(ms):
     return timing._timing([ms * 0.98, ms, ms * 1.02])
 
 
+@pytest.fixture(autouse=True)
+def _any_memory(monkeypatch):
+    monkeypatch.setattr(lvb, "available_memory", lambda device=None: None)
+
+
 def _fake_block(fractions):
     """A measure_block stand-in: components at ``fractions[arch]`` of a 100 ms step."""
     def block(cfg, wl, args, device, dtype, modes, first, bar):
         arch = "smelt" if cfg.loop is not None else "baseline"
         frac = fractions[arch]
         names = ("attention", "moe_gemm", "routing", "norms", "embed_head")
-        out = {"params_total": 1, "params_active": 1}
+        out = {"params_total": 1, "params_active": 1, "peak_rss_bytes": 2**30}
         for mode in ("train", "prefill"):
             parts = {n: _t(100.0 * frac / len(names)) for n in names}
             counts = {n: 1 for n in names}
