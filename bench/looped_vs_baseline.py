@@ -56,6 +56,7 @@ from smelt_model.config import ModelConfig  # noqa: E402
 MODES = ("train", "prefill", "decode")
 ARCHS = ("baseline", "smelt")
 GiB = 2**30
+RUNTIME_BYTES = 3 * GiB // 4  # torch, its libraries and the extensions, resident
 
 
 class UsageError(ValueError):
@@ -152,7 +153,9 @@ def estimate_memory(cfg: ModelConfig, wl: Workload, args, dtype_bytes: int) -> d
     Weights; for training their gradients and AdamW's two moments; activations kept for
     backward (calibrated on the tiny pair against ``executor.activation_memory``, about 1.4x
     the saved bytes, to cover the temporaries beside them) and the logits with their fp32
-    copies; the largest decode batch's KV cache.
+    copies; the largest decode batch's KV cache; a workspace of four layers' experts when
+    training; the runtime itself (torch, the extensions). On the 100M pairs at 512 tokens
+    it is within 5% of the measured peak RSS of a training step.
     """
     modes = MODES if args.mode == "all" else (args.mode,)
     led = budget.ledger(cfg, wl.mean_doc_len, wl.seq_len, kv_dtype_bytes=dtype_bytes)
@@ -173,6 +176,9 @@ def estimate_memory(cfg: ModelConfig, wl: Workload, args, dtype_bytes: int) -> d
         "optimizer": 2 * n * dtype_bytes if train else 0,
         "activations": tokens * layers * per_layer * dtype_bytes + logits,
         "kv_cache": kv,
+        # the MoE backward's expert gradients before they accumulate, AdamW's temporaries
+        "workspace": 4 * cfg.n_experts * 3 * H * cfg.expert_size * dtype_bytes if train else 0,
+        "runtime": RUNTIME_BYTES,
     }
 
 

@@ -80,10 +80,10 @@ def test_memory_estimate_of_the_100m_pair():
         assert est["optimizer"] == 8 * n  # AdamW: two moments
         assert 0 < est["activations"] < est["weights"] and est["kv_cache"] > 0
         # one model at a time: the pair fits the 16 GB the benchmark promises
-        assert 10 * GiB < sum(est.values()) < 15 * GiB
+        assert 10 * GiB < sum(est.values()) < 15.5 * GiB
     prefill = lvb.parse_args(["--preset", "100M-S85", "--tokens", "512", "--mode", "prefill"])
     est = lvb.estimate_memory(lvb.presets.pair("100M-S85")[0], wl, prefill, 4)
-    assert est["gradients"] == est["optimizer"] == est["kv_cache"] == 0
+    assert est["gradients"] == est["optimizer"] == est["kv_cache"] == est["workspace"] == 0
 
 
 def test_refuses_a_preset_that_does_not_fit(capsys, monkeypatch, nothing_runs):

@@ -47,7 +47,8 @@ def test_json_has_every_field(result):
         assert set(a["prefill"]["components_ms"]) == {"attention", "moe_gemm", "routing",
                                                        "norms", "embed_head"}
         assert set(a["memory_estimate_bytes"]) == {"weights", "gradients", "optimizer",
-                                                   "activations", "kv_cache"}
+                                                   "activations", "kv_cache", "workspace",
+                                                   "runtime"}
         d = a["decode"]["batch2"]
         assert d["bytes_per_token"] == pytest.approx(d["bytes_per_step"] / 2)
         assert d["gb_per_s"] == pytest.approx(
