@@ -3,6 +3,10 @@
 * :func:`measure` times a callable with warm-up and repeats and returns a :class:`Timing`
   (median and 20/80 percentiles, in milliseconds). On CUDA it uses CUDA events around each
   call (after a synchronising warm-up); on the CPU, ``time.perf_counter``.
+* :func:`measure_parts` times a step and its components round-robin in one loop and checks
+  that the components add up to the step (repeating the measurement when they exceed it).
+* :func:`available_memory` is the memory a run may still use (CUDA free memory, or the
+  CPU's ``MemAvailable``).
 * :func:`environment` describes the machine, device, library versions and the date.
 * :func:`write_results` writes ``<name>.json`` (every number plus the environment) and
   ``<name>.md`` (a Markdown table) under an output folder.
@@ -22,8 +26,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["Timing", "measure", "measure_interleaved", "environment", "write_results",
-           "markdown_table", "tflops"]
+__all__ = ["Timing", "PartsTiming", "measure", "measure_interleaved", "measure_parts", "merge",
+           "available_memory", "peak_rss", "release_memory", "environment", "write_results", "markdown_table", "tflops"]
 
 
 @dataclass
@@ -119,6 +123,14 @@ def _timing(samples: list[float]) -> Timing:
     )
 
 
+def merge(timings: Sequence[Timing]) -> Timing:
+    """One :class:`Timing` from the samples of several (e.g. blocks of one measurement)."""
+    samples = [x for t in timings for x in t.samples_ms]
+    if not samples:
+        raise ValueError("merge needs at least one timing with samples")
+    return _timing(samples)
+
+
 def measure_interleaved(
     fns: dict[str, Callable[[], Any]],
     *,
@@ -143,6 +155,117 @@ def measure_interleaved(
         for name, fn in fns.items():
             samples[name].append(_time_call(fn, cuda))
     return {name: _timing(xs) for name, xs in samples.items()}
+
+
+@dataclass
+class PartsTiming:
+    """A step and its components, timed in one round-robin loop (:func:`measure_parts`)."""
+
+    step: Timing
+    parts: dict[str, Timing]
+    counts: dict[str, int]
+    #: sum over parts of median x count, divided by the step's median
+    parts_fraction: float
+    tolerance: float
+    #: how many times the whole measurement ran (1 when the first one added up)
+    tries: int
+
+    @property
+    def parts_ms(self) -> dict[str, float]:
+        """Milliseconds per step of each part (its median times how often a step runs it)."""
+        return {k: t.median_ms * self.counts[k] for k, t in self.parts.items()}
+
+    @property
+    def adds_up(self) -> bool:
+        """False when the parts take longer than the step containing them (by > tolerance)."""
+        return self.parts_fraction <= 1.0 + self.tolerance
+
+    @property
+    def note(self) -> Optional[str]:
+        if self.adds_up:
+            return None
+        return (f"components sum to {100 * self.parts_fraction:.0f}% of the step (tolerance "
+                f"{100 * self.tolerance:.0f}%) after {self.tries} tries: a shared or throttled "
+                f"machine; treat this row's components as unreliable")
+
+
+def measure_parts(
+    step: Callable[[], Any],
+    parts: dict[str, tuple[Callable[[], Any], int]],
+    *,
+    device: Optional[torch.device | str] = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    tolerance: float = 0.15,
+    max_tries: int = 3,
+) -> PartsTiming:
+    """Time ``step`` and each part (``name -> (fn, times a step runs it)``) round-robin.
+
+    Every repeat calls the step, then each part once, so load on a shared machine, clock
+    changes and cache state hit the step and its parts alike: timed at different moments,
+    their medians need not add up at all. Each part must run at the step's shapes and thread
+    count. The parts cannot take longer than the step that contains them: when their sum
+    exceeds the step by more than ``tolerance``, the whole measurement is repeated, up to
+    ``max_tries`` times, and the last result says so (:attr:`PartsTiming.note`).
+    """
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance must lie in [0, 1), got {tolerance!r}")
+    if not isinstance(max_tries, int) or max_tries < 1:
+        raise ValueError(f"max_tries must be a positive int, got {max_tries!r}")
+    fns = {"__step__": step, **{k: fn for k, (fn, _) in parts.items()}}
+    counts = {k: n for k, (_, n) in parts.items()}
+    for tries in range(1, max_tries + 1):
+        t = measure_interleaved(fns, device=device, warmup=warmup if tries == 1 else 0,
+                                repeats=repeats)
+        st = t.pop("__step__")
+        total = sum(t[k].median_ms * counts[k] for k in t)
+        res = PartsTiming(st, t, counts, total / st.median_ms if st.median_ms > 0 else 0.0,
+                          tolerance, tries)
+        if res.adds_up:
+            break
+    return res
+
+
+def available_memory(device: Optional[torch.device | str] = None) -> Optional[int]:
+    """Bytes a new allocation may still use: free memory of a CUDA device, or the CPU's
+    ``MemAvailable`` (Linux); None when the platform does not say."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def peak_rss() -> Optional[int]:
+    """This process's peak resident memory so far (bytes; Linux ``VmHWM``), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the system (glibc ``malloc_trim``),
+    so that the next model built does not sit on top of the last one's freed memory."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def tflops(flops: float, ms: float) -> float:

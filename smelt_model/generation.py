@@ -4,15 +4,29 @@ A span layer's second visit recomputes Q, K, V from the updated residual stream,
 K/V of its own: the cache holds ``executed_layers`` slots, exactly as the ledger counts KV
 bytes. The prompt is prefilled with the segment-masked attention kernel; each decode step
 then attends from the new token to the cache (the kernel's decode form).
+
+:class:`DecodeStep` is that single-token step without per-layer dispatch overhead: the whole
+step (every executed layer, the head) compiled once with ``torch.compile``, the cache
+position a symbolic int so that it compiles once, not once per position. Where compiling is
+unavailable it runs eager and says why (:attr:`DecodeStep.reason`).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import warnings
 from typing import Optional
 
 import torch
 
-__all__ = ["KVCache", "CacheSlot", "generate"]
+__all__ = ["KVCache", "CacheSlot", "DecodeStep", "generate", "compile_unavailable"]
+
+#: ``generate(compile=None)`` compiles the decode step from this many new tokens on: a
+#: compile costs seconds to a minute, a few dozen eager steps much less.
+COMPILE_MIN_TOKENS = 256
+#: the ``torch.compile`` backend of :class:`DecodeStep` when none is given
+COMPILE_BACKEND = "inductor"
 
 
 class KVCache:
@@ -96,6 +110,76 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int],
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def compile_unavailable(device: torch.device | str = "cpu") -> Optional[str]:
+    """None when ``torch.compile`` can build a decode step for ``device``, else why not."""
+    try:
+        import torch._dynamo as dynamo
+    except ImportError as e:  # pragma: no cover - every supported torch has it
+        return f"torch.compile is unavailable ({e})"
+    if not dynamo.is_dynamo_supported():
+        return "torch.compile does not support this Python version"
+    if torch.device(device).type == "cpu":
+        names = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+        if not any(n and shutil.which(n) for n in names):
+            return "torch.compile on the CPU needs a C++ compiler (none found: set CXX)"
+    return None
+
+
+def _decode_call(model, ids, segment_ids, cache, pos):
+    return model(ids, segment_ids, cache=cache, cache_pos=pos).logits[:, -1]
+
+
+_COMPILED: dict[object, object] = {}
+
+
+def _compiled(backend):
+    # One compiled function per compiler backend, shared by every model: modules are
+    # arguments (their parameters are graph inputs), so a new model of the same shapes reuses
+    # the graph, and ``dynamic=True`` makes the cache position symbolic from the first call.
+    if backend not in _COMPILED:
+        _COMPILED[backend] = torch.compile(_decode_call, fullgraph=True, dynamic=True,
+                                           backend=backend)
+    return _COMPILED[backend]
+
+
+class DecodeStep:
+    """``step(ids, segment_ids, cache, pos)`` -> next-token logits (B, V) of ``model``.
+
+    Equal to ``model(ids, segment_ids, cache=cache, cache_pos=pos).logits[:, -1]`` (ids and
+    segment ids (B, 1), the cache written at ``pos``). ``compile``: True compiles the step
+    (``backend``: the ``torch.compile`` backend, default ``COMPILE_BACKEND``); False runs eager. When
+    compiling is unavailable or fails, the step runs eager, warns once, and keeps the reason
+    in :attr:`reason`; :attr:`compiled` says which one runs.
+    """
+
+    def __init__(self, model, compile: bool = True, backend=None):
+        self.model = model
+        self.backend = COMPILE_BACKEND if backend is None else backend
+        self.reason: Optional[str] = None if compile else "compile=False"
+        if compile:
+            self.reason = compile_unavailable(next(model.parameters()).device)
+            if self.reason is not None:
+                warnings.warn(f"decode step runs eager: {self.reason}", stacklevel=2)
+        self._fn = _compiled(self.backend) if self.reason is None else None
+
+    @property
+    def compiled(self) -> bool:
+        return self._fn is not None
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, segment_ids: torch.Tensor, cache, pos: int):
+        if self._fn is not None:
+            try:
+                return self._fn(self.model, ids, segment_ids, cache, pos)
+            except Exception as e:  # noqa: BLE001 - decided below: bad input or compiler
+                out = _decode_call(self.model, ids, segment_ids, cache, pos)  # bad input raises
+                self._fn = None
+                self.reason = f"torch.compile failed ({type(e).__name__}: {str(e)[:200]})"
+                warnings.warn(f"decode step runs eager: {self.reason}", stacklevel=2)
+                return out
+        return _decode_call(self.model, ids, segment_ids, cache, pos)
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -107,13 +191,17 @@ def generate(
     segment_ids: Optional[torch.Tensor] = None,
     use_cache: bool = True,
     generator: Optional[torch.Generator] = None,
+    compile: Optional[bool] = None,
 ) -> torch.Tensor:
     """Continue ``prompt_ids`` (B, T) by ``max_new_tokens``; returns (B, T + n).
 
     ``temperature=0`` is greedy decoding; ``top_k`` restricts sampling to the k most likely
     tokens. ``segment_ids`` (B, T) may pack several documents in the prompt; new tokens
     continue the last one. ``use_cache=False`` recomputes the whole sequence every step
-    (the reference the cache is tested against).
+    (the reference the cache is tested against). ``compile``: run the cached decode steps
+    through a compiled :class:`DecodeStep` (None: when ``max_new_tokens`` is at least
+    ``COMPILE_MIN_TOKENS``; it falls back to eager with a warning when compiling is
+    unavailable).
     """
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2:
         raise ValueError("prompt_ids must be a (batch, seq) tensor")
@@ -123,6 +211,8 @@ def generate(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if compile not in (None, True, False):
+        raise ValueError(f"compile must be None, True or False, got {compile!r}")
     was_training = model.training
     model.eval()
     try:
@@ -143,12 +233,14 @@ def generate(
             return out
         cache = KVCache.for_model(model, B, T + max_new_tokens)
         logits = model(prompt_ids, seg[:, :T], cache=cache, cache_pos=0).logits[:, -1]
+        if compile is None:
+            compile = max_new_tokens >= COMPILE_MIN_TOKENS
+        step = DecodeStep(model, compile=compile)
         for i in range(max_new_tokens):
             n = T + i
             out[:, n] = _sample(logits, temperature, top_k, generator)
             if i + 1 < max_new_tokens:
-                logits = model(out[:, n:n + 1], seg[:, n:n + 1], cache=cache,
-                               cache_pos=n).logits[:, -1]
+                logits = step(out[:, n:n + 1], seg[:, n:n + 1], cache, n)
         return out
     finally:
         model.train(was_training)

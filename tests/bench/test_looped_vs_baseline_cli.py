@@ -17,8 +17,9 @@ SCRIPT = os.path.join(ROOT, "bench", "looped_vs_baseline.py")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "res.json"
     cmd = [sys.executable, SCRIPT, "--tokens", "128", "--seq-len", "64", "--mean-doc-len", "40",
-           "--repeats", "1", "--warmup", "0", "--decode-prompt", "8", "--decode-steps", "2",
-           "--decode-batch", "1", "2", "--json", str(out), "--quiet"]
+           "--repeats", "1", "--rounds", "1", "--max-tries", "1", "--warmup", "0",
+           "--decode-prompt", "8", "--decode-steps", "2", "--decode-batch", "1", "2",
+           "--eager-decode", "--json", str(out), "--quiet"]
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the benchmark picks real backends by itself
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
@@ -42,7 +43,17 @@ def test_json_has_every_field(result):
                     "decode", "backends_available"):
             assert key in a, (arch, key)
         assert set(a["train"]["components_ms"]) == {"attention", "moe_gemm", "routing", "norms",
-                                                     "embed_head"}
+                                                     "embed_head", "optimizer"}
+        assert set(a["prefill"]["components_ms"]) == {"attention", "moe_gemm", "routing",
+                                                       "norms", "embed_head"}
+        assert set(a["memory_estimate_bytes"]) == {"weights", "gradients", "optimizer",
+                                                   "activations", "kv_cache", "workspace",
+                                                   "runtime"}
+        d = a["decode"]["batch2"]
+        assert d["bytes_per_token"] == pytest.approx(d["bytes_per_step"] / 2)
+        assert d["gb_per_s"] == pytest.approx(
+            d["bytes_per_step"] / (d["timing"]["median_ms"] / 1e3) / 1e9)
+        assert d["compiled"] is False and d["eager_reason"] == "compile=False"
         assert a["train"]["activation_bytes"] > 0
         assert a["train"]["timing"]["median_ms"] > 0
         assert a["decode"]["batch2"]["cache_bytes"] > 0
@@ -75,7 +86,10 @@ def test_ratios_are_consistent_with_the_ledger(result):
             # the components cover every ledger FLOP of the step but the final norm's
             assert sum(comp.values()) + per_token * H * 128 == pytest.approx(step, rel=1e-9)
             assert comp["embed_head"] == 0 and min(v for k, v in comp.items()
-                                                   if k != "embed_head") > 0
+                                                   if k not in ("embed_head", "optimizer")) > 0
     led = res["arch"]["smelt"]["ledger"]
     assert res["arch"]["smelt"]["params_total"] == led["total_params"]
+    for row in res["summary"]["decode"]:
+        assert row["gap"] == pytest.approx(row["wall_ratio"] / row["decode_flops_ratio"])
     assert "== train ==" in out and "gap (wall / F)" in out and "components" in out
+    assert "legend" in out and "GB/s" in out

@@ -1,11 +1,13 @@
 """Generation with the per-executed-layer KV cache."""
 
+import warnings
+
 import pytest
 import torch
 
 from smelt_model import budget, presets
 from smelt_model.config import LoopSpec, ModelConfig
-from smelt_model.generation import KVCache, generate
+from smelt_model.generation import DecodeStep, KVCache, generate
 from smelt_model.model import SmeltLM
 
 
@@ -78,3 +80,96 @@ def test_generate_rejects_bad_arguments():
     cache = KVCache.for_model(model, 1, 4)
     with pytest.raises(ValueError, match="holds 4 positions"):
         model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+
+
+# ----------------------------------------------------------------------------- decode step
+@pytest.fixture
+def cheap_compiler(monkeypatch):
+    """Compile with aot_eager (the functionalised graph, cache writes included, without code
+    generation: fast), and make recompiling per position an error."""
+    from smelt_model import generation
+
+    torch._dynamo.reset()
+    generation._COMPILED.clear()
+    monkeypatch.setattr(generation, "COMPILE_BACKEND", "aot_eager")
+    # one recompilation is allowed (a first call may specialise on a shape), not one per
+    # position: the cache position is a symbolic int
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        yield
+    torch._dynamo.reset()
+    generation._COMPILED.clear()
+
+
+def test_compiled_decode_equals_eager_and_recompute(cheap_compiler):
+    torch.manual_seed(0)
+    cfg = presets.get("tiny-smelt")
+    model = SmeltLM(cfg)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 7))
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
+    with warnings.catch_warnings():
+        # recompiling per position (past the limit) would fall back to eager with a warning
+        warnings.simplefilter("error")
+        # every position shares the graph: the cache position is a symbolic int
+        compiled = generate(model, prompt, 8, temperature=0, segment_ids=seg, compile=True)
+        # another cache length and prompt reuse the same graph
+        generate(model, prompt[:, :5], 4, temperature=0, compile=True)
+    eager = generate(model, prompt, 8, temperature=0, segment_ids=seg, compile=False)
+    full = generate(model, prompt, 8, temperature=0, segment_ids=seg, use_cache=False)
+    assert torch.equal(compiled, eager) and torch.equal(compiled, full)
+
+
+def test_decode_step_logits_match_the_model(cheap_compiler):
+    cfg = ModelConfig(vocab_size=97, hidden_size=48, n_layers=4, n_heads=4, n_kv_heads=2,
+                      head_dim=16, n_experts=8, expert_size=24, top_k=2, loop=LoopSpec(1, 2, 2))
+    model = SmeltLM(cfg).eval()  # the default kernels: the ones a user's decode runs
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = KVCache.for_model(model, 2, 9)
+        model(ids[:, :5], cache=cache, cache_pos=0)
+    step = DecodeStep(model, compile=True)
+    zero = torch.zeros(2, 1, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to eager would warn
+        for n in range(5, 9):
+            torch.testing.assert_close(step(ids[:, n:n + 1], zero, cache, n), full[:, n],
+                                       rtol=1e-5, atol=1e-5)
+    assert step.compiled and step.reason is None
+    with pytest.raises(ValueError, match="holds 9 positions"):  # bad input is not hidden
+        step(ids[:, :1], zero, cache, 9)
+
+
+def test_decode_step_falls_back_to_eager_with_a_reason(monkeypatch):
+    from smelt_model import generation
+
+    torch.manual_seed(0)
+    cfg = presets.get("tiny-baseline")
+    model = SmeltLM(cfg)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 6))
+    want = generate(model, prompt, 4, temperature=0, compile=False)
+
+    monkeypatch.setattr(generation, "compile_unavailable", lambda device="cpu": "no compiler")
+    with pytest.warns(UserWarning, match="runs eager: no compiler"):
+        step = DecodeStep(model, compile=True)
+    assert not step.compiled and step.reason == "no compiler"
+    with pytest.warns(UserWarning, match="no compiler"):
+        assert torch.equal(generate(model, prompt, 4, temperature=0, compile=True), want)
+    monkeypatch.undo()
+
+    def broken(backend):
+        def fn(*args):
+            raise RuntimeError("inductor exploded")
+        return fn
+
+    monkeypatch.setattr(generation, "_compiled", broken)
+    step = DecodeStep(model, compile=True)
+    cache = KVCache.for_model(model, 1, 8)
+    model(prompt, cache=cache)
+    zero = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.warns(UserWarning, match="inductor exploded"):
+        got = step(prompt[:, -1:], zero, cache, 6)
+    assert not step.compiled and "RuntimeError" in step.reason
+    torch.testing.assert_close(got, model(prompt[:, -1:], zero, cache=cache, cache_pos=6)
+                               .logits[:, -1])
+    with pytest.raises(ValueError, match="compile"):
+        generate(model, prompt, 2, compile="yes")
