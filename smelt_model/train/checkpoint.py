@@ -76,9 +76,9 @@ def save(folder: Path, step: int, weights: dict[str, torch.Tensor], config_json:
     folder.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     final = folder / name
+    for stale in folder.glob(".step_*.tmp*"):  # left by a write that was interrupted
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = folder / f".{name}.tmp{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
               str(tmp / WEIGHTS), metadata={"format": "pt"})

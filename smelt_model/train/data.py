@@ -66,7 +66,7 @@ def _folder(root: Path, pattern: str = "**/*", skip: Sequence[str] = ()) -> list
 
 def _txt(path: Path) -> list[Document]:
     text = path.read_text(encoding="utf-8", errors="replace")
-    parts = [p.strip("\n") for p in re.split(r"\n[ \t\r]*\n", text)]
+    parts = [p.strip("\n") for p in re.split(r"\n(?:[ \t\r]*\n)+", text)]
     return [Document(f"{path.name}#{i}", p) for i, p in enumerate(parts) if p.strip()]
 
 
