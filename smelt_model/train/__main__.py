@@ -159,8 +159,6 @@ def _init_distributed(args):
 def run(args) -> int:
     from . import plot as plot_mod
     from . import tokenizer as tok_mod
-    from .data import prepare
-    from .trainer import RunSpec, Trainer
 
     _check_numbers(args)
     tok_mod.parse_spec(args.tokenizer)
@@ -183,6 +181,39 @@ def run(args) -> int:
         for a, d in dirs.items():
             if not (d / "run.json").exists():
                 raise ValueError(f"--resume: no run in {d} (run.json not found)")
+    trainers, corpus = build_trainers(args, dirs, device, rank)
+    if rank == 0 and not args.quiet:
+        print(f"data: {corpus.n_train_docs} train / {corpus.n_val_docs} val documents, "
+              f"{len(corpus.train)} x {args.seq_len}-token contexts, mean document "
+              f"{corpus.train.mean_doc_len:.0f} tokens, tokenizer {corpus.tokenizer.spec}",
+              file=sys.stderr)
+    progress = _Progress(enabled=rank == 0 and not args.quiet)
+    train_loop(trainers, progress)
+    if rank == 0:
+        if both:
+            merge_endpoints([d / "endpoints.csv" for d in dirs.values()], out / "endpoints.csv")
+        if args.plot:
+            plot_mod.plot_runs(list(dirs.values()), args.plot)
+        for t in trainers:
+            last = f"{t.last_val:.4f}" if t.last_val is not None else "n/a"
+            print(f"{t.spec.arch}: {t.step_count} steps, {t.tokens} tokens, {t.flops:.3e} "
+                  f"FLOPs, {t.seconds:.1f} s, val loss {last} -> {t.out}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def build_trainers(args, dirs: dict, device: str, rank: int = 0):
+    """Load and pack the data once, and make one :class:`Trainer` per architecture of
+    ``args`` (writing into ``dirs[arch]``). Returns ``(trainers, corpus)``."""
+    import torch.distributed as dist
+
+    from .. import budget
+    from . import tokenizer as tok_mod
+    from .data import prepare
+    from .trainer import RunSpec, Trainer
+
+    archs = list(dirs)
     tokenizer = None
     first = dirs[archs[0]]
     if args.resume and (first / tok_mod.FILE).exists():
@@ -193,7 +224,6 @@ def run(args) -> int:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = args.tokens_per_step // args.seq_len
     batch = args.batch_size or max(1, rows // world)
-    from .. import budget
 
     trainers = []
     for arch, cfg in cfgs.items():
@@ -214,25 +244,7 @@ def run(args) -> int:
                                 backend=args.backend, device=device, resume=args.resume))
         if rank == 0:
             corpus.tokenizer.save(dirs[arch])
-    if rank == 0 and not args.quiet:
-        print(f"data: {corpus.n_train_docs} train / {corpus.n_val_docs} val documents, "
-              f"{len(corpus.train)} x {args.seq_len}-token contexts, mean document "
-              f"{corpus.train.mean_doc_len:.0f} tokens, tokenizer {corpus.tokenizer.spec}",
-              file=sys.stderr)
-    progress = _Progress(enabled=rank == 0 and not args.quiet)
-    train_loop(trainers, progress)
-    if rank == 0:
-        if both:
-            merge_endpoints([d / "endpoints.csv" for d in dirs.values()], out / "endpoints.csv")
-        if args.plot:
-            plot_mod.plot_runs(list(dirs.values()), args.plot)
-        for t in trainers:
-            last = f"{t.last_val:.4f}" if t.last_val is not None else "n/a"
-            print(f"{t.spec.arch}: {t.step_count} steps, {t.tokens} tokens, {t.flops:.3e} "
-                  f"FLOPs, {t.seconds:.1f} s, val loss {last} -> {t.out}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+    return trainers, corpus
 
 
 def train_loop(trainers, progress=None) -> None:

@@ -87,6 +87,13 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def _all_reduce(values: list[float], device) -> list[float]:
     import torch.distributed as dist
 
@@ -287,6 +294,7 @@ class Trainer:
             if path.exists():
                 raise ValueError(f"--out {self.out} already holds a run; pass --resume to "
                                  "continue it or choose another --out")
+            _barrier()  # every rank has looked before rank 0 writes
             if self.rank == 0:
                 path.write_text(json.dumps(asdict(self.spec), indent=1, sort_keys=True) + "\n")
             return
