@@ -110,9 +110,9 @@ def test_bytes_tokenizer_round_trip():
     assert tok.decode(ids) == "héllo\n"
 
 
-def test_bpe_tokenizer(tmp_path):
+def test_bpe_tokenizer(tmp_path, corpus):
     pytest.importorskip("tokenizers", reason="the BPE tokenizer needs Hugging Face tokenizers")
-    texts = [d.text for d in data.load_documents(data.STDLIB)[:20]]
+    texts = [d.text for d in data.load_documents(str(corpus))]
     tok = tokenizer.make("bpe:400", texts)
     assert tok.vocab_size == 400 and {tok.pad_id, tok.eos_id} == {0, 1}
     ids = tok.encode(texts[0])

@@ -2,6 +2,7 @@
 process at the same global batch."""
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -24,10 +25,13 @@ def test_two_processes_match_one(corpus, tmp_path):
                                  "--eval-every", "2", "--eval-tokens", "256", "--threads", "1",
                                  "--val-fraction", "0.25", "--quiet", "--out", out)]
 
+    with socket.socket() as sock:  # a free port (torchrun's port 0 does not rendezvous)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", "0", "-m", "smelt_model.train", *args(tmp_path / "two")],
+         "--master_port", str(port), "-m", "smelt_model.train", *args(tmp_path / "two")],
         env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert main(args(tmp_path / "one")) == 0
