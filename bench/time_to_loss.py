@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--data", default="python-stdlib")
-    ap.add_argument("--budget-flops", type=float, default=1.2e12)
+    ap.add_argument("--budget-flops", type=float, default=1e12)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--tokens-per-step", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=3e-3)

@@ -49,11 +49,11 @@ def test_endpoints_are_read_by_the_scaling_tool(corpus, tmp_path, capsys):
         for seq in (16, 32):  # a different context length changes F (the attention term)
             out = tmp_path / f"run{looped}{seq}"
             assert main(_base(corpus, cfg, out, "--seq-len", seq, "--tokens-per-step", "128",
-                              "--steps", "8", "--eval-every", "1", "--eval-tokens", "64",
-                              "--save-every", "8")) == 0
+                              "--steps", "4", "--eval-every", "1", "--eval-tokens", "64",
+                              "--save-every", "4")) == 0
             runs.append(out / "endpoints.csv")
     single = scaling.read_csv(runs[0])
-    assert list(single) == ["baseline"] and len(single["baseline"]) == 8
+    assert list(single) == ["baseline"] and len(single["baseline"]) == 4
     merge_endpoints(runs, tmp_path / "all.csv")
     capsys.readouterr()
     assert scaling.main([str(tmp_path / "all.csv")]) == 0
