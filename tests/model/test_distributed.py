@@ -1,4 +1,5 @@
-"""FSDP2 on two CPU processes (gloo), the shared span as one unit: same loss and grads."""
+"""FSDP2 on two CPU processes (gloo) with the package's recipe (:func:`smelt_model.parallel.shard`:
+every block its own unit, the shared span one unit): same loss and grads as one process."""
 
 import os
 import tempfile
@@ -26,17 +27,15 @@ def _batch():
 
 
 def _worker(rank, init_file, out_file):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from smelt_model.parallel import shard, units
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
     try:
         torch.manual_seed(0)
         model = SmeltLM(_cfg(), backend="torch").double()
-        mesh = init_device_mesh("cpu", (WORLD,))
-        fully_shard(model.span, mesh=mesh)  # the shared span: gathered once, used r times
-        fully_shard(model, mesh=mesh)
+        shard(model)  # the shared span: gathered once, used r times
+        assert model.span in units(model) and all(hasattr(u, "unshard") for u in units(model))
         ids = _batch()[2 * rank: 2 * rank + 2]
         out = model(ids, labels=ids)
         out.loss.backward()

@@ -1,0 +1,157 @@
+"""Time to loss: train a matched pair to the same FLOP budget and compare how much compute,
+in ledger FLOPs and in wall-clock seconds, each needs to reach the baseline's final
+validation loss.
+
+    python bench/time_to_loss.py                          # tiny pair, stdlib corpus, CPU
+    python bench/time_to_loss.py --budget-flops 3e12 --preset tiny --data python-stdlib
+
+Both models train on the identical data order (same seed, same packed contexts, same step
+schedule); their optimizer steps are interleaved one at a time so both see the same machine
+load. Seconds count only the training steps (evaluation excluded). A model reaches a loss
+at the first evaluation at or below it, interpolated linearly (in FLOPs and in seconds)
+from the evaluation before. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def reach(evals: list[dict], target: float) -> Optional[dict]:
+    """FLOPs and seconds at which the validation curve first reaches ``target``."""
+    prev = None
+    for r in evals:
+        if r["val_loss"] <= target:
+            if prev is None or prev["val_loss"] == r["val_loss"]:
+                return {"flops": r["flops"], "seconds": r["seconds"], "step": r["step"]}
+            w = (prev["val_loss"] - target) / (prev["val_loss"] - r["val_loss"])
+            return {k: prev[k] + w * (r[k] - prev[k]) for k in ("flops", "seconds", "step")}
+        prev = r
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--data", default="python-stdlib")
+    ap.add_argument("--budget-flops", type=float, default=1e12)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--tokens-per-step", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--evals", type=int, default=6, help="evaluations per run")
+    ap.add_argument("--eval-tokens", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads (default 1: steady timing on a shared machine)")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "time_to_loss_cpu"),
+                    help="output path without suffix")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from smelt_model.train import plot as plot_mod
+    from smelt_model.train.__main__ import build_parser, build_trainers, train_loop, _Progress
+    from smelt_model.train.plot import read_log
+
+    torch.set_num_threads(args.threads)
+    work = Path(tempfile.mkdtemp(prefix="time_to_loss_"))
+    targs = build_parser().parse_args([
+        "--preset", args.preset, "--arch", "both", "--data", args.data, "--seq-len",
+        str(args.seq_len), "--tokens-per-step", str(args.tokens_per_step), "--lr", str(args.lr),
+        "--budget-flops", str(args.budget_flops), "--eval-tokens", str(args.eval_tokens),
+        "--seed", str(args.seed), "--out", str(work), "--device", "cpu"])
+    # eval-every is set per run below from its step count, so both get the same evaluations
+    try:
+        dirs = {a: work / a for a in ("baseline", "smelt")}
+        trainers, corpus = build_trainers(targs, dirs, "cpu")
+    except (ValueError, KeyError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for t in trainers:
+        t.spec.eval_every = t.spec.save_every = max(1, t.spec.steps // args.evals)
+    print(f"data: {corpus.n_train_docs} train / {corpus.n_val_docs} val documents, "
+          f"{len(corpus.train)} contexts of {args.seq_len} tokens; steps: "
+          + ", ".join(f"{t.spec.arch} {t.spec.steps}" for t in trainers), file=sys.stderr)
+    t0 = time.time()
+    train_loop(trainers, _Progress(enabled=True))
+    wall = time.time() - t0
+
+    runs = {}
+    for t in trainers:
+        steps, evals = read_log(t.out)
+        runs[t.spec.arch] = {"steps": t.spec.steps, "flops_per_token": t.flops_per_token,
+                             "tokens": t.tokens, "flops": t.flops, "seconds": t.seconds,
+                             "final_val_loss": evals[-1]["val_loss"], "evals": evals,
+                             "train_loss": [r["loss"] for r in steps]}
+    target = runs["baseline"]["final_val_loss"]
+    for r in runs.values():
+        r["to_target"] = reach(r["evals"], target)
+    b, s = runs["baseline"]["to_target"], runs["smelt"]["to_target"]
+    ratios = None
+    if s is not None:
+        ratios = {"flops": s["flops"] / b["flops"], "seconds": s["seconds"] / b["seconds"]}
+        ratios.update({"flops_saved": 1 - ratios["flops"],
+                       "seconds_saved": 1 - ratios["seconds"]})
+    command = "python bench/time_to_loss.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    result = {"command": command.strip(), "args": vars(args), "target_loss": target,
+              "runs": runs, "ratios": ratios, "wall_seconds": wall,
+              "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                          "processor": platform.processor() or platform.machine(),
+                          "threads": args.threads},
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    plot_mod.plot_runs([dirs["baseline"], dirs["smelt"]], out.with_suffix(".png"),
+                       title=f"{args.preset} pair, {args.data}, {args.budget_flops:.2g} FLOPs")
+    md = markdown(result, out.with_suffix(".png").name)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+def markdown(r: dict, image: str) -> str:
+    def fmt(x, f):
+        return "not reached" if x is None else format(x, f)
+
+    lines = [f"# Time to loss: {r['args']['preset']} pair on {r['args']['data']} (CPU)", "",
+             f"Command: `{r['command']}`  ", f"Date: {r['date']}, torch {r['machine']['torch']}, "
+             f"{r['machine']['threads']} thread(s), total wall-clock {r['wall_seconds']:.0f} s",
+             "", f"Both models trained to {r['args']['budget_flops']:.3g} ledger FLOPs on the same "
+             f"data order; target = the baseline's final validation loss "
+             f"({r['target_loss']:.4f}). Seconds count training steps only.", "",
+             "| arch | steps | tokens | FLOPs | seconds | final val loss | FLOPs to target "
+             "| seconds to target |", "|---|---|---|---|---|---|---|---|"]
+    for arch, x in r["runs"].items():
+        t = x["to_target"]
+        lines.append(f"| {arch} | {x['steps']} | {x['tokens']} | {x['flops']:.3e} | "
+                     f"{x['seconds']:.1f} | {x['final_val_loss']:.4f} | "
+                     f"{fmt(t and t['flops'], '.3e')} | {fmt(t and t['seconds'], '.1f')} |")
+    q = r["ratios"]
+    lines.append("")
+    if q is None:
+        lines.append("SMELT did not reach the baseline's final validation loss within the "
+                     "budget: no compute saving to report.")
+    else:
+        lines.append(f"SMELT / baseline to reach the target: FLOPs {q['flops']:.3f} "
+                     f"(compute saved {100 * q['flops_saved']:+.1f}%), seconds "
+                     f"{q['seconds']:.3f} (saved {100 * q['seconds_saved']:+.1f}%).")
+    lines += ["", f"![validation loss]({image})", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""Training runs: learning on real text, endpoints the scaling tool reads, the plot, bad input."""
+
+import json
+
+import pytest
+
+from smelt_model.train import data, tokenizer
+from smelt_model.train.__main__ import main, merge_endpoints
+
+from train_helpers import micro_config, run_cli
+
+
+def _base(corpus, cfg, out, *extra):
+    return [str(a) for a in ("--config", cfg, "--data", corpus, "--threads", "1", "--quiet",
+                             "--val-fraction", "0.25", "--out", out, *extra)]
+
+
+def test_short_run_learns_below_the_unigram_entropy(corpus, tmp_path):
+    cfg = micro_config(tmp_path / "micro.json")
+    out = tmp_path / "run"
+    assert main(_base(corpus, cfg, out, "--seq-len", "64", "--tokens-per-step", "1024",
+                      "--steps", "64", "--eval-every", "32", "--eval-tokens", "4096",
+                      "--lr", "6e-3", "--plot", tmp_path / "loss.png")) == 0
+    docs = data.load_documents(str(corpus))
+    entropy = data.unigram_entropy(tokenizer.BytesTokenizer().encode_batch(
+        [d.text for d in docs]))
+    recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    evals = [r for r in recs if "val_loss" in r]
+    steps = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in evals] == [0, 32, 64]
+    assert len(steps) == 64 and steps[-1]["tokens"] == 64 * 1024
+    for key in ("step", "tokens", "flops", "seconds", "loss", "aux_loss", "lr", "grad_norm"):
+        assert key in steps[0]
+    assert evals[-1]["val_loss"] < entropy - 0.2 < evals[0]["val_loss"]
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    # the checkpoint is a save_pretrained folder
+    from smelt_model.model import SmeltLM
+
+    model = SmeltLM.from_pretrained(out / "checkpoints" / "step_00000064")
+    assert model.cfg.vocab_size == 258
+
+
+def test_endpoints_are_read_by_the_scaling_tool(corpus, tmp_path, capsys):
+    from smelt_model import scaling
+
+    runs = []
+    for looped in (False, True):
+        cfg = micro_config(tmp_path / f"cfg{looped}.json", looped=looped, hidden=32)
+        for seq in (16, 32):  # a different context length changes F (the attention term)
+            out = tmp_path / f"run{looped}{seq}"
+            assert main(_base(corpus, cfg, out, "--seq-len", seq, "--tokens-per-step", "128",
+                              "--steps", "4", "--eval-every", "1", "--eval-tokens", "64",
+                              "--save-every", "4")) == 0
+            runs.append(out / "endpoints.csv")
+    single = scaling.read_csv(runs[0])
+    assert list(single) == ["baseline"] and len(single["baseline"]) == 4
+    merge_endpoints(runs, tmp_path / "all.csv")
+    capsys.readouterr()
+    assert scaling.main([str(tmp_path / "all.csv")]) == 0
+    report = capsys.readouterr().out
+    assert "baseline" in report and "smelt" in report
+
+
+def test_bad_input_stops_with_one_line(corpus, tmp_path, capsys):
+    cfg = micro_config(tmp_path / "micro.json")
+    small_vocab = micro_config(tmp_path / "small.json", vocab=100)
+    (tmp_path / "broken.json").write_text("{\"hidden_size\": 3")
+    (tmp_path / "empty").mkdir()
+    ok = ["--steps", "1", "--seq-len", "16", "--tokens-per-step", "32"]
+    done = tmp_path / "done"
+    assert main(_base(corpus, cfg, done, *ok)) == 0
+    cases = [
+        (_base(tmp_path / "missing", cfg, tmp_path / "a", *ok), "no such file or folder"),
+        (_base(tmp_path / "empty", cfg, tmp_path / "b", *ok), "corpus is empty"),
+        (_base(corpus, cfg, tmp_path / "c", "--steps", "1", "--seq-len", "1"), "--seq-len"),
+        (_base(corpus, small_vocab, tmp_path / "d", *ok), "smaller than the tokenizer's 258"),
+        (_base(corpus, tmp_path / "broken.json", tmp_path / "e", *ok), "broken.json"),
+        (_base(corpus, cfg, tmp_path / "f", "--seq-len", "16"), "give --steps"),
+        (_base(corpus, cfg, done, *ok), "already holds a run"),
+        (_base(corpus, cfg, done, *ok, "--lr", "1e-4", "--resume"), "different setup (lr"),
+        (_base(corpus, cfg, tmp_path / "g", *ok, "--resume"), "no run"),
+        (_base(corpus, cfg, tmp_path / "h", *ok, "--tokens-per-step", "40"), "multiple"),
+        (_base(corpus, cfg, tmp_path / "i", *ok, "--tokenizer", "bpe:3"), "--tokenizer"),
+    ]
+    capsys.readouterr()
+    for argv, fragment in cases:
+        assert main(argv) != 0, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and fragment in err, err
+    # at the real command line: one line, no traceback
+    proc = run_cli(_base(tmp_path / "missing", cfg, tmp_path / "z", *ok))
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1
+    assert "no such file or folder" in proc.stderr and "Traceback" not in proc.stderr
