@@ -302,9 +302,7 @@ def component_runners(model, wl: Workload, device, train: bool,
                       opt=None) -> dict[str, tuple[Callable, int]]:
     """Per component: a callable running it once at the step's shapes (forward, plus backward
     when ``train``), and how many times a step runs it."""
-    from smelt_kernels.executor import Step
     from smelt_kernels.moe_gemm import moe_ffn, route
-    from smelt_model.layers import ForwardContext
 
     cfg = model.cfg
     B, T, H = wl.batch, wl.seq_len, cfg.hidden_size
@@ -314,8 +312,6 @@ def component_runners(model, wl: Workload, device, train: bool,
     backend = None if model.backend == "auto" else model.backend
     seg = packed_segments(B, T, wl.mean_doc_len, device)
     cos, sin = model.rotary.tables(0, T, device)
-    ctx = ForwardContext(cos=cos, sin=sin, segment_ids=seg, backend=backend)
-    step = Step(0, 0, 0, 1.0, False)
     g = torch.Generator(device="cpu").manual_seed(3)
 
     def rnd(*shape):
@@ -345,8 +341,8 @@ def component_runners(model, wl: Workload, device, train: bool,
         return model.lm_head(model.norm(h))
 
     parts = {
-        "attention": (run(lambda: blk.attn(h, ctx, step)), L_exec),
-        "moe_gemm": (run(lambda: moe_ffn(x2, blk.moe.w1, blk.moe.w2, weights, ids,
+        "attention": (run(lambda: blk.attn(h, seg, rope=(cos, sin), check_values=False)), L_exec),
+        "moe_gemm": (run(lambda: moe_ffn(x2, blk.moe.gate_up_proj, blk.moe.down_proj, weights, ids,
                                          backend=backend, check_values=False)), L_exec),
         "routing": (run(lambda: route(blk.moe.router(x2).float(), cfg.top_k,
                                       cfg.router_renormalize)[0]), L_exec),

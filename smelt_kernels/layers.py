@@ -177,9 +177,11 @@ class _TopK(nn.Module):
     def __init__(self, top_k: int, renormalize: bool):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
+        self.backend: Optional[str] = None
 
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(logits, top_k=self.top_k, renormalize=self.renormalize)
+        return route(logits, top_k=self.top_k, renormalize=self.renormalize,
+                     backend=self.backend)
 
 
 class MoE(nn.Module):
@@ -203,9 +205,9 @@ class MoE(nn.Module):
         self.hidden_size, self.n_experts, self.expert_size = hidden_size, n_experts, expert_size
         self.aux_loss_weight = aux_loss_weight
         self.z_loss_weight = z_loss_weight
-        self.backend = backend
         self.router = nn.Linear(hidden_size, n_experts, bias=False)
         self.topk = _TopK(top_k, renormalize)
+        self.backend = backend
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * expert_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, expert_size))
         self.aux_loss: Optional[torch.Tensor] = None
@@ -215,13 +217,25 @@ class MoE(nn.Module):
     def top_k(self) -> int:
         return self.topk.top_k
 
+    @property
+    def backend(self) -> Optional[str]:
+        """The backend handed to ``route`` and ``moe_ffn`` (None: the best available)."""
+        return self.topk.backend
+
+    @backend.setter
+    def backend(self, name: Optional[str]) -> None:
+        self.topk.backend = name
+
     def reset_parameters(self, std: float = 0.02, out_std: Optional[float] = None) -> None:
         """Normal(0, std) weights; ``down_proj`` Normal(0, out_std) (default ``std``)."""
         nn.init.normal_(self.router.weight, 0.0, std)
         nn.init.normal_(self.gate_up_proj, 0.0, std)
         nn.init.normal_(self.down_proj, 0.0, std if out_std is None else out_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, return_aux: bool = False):
+        """``y`` (x's shape); with ``return_aux=True`` the pair ``(y, aux)`` instead, and
+        :attr:`aux_loss` is left alone (no state is written: what activation checkpointing
+        under ``torch.compile`` needs, and what a model that sums the losses itself uses)."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must end in hidden_size={self.hidden_size}, got shape "
                              f"{tuple(x.shape)}")
@@ -233,6 +247,8 @@ class MoE(nn.Module):
         aux = None
         if self.training and (self.aux_loss_weight > 0 or self.z_loss_weight > 0):
             aux = self.router_loss(logits, ids)
+        if return_aux:
+            return y.view(x.shape), aux
         self.aux_loss = aux
         return y.view(x.shape)
 

@@ -23,6 +23,7 @@ _LAZY = {
     "SmeltLM": "model", "SmeltOutput": "model",
     "generate": "generation", "KVCache": "generation",
     "capture": "probes", "Recorder": "probes",
+    "from_hf": "convert", "to_hf": "convert",
     **{name: "scaling" for name in _SCALING},
 }
 
@@ -53,6 +54,8 @@ __all__ = [
     "KVCache",
     "capture",
     "Recorder",
+    "from_hf",
+    "to_hf",
     "analysis",
     "scaling",
     *_SCALING,

@@ -67,9 +67,9 @@ class Block(nn.Module):
         a = self.attn(self.attn_norm(x), ctx.segment_ids, rope=(ctx.cos, ctx.sin),
                       kv_cache=kv, check_values=False)
         x = x + (a * step.scale if step.scale != 1.0 else a)
-        m = self.moe(self.moe_norm(x))
+        m, aux = self.moe(self.moe_norm(x), return_aux=True)
         x = x + (m * step.scale if step.scale != 1.0 else m)
-        return x, self.moe.aux_loss
+        return x, aux
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig, std: float = 0.02) -> None:

@@ -247,6 +247,14 @@ class SmeltLM(nn.Module):
         return out
 
     @classmethod
+    def from_hf(cls, model_or_path, **kwargs) -> "SmeltLM":
+        """From a Mixtral-layout transformers model or its saved folder, weights copied exactly
+        (:func:`smelt_model.convert.from_hf`)."""
+        from .convert import from_hf
+
+        return from_hf(model_or_path, **kwargs)
+
+    @classmethod
     def from_pretrained(cls, path: Union[str, Path], device=None, dtype=None,
                         **kwargs) -> "SmeltLM":
         """Load a folder written by :meth:`save_pretrained`."""

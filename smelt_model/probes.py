@@ -103,6 +103,7 @@ def _attach(block, rec: Recorder) -> list:
     def write(name):
         def hook(_, args, out):
             step = state["step"]
+            out = out[0] if isinstance(out, tuple) else out  # MoE(..., return_aux=True)
             rec.record(step, name, out * step.scale if step.scale != 1.0 else out)
         return hook
 

@@ -22,8 +22,9 @@ the first that can run the inputs; ``backends.report(device)`` says which can ru
   :mod:`smelt_kernels.attention.triton`), then ``"cuda"`` (the forward kernel from
   ``csrc/attention/cuda.cu``; its backward runs the Triton kernels, or the reference when
   Triton is missing), then ``"torch"``.
-* CPU tensors: ``"cpu"`` (:mod:`smelt_kernels.attention.cpu`: ATen's CPU flash kernel on
-  segment-aware chunks), then ``"torch"``. ``"triton"`` also runs on CPU tensors under
+* CPU tensors: ``"cpu"`` (:mod:`smelt_kernels.attention.cpu`: the native fused kernel of
+  ``csrc/attention/cpu_attention.cpp``; ATen's flash kernel on segment-aware chunks for
+  float64 or head dims that are not a multiple of 8), then ``"torch"``. ``"triton"`` also runs on CPU tensors under
   ``TRITON_INTERPRET=1`` when asked for explicitly.
 * ``"torch"``: :func:`smelt_kernels.attention.reference.forward` and its explicit
   masked-softmax backward; materialises (B, Hq, Tq, Tk) scores.

@@ -595,7 +595,7 @@ def audit_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
                 kw = dict(kw, PRECISION="ieee")
             name = {_fwd_kernel: "forward", _bwd_dkdv_kernel: "backward_dkdv"}.get(kernel, "backward_dq")
             jobs.append(dict(kernel=f"attention.{name}", fn=kernel, args=args, kwargs=kw,
-                             hot=name == "forward" and dtype == torch.bfloat16,
+                             hot=(name, dtype) == ("forward", torch.bfloat16),
                              config=f"{label} BM{kw['BLOCK_M']} BN{kw['BLOCK_N']} heads {hq}/{hkv}"))
     bf16 = torch.bfloat16
     jobs.append(dict(kernel="attention.backward_delta", fn=_bwd_delta, hot=False,

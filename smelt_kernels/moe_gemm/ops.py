@@ -130,6 +130,12 @@ backends.register("grouped_gemm", "triton", backends.lazy(_TRITON, "grouped_mm")
                   dtypes=_KERNEL_DTYPES)
 
 backends.register("route", "torch", reference.route, devices=None)
+backends.register("route", "cpu", moe_cpu.route, devices=("cpu",), priority=10,
+                  requires=lambda d: moe_cpu.missing("moe_route_fwd"))
+# Under the GPU backends the router runs as torch device ops (softmax, top-k: no host sync);
+# registered so that a layer can hand its MoE backend to route() unchanged.
+backends.register("route", "triton", reference.route, auto=())
+backends.register("route", "cuda", reference.route, devices=("cuda",), auto=())
 
 
 def select_backend(x: torch.Tensor, backend: Optional[str] = None) -> str:
@@ -297,11 +303,15 @@ torch.library.register_autograd("smelt::grouped_mm", _gmm_backward, setup_contex
 
 
 # ----------------------------------------------------------------------------- entry points
-def route(logits: torch.Tensor, top_k: int = 8, renormalize: bool = True):
+def route(logits: torch.Tensor, top_k: int = 8, renormalize: bool = True, *,
+          backend: Optional[str] = None):
     """Softmax over experts, top-k, optional renormalisation.
 
     logits (T, E) floating. Returns (topk_weights fp32 (T, k), topk_ids int32 (T, k)),
-    weights in descending order, differentiable w.r.t. ``logits``.
+    weights in descending order, differentiable w.r.t. ``logits``. ``backend``: None/"auto"
+    (the fused native CPU kernel on CPU tensors when built, else torch ops), or a backend
+    name as for :func:`moe_ffn` ("torch" is the reference; "triton"/"cuda" run torch device
+    ops). The native kernel breaks exact ties toward the lower expert index.
     """
     backends.require_tensor("route", "logits", logits)
     if logits.dim() != 2:
@@ -313,7 +323,7 @@ def route(logits: torch.Tensor, top_k: int = 8, renormalize: bool = True):
     E = logits.shape[1]
     if not 1 <= top_k <= E:
         raise ValueError(f"route: top_k must be in [1, E={E}], got {top_k}")
-    impl = backends.select("route", None, device=logits.device, dtype=logits.dtype)
+    impl = backends.select("route", backend, device=logits.device, dtype=logits.dtype)
     return impl.forward(logits, top_k, bool(renormalize))
 
 
