@@ -106,7 +106,12 @@ def main(argv=None) -> int:
                        "seconds_saved": 1 - ratios["seconds"]})
     command = "python bench/time_to_loss.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    result = {"command": command.strip(), "args": vars(args), "target_loss": target,
+    opts = dict(vars(args))
+    try:  # record the output inside the repository relative to it, never a machine's path
+        opts["out"] = str(Path(args.out).resolve().relative_to(REPO))
+    except ValueError:
+        opts["out"] = Path(args.out).name
+    result = {"command": command.strip(), "args": opts, "target_loss": target,
               "runs": runs, "ratios": ratios, "wall_seconds": wall,
               "machine": {"python": platform.python_version(), "torch": torch.__version__,
                           "processor": platform.processor() or platform.machine(),
