@@ -20,6 +20,16 @@ from smelt_kernels import backends
 
 #: the floor of the tolerance rule, relative to max(1, max |oracle|): FLOOR_ULPS units of
 #: the compute dtype's epsilon, at least FLOOR_MIN
+#: Python source that makes both native extensions unloadable: the prelude of a subprocess
+#: that checks what a pure-Python install does
+BLOCK_NATIVE = (
+    "import sys\n"
+    "class Block:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name in ('smelt_kernels._cpu', 'smelt_kernels._cuda'):\n"
+    "            raise ImportError('blocked for the test')\n"
+    "sys.meta_path.insert(0, Block())\n"
+)
 FLOOR_ULPS = 2
 FLOOR_MIN = 1e-5
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import helpers
 from smelt_kernels import backends
 from smelt_kernels import reference as R
 from smelt_kernels.layers import MoE, RMSNorm, Rotary, SegmentAttention
@@ -213,13 +214,7 @@ def test_pure_python_install_compiles_the_model():
     model traces as one graph: torch.compile(fullgraph=True), with dynamo's own backend so no
     C++ compiler is needed. Fewer experts than the preset keep the trace of the reference's
     per-expert loop short."""
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name in ('smelt_kernels._cpu', 'smelt_kernels._cuda'):\n"
-        "            raise ImportError('blocked for the test')\n"
-        "sys.meta_path.insert(0, Block())\n"
+    code = helpers.BLOCK_NATIVE + (
         "import torch\n"
         "from smelt_kernels import backends\n"
         "from smelt_model import presets\n"

@@ -11,6 +11,7 @@ import sysconfig
 import pytest
 import torch
 
+import helpers
 from smelt_kernels import backends
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,13 +22,7 @@ CPU_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*", "cpu_*.cpp")))
 
 def test_imports_without_extensions():
     """With both native extensions unloadable, everything imports and reports why."""
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name in ('smelt_kernels._cpu', 'smelt_kernels._cuda'):\n"
-        "            raise ImportError('blocked for the test')\n"
-        "sys.meta_path.insert(0, Block())\n"
+    code = helpers.BLOCK_NATIVE + (
         "import smelt_kernels, smelt_model\n"
         "from smelt_kernels import backends, reference\n"
         "for name in ('_cpu', '_cuda'):\n"
