@@ -14,11 +14,11 @@
 // * Scores are kept in log2 units (q is scaled by scale * log2 e), with an online softmax
 //   per row and a vectorised 2^x. LSE is returned in natural log; psink is the probability
 //   on the segment's first key, from that key's score and the row's final LSE.
-// * Backward: delta = rowsum(dO * O); dK and dV are owned per key tile (one work item each,
-//   over every query that sees the tile), dQ per query block, each recomputing the
-//   probabilities from the LSE. No atomics, no reduction across threads: every output
-//   element is computed by one thread in a fixed order, so results are bitwise the same for
-//   any thread count.
+// * Backward: delta = rowsum(dO * O); one pass that computes each block of probabilities once
+//   (from the LSE) and from it dV, dK and dQ. A work unit is a chunk of one segment's keys and
+//   every query that sees them; it owns the chunk's dK and dV, and gives each query one dQ
+//   share, added in chunk order (see run_backward). No atomics: every output element is summed
+//   by one thread in a fixed order, so results are bitwise the same for any thread count.
 // * Inputs are widened to fp32 (and K, V also laid out transposed, (D, Tk)) once per call,
 //   an O(T D) pass; the O(T^2 D) work runs on fp32 in registers with FMA. 16-bit inputs
 //   therefore compute in fp32 (no AMX path here); outputs are rounded once at the end.
@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -127,23 +128,22 @@ namespace {
 struct Isa {
   const char* name;
   void (*forward)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*, float*, float*);
-  void (*dq)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*);
-  void (*dkdv)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*, float*);
+  void (*unit)(const Problem&, int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*, float*,
+               int64_t, float);
 };
 
 const Isa& isa() {
   static const Isa chosen = [] {
     const char* env = std::getenv("SMELT_ATTENTION_ISA");
     const std::string want = env ? env : "";
-    const Isa generic_isa{"generic", &generic::forward_block, &generic::dq_block, &generic::dkdv_block};
+    const Isa generic_isa{"generic", &generic::forward_block, &generic::backward_unit};
 #ifdef SMELT_ATT_X86
-    const Isa avx512_isa{"avx512", &avx512::forward_block, &avx512::dq_block, &avx512::dkdv_block};
-    const Isa avx2_isa{"avx2", &avx2::forward_block, &avx2::dq_block, &avx2::dkdv_block};
+    const Isa avx512_isa{"avx512", &avx512::forward_block, &avx512::backward_unit};
+    const Isa avx2_isa{"avx2", &avx2::forward_block, &avx2::backward_unit};
     const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
     const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    const Isa wide_isa{"avx2-wide", &avx2_wide::forward_block, &avx2_wide::dq_block,
-                       &avx2_wide::dkdv_block};
+    const Isa wide_isa{"avx2-wide", &avx2_wide::forward_block, &avx2_wide::backward_unit};
     if (want == "avx2-wide" && has2) return wide_isa;
     if (want != "generic") {
       if (has512 && want != "avx2") return avx512_isa;
@@ -267,6 +267,110 @@ void query_items(const Problem& P, const std::vector<int32_t>& st, std::vector<i
       }
 }
 
+// Backward work units: each segment of each (b, KV head) is cut into key chunks, at most
+// kMaxChunks, about kChunkKeys keys each and split at equal cost (a key costs the queries that
+// see it); a chunk and every query that sees it is one unit, which owns its keys' dK, dV. dQ
+// rows get one share per chunk at or before them: the first chunk's goes straight into dq,
+// the others' into scratch, added in chunk order afterwards. The cut depends on the segment
+// layout only, never on the thread count, so the sums (and the results) are bitwise the same
+// for any number of threads.
+constexpr int64_t kChunkKeys = 512, kMaxChunks = 8, kChunkAlign = 32;
+
+struct Unit {
+  int64_t b, h, kb, ke, e, cost;
+  float* dst;
+  int64_t stride;
+  float mul;
+};
+struct Seg {  // a segment cut into more than one chunk: its scratch shares to add
+  int64_t b, h, s, e, first, n;
+};
+
+void run_backward(const Problem& P, const std::vector<int32_t>& en, float* dqp, float* dkp, float* dvp) {
+  const int64_t off = P.Tk - P.Tq, G = P.G, D = P.D;
+  std::vector<Unit> units;
+  std::vector<Seg> segs;
+  std::vector<int64_t> scratch_at;  // per unit: offset into scratch (-1: writes dq itself)
+  int64_t scratch = 0;
+  for (int64_t b = 0; b < P.B; ++b)
+    for (int64_t s = 0; s < P.Tk;) {
+      const int64_t e = en[b * P.Tk + s], L = e - s + 1;
+      const int64_t n = std::min(kMaxChunks, std::max<int64_t>(1, (L + kChunkKeys - 1) / kChunkKeys));
+      // key cost: queries max(j, off)..e; chunk ends where the running cost passes c/n of it
+      auto cost_of = [&](int64_t j0, int64_t j1) {
+        int64_t c = 0;
+        for (int64_t j = j0; j < j1; ++j) c += std::max<int64_t>(0, e - std::max(j, off) + 1);
+        return c;
+      };
+      const int64_t total = cost_of(s, e + 1);
+      std::vector<int64_t> cuts{s};
+      int64_t run = 0;
+      for (int64_t j = s; j <= e && static_cast<int64_t>(cuts.size()) < n; j += kChunkAlign) {
+        const int64_t j1 = std::min(e + 1, j + kChunkAlign);
+        run += cost_of(j, j1);
+        if (j1 <= e && run * n >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(j1);
+      }
+      cuts.push_back(e + 1);
+      const int64_t nc = static_cast<int64_t>(cuts.size()) - 1;
+      for (int64_t h = 0; h < P.Hkv; ++h) {
+        if (nc > 1) segs.push_back({b, h, s, e, static_cast<int64_t>(units.size()), nc});
+        for (int64_t c = 0; c < nc; ++c) {
+          const int64_t kb = cuts[c], ke = cuts[c + 1], plo = std::max(kb, off);
+          Unit u{b, h, kb, ke, e, cost_of(kb, ke) + (ke - kb), nullptr, 0, 1.0f};
+          if (plo > e) {
+            scratch_at.push_back(-1);
+          } else if (c == 0) {
+            u.dst = dqp + ((b * P.Tq + plo - off) * P.Hq + h * G) * D;
+            u.stride = P.Hq * D;
+            u.mul = nc == 1 ? P.scale : 1.0f;
+            scratch_at.push_back(-1);
+          } else {
+            u.stride = G * D;
+            scratch_at.push_back(scratch);
+            scratch += (e - plo + 1) * G * D;
+          }
+          units.push_back(u);
+        }
+      }
+      s = e + 1;
+    }
+  std::vector<float> extra(scratch);
+  for (size_t i = 0; i < units.size(); ++i)
+    if (scratch_at[i] >= 0) units[i].dst = extra.data() + scratch_at[i];
+  // largest units first, handed out one at a time (which thread runs one never matters)
+  std::vector<int64_t> order(units.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t c) { return units[a].cost > units[c].cost; });
+  std::atomic<int64_t> next{0};
+  const Isa& I = isa();
+  const int64_t nu = static_cast<int64_t>(units.size());
+  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nu)), 1,
+                   [&](int64_t, int64_t) {
+                     for (int64_t i; (i = next.fetch_add(1)) < nu;) {
+                       const Unit& u = units[order[i]];
+                       I.unit(P, u.b, u.h, u.kb, u.ke, u.e, dkp, dvp, u.dst, u.stride, u.mul);
+                     }
+                   });
+  // dq of the segments cut in several chunks: (first share + second + ...) * scale, in order
+  at::parallel_for(0, static_cast<int64_t>(segs.size()), 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t si = s0; si < s1; ++si) {
+      const Seg& sg = segs[si];
+      for (int64_t p = std::max(sg.s, off); p <= sg.e; ++p) {
+        float* row = dqp + ((sg.b * P.Tq + p - off) * P.Hq + sg.h * G) * D;
+        for (int64_t c = 1; c < sg.n; ++c) {
+          const Unit& u = units[sg.first + c];
+          const int64_t plo = std::max(u.kb, off);
+          if (p < plo) continue;
+          const float* share = u.dst + (p - plo) * u.stride;
+          for (int64_t i = 0; i < G * D; ++i) row[i] += share[i];
+        }
+        for (int64_t i = 0; i < G * D; ++i) row[i] *= P.scale;
+      }
+    }
+  });
+}
+
 at::Tensor as_float(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
 at::Tensor kv_major(const at::Tensor& x) { return x.to(at::kFloat).transpose(1, 2).contiguous(); }
 
@@ -348,31 +452,7 @@ void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at
   float* dqp = dqf.data_ptr<float>();
   float* dkp = dkf.data_ptr<float>();
   float* dvp = dvf.data_ptr<float>();
-  const Isa& I = isa();
-  if (P.Tq > 0) {
-    std::vector<int64_t> items, cost;
-    query_items(P, st, items, cost);
-    run_items(cost, [&](int64_t i) {
-      const int64_t bh = items[i] / P.Tq, t0 = items[i] % P.Tq;
-      I.dq(P, bh / P.Hkv, bh % P.Hkv, t0, std::min(P.Tq, t0 + P.BQ), dqp);
-    });
-  }
-  // key tiles: (b, h, j0) with the number of queries that see them
-  constexpr int64_t kKeyTile = 32;
-  const int64_t off = P.Tk - P.Tq;
-  std::vector<int64_t> items, cost;
-  for (int64_t b = 0; b < P.B; ++b)
-    for (int64_t h = 0; h < P.Hkv; ++h)
-      for (int64_t j0 = 0; j0 < P.Tk; j0 += kKeyTile) {
-        const int64_t n = std::min(kKeyTile, P.Tk - j0);
-        const int64_t hi = en[b * P.Tk + j0 + n - 1], lo = std::max(j0, off);
-        items.push_back((b * P.Hkv + h) * P.Tk + j0);
-        cost.push_back(n * std::max<int64_t>(0, hi - lo + 1));
-      }
-  run_items(cost, [&](int64_t i) {
-    const int64_t bh = items[i] / P.Tk, j0 = items[i] % P.Tk;
-    I.dkdv(P, bh / P.Hkv, bh % P.Hkv, j0, std::min(kKeyTile, P.Tk - j0), dkp, dvp);
-  });
+  run_backward(P, en, dqp, dkp, dvp);
   if (!dqf.is_same(dq)) dq.copy_(dqf);
   if (!dkf.is_same(dk)) dk.copy_(dkf);
   if (!dvf.is_same(dv)) dv.copy_(dvf);

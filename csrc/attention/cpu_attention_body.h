@@ -31,7 +31,10 @@ inline void store(float* p, vf<W> v) {
 }
 template <int W>
 inline vf<W> splat(float s) {
-  return vf<W>{} + s;
+  // s - 0 is s for every s (also -0), so this compiles to one broadcast; `vf<W>{} + s`
+  // keeps a scalar add (0 + -0 is +0) on the FMA loops' critical path, and an element-wise
+  // fill becomes a chain of inserts
+  return s - vf<W>{};
 }
 
 // 2^x, relative error about 2e-7; 0 below -126 (so 2^-inf is exactly 0), NaN stays NaN.
@@ -346,72 +349,63 @@ inline void probs_and_ds(const Problem& P, const int32_t* st, int64_t tq0, int64
   }
 }
 
-// dQ of queries t0..t1-1 of (b, h), fp32 (B, Tq, Hq, D).
-inline void dq_block(const Problem& P, int64_t b, int64_t h, int64_t t0, int64_t t1, float* dq) {
-  const int64_t G = P.G, D = P.D, BK = P.BK;
-  const int64_t M = (t1 - t0) * G;
-  Buffers& buf = buffers();
-  float* Q = grow(buf.q, M * D);
-  float* dO = grow(buf.dov, M * D);
-  float* dQ = grow(buf.o, M * D);
-  float* S = grow(buf.s, M * BK);
-  float* dP = grow(buf.dp, M * BK);
-  float* lse2 = grow(buf.stat1, M);
-  float* delta = grow(buf.stat2, M);
-  backward_rows(P, b, h, t0, t1, Q, dO, lse2, delta);
-  std::fill(dQ, dQ + M * D, 0.0f);
-  const int32_t* st = P.start + b * P.Tk;
-  const int64_t kv = (b * P.Hkv + h);
-  const float* KT = P.kt + kv * D * P.Tkp;
-  const float* VT = P.vt + kv * D * P.Tkp;
-  const float* K = P.k + kv * P.Tk * D;
-  for_key_tiles(P, st, t0, t1, [&](int64_t j0, int64_t n, int64_t ta, int64_t tb) {
-    const int64_t r0 = (ta - t0) * G, r1 = (tb - t0) * G;
-    probs_and_ds(P, st, t0, j0, n, r0, r1, Q, dO, lse2, delta, KT, VT, S, dP);
-    accumulate(dP + r0 * BK, BK, 1, K + j0 * D, D, n, dQ + r0 * D, D, r1 - r0, D);
-  });
-  for (int64_t r = 0; r < M; ++r) {
-    const int64_t t = t0 + r / G, g = r % G;
-    float* out = dq + ((b * P.Tq + t) * P.Hq + h * G + g) * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = dQ[r * D + d] * P.scale;
-  }
-}
-
-// dK, dV of keys j0..j0+n-1 of (b, h), fp32 (B, Tk, Hkv, D): every query that sees one of
-// them, BQ positions at a time.
-inline void dkdv_block(const Problem& P, int64_t b, int64_t h, int64_t j0, int64_t n, float* dk,
-                       float* dv) {
+// One work unit of the backward, in a single pass: keys kb..ke-1 of the segment that ends at
+// position e, of (b, h), against every query of that segment at or after kb (no other query
+// sees them), BQ query positions at a time and the keys in tiles of KT. Per (query block, key
+// tile) the probabilities and dS are computed once and give all three products: dV += P^T dO,
+// dK += dS^T Q (the unit owns its keys) and dQ_block += dS K. A query block's dQ is complete for
+// this unit after its key tiles and is stored, times mul, to dst: row (t - tlo, g) at
+// dst + (t - tlo) * dst_stride + g * D, tlo the unit's first query (max(kb, Tk - Tq) - offset).
+// dK, dV are written to (B, Tk, Hkv, D) fp32; zeros where no query sees the keys.
+inline void backward_unit(const Problem& P, int64_t b, int64_t h, int64_t kb, int64_t ke, int64_t e,
+                          float* dk, float* dv, float* dst, int64_t dst_stride, float mul) {
+  constexpr int64_t KT = 32;  // keys per tile: one column block of the score micro-tiles
   const int64_t G = P.G, D = P.D, BK = P.BK, BQ = P.BQ, off = P.Tk - P.Tq;
+  const int64_t nk = ke - kb;
   Buffers& buf = buffers();
-  float* Q = grow(buf.q, BQ * G * D);
-  float* dO = grow(buf.dov, BQ * G * D);
-  float* S = grow(buf.s, BQ * G * BK);
-  float* dP = grow(buf.dp, BQ * G * BK);
-  float* lse2 = grow(buf.stat1, BQ * G);
-  float* delta = grow(buf.stat2, BQ * G);
-  float* dK = grow(buf.acc1, n * D);
-  float* dV = grow(buf.acc2, n * D);
-  std::fill(dK, dK + n * D, 0.0f);
-  std::fill(dV, dV + n * D, 0.0f);
-  const int32_t* st = P.start + b * P.Tk;
-  const int32_t* en = P.end + b * P.Tk;
-  const int64_t kv = (b * P.Hkv + h);
-  const float* KT = P.kt + kv * D * P.Tkp;
-  const float* VT = P.vt + kv * D * P.Tkp;
-  // queries at positions j0 .. end(last key) see the tile (all others see none of it)
-  const int64_t p_lo = std::max(j0, off), p_hi = std::min<int64_t>(en[j0 + n - 1], P.Tk - 1);
-  for (int64_t pa = p_lo; pa <= p_hi; pa += BQ) {
-    const int64_t t0 = pa - off, t1 = std::min(p_hi + 1, pa + BQ) - off;
-    const int64_t M = (t1 - t0) * G;
-    backward_rows(P, b, h, t0, t1, Q, dO, lse2, delta);
-    probs_and_ds(P, st, t0, j0, n, 0, M, Q, dO, lse2, delta, KT, VT, S, dP);
-    accumulate(S, 1, BK, dO, D, M, dV, D, n, D);  // dV += P^T dO
-    accumulate(dP, 1, BK, Q, D, M, dK, D, n, D);  // dK += dS^T Q (Q carries qscale)
+  float* dK = grow(buf.acc1, nk * D);
+  float* dV = grow(buf.acc2, nk * D);
+  std::fill(dK, dK + nk * D, 0.0f);
+  std::fill(dV, dV + nk * D, 0.0f);
+  const int64_t plo = std::max(kb, off);
+  if (plo <= e) {
+    float* Q = grow(buf.q, BQ * G * D);
+    float* dO = grow(buf.dov, BQ * G * D);
+    float* dQ = grow(buf.o, BQ * G * D);
+    float* S = grow(buf.s, BQ * G * BK);
+    float* dP = grow(buf.dp, BQ * G * BK);
+    float* lse2 = grow(buf.stat1, BQ * G);
+    float* delta = grow(buf.stat2, BQ * G);
+    const int32_t* st = P.start + b * P.Tk;
+    const int64_t kv = b * P.Hkv + h;
+    const float* KTr = P.kt + kv * D * P.Tkp;
+    const float* VTr = P.vt + kv * D * P.Tkp;
+    const float* K = P.k + kv * P.Tk * D;
+    const int64_t tlo = plo - off;
+    for (int64_t pa = plo; pa <= e; pa += BQ) {
+      const int64_t t0 = pa - off, t1 = std::min(e + 1, pa + BQ) - off, M = (t1 - t0) * G;
+      backward_rows(P, b, h, t0, t1, Q, dO, lse2, delta);
+      std::fill(dQ, dQ + M * D, 0.0f);
+      const int64_t kend = std::min(ke, off + t1);  // keys past the block's last query: none seen
+      for (int64_t j0 = kb; j0 < kend; j0 += KT) {
+        const int64_t n = std::min(KT, ke - j0);
+        probs_and_ds(P, st, t0, j0, n, 0, M, Q, dO, lse2, delta, KTr, VTr, S, dP);
+        accumulate(S, 1, BK, dO, D, M, dV + (j0 - kb) * D, D, n, D);  // dV += P^T dO
+        accumulate(dP, 1, BK, Q, D, M, dK + (j0 - kb) * D, D, n, D);  // dK += dS^T Q
+        accumulate(dP, BK, 1, K + j0 * D, D, n, dQ, D, M, D);         // dQ += dS K
+      }
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+          const float* src = dQ + ((t - t0) * G + g) * D;
+          float* out = dst + (t - tlo) * dst_stride + g * D;
+          for (int64_t d = 0; d < D; ++d) out[d] = src[d] * mul;
+        }
+    }
   }
-  const float kmul = P.scale / P.qscale;
-  for (int64_t j = 0; j < n; ++j) {
-    float* ok = dk + ((b * P.Tk + j0 + j) * P.Hkv + h) * D;
-    float* ov = dv + ((b * P.Tk + j0 + j) * P.Hkv + h) * D;
+  const float kmul = P.scale / P.qscale;  // dS^T Q used Q times qscale
+  for (int64_t j = 0; j < nk; ++j) {
+    float* ok = dk + ((b * P.Tk + kb + j) * P.Hkv + h) * D;
+    float* ov = dv + ((b * P.Tk + kb + j) * P.Hkv + h) * D;
     for (int64_t d = 0; d < D; ++d) {
       ok[d] = dK[j * D + d] * kmul;
       ov[d] = dV[j * D + d];

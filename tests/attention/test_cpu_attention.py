@@ -126,6 +126,18 @@ def test_long_segments_cross_many_tiles():
 
 
 @needs_native
+def test_segments_cut_into_backward_chunks():
+    """Segments longer than the kernel's backward chunk (512 keys) are split into several work
+    units whose dQ shares are summed afterwards: one segment of 1300 (3 chunks), a mix with
+    one of 700 beside short ones, and the decode form where the queries start inside the
+    second chunk."""
+    check(1, 1300, 1300, 2, 1, 16, torch.float32, "one", seed=21)
+    check(2, 900, 900, 3, 1, 8, torch.float32, "mixed", seed=22)
+    check(1, 700, 1300, 4, 2, 16, torch.float32, "one", seed=23)
+    check(1, 1100, 1100, 2, 2, 24, torch.bfloat16, "one", seed=24)
+
+
+@needs_native
 def test_public_op_uses_native_and_matches_chunked():
     """segment_attention(backend="cpu") runs the native kernel; it agrees with the chunked
     path (forward, LSE, sink mean, grads)."""
@@ -179,10 +191,16 @@ def test_poisoned_outputs_are_overwritten(monkeypatch):
 
 
 def _run_all(dtype):
-    q, k, v, do = inputs(2, 123, 123, 5, 1, 64, dtype, seed=11)
-    start, end = segment_bounds(segments("mixed", 2, 123, seed=12))
-    o, lse, ps = attention_cpu.native_forward(q, k, v, start, 0.125, True)
-    return (o, lse, ps) + tuple(attention_cpu.native_backward(do, q, k, v, o, lse, start, end, 0.125))
+    out = ()
+    # short mixed segments (one backward unit each) and one of 1200 (three units, dQ summed)
+    for T, H, D, layout in ((123, 5, 64, "mixed"), (1200, 2, 16, "one")):
+        q, k, v, do = inputs(2, T, T, H, 1, D, dtype, seed=11)
+        seg = segments(layout, 2, T, seed=12)
+        start, end = segment_bounds(seg) if seg is not None else (None, None)
+        o, lse, ps = attention_cpu.native_forward(q, k, v, start, 0.125, True)
+        out += (o, lse, ps) + tuple(attention_cpu.native_backward(do, q, k, v, o, lse, start, end,
+                                                                  0.125))
+    return out
 
 
 @needs_native
