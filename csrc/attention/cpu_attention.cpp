@@ -90,7 +90,7 @@ namespace smelt_att::avx512 {
 #pragma GCC target("avx2,fma")
 namespace smelt_att::avx2 {
 #define SMELT_ATT_W 8
-#define SMELT_ATT_RA 2
+#define SMELT_ATT_RA 3
 #define SMELT_ATT_RB 3
 #include "cpu_attention_body.h"
 #undef SMELT_ATT_W
@@ -234,24 +234,20 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, double scale) {
   return P;
 }
 
-// Runs f(item) for items 0..n-1 on the intra-op threads, in contiguous ranges of similar
-// cost. Which thread runs an item never changes what it computes.
+// Runs f(item) for items 0..n-1 on the intra-op threads: the costliest first, each thread
+// taking the next one when it is done (a static split of these uneven items left threads
+// idle). Which thread runs an item never changes what it computes.
 template <typename F>
 void run_items(const std::vector<int64_t>& cost, F&& f) {
   const int64_t n = static_cast<int64_t>(cost.size());
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  std::vector<int64_t> cum(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) cum[i + 1] = cum[i] + std::max<int64_t>(cost[i], 1);
-  std::vector<int64_t> bound(parts + 1, n);
-  bound[0] = 0;
-  for (int64_t p = 1, i = 0; p < parts; ++p) {
-    while (i < n && cum[i] * parts < cum[n] * p) ++i;
-    bound[p] = i;
-  }
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i = bound[p]; i < bound[p + 1]; ++i) f(i);
-  });
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n)), 1,
+                   [&](int64_t, int64_t) {
+                     for (int64_t i; (i = next.fetch_add(1)) < n;) f(order[i]);
+                   });
 }
 
 // Query-block items (b, h, t0) with their cost (keys seen).
@@ -337,21 +333,13 @@ void run_backward(const Problem& P, const std::vector<int32_t>& en, float* dqp, 
   std::vector<float> extra(scratch);
   for (size_t i = 0; i < units.size(); ++i)
     if (scratch_at[i] >= 0) units[i].dst = extra.data() + scratch_at[i];
-  // largest units first, handed out one at a time (which thread runs one never matters)
-  std::vector<int64_t> order(units.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t c) { return units[a].cost > units[c].cost; });
-  std::atomic<int64_t> next{0};
+  std::vector<int64_t> cost(units.size());
+  for (size_t i = 0; i < units.size(); ++i) cost[i] = units[i].cost;
   const Isa& I = isa();
-  const int64_t nu = static_cast<int64_t>(units.size());
-  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nu)), 1,
-                   [&](int64_t, int64_t) {
-                     for (int64_t i; (i = next.fetch_add(1)) < nu;) {
-                       const Unit& u = units[order[i]];
-                       I.unit(P, u.b, u.h, u.kb, u.ke, u.e, dkp, dvp, u.dst, u.stride, u.mul);
-                     }
-                   });
+  run_items(cost, [&](int64_t i) {
+    const Unit& u = units[i];
+    I.unit(P, u.b, u.h, u.kb, u.ke, u.e, dkp, dvp, u.dst, u.stride, u.mul);
+  });
   // dq of the segments cut in several chunks: (first share + second + ...) * scale, in order
   at::parallel_for(0, static_cast<int64_t>(segs.size()), 1, [&](int64_t s0, int64_t s1) {
     for (int64_t si = s0; si < s1; ++si) {

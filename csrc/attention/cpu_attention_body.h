@@ -37,12 +37,14 @@ inline vf<W> splat(float s) {
   return s - vf<W>{};
 }
 
-// 2^x, relative error about 2e-7; 0 below -126 (so 2^-inf is exactly 0), NaN stays NaN.
+// 2^x for x <= 0 (every use: scores minus their row max or log-sum-exp), relative error
+// about 2e-7. Below -127 the result is exactly 0 (so 2^-inf is 0): x is raised to -127, whose
+// rounded exponent field is 0, so the scale factor is +0. NaN stays NaN (the max keeps it).
+// No upper clamp: nothing calls it with x > 0 beyond rounding.
 template <int W>
 inline vf<W> exp2v(vf<W> x) {
-  const vf<W> lo = splat<W>(-126.0f);
-  vf<W> xc = x < lo ? lo : x;
-  xc = xc > 127.0f ? splat<W>(127.0f) : xc;
+  const vf<W> lo = splat<W>(-127.0f);
+  const vf<W> xc = lo > x ? lo : x;                   // vmaxps(lo, x): NaN in x passes
   const vf<W> r = (xc + 12582912.0f) - 12582912.0f;  // round to nearest
   const vf<W> f = xc - r;                            // [-0.5, 0.5]
   vf<W> p = splat<W>(1.5403530393381606e-4f);         // ln2^k / k!, k = 6..0
@@ -55,8 +57,7 @@ inline vf<W> exp2v(vf<W> x) {
   const vi<W> e = (__builtin_convertvector(r, vi<W>) + 127) << 23;
   vf<W> s;
   __builtin_memcpy(&s, &e, sizeof s);
-  const vf<W> y = p * s;
-  return x < lo ? vf<W>{} : y;
+  return p * s;
 }
 
 template <int W>
