@@ -409,8 +409,9 @@ def measure_block(cfg: ModelConfig, wl: Workload, args, device, dtype, modes, fi
         out["train"] = dict(info, parts=measure_parts(fn, parts, **timed))
         if first:
             params = list(model.parameters())
-            _, act = activation_memory(lambda: model(ids, seg, labels=ids).loss,
-                                       device=device, exclude=params)
+            act = activation_memory(lambda: model(ids, seg, labels=ids).loss,
+                                    device=device, exclude=params)[1]  # graph freed here
+            del params
             out["train"].update(activation_bytes=act.saved_bytes, peak_bytes=_peak_of(fn, device))
         del fn, parts, opt
         model.zero_grad(set_to_none=True)

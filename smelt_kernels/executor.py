@@ -150,7 +150,10 @@ def activation_memory(fn: Callable[[], Any], device: Optional[torch.device] = No
                 seen[ptr] = st.nbytes()
         except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. fake)
             pass
-        return t
+        # an alias without autograd history: handing back t itself makes a saved output
+        # refer to its own grad_fn, a cycle through the C++ graph that the garbage collector
+        # cannot see, and the whole graph (parameters and activations) would never be freed
+        return t.detach()
 
     cuda = device is not None and torch.device(device).type == "cuda"
     base = 0

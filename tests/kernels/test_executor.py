@@ -88,6 +88,34 @@ def test_activation_memory_counts_saved_tensors_once():
     assert mem.saved_tensors >= 2 and mem.peak_allocated_bytes is None
 
 
+def test_activation_memory_frees_the_graph_and_keeps_backward_working():
+    """The measured forward's graph is freed with its output (a saved output handed back as
+    itself would refer to its own grad_fn: a cycle the collector cannot break, which kept
+    every parameter and activation of a measured model alive), and backward through it still
+    gives the plain gradients."""
+    import gc
+    import weakref
+
+    ids = torch.randint(0, 97, (2, 12))
+    torch.manual_seed(0)
+    model = SmeltLM(micro(), backend="torch")
+    loss, mem = activation_memory(lambda: model(ids, labels=ids).loss,
+                                  exclude=list(model.parameters()))
+    assert mem.saved_bytes > 0
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids).loss.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=0, atol=0)
+
+    _ = activation_memory(lambda: model(ids, labels=ids).loss)
+    alive = weakref.ref(model.embed.weight)
+    del model, loss, _, p
+    gc.collect()
+    assert alive() is None
+
+
 def test_capture_falls_back_to_eager_on_cpu():
     model = SmeltLM(micro(), backend="torch")
     ids = torch.randint(0, 97, (1, 8))
