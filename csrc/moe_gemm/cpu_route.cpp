@@ -47,6 +47,37 @@ inline void top_k_row(const float* l, int64_t E, int64_t k, float* best, int32_t
   }
 }
 
+constexpr int kLanes = 16;  // fixed lanes of the row reductions: vectorised, order fixed
+
+// log-sum-exp of one row: its max, then the sum of exp(l - max), each over kLanes lanes
+// (fast_exp, so the loops vectorise; libm's expf per element was most of the kernel's time)
+SMELT_MULTIVERSION
+float row_lse(const float* l, int64_t E) {
+  float mx[kLanes], z[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    mx[j] = -std::numeric_limits<float>::infinity();
+    z[j] = 0.0f;
+  }
+  int64_t e = 0;
+  for (; e + kLanes <= E; e += kLanes)
+    for (int j = 0; j < kLanes; ++j) mx[j] = mx[j] < l[e + j] ? l[e + j] : mx[j];
+  for (; e < E; ++e) mx[e % kLanes] = mx[e % kLanes] < l[e] ? l[e] : mx[e % kLanes];
+  float m = mx[0];
+  for (int j = 1; j < kLanes; ++j) m = m < mx[j] ? mx[j] : m;
+  for (e = 0; e + kLanes <= E; e += kLanes)
+    for (int j = 0; j < kLanes; ++j) z[j] += fast_exp(l[e + j] - m);
+  for (; e < E; ++e) z[e % kLanes] += fast_exp(l[e] - m);
+  float sum = 0.0f;
+  for (int j = 0; j < kLanes; ++j) sum += z[j];
+  return m + std::log(sum);
+}
+
+// d[e] = -exp(l[e] - lse) * c for one row (the softmax part of the router gradient)
+SMELT_MULTIVERSION
+void scaled_probs(const float* __restrict l, float lse, float c, int64_t E, float* __restrict d) {
+  for (int64_t e = 0; e < E; ++e) d[e] = -fast_exp(l[e] - lse) * c;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_fwd(
     const at::Tensor& logits_, int64_t top_k, bool renormalize, bool want_sort) {
   TORCH_CHECK_VALUE(logits_.dim() == 2, "route: logits must be (T, E), got shape ", logits_.sizes());
@@ -70,16 +101,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       int32_t* cnt = want_sort ? counts.data() + c * E : nullptr;
       for (int64_t t = c * kRouteChunk; t < std::min(T, (c + 1) * kRouteChunk); ++t) {
         const float* l = lp + t * E;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t e = 0; e < E; ++e) m = std::max(m, l[e]);
-        float z = 0.0f;
-        for (int64_t e = 0; e < E; ++e) z += std::exp(l[e] - m);
-        sp[t] = m + std::log(z);
+        const float lse = row_lse(l, E);
+        sp[t] = lse;
         top_k_row(l, E, k, best.data(), ip + t * k);
         float* wt = wp + t * k;
         float sum = 0.0f;
         for (int64_t j = 0; j < k; ++j) {
-          wt[j] = std::exp(best[j] - m) / z;
+          wt[j] = std::exp(best[j] - lse);
           sum += wt[j];
         }
         if (renormalize)
@@ -153,7 +181,7 @@ at::Tensor moe_route_bwd(const at::Tensor& grad_w_, const at::Tensor& logits_, c
         c += ds[j] * s[j];
       }
       float* d = dp + t * E;
-      for (int64_t e = 0; e < E; ++e) d[e] = -std::exp(l[e] - sp[t]) * c;
+      scaled_probs(l, sp[t], c, E, d);
       for (int64_t j = 0; j < k; ++j) d[it[j]] += s[j] * ds[j];
     }
   });
