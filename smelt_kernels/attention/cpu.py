@@ -7,8 +7,9 @@ Two implementations, same contract (see :func:`forward`, :func:`backward`):
   ``_bwd`` in the ``smelt_kernels._cpu`` extension). Flash-style tiles with an online
   softmax and a vectorised exp (AVX-512 or AVX2 + FMA, picked at load time), the G query
   heads of a KV head as rows of one tile so each K/V tile is read once for the group, only
-  the key tiles inside each query's segment interval, dK/dV owned per key tile and dQ per
-  query block (no atomics: bitwise the same for any thread count). float32, bfloat16 and
+  the key tiles inside each query's segment interval; a one-pass backward whose work units
+  are chunks of a segment's keys (each owns its dK/dV, and dQ shares are summed in chunk
+  order: no atomics, bitwise the same for any thread count). float32, bfloat16 and
   float16 inputs, head dim any multiple of 8; 16-bit inputs are widened to fp32 once per
   call and computed with fp32 FMAs (no AMX path).
 * ``chunked`` (:func:`chunked_forward`, :func:`chunked_backward`): ATen's CPU
