@@ -761,7 +761,7 @@ def parse_args(argv=None):
     cuda = args.device == "cuda"
     defaults = dict(dtype="bf16" if cuda else "fp32", tokens=32768 if cuda else 4096,
                     seq_len=4096 if cuda else 2048, mean_doc_len=800.0, repeats=6,
-                    decode_prompt=512 if cuda else 256, decode_steps=32 if cuda else 16,
+                    decode_prompt=512 if cuda else 256, decode_steps=32 if cuda else 48,
                     decode_batch=[1, 64] if cuda else [1, 8])
     for k, v in defaults.items():
         if getattr(args, k) is None:
