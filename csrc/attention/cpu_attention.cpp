@@ -274,9 +274,10 @@ constexpr int64_t kChunkKeys = 512, kMaxChunks = 8, kChunkAlign = 32;
 
 struct Unit {
   int64_t b, h, kb, ke, e, cost;
-  float* dst;
+  float* dst;       // where its dQ shares go: dq itself, or scratch at offset `at`
   int64_t stride;
   float mul;
+  int64_t at = -1;
 };
 struct Seg {  // a segment cut into more than one chunk: its scratch shares to add
   int64_t b, h, s, e, first, n;
@@ -286,7 +287,6 @@ void run_backward(const Problem& P, const std::vector<int32_t>& en, float* dqp, 
   const int64_t off = P.Tk - P.Tq, G = P.G, D = P.D;
   std::vector<Unit> units;
   std::vector<Seg> segs;
-  std::vector<int64_t> scratch_at;  // per unit: offset into scratch (-1: writes dq itself)
   int64_t scratch = 0;
   for (int64_t b = 0; b < P.B; ++b)
     for (int64_t s = 0; s < P.Tk;) {
@@ -308,21 +308,20 @@ void run_backward(const Problem& P, const std::vector<int32_t>& en, float* dqp, 
       }
       cuts.push_back(e + 1);
       const int64_t nc = static_cast<int64_t>(cuts.size()) - 1;
+      std::vector<int64_t> chunk_cost(nc);  // the same for every KV head
+      for (int64_t c = 0; c < nc; ++c) chunk_cost[c] = cost_of(cuts[c], cuts[c + 1]) + (cuts[c + 1] - cuts[c]);
       for (int64_t h = 0; h < P.Hkv; ++h) {
         if (nc > 1) segs.push_back({b, h, s, e, static_cast<int64_t>(units.size()), nc});
         for (int64_t c = 0; c < nc; ++c) {
           const int64_t kb = cuts[c], ke = cuts[c + 1], plo = std::max(kb, off);
-          Unit u{b, h, kb, ke, e, cost_of(kb, ke) + (ke - kb), nullptr, 0, 1.0f};
-          if (plo > e) {
-            scratch_at.push_back(-1);
-          } else if (c == 0) {
+          Unit u{b, h, kb, ke, e, chunk_cost[c], nullptr, 0, 1.0f};
+          if (plo <= e && c == 0) {
             u.dst = dqp + ((b * P.Tq + plo - off) * P.Hq + h * G) * D;
             u.stride = P.Hq * D;
             u.mul = nc == 1 ? P.scale : 1.0f;
-            scratch_at.push_back(-1);
-          } else {
+          } else if (plo <= e) {
             u.stride = G * D;
-            scratch_at.push_back(scratch);
+            u.at = scratch;
             scratch += (e - plo + 1) * G * D;
           }
           units.push_back(u);
@@ -331,8 +330,8 @@ void run_backward(const Problem& P, const std::vector<int32_t>& en, float* dqp, 
       s = e + 1;
     }
   std::vector<float> extra(scratch);
-  for (size_t i = 0; i < units.size(); ++i)
-    if (scratch_at[i] >= 0) units[i].dst = extra.data() + scratch_at[i];
+  for (Unit& u : units)
+    if (u.at >= 0) u.dst = extra.data() + u.at;
   std::vector<int64_t> cost(units.size());
   for (size_t i = 0; i < units.size(); ++i) cost[i] = units[i].cost;
   const Isa& I = isa();

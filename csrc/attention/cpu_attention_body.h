@@ -334,14 +334,14 @@ inline void backward_rows(const Problem& P, int64_t b, int64_t h, int64_t t0, in
     }
 }
 
-// Probabilities (in S) and dS (in dP) of rows r0..r1-1 against keys j0..j0+n-1.
+// Probabilities (in S) and dS (in dP) of the M rows of queries tq0.. against keys j0..j0+n-1.
 inline void probs_and_ds(const Problem& P, const int32_t* st, int64_t tq0, int64_t j0, int64_t n,
-                         int64_t r0, int64_t r1, const float* Q, const float* dO, const float* lse2,
+                         int64_t M, const float* Q, const float* dO, const float* lse2,
                          const float* delta, const float* KT, const float* VT, float* S, float* dP) {
   const int64_t G = P.G, D = P.D, BK = P.BK, off = P.Tk - P.Tq, ncb = (n + CB - 1) / CB;
-  scores(Q + r0 * D, D, KT + j0, P.Tkp, D, S + r0 * BK, BK, r1 - r0, ncb);
-  scores(dO + r0 * D, D, VT + j0, P.Tkp, D, dP + r0 * BK, BK, r1 - r0, ncb);
-  for (int64_t r = r0; r < r1; ++r) {
+  scores(Q, D, KT + j0, P.Tkp, D, S, BK, M, ncb);
+  scores(dO, D, VT + j0, P.Tkp, D, dP, BK, M, ncb);
+  for (int64_t r = 0; r < M; ++r) {
     const int64_t p = off + tq0 + r / G, s = st[p];
     float* Sr = S + r * BK;
     if (needs_mask(ncb, j0, s, p, n)) mask_row(Sr, ncb, j0, s, p, n);
@@ -390,7 +390,7 @@ inline void backward_unit(const Problem& P, int64_t b, int64_t h, int64_t kb, in
       const int64_t kend = std::min(ke, off + t1);  // keys past the block's last query: none seen
       for (int64_t j0 = kb; j0 < kend; j0 += KT) {
         const int64_t n = std::min(KT, ke - j0);
-        probs_and_ds(P, st, t0, j0, n, 0, M, Q, dO, lse2, delta, KTr, VTr, S, dP);
+        probs_and_ds(P, st, t0, j0, n, M, Q, dO, lse2, delta, KTr, VTr, S, dP);
         accumulate(S, 1, BK, dO, D, M, dV + (j0 - kb) * D, D, n, D);  // dV += P^T dO
         accumulate(dP, 1, BK, Q, D, M, dK + (j0 - kb) * D, D, n, D);  // dK += dS^T Q
         accumulate(dP, BK, 1, K + j0 * D, D, n, dQ, D, M, D);         // dQ += dS K
