@@ -36,6 +36,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+
+#include "../cpu_alloc.h"
 #include <vector>
 
 namespace smelt_att {
@@ -364,7 +366,7 @@ at::Tensor kv_major(const at::Tensor& x) { return x.to(at::kFloat).transpose(1, 
 // fp32 contiguous buffer the kernel writes for out (out itself when it already is one).
 at::Tensor staging(const at::Tensor& out) {
   if (out.scalar_type() == at::kFloat && out.is_contiguous()) return out;
-  return at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  return smelt::output(out.sizes(), out.options().dtype(at::kFloat));
 }
 
 void segment_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

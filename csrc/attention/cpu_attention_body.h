@@ -116,7 +116,8 @@ inline void scores(const float* A, int64_t lda, const float* BT, int64_t ldb, in
   switch (left) {
 #define SMELT_ROWS_CASE(n) \
   case n:                  \
-    if constexpr (n < R) scores_rows<n>(A, lda, BT, ldb, K, S, lds, ncb); break;
+    if constexpr (n < R) { scores_rows<n>(A, lda, BT, ldb, K, S, lds, ncb); } \
+    break;
     SMELT_ROWS_CASE(1) SMELT_ROWS_CASE(2) SMELT_ROWS_CASE(3) SMELT_ROWS_CASE(4)
     SMELT_ROWS_CASE(5) SMELT_ROWS_CASE(6) SMELT_ROWS_CASE(7)
 #undef SMELT_ROWS_CASE
@@ -168,7 +169,8 @@ inline void accumulate_v(const float* A, int64_t sar, int64_t sak, const float* 
   switch (M - r) {
 #define SMELT_ROWS_CASE(n) \
   case n:                  \
-    if constexpr (n < R) acc_rows<V, n>(A, sar, sak, B, ldb, K, C, ldc, D); break;
+    if constexpr (n < R) { acc_rows<V, n>(A, sar, sak, B, ldb, K, C, ldc, D); } \
+    break;
     SMELT_ROWS_CASE(1) SMELT_ROWS_CASE(2) SMELT_ROWS_CASE(3) SMELT_ROWS_CASE(4)
     SMELT_ROWS_CASE(5) SMELT_ROWS_CASE(6) SMELT_ROWS_CASE(7)
 #undef SMELT_ROWS_CASE

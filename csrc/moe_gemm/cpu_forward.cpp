@@ -1,5 +1,5 @@
 // Native CPU path of smelt_kernels.moe_gemm.moe_ffn: the routing sort, the forward pass and
-// the op registrations (the backward pass is in moe_gemm_bwd.cpp).
+// the op registrations (the backward pass is in cpu_backward.cpp).
 //
 // The T*k (token, slot) pairs are sorted by expert with a stable counting sort. Work is cut
 // into items of at most kItemRows sorted rows of one expert, which threads claim one at a
@@ -10,7 +10,7 @@
 // An expert with at most kDecodeRows rows (decode, small batches) runs the few-rows path of
 // cpu_decode.h: dot products against its weights in place, nothing packed. Otherwise, in
 // fp32 on an AVX-512 CPU the GEMMs run in the rows kernel of cpu_rows.h on the token rows
-// in place; otherwise through the micro-kernel of moe_blas.h on token rows gathered into a
+// in place; otherwise through the micro-kernel of cpu_blas.h on token rows gathered into a
 // cache-resident buffer (the 16-bit types on the matrix unit). Every element is computed by
 // exactly one item in a fixed order, so the results are bitwise reproducible and do not
 // depend on the number of threads.
@@ -20,6 +20,7 @@
 
 #include <string>
 
+#include "../cpu_alloc.h"
 #include "cpu_decode.h"
 #include "cpu_plan.h"
 
@@ -55,9 +56,10 @@ Routing sort_pairs(const at::Tensor& ids, int64_t E) {
       count[e + 1]++;
     }
   }
-  R.offsets = at::empty({E + 1}, at::kInt);
-  R.order = at::empty({R.TK}, at::kInt);
-  R.rev = at::empty({R.TK}, at::kInt);
+  const auto i32 = at::TensorOptions().dtype(at::kInt);
+  R.offsets = smelt::output({E + 1}, i32);
+  R.order = smelt::output({R.TK}, i32);
+  R.rev = smelt::output({R.TK}, i32);
   int32_t* off = R.offsets.data_ptr<int32_t>();
   int32_t* order = R.order.data_ptr<int32_t>();
   int32_t* rev = R.rev.data_ptr<int32_t>();
@@ -280,9 +282,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_f
   at::Tensor x = x_.contiguous(), w1 = w1_.contiguous(), w2 = w2_.contiguous(), tw = tw_.contiguous();
   Routing R = sort_pairs(ids, w1.size(0));
   const int64_t H = x.size(1), de = w1.size(1) / 2;
-  at::Tensor y = at::empty({R.T, H}, x.options());
+  at::Tensor y = smelt::output({R.T, H}, x.options());
   // the pre-activation is stored only when a backward will need it
-  at::Tensor pre = at::empty({save_preact ? R.TK : 0, 2 * de}, x.options());
+  at::Tensor pre = smelt::output({save_preact ? R.TK : 0, 2 * de}, x.options());
   at::Tensor out = workspace(0, R.TK, H, x.scalar_type());
   dispatch(x.scalar_type(), [&](auto st, auto ct) {
     using ST = decltype(st);
@@ -305,8 +307,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_bwd(
   TORCH_CHECK_VALUE(pre.size(0) == T * k && pre.size(1) == 2 * de && order.numel() == T * k &&
                         rev.numel() == T * k && offsets.numel() == E + 1,
                     "moe_ffn backward: saved routing tensors do not match the inputs");
-  at::Tensor dx = at::empty_like(x), dw1 = at::empty_like(w1), dw2 = at::empty_like(w2);
-  at::Tensor dtw = at::empty({T, k}, tw.options());
+  at::Tensor dx = smelt::output_like(x), dw1 = smelt::output_like(w1), dw2 = smelt::output_like(w2);
+  at::Tensor dtw = smelt::output({T, k}, tw.options());
   moe_backward(dy, x, w1, w2, tw, pre, order, rev, offsets, k, dx, dw1, dw2, dtw);
   return {dx, dw1, dw2, dtw};
 }

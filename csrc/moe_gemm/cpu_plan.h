@@ -6,6 +6,7 @@
 
 #include <atomic>
 
+#include "../cpu_alloc.h"
 #include "cpu_rows.h"
 
 namespace smelt_moe {
@@ -121,15 +122,18 @@ void combine(const ST* rows, const int32_t* rev, const float* w, int64_t T, int6
 
 // A (rows x cols) internal buffer of the calling thread, reused across calls: the (T*k) x H
 // intermediates are large, and first-touch page faults on freshly mapped memory would
-// otherwise cost as much as the GEMMs. Buffers above kWorkspaceCap are not kept.
+// otherwise cost as much as the GEMMs. Buffers above kWorkspaceCap are not kept. Poisoned
+// on every call under SMELT_POISON, so that nothing can read what an earlier call left.
 constexpr int64_t kWorkspaceCap = int64_t(1) << 30;
 inline at::Tensor workspace(int slot, int64_t rows, int64_t cols, at::ScalarType dtype) {
   thread_local at::Tensor kept[4];
   const int64_t bytes = rows * cols * static_cast<int64_t>(c10::elementSize(dtype));
-  if (bytes > kWorkspaceCap) return at::empty({rows, cols}, at::TensorOptions().dtype(dtype));
+  if (bytes > kWorkspaceCap) return smelt::output({rows, cols}, at::TensorOptions().dtype(dtype));
   at::Tensor& w = kept[slot];
   if (!w.defined() || w.numel() < bytes) w = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
-  return w.narrow(0, 0, bytes).view(dtype).view({rows, cols});
+  at::Tensor t = w.narrow(0, 0, bytes).view(dtype).view({rows, cols});
+  if (smelt::poisoning()) smelt::poison(t);
+  return t;
 }
 
 // Calls fn(ST{}, CT{}) with the storage type and the compute type for dtype t.
@@ -148,7 +152,7 @@ void dispatch(at::ScalarType t, Fn fn) {
   }
 }
 
-// The backward pass (moe_gemm_bwd.cpp). order/rev/off: the forward's routing sort.
+// The backward pass (cpu_backward.cpp). order/rev/off: the forward's routing sort.
 void moe_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
                   const at::Tensor& tw, const at::Tensor& pre, const at::Tensor& order,
                   const at::Tensor& rev, const at::Tensor& off, int64_t k, at::Tensor& dx,

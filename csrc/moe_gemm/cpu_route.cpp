@@ -23,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include "../cpu_alloc.h"
 #include "cpu_blas.h"
 
 namespace smelt_moe {
@@ -86,9 +87,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const int64_t T = logits_.size(0), E = logits_.size(1), k = top_k;
   TORCH_CHECK_VALUE(k >= 1 && k <= E, "route: top_k must be in [1, E=", E, "], got ", k);
   at::Tensor logits = logits_.to(at::kFloat).contiguous();
-  at::Tensor w = at::empty({T, k}, logits.options());
-  at::Tensor ids = at::empty({T, k}, logits.options().dtype(at::kInt));
-  at::Tensor lse = at::empty({T}, logits.options());
+  at::Tensor w = smelt::output({T, k}, logits.options());
+  at::Tensor ids = smelt::output({T, k}, logits.options().dtype(at::kInt));
+  at::Tensor lse = smelt::output({T}, logits.options());
   const float* lp = logits.data_ptr<float>();
   float* wp = w.data_ptr<float>();
   int32_t* ip = ids.data_ptr<int32_t>();
@@ -117,9 +118,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       }
     }
   });
-  at::Tensor order = at::empty({want_sort ? T * k : 0}, ids.options());
-  at::Tensor rev = at::empty({want_sort ? T * k : 0}, ids.options());
-  at::Tensor offsets = at::empty({want_sort ? E + 1 : 0}, ids.options());
+  at::Tensor order = smelt::output({want_sort ? T * k : 0}, ids.options());
+  at::Tensor rev = smelt::output({want_sort ? T * k : 0}, ids.options());
+  at::Tensor offsets = smelt::output({want_sort ? E + 1 : 0}, ids.options());
   if (want_sort) {
     // exclusive prefix over (expert, chunk): chunk c's pairs of expert e start at base[c][e]
     int32_t* off = offsets.data_ptr<int32_t>();
@@ -158,7 +159,7 @@ at::Tensor moe_route_bwd(const at::Tensor& grad_w_, const at::Tensor& logits_, c
   const int64_t T = logits_.size(0), E = logits_.size(1), k = ids_.size(1);
   at::Tensor logits = logits_.to(at::kFloat).contiguous(), g = grad_w_.to(at::kFloat).contiguous();
   at::Tensor lse = lse_.contiguous(), w = w_.contiguous(), ids = ids_.contiguous();
-  at::Tensor dl = at::empty({T, E}, logits.options());
+  at::Tensor dl = smelt::output({T, E}, logits.options());
   const float *lp = logits.data_ptr<float>(), *gp = g.data_ptr<float>(), *sp = lse.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const int32_t* ip = ids.data_ptr<int32_t>();
