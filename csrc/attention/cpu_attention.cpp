@@ -37,6 +37,10 @@
 #include <cstring>
 #include <string>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "../cpu_alloc.h"
 #include <vector>
 
@@ -213,10 +217,105 @@ void bounds(const c10::optional<at::Tensor>& start, int64_t B, int64_t Tk, std::
   }
 }
 
-// (B, H, D, Tkp) fp32 copy of x (B, Tk, H, D), zero past Tk.
-at::Tensor transposed(const at::Tensor& x, int64_t Tkp) {
-  auto out = at::zeros({x.size(0), x.size(2), x.size(3), Tkp}, x.options().dtype(at::kFloat));
-  out.narrow(3, 0, x.size(1)).copy_(x.permute({0, 2, 3, 1}));
+// int32 (B, T) first position of every position's segment, from integer segment ids (B, T)
+// that must not decrease along T (ValueError naming the first drop otherwise). One pass on
+// the calling thread: what segment_bounds in ops.py computes with a dozen ATen ops, at the
+// cost of none of them, for the per-layer calls of a decode step.
+at::Tensor segment_starts(const at::Tensor& ids_) {
+  TORCH_CHECK_VALUE(ids_.dim() == 2, "segment_ids must be 2-D (B, T), got shape ", ids_.sizes());
+  TORCH_CHECK_TYPE(at::isIntegralType(ids_.scalar_type(), /*includeBool=*/false),
+                   "segment_ids must be an integer tensor, got ", ids_.scalar_type());
+  const at::Tensor ids = ids_.to(at::kLong).contiguous();
+  const int64_t B = ids.size(0), T = ids.size(1);
+  TORCH_CHECK_VALUE(T <= std::numeric_limits<int32_t>::max(), "segment_ids: T = ", T, " does not fit int32 positions");
+  at::Tensor start = smelt::output({B, T}, ids.options().dtype(at::kInt));
+  const int64_t* id = ids.data_ptr<int64_t>();
+  int32_t* st = start.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* r = id + b * T;
+    int32_t* s = st + b * T;
+    int32_t cur = 0;
+    for (int64_t p = 0; p < T; ++p) {
+      if (p > 0 && r[p] != r[p - 1]) {
+        TORCH_CHECK_VALUE(r[p] > r[p - 1], "segment_ids must be non-decreasing along T; row ", b,
+                          " goes from ", r[p - 1], " at position ", p - 1, " to ", r[p], " at ", p);
+        cur = static_cast<int32_t>(p);
+      }
+      s[p] = cur;
+    }
+  }
+  return start;
+}
+
+// dst[d * ldd + t] = src[t * lds + d] for t < n, d < D (fp32).
+void transpose_scalar(const float* src, int64_t lds, int64_t n, int64_t D, float* dst, int64_t ldd) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < D; ++d) dst[d * ldd + t] = src[t * lds + d];
+}
+
+#if defined(SMELT_ATT_X86)
+// The same in 8 x 8 blocks transposed in registers (the tails by the scalar loop).
+__attribute__((target("avx2"))) void transpose_avx2(const float* src, int64_t lds, int64_t n, int64_t D,
+                                                    float* dst, int64_t ldd) {
+  const int64_t n8 = n / 8 * 8, D8 = D / 8 * 8;
+  for (int64_t t = 0; t < n8; t += 8) {
+    for (int64_t d = 0; d < D8; d += 8) {
+      const float* s = src + t * lds + d;
+      __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + lds), r2 = _mm256_loadu_ps(s + 2 * lds),
+             r3 = _mm256_loadu_ps(s + 3 * lds), r4 = _mm256_loadu_ps(s + 4 * lds),
+             r5 = _mm256_loadu_ps(s + 5 * lds), r6 = _mm256_loadu_ps(s + 6 * lds),
+             r7 = _mm256_loadu_ps(s + 7 * lds);
+      const __m256 a0 = _mm256_unpacklo_ps(r0, r1), a1 = _mm256_unpackhi_ps(r0, r1);
+      const __m256 a2 = _mm256_unpacklo_ps(r2, r3), a3 = _mm256_unpackhi_ps(r2, r3);
+      const __m256 a4 = _mm256_unpacklo_ps(r4, r5), a5 = _mm256_unpackhi_ps(r4, r5);
+      const __m256 a6 = _mm256_unpacklo_ps(r6, r7), a7 = _mm256_unpackhi_ps(r6, r7);
+      const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+      const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+      const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+      const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+      float* o = dst + d * ldd + t;
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(b0, b4, 0x20));
+      _mm256_storeu_ps(o + ldd, _mm256_permute2f128_ps(b1, b5, 0x20));
+      _mm256_storeu_ps(o + 2 * ldd, _mm256_permute2f128_ps(b2, b6, 0x20));
+      _mm256_storeu_ps(o + 3 * ldd, _mm256_permute2f128_ps(b3, b7, 0x20));
+      _mm256_storeu_ps(o + 4 * ldd, _mm256_permute2f128_ps(b0, b4, 0x31));
+      _mm256_storeu_ps(o + 5 * ldd, _mm256_permute2f128_ps(b1, b5, 0x31));
+      _mm256_storeu_ps(o + 6 * ldd, _mm256_permute2f128_ps(b2, b6, 0x31));
+      _mm256_storeu_ps(o + 7 * ldd, _mm256_permute2f128_ps(b3, b7, 0x31));
+    }
+    if (D8 < D) transpose_scalar(src + t * lds + D8, lds, 8, D - D8, dst + D8 * ldd + t, ldd);
+  }
+  if (n8 < n) transpose_scalar(src + n8 * lds, lds, n - n8, D, dst + n8, ldd);
+}
+#endif
+
+// (B, H, D, Tkp) fp32 copy of x (B, Tk, H, D), zero past Tk. One (b, h) per task; x's rows
+// only need a unit stride inside D (a slice of a longer cache is read where it lies).
+at::Tensor transposed(const at::Tensor& x_, int64_t Tkp) {
+  const at::Tensor x = x_.scalar_type() == at::kFloat && x_.stride(3) == 1 ? x_ : x_.to(at::kFloat).contiguous();
+  const int64_t B = x.size(0), Tk = x.size(1), H = x.size(2), D = x.size(3);
+  at::Tensor out = at::empty({B, H, D, Tkp}, x.options().dtype(at::kFloat));
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+#if defined(SMELT_ATT_X86)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+#else
+  constexpr bool avx2 = false;
+#endif
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* src = xp + (i / H) * sb + (i % H) * sh;
+      float* dst = op + i * D * Tkp;
+#if defined(SMELT_ATT_X86)
+      if (avx2) transpose_avx2(src, st, Tk, D, dst, Tkp);
+      else transpose_scalar(src, st, Tk, D, dst, Tkp);
+#else
+      transpose_scalar(src, st, Tk, D, dst, Tkp);
+#endif
+      for (int64_t d = 0; d < D; ++d) std::fill(dst + d * Tkp + Tk, dst + (d + 1) * Tkp, 0.0f);
+    }
+  });
   return out;
 }
 
@@ -361,7 +460,26 @@ void run_backward(const Problem& P, const std::vector<int32_t>& en, float* dqp, 
 }
 
 at::Tensor as_float(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
-at::Tensor kv_major(const at::Tensor& x) { return x.to(at::kFloat).transpose(1, 2).contiguous(); }
+// (B, H, Tk, D) fp32 of x (B, Tk, H, D): x itself when that is already its layout (one KV
+// head, rows packed), else rows of D copied (x's rows need a unit stride inside D only).
+at::Tensor kv_major(const at::Tensor& x_) {
+  const at::Tensor x = x_.scalar_type() == at::kFloat && x_.stride(3) == 1 ? x_ : x_.to(at::kFloat).contiguous();
+  const int64_t B = x.size(0), Tk = x.size(1), H = x.size(2), D = x.size(3);
+  const at::Tensor xt = x.transpose(1, 2);
+  if (xt.is_contiguous()) return xt;
+  at::Tensor out = at::empty({B, H, Tk, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* src = xp + (i / H) * sb + (i % H) * sh;
+      float* dst = op + i * Tk * D;
+      for (int64_t t = 0; t < Tk; ++t) std::memcpy(dst + t * D, src + t * st, D * sizeof(float));
+    }
+  });
+  return out;
+}
 
 // fp32 contiguous buffer the kernel writes for out (out itself when it already is one).
 at::Tensor staging(const at::Tensor& out) {
@@ -452,6 +570,7 @@ void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at
 
 TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {
   m.def("segment_attention_isa() -> str", &smelt_att::attention_isa);
+  m.def("segment_starts(Tensor segment_ids) -> Tensor");
   m.def(
       "segment_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? start, float scale,"
       " Tensor(a!) o, Tensor(b!) lse, Tensor(c!) psink) -> ()");
@@ -461,6 +580,7 @@ TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(smelt_cpu, CPU, m) {
+  m.impl("segment_starts", &smelt_att::segment_starts);
   m.impl("segment_attention_fwd", &smelt_att::segment_attention_fwd);
   m.impl("segment_attention_bwd", &smelt_att::segment_attention_bwd);
 }

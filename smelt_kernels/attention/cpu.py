@@ -50,6 +50,7 @@ from .. import _alloc, backends
 from . import reference
 
 __all__ = ["available", "forward", "backward", "implementation", "native_missing", "native_isa",
+           "starts_missing",
            "native_forward", "native_backward", "chunked_forward", "chunked_backward", "CHUNK"]
 
 CHUNK = 128
@@ -70,6 +71,11 @@ def native_missing() -> Optional[str]:
     """None if the native kernel is built and registered, else why not."""
     return (backends.extension_op_missing("_cpu", "segment_attention_fwd", _SOURCE)
             or backends.extension_op_missing("_cpu", "segment_attention_bwd", _SOURCE))
+
+
+def starts_missing() -> Optional[str]:
+    """None if the extension has the segment-starts pass (``smelt_cpu.segment_starts``)."""
+    return backends.extension_op_missing("_cpu", "segment_starts", _SOURCE)
 
 
 def native_isa() -> Optional[str]:

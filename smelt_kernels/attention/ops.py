@@ -103,6 +103,16 @@ def _check_segment_values(segment_ids: Optional[torch.Tensor], any_device: bool 
             f"{int(segment_ids[b, t])} at position {t} to {int(segment_ids[b, t + 1])} at {t + 1}")
 
 
+def _native_starts(segment_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Segment starts of CPU ``segment_ids`` from the native extension's single pass (which
+    raises the same ValueError for ids that decrease), or None where that does not apply: no
+    ids, ids on another device, or no extension. Every layer of every decode step asks for
+    them, and :func:`segment_bounds` is a dozen ATen calls."""
+    if segment_ids is None or segment_ids.device.type != "cpu" or attention_cpu.starts_missing():
+        return None
+    return torch.ops.smelt_cpu.segment_starts(segment_ids)
+
+
 # ----------------------------------------------------------------------------- implementations
 # Every implementation takes the backend-module arguments: forward(q, k, v, start, scale,
 # want_sink) -> (o, lse, psink or None); backward(do, q, k, v, o, lse, start, end, scale)
@@ -139,7 +149,9 @@ def select_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    segment_ids: Optional[torch.Tensor], scale: float, backend: str,
                    want_sink: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_segment_values(segment_ids)
+    start = _native_starts(segment_ids)
+    if start is None:
+        _check_segment_values(segment_ids)
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
     stat = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -147,7 +159,8 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o = q.new_zeros(B, Tq, Hq, D)
         lse = q.new_zeros(B, Hq, Tq, dtype=stat)
         return o, lse, q.new_zeros((B, Hq) if want_sink else (0,), dtype=stat)
-    start = segment_bounds(segment_ids)[0] if segment_ids is not None else None
+    if start is None and segment_ids is not None:
+        start = segment_bounds(segment_ids)[0]
     o, lse, psink = backends.implementation(_OP, backend).forward(q, k, v, start, scale, want_sink)
     if not want_sink:
         return o, lse, q.new_zeros(0, dtype=stat)

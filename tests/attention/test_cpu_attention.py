@@ -120,6 +120,37 @@ def test_decode_form(Tq, layout, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("hkv,dtype", [(1, torch.float32), (2, torch.float32), (2, torch.bfloat16)])
+def test_cache_slices_read_where_they_lie(hkv, dtype):
+    """K/V that are slices of a longer cache (a batch stride above Tk rows, as a decode step
+    passes them) or have no unit stride in D give the results of contiguous copies, bitwise,
+    and match the reference."""
+    B, Tq, Tk, D, hq = 3, 2, 45, 24, 4
+    gen = torch.Generator().manual_seed(11)
+    kbuf, vbuf = (torch.randn(B, 70, hkv, D, generator=gen).to(dtype) for _ in range(2))
+    k, v = kbuf[:, :Tk], vbuf[:, :Tk]
+    q = torch.randn(B, Tq, hq, D, generator=gen).to(dtype)
+    do = torch.randn(B, Tq, hq, D, generator=gen).to(dtype)
+    start, end = segment_bounds(segments("mixed", B, Tk, 3))
+    scale = D ** -0.5
+    assert not k.is_contiguous()
+    kd = k.transpose(-1, -2).contiguous().transpose(-1, -2)  # D strided
+    for kk in (k, kd):
+        got = attention_cpu.native_forward(q, kk, v, start, scale, True)
+        want = attention_cpu.native_forward(q, k.contiguous(), v.contiguous(), start, scale, True)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        grads = attention_cpu.native_backward(do, q, kk, v, got[0], got[1], start, end, scale)
+        want_g = attention_cpu.native_backward(do, q, k.contiguous(), v.contiguous(), got[0], got[1],
+                                               start, end, scale)
+        for g, w in zip(grads, want_g):
+            assert torch.equal(g, w)
+    ro = reference.segment_attention(q.double(), k.double(), v.double(),
+                                     segments("mixed", B, Tk, 3), scale)[0]
+    close("o", got[0], ro, TOL[dtype]["o"])
+
+
+@needs_native
 def test_long_segments_cross_many_tiles():
     check(1, 300, 300, 4, 1, 96, torch.float32, "mixed", seed=7)
     check(1, 300, 300, 6, 2, 24, torch.float32, "one", seed=8)

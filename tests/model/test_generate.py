@@ -135,6 +135,15 @@ def test_decode_step_logits_match_the_model(cheap_compiler):
             torch.testing.assert_close(step(ids[:, n:n + 1], zero, cache, n), full[:, n],
                                        rtol=1e-5, atol=1e-5)
     assert step.compiled and step.reason is None
+    # the compiled step wrote its K/V into the cache's own buffers, as the eager step does
+    eager = KVCache.for_model(model, 2, 9)
+    eager_step = DecodeStep(model, compile=False)
+    with torch.no_grad():
+        model(ids[:, :5], cache=eager, cache_pos=0)
+    for n in range(5, 9):
+        eager_step(ids[:, n:n + 1], zero, eager, n)
+    for got, want in ((cache.k, eager.k), (cache.v, eager.v), (cache.segment_ids, eager.segment_ids)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="holds 9 positions"):  # bad input is not hidden
         step(ids[:, :1], zero, cache, 9)
 
