@@ -151,6 +151,23 @@ def test_cache_slices_read_where_they_lie(hkv, dtype):
 
 
 @needs_native
+def test_native_segment_starts_match_segment_bounds():
+    starts = torch.ops.smelt_cpu.segment_starts
+    for layout, B, T in (("mixed", 3, 77), ("ones", 2, 9), ("one", 1, 40), ("mixed", 1, 1)):
+        seg = segments(layout, B, T, seed=T)
+        for ids in (seg, seg.to(torch.int32), seg - 5):  # int64, int32, negative ids
+            got = starts(ids)
+            assert got.dtype == torch.int32 and torch.equal(got, segment_bounds(ids)[0])
+    assert starts(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0)
+    with pytest.raises(ValueError, match="non-decreasing along T; row 1 goes from 3 at position 2 to 1 at 3"):
+        starts(torch.tensor([[0, 0, 0, 0], [0, 2, 3, 1]]))
+    with pytest.raises(TypeError, match="integer"):
+        starts(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="2-D"):
+        starts(torch.zeros(3, dtype=torch.long))
+
+
+@needs_native
 def test_long_segments_cross_many_tiles():
     check(1, 300, 300, 4, 1, 96, torch.float32, "mixed", seed=7)
     check(1, 300, 300, 6, 2, 24, torch.float32, "one", seed=8)
