@@ -51,6 +51,8 @@ __all__ = [
     "extension",
     "extension_error",
     "extension_op_missing",
+    "register_native_fake",
+    "needs_grad",
     "triton_interpret",
     "unavailable_reason",
     "can_read_values",
@@ -108,6 +110,22 @@ def extension_op_missing(name: str, op: str, source: str) -> Optional[str]:
     if not hasattr(getattr(torch.ops, lib), op):
         return f"smelt_kernels.{name} was built without {source} (no {lib}.{op})"
     return None
+
+
+def register_native_fake(name: str, op: str, fake) -> bool:
+    """Register ``fake`` as the fake (meta) kernel of native op ``torch.ops.<lib>.<op>`` of
+    extension ``name`` when it is built, so that ``torch.compile`` can trace a direct call to
+    it (what the no-gradient paths make, skipping the Python custom op). True if registered."""
+    if extension_op_missing(name, op, "") is not None:
+        return False
+    lib = {"_cpu": "smelt_cpu", "_cuda": "smelt_cuda"}[name]
+    torch.library.register_fake(f"{lib}::{op}", fake)
+    return True
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will record a call on ``tensors`` (grad mode on and one requires it)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def triton_interpret() -> bool:

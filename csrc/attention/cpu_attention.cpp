@@ -519,6 +519,20 @@ void segment_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::T
   if (!of.is_same(o)) o.copy_(of);
 }
 
+// The forward with its outputs allocated here, (o, lse): the inference entry point, which
+// calls that need no gradient and no sink statistic take without the Python custom op.
+std::tuple<at::Tensor, at::Tensor> segment_attention_infer(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v,
+                                                           const c10::optional<at::Tensor>& start,
+                                                           double scale) {
+  TORCH_CHECK_VALUE(q.dim() == 4, "segment_attention_cpu: q must be (B, Tq, Hq, D), got ", q.sizes());
+  at::Tensor o = smelt::output(q.sizes(), q.options());
+  at::Tensor lse = smelt::output({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  at::Tensor psink = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  segment_attention_fwd(q, k, v, start, scale, o, lse, psink);
+  return {o, lse};
+}
+
 void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
                            const c10::optional<at::Tensor>& start, double scale, at::Tensor dq,
@@ -571,6 +585,7 @@ void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at
 TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {
   m.def("segment_attention_isa() -> str", &smelt_att::attention_isa);
   m.def("segment_starts(Tensor segment_ids) -> Tensor");
+  m.def("segment_attention_infer(Tensor q, Tensor k, Tensor v, Tensor? start, float scale) -> (Tensor o, Tensor lse)");
   m.def(
       "segment_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? start, float scale,"
       " Tensor(a!) o, Tensor(b!) lse, Tensor(c!) psink) -> ()");
@@ -581,6 +596,7 @@ TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {
 
 TORCH_LIBRARY_IMPL(smelt_cpu, CPU, m) {
   m.impl("segment_starts", &smelt_att::segment_starts);
+  m.impl("segment_attention_infer", &smelt_att::segment_attention_infer);
   m.impl("segment_attention_fwd", &smelt_att::segment_attention_fwd);
   m.impl("segment_attention_bwd", &smelt_att::segment_attention_bwd);
 }

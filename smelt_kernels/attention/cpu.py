@@ -50,7 +50,7 @@ from .. import _alloc, backends
 from . import reference
 
 __all__ = ["available", "forward", "backward", "implementation", "native_missing", "native_isa",
-           "starts_missing",
+           "starts_missing", "inference_missing",
            "native_forward", "native_backward", "chunked_forward", "chunked_backward", "CHUNK"]
 
 CHUNK = 128
@@ -76,6 +76,14 @@ def native_missing() -> Optional[str]:
 def starts_missing() -> Optional[str]:
     """None if the extension has the segment-starts pass (``smelt_cpu.segment_starts``)."""
     return backends.extension_op_missing("_cpu", "segment_starts", _SOURCE)
+
+
+def inference_missing(dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """None if inputs of this dtype and head dim can take the no-gradient entry point
+    (``smelt_cpu.segment_attention_infer`` with the native segment-starts pass), else why not."""
+    if implementation(dtype, head_dim) != "native":
+        return f"{dtype} / head dim {head_dim} run the chunked path"
+    return backends.extension_op_missing("_cpu", "segment_attention_infer", _SOURCE) or starts_missing()
 
 
 def native_isa() -> Optional[str]:
@@ -293,3 +301,18 @@ def chunked_backward(do, q, k, v, o, lse, start: Optional[torch.Tensor],
     return (_unpack(dq, g).to(q.dtype),
             dk.transpose(1, 2).contiguous().to(k.dtype),
             dv.transpose(1, 2).contiguous().to(v.dtype))
+
+
+# ----------------------------------------------------------------------------- fakes
+# for torch.compile's trace of the direct calls that segment_attention makes without autograd
+def _starts_fake(segment_ids):
+    return segment_ids.new_empty(segment_ids.shape, dtype=torch.int32)
+
+
+def _infer_fake(q, k, v, start, scale):
+    B, Tq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty(B, Hq, Tq, dtype=torch.float32)
+
+
+backends.register_native_fake("_cpu", "segment_starts", _starts_fake)
+backends.register_native_fake("_cpu", "segment_attention_infer", _infer_fake)

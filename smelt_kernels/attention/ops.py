@@ -266,6 +266,13 @@ def segment_attention(q, k, v, segment_ids=None, *, scale=None, return_lse=False
         _check_segment_values(segment_ids, any_device=True)
     name = select_backend(q, backend)
     sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if (name == "cpu" and not return_sink and q.numel() > 0 and not backends.needs_grad(q, k, v)
+            and attention_cpu.inference_missing(q.dtype, q.shape[-1]) is None):
+        # no autograd record: the native kernel without the custom op's Python layers (a
+        # decode step calls this once per executed layer)
+        start = _native_starts(segment_ids)
+        o, lse = torch.ops.smelt_cpu.segment_attention_infer(q, k, v, start, sc)
+        return (o, lse) if return_lse else o
     o, lse, sink = torch.ops.smelt.segment_attention_fwd(q, k, v, segment_ids, sc, name,
                                                          bool(return_sink))
     if not return_lse and not return_sink:

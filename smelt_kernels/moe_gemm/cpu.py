@@ -112,6 +112,9 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool):
     semantics of :func:`smelt_kernels.moe_gemm.reference.route`. Differentiable with respect
     to ``logits``. Selection is by logit; exact ties go to the lower expert index.
     Inputs are validated by the public op (and the kernel checks rank, dtype and top_k)."""
+    if not backends.needs_grad(logits):  # no autograd record: the native op without the custom op
+        w, ids, *_ = torch.ops.smelt_cpu.moe_route_fwd(logits, int(top_k), bool(renormalize), False)
+        return w, ids
     w, ids, _ = _route(logits, int(top_k), bool(renormalize))
     return w, ids
 
@@ -123,3 +126,26 @@ def route_sort(logits: torch.Tensor, top_k: int, renormalize: bool):
     w, ids, _, order, rev, offsets = torch.ops.smelt_cpu.moe_route_fwd(logits, int(top_k), bool(renormalize),
                                                                        True)
     return w, ids, order, rev, offsets
+
+
+# ----------------------------------------------------------------------------- fakes
+# Fake kernels of the native ops that calls without autograd make directly (route above,
+# moe_ffn in ops.py), so that torch.compile traces them.
+def _route_fwd_fake(logits, top_k, renormalize, want_sort):
+    T, E = logits.shape
+    n, e = (T * top_k, E + 1) if want_sort else (0, 0)
+    f32, i32 = dict(dtype=torch.float32), dict(dtype=torch.int32)
+    return (logits.new_empty(T, top_k, **f32), logits.new_empty(T, top_k, **i32), logits.new_empty(T, **f32),
+            logits.new_empty(n, **i32), logits.new_empty(n, **i32), logits.new_empty(e, **i32))
+
+
+def _ffn_fwd_fake(x, w1, w2, topk_weights, topk_ids, save_preact):
+    T, k = topk_ids.shape
+    E, two_de, _ = w1.shape
+    i32 = dict(dtype=torch.int32)
+    return (x.new_empty(x.shape), x.new_empty(T * k if save_preact else 0, two_de),
+            x.new_empty(T * k, **i32), x.new_empty(T * k, **i32), x.new_empty(E + 1, **i32))
+
+
+backends.register_native_fake("_cpu", "moe_route_fwd", _route_fwd_fake)
+backends.register_native_fake("_cpu", "moe_ffn_fwd", _ffn_fwd_fake)
