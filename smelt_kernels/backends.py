@@ -202,6 +202,9 @@ class Implementation:
     ``None``/``"auto"`` may pick it (default: ``devices``), in descending ``priority``.
     ``dtypes``: the floating dtypes it takes (None: any). ``requires(device)`` and
     ``supports(**features)`` return None or the reason it cannot run / cannot take them.
+    ``infer``: an optional entry point for calls that autograd does not record (no output is
+    differentiated), which skips the op's Python custom op; it returns None for inputs it
+    does not take, and the op then runs as usual.
     """
 
     op: str
@@ -216,6 +219,7 @@ class Implementation:
     requires: Optional[Callable[[torch.device], Optional[str]]] = None
     supports: Optional[Callable[..., Optional[str]]] = None
     info: dict[str, Any] = field(default_factory=dict)
+    infer: Optional[Callable[..., Any]] = None
 
     def unavailable(self, device) -> Optional[str]:
         """None if this implementation can run on ``device``, else why not."""
@@ -252,6 +256,7 @@ def register(op: str, backend: str, forward: Callable[..., Any],
              dtypes: Optional[Sequence[torch.dtype]] = None,
              requires: Optional[Callable[[torch.device], Optional[str]]] = None,
              supports: Optional[Callable[..., Optional[str]]] = None,
+             infer: Optional[Callable[..., Any]] = None,
              replace: bool = False, **info: Any) -> Implementation:
     """Register ``backend``'s implementation of ``op`` (see :class:`Implementation`).
 
@@ -268,7 +273,7 @@ def register(op: str, backend: str, forward: Callable[..., Any],
                           None if devices is None else tuple(devices),
                           None if auto is None else tuple(auto), priority,
                           None if dtypes is None else tuple(dtypes), requires, supports,
-                          dict(info))
+                          dict(info), infer)
     impls[backend] = impl
     return impl
 

@@ -37,11 +37,8 @@
 #include <cstring>
 #include <string>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "../cpu_alloc.h"
+#include "../cpu_transpose.h"
 #include <vector>
 
 namespace smelt_att {
@@ -247,48 +244,6 @@ at::Tensor segment_starts(const at::Tensor& ids_) {
   return start;
 }
 
-// dst[d * ldd + t] = src[t * lds + d] for t < n, d < D (fp32).
-void transpose_scalar(const float* src, int64_t lds, int64_t n, int64_t D, float* dst, int64_t ldd) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = 0; d < D; ++d) dst[d * ldd + t] = src[t * lds + d];
-}
-
-#if defined(SMELT_ATT_X86)
-// The same in 8 x 8 blocks transposed in registers (the tails by the scalar loop).
-__attribute__((target("avx2"))) void transpose_avx2(const float* src, int64_t lds, int64_t n, int64_t D,
-                                                    float* dst, int64_t ldd) {
-  const int64_t n8 = n / 8 * 8, D8 = D / 8 * 8;
-  for (int64_t t = 0; t < n8; t += 8) {
-    for (int64_t d = 0; d < D8; d += 8) {
-      const float* s = src + t * lds + d;
-      __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + lds), r2 = _mm256_loadu_ps(s + 2 * lds),
-             r3 = _mm256_loadu_ps(s + 3 * lds), r4 = _mm256_loadu_ps(s + 4 * lds),
-             r5 = _mm256_loadu_ps(s + 5 * lds), r6 = _mm256_loadu_ps(s + 6 * lds),
-             r7 = _mm256_loadu_ps(s + 7 * lds);
-      const __m256 a0 = _mm256_unpacklo_ps(r0, r1), a1 = _mm256_unpackhi_ps(r0, r1);
-      const __m256 a2 = _mm256_unpacklo_ps(r2, r3), a3 = _mm256_unpackhi_ps(r2, r3);
-      const __m256 a4 = _mm256_unpacklo_ps(r4, r5), a5 = _mm256_unpackhi_ps(r4, r5);
-      const __m256 a6 = _mm256_unpacklo_ps(r6, r7), a7 = _mm256_unpackhi_ps(r6, r7);
-      const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
-      const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
-      const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
-      const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
-      float* o = dst + d * ldd + t;
-      _mm256_storeu_ps(o, _mm256_permute2f128_ps(b0, b4, 0x20));
-      _mm256_storeu_ps(o + ldd, _mm256_permute2f128_ps(b1, b5, 0x20));
-      _mm256_storeu_ps(o + 2 * ldd, _mm256_permute2f128_ps(b2, b6, 0x20));
-      _mm256_storeu_ps(o + 3 * ldd, _mm256_permute2f128_ps(b3, b7, 0x20));
-      _mm256_storeu_ps(o + 4 * ldd, _mm256_permute2f128_ps(b0, b4, 0x31));
-      _mm256_storeu_ps(o + 5 * ldd, _mm256_permute2f128_ps(b1, b5, 0x31));
-      _mm256_storeu_ps(o + 6 * ldd, _mm256_permute2f128_ps(b2, b6, 0x31));
-      _mm256_storeu_ps(o + 7 * ldd, _mm256_permute2f128_ps(b3, b7, 0x31));
-    }
-    if (D8 < D) transpose_scalar(src + t * lds + D8, lds, 8, D - D8, dst + D8 * ldd + t, ldd);
-  }
-  if (n8 < n) transpose_scalar(src + n8 * lds, lds, n - n8, D, dst + n8, ldd);
-}
-#endif
-
 // (B, H, D, Tkp) fp32 copy of x (B, Tk, H, D), zero past Tk. One (b, h) per task; x's rows
 // only need a unit stride inside D (a slice of a longer cache is read where it lies).
 at::Tensor transposed(const at::Tensor& x_, int64_t Tkp) {
@@ -298,21 +253,11 @@ at::Tensor transposed(const at::Tensor& x_, int64_t Tkp) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
-#if defined(SMELT_ATT_X86)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-#else
-  constexpr bool avx2 = false;
-#endif
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* src = xp + (i / H) * sb + (i % H) * sh;
       float* dst = op + i * D * Tkp;
-#if defined(SMELT_ATT_X86)
-      if (avx2) transpose_avx2(src, st, Tk, D, dst, Tkp);
-      else transpose_scalar(src, st, Tk, D, dst, Tkp);
-#else
-      transpose_scalar(src, st, Tk, D, dst, Tkp);
-#endif
+      smelt::transpose32(reinterpret_cast<const uint32_t*>(src), st, Tk, D, reinterpret_cast<uint32_t*>(dst), Tkp);
       for (int64_t d = 0; d < D; ++d) std::fill(dst + d * Tkp + Tk, dst + (d + 1) * Tkp, 0.0f);
     }
   });

@@ -50,7 +50,7 @@ from .. import _alloc, backends
 from . import reference
 
 __all__ = ["available", "forward", "backward", "implementation", "native_missing", "native_isa",
-           "starts_missing", "inference_missing",
+           "starts_missing", "inference_missing", "infer",
            "native_forward", "native_backward", "chunked_forward", "chunked_backward", "CHUNK"]
 
 CHUNK = 128
@@ -84,6 +84,16 @@ def inference_missing(dtype: torch.dtype, head_dim: int) -> Optional[str]:
     if implementation(dtype, head_dim) != "native":
         return f"{dtype} / head dim {head_dim} run the chunked path"
     return backends.extension_op_missing("_cpu", "segment_attention_infer", _SOURCE) or starts_missing()
+
+
+def infer(q, k, v, segment_ids: Optional[torch.Tensor], scale: float):
+    """(o, lse) of a call that autograd does not record, from the native kernel's inference
+    entry point, or None where that does not take the inputs (the op then runs its custom op).
+    ``segment_ids`` are checked (ValueError if they decrease) by the native starts pass."""
+    if inference_missing(q.dtype, q.shape[-1]) is not None:
+        return None
+    start = None if segment_ids is None else torch.ops.smelt_cpu.segment_starts(segment_ids)
+    return torch.ops.smelt_cpu.segment_attention_infer(q, k, v, start, float(scale))
 
 
 def native_isa() -> Optional[str]:

@@ -129,7 +129,7 @@ def _cuda_requires(device) -> Optional[str]:
 
 backends.register(_OP, "torch", reference.forward, reference.backward, devices=None)
 backends.register(_OP, "cpu", attention_cpu.forward, attention_cpu.backward, devices=("cpu",),
-                  priority=10, requires=lambda d: attention_cpu.available())
+                  priority=10, requires=lambda d: attention_cpu.available(), infer=attention_cpu.infer)
 backends.register(_OP, "triton", backends.lazy(_TRITON, "forward"), backends.lazy(_TRITON, "backward"),
                   auto=("cuda",), priority=30,
                   dtypes=(torch.float16, torch.bfloat16, torch.float32), supports=_kernel_head_dim)
@@ -266,13 +266,13 @@ def segment_attention(q, k, v, segment_ids=None, *, scale=None, return_lse=False
         _check_segment_values(segment_ids, any_device=True)
     name = select_backend(q, backend)
     sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if (name == "cpu" and not return_sink and q.numel() > 0 and not backends.needs_grad(q, k, v)
-            and attention_cpu.inference_missing(q.dtype, q.shape[-1]) is None):
-        # no autograd record: the native kernel without the custom op's Python layers (a
-        # decode step calls this once per executed layer)
-        start = _native_starts(segment_ids)
-        o, lse = torch.ops.smelt_cpu.segment_attention_infer(q, k, v, start, sc)
-        return (o, lse) if return_lse else o
+    infer = backends.implementation(_OP, name).infer
+    if infer is not None and not return_sink and q.numel() > 0 and not backends.needs_grad(q, k, v):
+        # no autograd record: the backend's own entry point, without the custom op's Python
+        # layers (a decode step calls this once per executed layer)
+        out = infer(q, k, v, segment_ids, sc)
+        if out is not None:
+            return out if return_lse else out[0]
     o, lse, sink = torch.ops.smelt.segment_attention_fwd(q, k, v, segment_ids, sc, name,
                                                          bool(return_sink))
     if not return_lse and not return_sink:

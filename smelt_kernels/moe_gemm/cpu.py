@@ -22,7 +22,7 @@ import torch
 
 from .. import backends
 
-__all__ = ["missing", "forward", "backward", "grouped_mm", "grouped_wgrad", "forward_kernel", "route",
+__all__ = ["missing", "forward", "infer", "backward", "grouped_mm", "grouped_wgrad", "forward_kernel", "route",
            "route_sort"]
 
 _SOURCE = "csrc/moe_gemm/cpu_forward.cpp"
@@ -37,6 +37,11 @@ def missing(op: str) -> Optional[str]:
 def forward(x, w1, w2, topk_weights, topk_ids, save_preact: bool):
     """(y, preact, order, rev, offsets): see :func:`smelt_kernels.moe_gemm.ops.moe_ffn`."""
     return torch.ops.smelt_cpu.moe_ffn_fwd(x, w1, w2, topk_weights, topk_ids, save_preact)
+
+
+def infer(x, w1, w2, topk_weights, topk_ids):
+    """y of a forward that autograd does not record (no pre-activation kept)."""
+    return torch.ops.smelt_cpu.moe_ffn_fwd(x, w1, w2, topk_weights, topk_ids, False)[0]
 
 
 def backward(grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets):

@@ -114,7 +114,7 @@ def _cuda_requires(device) -> Optional[str]:
 backends.register(_OP, "torch", reference.moe_ffn_fwd, reference.moe_ffn_bwd, devices=None)
 backends.register(_OP, "cpu", moe_cpu.forward, moe_cpu.backward, devices=("cpu",), priority=10,
                   dtypes=_KERNEL_DTYPES, requires=lambda d: moe_cpu.missing("moe_ffn_fwd"),
-                  checks_ids=True)
+                  infer=moe_cpu.infer, checks_ids=True)
 backends.register(_OP, "triton", _triton_forward, _triton_backward, auto=("cuda",), priority=30,
                   dtypes=_KERNEL_DTYPES)
 backends.register(_OP, "cuda", _cuda_forward, backward_via=("triton",), devices=("cuda",),
@@ -372,12 +372,11 @@ def moe_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: t
         _check_id_values(topk_ids, w1.shape[0])
     ids = topk_ids.to(torch.int32).contiguous()
     save = backends.needs_grad(x, w1, w2, topk_weights)
-    if name == "cpu" and not save and x.shape[0] > 0:
-        # no autograd record: the native op (which checks the ids) without the custom op's
-        # Python layers, ~50 us a call at decode sizes
-        y, *_ = torch.ops.smelt_cpu.moe_ffn_fwd(x.contiguous(), w1.contiguous(), w2.contiguous(),
-                                                topk_weights.float().contiguous(), ids, False)
-        return y
+    infer = backends.implementation(_OP, name).infer
+    if infer is not None and not save and x.shape[0] > 0:
+        # no autograd record: the backend's own entry point (the native op, which checks the
+        # ids), without the custom op's Python layers: ~50 us a call at decode sizes
+        return infer(x.contiguous(), w1.contiguous(), w2.contiguous(), topk_weights.float().contiguous(), ids)
     y, *_ = torch.ops.smelt.moe_ffn_fwd(x.contiguous(), w1.contiguous(), w2.contiguous(),
                                         topk_weights.float().contiguous(), ids, name, save)
     return y
