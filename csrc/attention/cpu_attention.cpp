@@ -244,22 +244,32 @@ at::Tensor segment_starts(const at::Tensor& ids_) {
   return start;
 }
 
-// (B, H, D, Tkp) fp32 copy of x (B, Tk, H, D), zero past Tk. One (b, h) per task; x's rows
-// only need a unit stride inside D (a slice of a longer cache is read where it lies).
-at::Tensor transposed(const at::Tensor& x_, int64_t Tkp) {
-  const at::Tensor x = x_.scalar_type() == at::kFloat && x_.stride(3) == 1 ? x_ : x_.to(at::kFloat).contiguous();
-  const int64_t B = x.size(0), Tk = x.size(1), H = x.size(2), D = x.size(3);
-  at::Tensor out = at::empty({B, H, D, Tkp}, x.options().dtype(at::kFloat));
+// fp32 x with a unit stride inside D (x itself when it has one, else a contiguous fp32 copy).
+at::Tensor float_rows(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat && x.stride(3) == 1 ? x : x.to(at::kFloat).contiguous();
+}
+
+// f(i, src, ld) for every (b, h) of x (B, Tk, H, D) from float_rows, in parallel: i = b * H + h,
+// src = &x[b][0][h][0], ld = x's row stride (a slice of a longer cache is read where it lies).
+template <typename F>
+void per_head(const at::Tensor& x, F&& f) {
   const float* xp = x.data_ptr<float>();
+  const int64_t H = x.size(2), sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+  at::parallel_for(0, x.size(0) * H, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) f(i, xp + (i / H) * sb + (i % H) * sh, st);
+  });
+}
+
+// (B, H, D, Tkp) fp32 copy of x (B, Tk, H, D), zero past Tk.
+at::Tensor transposed(const at::Tensor& x_, int64_t Tkp) {
+  const at::Tensor x = float_rows(x_);
+  const int64_t Tk = x.size(1), D = x.size(3);
+  at::Tensor out = at::empty({x.size(0), x.size(2), D, Tkp}, x.options());
   float* op = out.data_ptr<float>();
-  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* src = xp + (i / H) * sb + (i % H) * sh;
-      float* dst = op + i * D * Tkp;
-      smelt::transpose32(reinterpret_cast<const uint32_t*>(src), st, Tk, D, reinterpret_cast<uint32_t*>(dst), Tkp);
-      for (int64_t d = 0; d < D; ++d) std::fill(dst + d * Tkp + Tk, dst + (d + 1) * Tkp, 0.0f);
-    }
+  per_head(x, [&](int64_t i, const float* src, int64_t ld) {
+    float* dst = op + i * D * Tkp;
+    smelt::transpose32(reinterpret_cast<const uint32_t*>(src), ld, Tk, D, reinterpret_cast<uint32_t*>(dst), Tkp);
+    for (int64_t d = 0; d < D; ++d) std::fill(dst + d * Tkp + Tk, dst + (d + 1) * Tkp, 0.0f);
   });
   return out;
 }
@@ -406,22 +416,17 @@ void run_backward(const Problem& P, const std::vector<int32_t>& en, float* dqp, 
 
 at::Tensor as_float(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
 // (B, H, Tk, D) fp32 of x (B, Tk, H, D): x itself when that is already its layout (one KV
-// head, rows packed), else rows of D copied (x's rows need a unit stride inside D only).
+// head, rows packed), else rows of D copied.
 at::Tensor kv_major(const at::Tensor& x_) {
-  const at::Tensor x = x_.scalar_type() == at::kFloat && x_.stride(3) == 1 ? x_ : x_.to(at::kFloat).contiguous();
-  const int64_t B = x.size(0), Tk = x.size(1), H = x.size(2), D = x.size(3);
+  const at::Tensor x = float_rows(x_);
   const at::Tensor xt = x.transpose(1, 2);
   if (xt.is_contiguous()) return xt;
-  at::Tensor out = at::empty({B, H, Tk, D}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const int64_t Tk = x.size(1), D = x.size(3);
+  at::Tensor out = at::empty({x.size(0), x.size(2), Tk, D}, x.options());
   float* op = out.data_ptr<float>();
-  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* src = xp + (i / H) * sb + (i % H) * sh;
-      float* dst = op + i * Tk * D;
-      for (int64_t t = 0; t < Tk; ++t) std::memcpy(dst + t * D, src + t * st, D * sizeof(float));
-    }
+  per_head(x, [&](int64_t i, const float* src, int64_t ld) {
+    float* dst = op + i * Tk * D;
+    for (int64_t t = 0; t < Tk; ++t) std::memcpy(dst + t * D, src + t * ld, D * sizeof(float));
   });
   return out;
 }
