@@ -50,7 +50,7 @@ from .. import _alloc, backends
 from . import reference
 
 __all__ = ["available", "forward", "backward", "implementation", "native_missing", "native_isa",
-           "starts_missing", "inference_missing", "infer",
+           "starts_missing", "native_starts", "inference_missing", "infer",
            "native_forward", "native_backward", "chunked_forward", "chunked_backward", "CHUNK"]
 
 CHUNK = 128
@@ -78,6 +78,16 @@ def starts_missing() -> Optional[str]:
     return backends.extension_op_missing("_cpu", "segment_starts", _SOURCE)
 
 
+def native_starts(segment_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """int32 segment starts of CPU ``segment_ids`` from the native single pass (which raises
+    ValueError for ids that decrease), or None where that does not apply: no ids, ids on
+    another device, or no extension. Every layer of a decode step asks for them, and
+    ``segment_bounds`` is a dozen ATen calls."""
+    if segment_ids is None or segment_ids.device.type != "cpu" or starts_missing():
+        return None
+    return torch.ops.smelt_cpu.segment_starts(segment_ids)
+
+
 def inference_missing(dtype: torch.dtype, head_dim: int) -> Optional[str]:
     """None if inputs of this dtype and head dim can take the no-gradient entry point
     (``smelt_cpu.segment_attention_infer`` with the native segment-starts pass), else why not."""
@@ -92,8 +102,7 @@ def infer(q, k, v, segment_ids: Optional[torch.Tensor], scale: float):
     ``segment_ids`` are checked (ValueError if they decrease) by the native starts pass."""
     if inference_missing(q.dtype, q.shape[-1]) is not None:
         return None
-    start = None if segment_ids is None else torch.ops.smelt_cpu.segment_starts(segment_ids)
-    return torch.ops.smelt_cpu.segment_attention_infer(q, k, v, start, float(scale))
+    return torch.ops.smelt_cpu.segment_attention_infer(q, k, v, native_starts(segment_ids), float(scale))
 
 
 def native_isa() -> Optional[str]:

@@ -103,16 +103,6 @@ def _check_segment_values(segment_ids: Optional[torch.Tensor], any_device: bool 
             f"{int(segment_ids[b, t])} at position {t} to {int(segment_ids[b, t + 1])} at {t + 1}")
 
 
-def _native_starts(segment_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Segment starts of CPU ``segment_ids`` from the native extension's single pass (which
-    raises the same ValueError for ids that decrease), or None where that does not apply: no
-    ids, ids on another device, or no extension. Every layer of every decode step asks for
-    them, and :func:`segment_bounds` is a dozen ATen calls."""
-    if segment_ids is None or segment_ids.device.type != "cpu" or attention_cpu.starts_missing():
-        return None
-    return torch.ops.smelt_cpu.segment_starts(segment_ids)
-
-
 # ----------------------------------------------------------------------------- implementations
 # Every implementation takes the backend-module arguments: forward(q, k, v, start, scale,
 # want_sink) -> (o, lse, psink or None); backward(do, q, k, v, o, lse, start, end, scale)
@@ -149,7 +139,7 @@ def select_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    segment_ids: Optional[torch.Tensor], scale: float, backend: str,
                    want_sink: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    start = _native_starts(segment_ids)
+    start = attention_cpu.native_starts(segment_ids)
     if start is None:
         _check_segment_values(segment_ids)
     B, Tq, Hq, D = q.shape

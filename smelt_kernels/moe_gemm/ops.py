@@ -372,13 +372,13 @@ def moe_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: t
         _check_id_values(topk_ids, w1.shape[0])
     ids = topk_ids.to(torch.int32).contiguous()
     save = backends.needs_grad(x, w1, w2, topk_weights)
+    args = (x.contiguous(), w1.contiguous(), w2.contiguous(), topk_weights.float().contiguous(), ids)
     infer = backends.implementation(_OP, name).infer
     if infer is not None and not save and x.shape[0] > 0:
         # no autograd record: the backend's own entry point (the native op, which checks the
         # ids), without the custom op's Python layers: ~50 us a call at decode sizes
-        return infer(x.contiguous(), w1.contiguous(), w2.contiguous(), topk_weights.float().contiguous(), ids)
-    y, *_ = torch.ops.smelt.moe_ffn_fwd(x.contiguous(), w1.contiguous(), w2.contiguous(),
-                                        topk_weights.float().contiguous(), ids, name, save)
+        return infer(*args)
+    y, *_ = torch.ops.smelt.moe_ffn_fwd(*args, name, save)
     return y
 
 
