@@ -38,21 +38,23 @@ inline vf<W> splat(float s) {
 }
 
 // 2^x for x <= 0 (every use: scores minus their row max or log-sum-exp), relative error
-// about 2e-7. Below -127 the result is exactly 0 (so 2^-inf is 0): x is raised to -127, whose
-// rounded exponent field is 0, so the scale factor is +0. NaN stays NaN (the max keeps it).
-// No upper clamp: nothing calls it with x > 0 beyond rounding.
+// about 2e-7: 2^x = 2^r * 2^f with r = round(x) and f in [-0.5, 0.5], 2^f from a degree-5
+// polynomial fitted for relative error on that interval (1.9e-7 evaluated in fp32, below the
+// 2.4e-7 of the degree-6 Taylor series). Below -127 the result is exactly 0 (so 2^-inf is 0):
+// x is raised to -127, whose rounded exponent field is 0, so the scale factor is +0. NaN
+// stays NaN (the max keeps it). 2^0 is exactly 1. No upper clamp: nothing calls it with
+// x > 0 beyond rounding.
 template <int W>
 inline vf<W> exp2v(vf<W> x) {
   const vf<W> lo = splat<W>(-127.0f);
   const vf<W> xc = lo > x ? lo : x;                   // vmaxps(lo, x): NaN in x passes
   const vf<W> r = (xc + 12582912.0f) - 12582912.0f;  // round to nearest
   const vf<W> f = xc - r;                            // [-0.5, 0.5]
-  vf<W> p = splat<W>(1.5403530393381606e-4f);         // ln2^k / k!, k = 6..0
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
+  vf<W> p = splat<W>(1.3264731969684362e-3f);
+  p = p * f + 9.6715139225125313e-3f;
+  p = p * f + 5.5507335811853409e-2f;
+  p = p * f + 2.4022242426872253e-1f;
+  p = p * f + 6.9314700365066528e-1f;
   p = p * f + 1.0f;
   const vi<W> e = (__builtin_convertvector(r, vi<W>) + 127) << 23;
   vf<W> s;
@@ -60,17 +62,36 @@ inline vf<W> exp2v(vf<W> x) {
   return p * s;
 }
 
+// Horizontal max and sum by halving: two halves combined element-wise down to 4 lanes, then
+// two in-register shuffles (a handful of instructions, not a chain over every lane).
+template <int W>
+inline vf<W / 2> half(vf<W> v, int which) {
+  vf<W / 2> h;
+  __builtin_memcpy(&h, reinterpret_cast<const char*>(&v) + which * sizeof h, sizeof h);
+  return h;
+}
 template <int W>
 inline float hmax(vf<W> v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
-  return m;
+  if constexpr (W > 4) {
+    const vf<W / 2> a = half<W>(v, 0), b = half<W>(v, 1);
+    return hmax<W / 2>(b > a ? b : a);
+  } else {
+    const vf<4> s = __builtin_shufflevector(v, v, 2, 3, 0, 1);
+    const vf<4> m = s > v ? s : v;
+    const vf<4> t = __builtin_shufflevector(m, m, 1, 0, 3, 2);
+    const vf<4> r = t > m ? t : m;
+    return r[0];
+  }
 }
 template <int W>
 inline float hsum(vf<W> v) {
-  float s = 0.0f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
+  if constexpr (W > 4) {
+    return hsum<W / 2>(half<W>(v, 0) + half<W>(v, 1));
+  } else {
+    const vf<4> m = v + __builtin_shufflevector(v, v, 2, 3, 0, 1);
+    const vf<4> r = m + __builtin_shufflevector(m, m, 1, 0, 3, 2);
+    return r[0];
+  }
 }
 
 constexpr int W = SMELT_ATT_W;
@@ -79,14 +100,21 @@ constexpr int CV = CB / W;
 
 // ---------------------------------------------------------------------- micro-kernels
 // S[r][c] = sum_d A[r][d] * BT[d][c] for R rows and CB columns; A row stride lda, BT row
-// stride ldb, S row stride lds.
+// stride ldb, S row stride lds, K >= 1. With rmax, also the rows' maxima over these columns,
+// one vector of W per row at rmax + r * W, combined with what is there unless `first`.
 template <int R>
 inline void scores_tile(const float* A, int64_t lda, const float* BT, int64_t ldb, int64_t K,
-                        float* S, int64_t lds) {
+                        float* S, int64_t lds, float* rmax, bool first) {
   vf<W> acc[R][CV];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CV; ++c) acc[r][c] = vf<W>{};
-  for (int64_t d = 0; d < K; ++d) {
+  {  // d = 0 sets the accumulators (so they start in registers, not in a zeroed array)
+    vf<W> b[CV];
+    for (int c = 0; c < CV; ++c) b[c] = load<W>(BT + c * W);
+    for (int r = 0; r < R; ++r) {
+      const vf<W> a = splat<W>(A[r * lda]);
+      for (int c = 0; c < CV; ++c) acc[r][c] = a * b[c];
+    }
+  }
+  for (int64_t d = 1; d < K; ++d) {
     vf<W> b[CV];
     for (int c = 0; c < CV; ++c) b[c] = load<W>(BT + d * ldb + c * W);
     for (int r = 0; r < R; ++r) {
@@ -96,27 +124,42 @@ inline void scores_tile(const float* A, int64_t lda, const float* BT, int64_t ld
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CV; ++c) store<W>(S + r * lds + c * W, acc[r][c]);
+  if (rmax) {
+    for (int r = 0; r < R; ++r) {
+      vf<W> m = acc[r][0];
+      for (int c = 1; c < CV; ++c) m = acc[r][c] > m ? acc[r][c] : m;
+      if (!first) {
+        const vf<W> o = load<W>(rmax + r * W);
+        m = o > m ? o : m;
+      }
+      store<W>(rmax + r * W, m);
+    }
+  }
 }
 
 template <int R>
 inline void scores_rows(const float* A, int64_t lda, const float* BT, int64_t ldb, int64_t K,
-                        float* S, int64_t lds, int64_t ncb) {
-  for (int64_t cb = 0; cb < ncb; ++cb) scores_tile<R>(A, lda, BT + cb * CB, ldb, K, S + cb * CB, lds);
+                        float* S, int64_t lds, int64_t ncb, float* rmax) {
+  for (int64_t cb = 0; cb < ncb; ++cb)
+    scores_tile<R>(A, lda, BT + cb * CB, ldb, K, S + cb * CB, lds, rmax, cb == 0);
 }
 
-// S (M x ncb*CB) = A (M x K) @ BT (K x ncb*CB).
+// S (M x ncb*CB) = A (M x K) @ BT (K x ncb*CB); with rmax, each row's maximum as a vector of
+// W at rmax + r * W (hmax of it is the row's max).
 inline void scores(const float* A, int64_t lda, const float* BT, int64_t ldb, int64_t K,
-                   float* S, int64_t lds, int64_t M, int64_t ncb) {
+                   float* S, int64_t lds, int64_t M, int64_t ncb, float* rmax = nullptr) {
   constexpr int R = SMELT_ATT_RA;
   int64_t r = 0;
-  for (; r + R <= M; r += R) scores_rows<R>(A + r * lda, lda, BT, ldb, K, S + r * lds, lds, ncb);
+  for (; r + R <= M; r += R)
+    scores_rows<R>(A + r * lda, lda, BT, ldb, K, S + r * lds, lds, ncb, rmax ? rmax + r * W : nullptr);
   const int64_t left = M - r;
   A += r * lda;
   S += r * lds;
+  if (rmax) rmax += r * W;
   switch (left) {
 #define SMELT_ROWS_CASE(n) \
   case n:                  \
-    if constexpr (n < R) { scores_rows<n>(A, lda, BT, ldb, K, S, lds, ncb); } \
+    if constexpr (n < R) { scores_rows<n>(A, lda, BT, ldb, K, S, lds, ncb, rmax); } \
     break;
     SMELT_ROWS_CASE(1) SMELT_ROWS_CASE(2) SMELT_ROWS_CASE(3) SMELT_ROWS_CASE(4)
     SMELT_ROWS_CASE(5) SMELT_ROWS_CASE(6) SMELT_ROWS_CASE(7)
@@ -283,8 +326,11 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
   float* Q = grow(buf.q, M * D);
   float* O = grow(buf.o, M * D);
   float* S = grow(buf.s, M * BK);
-  float* mx = grow(buf.stat1, M);
+  float* mx = grow(buf.stat1, M + W);  // + W: the rescale factors are computed W rows at a time
   float* l = grow(buf.stat2, M);
+  float* mnew = grow(buf.acc1, M + W);
+  float* alpha = grow(buf.acc2, M + W);
+  float* rmax = grow(buf.dp, M * W);
   gather_rows(P, P.q, b, h, t0, t1, P.qscale, Q);
   std::fill(O, O + M * D, 0.0f);
   std::fill(mx, mx + M, -INFINITY);
@@ -292,19 +338,34 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
   const int32_t* st = P.start + b * P.Tk;
   const float* KT = P.kt + (b * P.Hkv + h) * D * P.Tkp;
   const float* V = P.v + (b * P.Hkv + h) * P.Tk * D;
+  vf<W> lanes;
+  for (int i = 0; i < W; ++i) lanes[i] = static_cast<float>(i);
   for_key_tiles(P, st, t0, t1, [&](int64_t j0, int64_t n, int64_t ta, int64_t tb) {
     const int64_t r0 = (ta - t0) * G, r1 = (tb - t0) * G, ncb = (n + CB - 1) / CB;
-    scores(Q + r0 * D, D, KT + j0, P.Tkp, D, S + r0 * BK, BK, r1 - r0, ncb);
+    scores(Q + r0 * D, D, KT + j0, P.Tkp, D, S + r0 * BK, BK, r1 - r0, ncb, rmax + r0 * W);
+    // each row's new running max: from the tile's scores (the micro-kernel's maxima, or
+    // after masking a pass over the row), then the rescale factors 2^(old - new), W rows
+    // at a time (lanes past r1 get 2^0 and are never read)
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t p = off + t0 + r / G, s = st[p];
       float* Sr = S + r * BK;
-      if (needs_mask(ncb, j0, s, p, n)) mask_row(Sr, ncb, j0, s, p, n);
-      const float m_new = std::max(mx[r], row_max(Sr, ncb));
-      const float alpha = std::exp2(mx[r] - m_new);
-      const float sum = exp_row(Sr, ncb, m_new);
-      l[r] = l[r] * alpha + sum;
-      if (alpha != 1.0f) scale_row(O + r * D, D, alpha);
-      mx[r] = m_new;
+      float tmax;
+      if (needs_mask(ncb, j0, s, p, n)) {
+        mask_row(Sr, ncb, j0, s, p, n);
+        tmax = row_max(Sr, ncb);
+      } else {
+        tmax = hmax<W>(load<W>(rmax + r * W));
+      }
+      mnew[r] = std::max(mx[r], tmax);
+    }
+    for (int64_t r = r0; r < r1; r += W) {
+      const vf<W> x = load<W>(mx + r) - load<W>(mnew + r);
+      store<W>(alpha + r, exp2v<W>(lanes + static_cast<float>(r - r1) < 0.0f ? x : vf<W>{}));
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      l[r] = l[r] * alpha[r] + exp_row(S + r * BK, ncb, mnew[r]);
+      if (alpha[r] != 1.0f) scale_row(O + r * D, D, alpha[r]);
+      mx[r] = mnew[r];
     }
     accumulate(S + r0 * BK, BK, 1, V + j0 * D, D, n, O + r0 * D, D, r1 - r0, D);
   });
