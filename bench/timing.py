@@ -256,12 +256,19 @@ def peak_rss() -> Optional[int]:
 
 
 def release_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the system (glibc ``malloc_trim``),
-    so that the next model built does not sit on top of the last one's freed memory."""
+    """Collect garbage and hand freed heap pages back to the system (the native kernels'
+    block pool, then glibc ``malloc_trim``), so that the next model built does not sit on
+    top of the last one's freed memory."""
     import ctypes
     import gc
 
     gc.collect()
+    try:
+        from smelt_kernels._alloc import release_cpu_pool
+
+        release_cpu_pool()  # the native kernels' unused output blocks
+    except ImportError:
+        pass
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

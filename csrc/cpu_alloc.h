@@ -7,6 +7,8 @@
 
 #include <ATen/ATen.h>
 
+#include "cpu_pool.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -39,5 +41,17 @@ inline at::Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options
 }
 
 inline at::Tensor output_like(const at::Tensor& like) { return output(like.sizes(), like.options()); }
+
+// output() on a block of the pool in cpu_pool.h: for the large per-call outputs, which would
+// otherwise be first-touched page by page on every call. CPU, contiguous.
+inline at::Tensor pooled_output(at::IntArrayRef sizes, at::ScalarType dtype) {
+  at::Tensor t = pooled_empty(sizes, dtype);
+  if (poisoning()) poison(t);
+  return t;
+}
+
+inline at::Tensor pooled_output_like(const at::Tensor& like) {
+  return pooled_output(like.sizes(), like.scalar_type());
+}
 
 }  // namespace smelt

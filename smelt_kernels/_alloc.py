@@ -11,7 +11,7 @@ import os
 
 import torch
 
-__all__ = ["empty", "poisoning"]
+__all__ = ["cpu_pool_stats", "empty", "poisoning", "release_cpu_pool"]
 
 
 def poisoning() -> bool:
@@ -28,3 +28,31 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
         else:
             t.fill_(torch.iinfo(dtype).min)
     return t
+
+
+def cpu_pool_stats() -> dict[str, int] | None:
+    """What the native CPU kernels' block pool (``csrc/cpu_pool.h``) holds: ``held_bytes``
+    kept unused for the next large output, and how many blocks it handed out ``reused`` or
+    allocated ``fresh`` so far. None when the extension is not built.
+
+    The MoE kernels take their large outputs (pre-activations, outputs, weight gradients)
+    from it, so that a training step does not first-touch tens of megabytes of freshly
+    mapped memory per layer. ``SMELT_CPU_POOL_MB`` caps what it keeps unused (default 1024;
+    0 turns it off)."""
+    from . import backends
+
+    if backends.extension_op_missing("_cpu", "pool_stats", "csrc/cpu_module.cpp") is not None:
+        return None
+    held, reused, fresh = torch.ops.smelt_cpu.pool_stats()
+    return {"held_bytes": int(held), "reused": int(reused), "fresh": int(fresh)}
+
+
+def release_cpu_pool() -> int:
+    """Free the blocks the native CPU pool keeps unused; returns the bytes freed (0 without
+    the extension). Tensors still on pooled blocks are untouched: their blocks come back
+    when they are freed."""
+    from . import backends
+
+    if backends.extension_op_missing("_cpu", "pool_release", "csrc/cpu_module.cpp") is not None:
+        return 0
+    return int(torch.ops.smelt_cpu.pool_release())

@@ -282,9 +282,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_f
   at::Tensor x = x_.contiguous(), w1 = w1_.contiguous(), w2 = w2_.contiguous(), tw = tw_.contiguous();
   Routing R = sort_pairs(ids, w1.size(0));
   const int64_t H = x.size(1), de = w1.size(1) / 2;
-  at::Tensor y = smelt::output({R.T, H}, x.options());
+  at::Tensor y = smelt::pooled_output({R.T, H}, x.scalar_type());
   // the pre-activation is stored only when a backward will need it
-  at::Tensor pre = smelt::output({save_preact ? R.TK : 0, 2 * de}, x.options());
+  at::Tensor pre = smelt::pooled_output({save_preact ? R.TK : 0, 2 * de}, x.scalar_type());
   at::Tensor out = workspace(0, R.TK, H, x.scalar_type());
   dispatch(x.scalar_type(), [&](auto st, auto ct) {
     using ST = decltype(st);
@@ -307,7 +307,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_bwd(
   TORCH_CHECK_VALUE(pre.size(0) == T * k && pre.size(1) == 2 * de && order.numel() == T * k &&
                         rev.numel() == T * k && offsets.numel() == E + 1,
                     "moe_ffn backward: saved routing tensors do not match the inputs");
-  at::Tensor dx = smelt::output_like(x), dw1 = smelt::output_like(w1), dw2 = smelt::output_like(w2);
+  at::Tensor dx = smelt::pooled_output_like(x), dw1 = smelt::pooled_output_like(w1), dw2 = smelt::pooled_output_like(w2);
   at::Tensor dtw = smelt::output({T, k}, tw.options());
   moe_backward(dy, x, w1, w2, tw, pre, order, rev, offsets, k, dx, dw1, dw2, dtw);
   return {dx, dw1, dw2, dtw};
