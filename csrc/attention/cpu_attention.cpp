@@ -19,7 +19,8 @@
 //   every query that sees them; it owns the chunk's dK and dV, and gives each query one dQ
 //   share, added in chunk order (see run_backward). No atomics: every output element is summed
 //   by one thread in a fixed order, so results are bitwise the same for any thread count.
-// * Inputs are widened to fp32 (and K, V also laid out transposed, (D, Tk)) once per call,
+// * Inputs are widened to fp32 once per call (in the forward K also laid out transposed by
+//   key panels, (D, 32) per 32 keys; the backward transposes each work unit's K, V panels),
 //   an O(T D) pass; the O(T^2 D) work runs on fp32 in registers with FMA. 16-bit inputs
 //   therefore compute in fp32 (no AMX path here); outputs are rounded once at the end.
 // * The loops (cpu_attention_body.h) are compiled three times, for AVX-512, AVX2 + FMA and
@@ -43,17 +44,21 @@
 
 namespace smelt_att {
 
+// Keys per key panel, the (D, kPanel) blocks of K^T (and in the backward V^T) that the score
+// micro-tiles read (their column block, CB in cpu_attention_body.h).
+constexpr int64_t kPanel = 32;
+
 struct Problem {
-  int64_t B = 0, Tq = 0, Tk = 0, Hq = 0, Hkv = 0, G = 0, D = 0, Tkp = 0;
+  int64_t B = 0, Tq = 0, Tk = 0, Hq = 0, Hkv = 0, G = 0, D = 0;
+  int64_t NP = 0;  // key panels per (b, KV head): cdiv(Tk, kPanel)
   int64_t BK = 64;  // keys per tile (score buffer row stride)
   int64_t BQ = 16;  // query positions per block
   float scale = 1.0f, qscale = 1.0f;
   const float* q = nullptr;     // (B, Tq, Hq, D)
   const float* dout = nullptr;  // (B, Tq, Hq, D)
-  const float* k = nullptr;     // (B, Hkv, Tk, D)
+  const float* k = nullptr;     // (B, Hkv, Tk, D) (backward)
   const float* v = nullptr;     // (B, Hkv, Tk, D)
-  const float* kt = nullptr;    // (B, Hkv, D, Tkp), zero past Tk
-  const float* vt = nullptr;    // (B, Hkv, D, Tkp)
+  const float* kp = nullptr;    // (B, Hkv, NP, D, kPanel): K^T by panels, zero past Tk (forward)
   const float* lse = nullptr;   // (B, Hq, Tq), natural log
   const float* delta = nullptr; // (B, Tq, Hq)
   const int32_t* start = nullptr;  // (B, Tk)
@@ -61,7 +66,7 @@ struct Problem {
 };
 
 struct Buffers {
-  std::vector<float> q, o, s, dp, dov, stat1, stat2, acc1, acc2;
+  std::vector<float> q, o, s, dp, dov, stat1, stat2, acc1, acc2, kp, vp;
 };
 Buffers& buffers() {
   thread_local Buffers b;
@@ -70,6 +75,14 @@ Buffers& buffers() {
 float* grow(std::vector<float>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   return v.data();
+}
+
+// One key panel: rows x[0..n) (row stride ld, n <= kPanel) as (D, kPanel) at dst, zero past n.
+void key_panel(const float* x, int64_t ld, int64_t n, int64_t D, float* dst) {
+  if (n > 0)
+    smelt::transpose32(reinterpret_cast<const uint32_t*>(x), ld, n, D, reinterpret_cast<uint32_t*>(dst), kPanel);
+  if (n < kPanel)
+    for (int64_t d = 0; d < D; ++d) std::fill(dst + d * kPanel + n, dst + (d + 1) * kPanel, 0.0f);
 }
 
 }  // namespace smelt_att
@@ -260,16 +273,18 @@ void per_head(const at::Tensor& x, F&& f) {
   });
 }
 
-// (B, H, D, Tkp) fp32 copy of x (B, Tk, H, D), zero past Tk.
-at::Tensor transposed(const at::Tensor& x_, int64_t Tkp) {
+// (B, H, NP, D, kPanel) fp32 copy of x (B, Tk, H, D): panel j holds keys j*kPanel.. as
+// (D, kPanel), zero past Tk. A score micro-tile then reads its keys as one contiguous run
+// (D * 128 bytes) instead of D rows a (D, Tk) K^T row apart, one page each: on that layout
+// the micro-kernel stalled on those loads and cost as much at D = 64 as at D = 96.
+at::Tensor key_panels(const at::Tensor& x_, int64_t NP) {
   const at::Tensor x = float_rows(x_);
   const int64_t Tk = x.size(1), D = x.size(3);
-  at::Tensor out = at::empty({x.size(0), x.size(2), D, Tkp}, x.options());
+  at::Tensor out = at::empty({x.size(0), x.size(2), NP, D, kPanel}, x.options());
   float* op = out.data_ptr<float>();
   per_head(x, [&](int64_t i, const float* src, int64_t ld) {
-    float* dst = op + i * D * Tkp;
-    smelt::transpose32(reinterpret_cast<const uint32_t*>(src), ld, Tk, D, reinterpret_cast<uint32_t*>(dst), Tkp);
-    for (int64_t d = 0; d < D; ++d) std::fill(dst + d * Tkp + Tk, dst + (d + 1) * Tkp, 0.0f);
+    for (int64_t j = 0; j < NP; ++j)
+      key_panel(src + j * kPanel * ld, ld, std::min(kPanel, Tk - j * kPanel), D, op + (i * NP + j) * D * kPanel);
   });
   return out;
 }
@@ -283,7 +298,7 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, double scale) {
   P.Tk = k.size(1);
   P.Hkv = k.size(2);
   P.G = P.Hq / P.Hkv;
-  P.Tkp = round_up(P.Tk, 16) + P.BK;
+  P.NP = (P.Tk + kPanel - 1) / kPanel;
   P.BQ = std::max<int64_t>(1, 64 / P.G);
   P.scale = static_cast<float>(scale);
   P.qscale = static_cast<float>(scale * 1.4426950408889634);
@@ -449,10 +464,10 @@ void segment_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::T
   if (P.Tq == 0 || P.Hq == 0 || P.B == 0) return;
   std::vector<int32_t> st, en;
   bounds(start, P.B, P.Tk, st, en);
-  const at::Tensor qf = as_float(q), vf = kv_major(v), kt = transposed(k, P.Tkp);
+  const at::Tensor qf = as_float(q), vf = kv_major(v), kp = key_panels(k, P.NP);
   P.q = qf.data_ptr<float>();
   P.v = vf.data_ptr<float>();
-  P.kt = kt.data_ptr<float>();
+  P.kp = kp.data_ptr<float>();
   P.start = st.data();
   P.end = en.data();
   at::Tensor of = staging(o);
@@ -498,7 +513,7 @@ void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at
   std::vector<int32_t> st, en;
   bounds(start, P.B, P.Tk, st, en);
   const at::Tensor qf = as_float(q), dof = as_float(dout), of = as_float(o), lsef = lse.contiguous();
-  const at::Tensor kf = kv_major(k), kt = transposed(k, P.Tkp), vt = transposed(v, P.Tkp);
+  const at::Tensor kf = kv_major(k), vf = kv_major(v);
   // delta = rowsum(dO * O), one row per (b, t, head), summed in order
   std::vector<float> delta(P.B * P.Tq * P.Hq);
   const float* dp = dof.data_ptr<float>();
@@ -513,8 +528,7 @@ void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at
   P.q = qf.data_ptr<float>();
   P.dout = dp;
   P.k = kf.data_ptr<float>();
-  P.kt = kt.data_ptr<float>();
-  P.vt = vt.data_ptr<float>();
+  P.v = vf.data_ptr<float>();
   P.lse = lsef.data_ptr<float>();
   P.delta = delta.data();
   P.start = st.data();

@@ -6,8 +6,9 @@
 //
 // Needs before inclusion: SMELT_ATT_W (widest vector, floats), SMELT_ATT_RA (rows per
 // score micro-tile), SMELT_ATT_RB (rows per accumulate micro-tile), <cstdint>, <cmath>,
-// <algorithm>, and smelt_att::{Problem, Buffers, buffers, grow} (declared outside the
-// target regions, so no library code is compiled for a wider instruction set than this).
+// <algorithm>, and smelt_att::{kPanel, Problem, Buffers, buffers, grow, key_panel} (declared
+// outside the target regions, so no library code is compiled for a wider instruction set
+// than this).
 
 template <int W>
 struct Vec {
@@ -95,7 +96,7 @@ inline float hsum(vf<W> v) {
 }
 
 constexpr int W = SMELT_ATT_W;
-constexpr int CB = 32;  // score columns per micro-tile (keys)
+constexpr int CB = kPanel;  // score columns per micro-tile (keys): one key panel
 constexpr int CV = CB / W;
 
 // ---------------------------------------------------------------------- micro-kernels
@@ -139,19 +140,21 @@ inline void scores_tile(const float* A, int64_t lda, const float* BT, int64_t ld
 
 template <int R>
 inline void scores_rows(const float* A, int64_t lda, const float* BT, int64_t ldb, int64_t K,
-                        float* S, int64_t lds, int64_t ncb, float* rmax) {
+                        float* S, int64_t lds, int64_t ncb, float* rmax, int64_t cbs) {
   for (int64_t cb = 0; cb < ncb; ++cb)
-    scores_tile<R>(A, lda, BT + cb * CB, ldb, K, S + cb * CB, lds, rmax, cb == 0);
+    scores_tile<R>(A, lda, BT + cb * cbs, ldb, K, S + cb * CB, lds, rmax, cb == 0);
 }
 
-// S (M x ncb*CB) = A (M x K) @ BT (K x ncb*CB); with rmax, each row's maximum as a vector of
-// W at rmax + r * W (hmax of it is the row's max).
+// S (M x ncb*CB) = A (M x K) @ BT (K x ncb*CB), column block cb of BT at BT + cb * cbs (CB
+// for a plain row-major BT, K * CB for key panels); with rmax, each row's maximum as a
+// vector of W at rmax + r * W (hmax of it is the row's max).
 inline void scores(const float* A, int64_t lda, const float* BT, int64_t ldb, int64_t K,
-                   float* S, int64_t lds, int64_t M, int64_t ncb, float* rmax = nullptr) {
+                   float* S, int64_t lds, int64_t M, int64_t ncb, float* rmax = nullptr,
+                   int64_t cbs = CB) {
   constexpr int R = SMELT_ATT_RA;
   int64_t r = 0;
   for (; r + R <= M; r += R)
-    scores_rows<R>(A + r * lda, lda, BT, ldb, K, S + r * lds, lds, ncb, rmax ? rmax + r * W : nullptr);
+    scores_rows<R>(A + r * lda, lda, BT, ldb, K, S + r * lds, lds, ncb, rmax ? rmax + r * W : nullptr, cbs);
   const int64_t left = M - r;
   A += r * lda;
   S += r * lds;
@@ -159,7 +162,7 @@ inline void scores(const float* A, int64_t lda, const float* BT, int64_t ldb, in
   switch (left) {
 #define SMELT_ROWS_CASE(n) \
   case n:                  \
-    if constexpr (n < R) { scores_rows<n>(A, lda, BT, ldb, K, S, lds, ncb, rmax); } \
+    if constexpr (n < R) { scores_rows<n>(A, lda, BT, ldb, K, S, lds, ncb, rmax, cbs); } \
     break;
     SMELT_ROWS_CASE(1) SMELT_ROWS_CASE(2) SMELT_ROWS_CASE(3) SMELT_ROWS_CASE(4)
     SMELT_ROWS_CASE(5) SMELT_ROWS_CASE(6) SMELT_ROWS_CASE(7)
@@ -300,15 +303,17 @@ inline void gather_rows(const Problem& P, const float* src, int64_t b, int64_t h
   }
 }
 
-// Key tiles of the queries t0..t1-1: from the last position down to the first query's
-// segment start, BK keys each (the lowest one partial). Calls f(j0, n, ta, tb) with the
-// tile's keys j0..j0+n-1 and the queries ta..tb-1 whose segment interval meets it.
+// Key tiles of the queries t0..t1-1, from the last position down to the first query's
+// segment start: tiles of at most BK keys that start on a key panel (so the top one and the
+// lowest one are partial; keys below that segment start are masked by every query). Calls
+// f(j0, n, ta, tb) with the tile's keys j0..j0+n-1 and the queries ta..tb-1 whose segment
+// interval meets it.
 template <typename F>
 inline void for_key_tiles(const Problem& P, const int32_t* st, int64_t t0, int64_t t1, F&& f) {
   const int64_t off = P.Tk - P.Tq, BK = P.BK;
-  const int64_t kbeg = st[off + t0], kend = off + t1;
-  for (int64_t j1 = kend; j1 > kbeg; j1 -= BK) {
-    const int64_t j0 = std::max(kbeg, j1 - BK);
+  const int64_t kbeg = st[off + t0], kend = off + t1, lowest = kbeg / CB * CB;
+  for (int64_t j1 = kend, j0; j1 > kbeg; j1 = j0) {
+    j0 = std::max(lowest, (j1 + CB - 1) / CB * CB - BK);
     int64_t ta = t0, tb = t1;
     while (ta < t1 && off + ta < j0) ++ta;
     while (tb > ta && st[off + tb - 1] > j1 - 1) --tb;
@@ -336,13 +341,13 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
   std::fill(mx, mx + M, -INFINITY);
   std::fill(l, l + M, 0.0f);
   const int32_t* st = P.start + b * P.Tk;
-  const float* KT = P.kt + (b * P.Hkv + h) * D * P.Tkp;
+  const float* KP = P.kp + (b * P.Hkv + h) * P.NP * D * CB;
   const float* V = P.v + (b * P.Hkv + h) * P.Tk * D;
   vf<W> lanes;
   for (int i = 0; i < W; ++i) lanes[i] = static_cast<float>(i);
   for_key_tiles(P, st, t0, t1, [&](int64_t j0, int64_t n, int64_t ta, int64_t tb) {
     const int64_t r0 = (ta - t0) * G, r1 = (tb - t0) * G, ncb = (n + CB - 1) / CB;
-    scores(Q + r0 * D, D, KT + j0, P.Tkp, D, S + r0 * BK, BK, r1 - r0, ncb, rmax + r0 * W);
+    scores(Q + r0 * D, D, KP + j0 * D, CB, D, S + r0 * BK, BK, r1 - r0, ncb, rmax + r0 * W, D * CB);
     // each row's new running max: from the tile's scores (the micro-kernel's maxima, or
     // after masking a pass over the row), then the rescale factors 2^(old - new), W rows
     // at a time (lanes past r1 get 2^0 and are never read)
@@ -377,7 +382,7 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
     for (int64_t d = 0; d < D; ++d) out[d] = O[r * D + d] * inv;
     const int64_t si = (b * P.Hq + h * G + g) * P.Tq + t;
     lse[si] = lse2 * 0.69314718055994531f;
-    psink[si] = s == p ? 0.0f : std::exp2(dot(Q + r * D, KT + s, P.Tkp, D) - lse2);
+    psink[si] = s == p ? 0.0f : std::exp2(dot(Q + r * D, KP + (s / CB * D) * CB + s % CB, CB, D) - lse2);
   }
 }
 
@@ -397,13 +402,14 @@ inline void backward_rows(const Problem& P, int64_t b, int64_t h, int64_t t0, in
     }
 }
 
-// Probabilities (in S) and dS (in dP) of the M rows of queries tq0.. against keys j0..j0+n-1.
+// Probabilities (in S) and dS (in dP) of the M rows of queries tq0.. against keys j0..j0+n-1,
+// n <= CB, whose K^T and V^T are the key panels KP and VP ((D, CB) each).
 inline void probs_and_ds(const Problem& P, const int32_t* st, int64_t tq0, int64_t j0, int64_t n,
                          int64_t M, const float* Q, const float* dO, const float* lse2,
-                         const float* delta, const float* KT, const float* VT, float* S, float* dP) {
-  const int64_t G = P.G, D = P.D, BK = P.BK, off = P.Tk - P.Tq, ncb = (n + CB - 1) / CB;
-  scores(Q, D, KT + j0, P.Tkp, D, S, BK, M, ncb);
-  scores(dO, D, VT + j0, P.Tkp, D, dP, BK, M, ncb);
+                         const float* delta, const float* KP, const float* VP, float* S, float* dP) {
+  const int64_t G = P.G, D = P.D, BK = P.BK, off = P.Tk - P.Tq, ncb = 1;
+  scores(Q, D, KP, CB, D, S, BK, M, ncb);
+  scores(dO, D, VP, CB, D, dP, BK, M, ncb);
   for (int64_t r = 0; r < M; ++r) {
     const int64_t p = off + tq0 + r / G, s = st[p];
     float* Sr = S + r * BK;
@@ -423,7 +429,7 @@ inline void probs_and_ds(const Problem& P, const int32_t* st, int64_t tq0, int64
 // dK, dV are written to (B, Tk, Hkv, D) fp32; zeros where no query sees the keys.
 inline void backward_unit(const Problem& P, int64_t b, int64_t h, int64_t kb, int64_t ke, int64_t e,
                           float* dk, float* dv, float* dst, int64_t dst_stride, float mul) {
-  constexpr int64_t KT = 32;  // keys per tile: one column block of the score micro-tiles
+  constexpr int64_t KT = CB;  // keys per tile: one key panel
   const int64_t G = P.G, D = P.D, BK = P.BK, BQ = P.BQ, off = P.Tk - P.Tq;
   const int64_t nk = ke - kb;
   Buffers& buf = buffers();
@@ -442,9 +448,18 @@ inline void backward_unit(const Problem& P, int64_t b, int64_t h, int64_t kb, in
     float* delta = grow(buf.stat2, BQ * G);
     const int32_t* st = P.start + b * P.Tk;
     const int64_t kv = b * P.Hkv + h;
-    const float* KTr = P.kt + kv * D * P.Tkp;
-    const float* VTr = P.vt + kv * D * P.Tkp;
     const float* K = P.k + kv * P.Tk * D;
+    const float* V = P.v + kv * P.Tk * D;
+    // the unit's keys as panels of KT keys from kb, (D, KT) each, K^T and V^T: a tile's
+    // score micro-tiles then read one contiguous run
+    const int64_t np = (nk + KT - 1) / KT;
+    float* KP = grow(buf.kp, np * D * KT);
+    float* VP = grow(buf.vp, np * D * KT);
+    for (int64_t i = 0; i < np; ++i) {
+      const int64_t n = std::min(KT, nk - i * KT);
+      key_panel(K + (kb + i * KT) * D, D, n, D, KP + i * D * KT);
+      key_panel(V + (kb + i * KT) * D, D, n, D, VP + i * D * KT);
+    }
     const int64_t tlo = plo - off;
     for (int64_t pa = plo; pa <= e; pa += BQ) {
       const int64_t t0 = pa - off, t1 = std::min(e + 1, pa + BQ) - off, M = (t1 - t0) * G;
@@ -453,7 +468,8 @@ inline void backward_unit(const Problem& P, int64_t b, int64_t h, int64_t kb, in
       const int64_t kend = std::min(ke, off + t1);  // keys past the block's last query: none seen
       for (int64_t j0 = kb; j0 < kend; j0 += KT) {
         const int64_t n = std::min(KT, ke - j0);
-        probs_and_ds(P, st, t0, j0, n, M, Q, dO, lse2, delta, KTr, VTr, S, dP);
+        const int64_t pi = (j0 - kb) / KT;
+        probs_and_ds(P, st, t0, j0, n, M, Q, dO, lse2, delta, KP + pi * D * KT, VP + pi * D * KT, S, dP);
         accumulate(S, 1, BK, dO, D, M, dV + (j0 - kb) * D, D, n, D);  // dV += P^T dO
         accumulate(dP, 1, BK, Q, D, M, dK + (j0 - kb) * D, D, n, D);  // dK += dS^T Q
         accumulate(dP, BK, 1, K + j0 * D, D, n, dQ, D, M, D);         // dQ += dS K
