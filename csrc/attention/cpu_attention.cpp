@@ -66,7 +66,7 @@ struct Problem {
 };
 
 struct Buffers {
-  std::vector<float> q, o, s, dp, dov, stat1, stat2, acc1, acc2, kp, vp;
+  std::vector<float> q, o, s, dp, dov, stat1, stat2, acc1, acc2, kp, vp, sink;
 };
 Buffers& buffers() {
   thread_local Buffers b;

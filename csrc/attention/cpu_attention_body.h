@@ -286,12 +286,6 @@ inline void scale_row(float* x, int64_t n, float a) {
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t stride_b, int64_t n) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i * stride_b];
-  return s;
-}
-
 // Rows r = (t - t0) * G + g of query positions t0..t1-1 of (b, h), as fp32 times mul.
 inline void gather_rows(const Problem& P, const float* src, int64_t b, int64_t h, int64_t t0,
                         int64_t t1, float mul, float* dst) {
@@ -336,6 +330,7 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
   float* mnew = grow(buf.acc1, M + W);
   float* alpha = grow(buf.acc2, M + W);
   float* rmax = grow(buf.dp, M * W);
+  float* first = grow(buf.sink, M);  // each row's score on its segment's first key
   gather_rows(P, P.q, b, h, t0, t1, P.qscale, Q);
   std::fill(O, O + M * D, 0.0f);
   std::fill(mx, mx + M, -INFINITY);
@@ -354,6 +349,7 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t p = off + t0 + r / G, s = st[p];
       float* Sr = S + r * BK;
+      if (s >= j0 && s < j0 + n) first[r] = Sr[s - j0];
       float tmax;
       if (needs_mask(ncb, j0, s, p, n)) {
         mask_row(Sr, ncb, j0, s, p, n);
@@ -382,7 +378,7 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
     for (int64_t d = 0; d < D; ++d) out[d] = O[r * D + d] * inv;
     const int64_t si = (b * P.Hq + h * G + g) * P.Tq + t;
     lse[si] = lse2 * 0.69314718055994531f;
-    psink[si] = s == p ? 0.0f : std::exp2(dot(Q + r * D, KP + (s / CB * D) * CB + s % CB, CB, D) - lse2);
+    psink[si] = s == p ? 0.0f : std::exp2(first[r] - lse2);
   }
 }
 
