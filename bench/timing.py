@@ -264,7 +264,7 @@ def release_memory() -> None:
 
     gc.collect()
     try:
-        from smelt_kernels._alloc import release_cpu_pool
+        from smelt_kernels.moe_gemm import release_cpu_pool
 
         release_cpu_pool()  # the native kernels' unused output blocks
     except ImportError:

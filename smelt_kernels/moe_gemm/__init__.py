@@ -4,8 +4,12 @@
 
 Inside: ``ops`` (validation, custom ops, autograd), ``routing`` (device-side sort and tile
 metadata), ``reference`` (pure torch), ``cpu``, ``triton`` and ``cuda`` (the backends).
+``cpu_pool_stats`` / ``release_cpu_pool`` look at and empty the block pool that the native
+CPU kernels take their large outputs from.
 """
 
+from .._alloc import cpu_pool_stats, release_cpu_pool
 from .ops import cpu_forward_kernel, grouped_gemm, moe_ffn, route, select_backend
 
-__all__ = ["route", "moe_ffn", "grouped_gemm", "cpu_forward_kernel", "select_backend"]
+__all__ = ["route", "moe_ffn", "grouped_gemm", "cpu_forward_kernel", "select_backend",
+           "cpu_pool_stats", "release_cpu_pool"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers_moe import has_cpu_kernel
-from smelt_kernels._alloc import cpu_pool_stats, release_cpu_pool
+from smelt_kernels.moe_gemm import cpu_pool_stats, release_cpu_pool
 from smelt_kernels.moe_gemm import moe_ffn, route
 
 pytestmark = pytest.mark.skipif(not has_cpu_kernel() or cpu_pool_stats() is None,
