@@ -7,8 +7,8 @@
 //   P[r] = x[tok(r)] @ W1[e]^T                 (pre-activation, kept for backward)
 //   O[r] = (silu(P_gate) * P_up)[r] @ W2[e]^T
 // and then y[t] = sum_j w[t,j] * O[rev(t,j)], a gather-and-sum in slot order (no atomics).
-// An expert with at most kDecodeRows rows (decode, small batches) runs the few-rows path of
-// cpu_decode.h: dot products against its weights in place, nothing packed. Otherwise, in
+// An expert with at most few_rows_limit rows (decode, small batches; 16 to 48 by the size of
+// its weights) runs the few-rows path of cpu_decode.h: dot products against its weights in place, nothing packed. Otherwise, in
 // fp32 on an AVX-512 CPU the GEMMs run in the rows kernel of cpu_rows.h on the token rows
 // in place; otherwise through the micro-kernel of cpu_blas.h on token rows gathered into a
 // cache-resident buffer (the 16-bit types on the matrix unit). Every element is computed by
@@ -175,6 +175,7 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
   const int64_t w2_bytes = H * de * static_cast<int64_t>(sizeof(ST));
   const bool rows_kernel = forward_kernel(H, de, x.scalar_type()) == "rows";
   const bool prefetch = w1_bytes + w2_bytes <= prefetch_limit();
+  const int64_t few_limit = few_rows_limit(w1_bytes + w2_bytes);
   const int64_t decode_ahead = prefetch_limit() / 2;
   const bool decode = use_decode_path();
   // hidden units per up-projection panel (gate and up columns) and output columns per
@@ -187,7 +188,7 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w
         const int64_t m = I.r1 - I.r0;
         const ST* w1e = w1p + I.e * 2 * de * H;
         const ST* w2e = w2p + I.e * H * de;
-        const bool few_rows = decode && m <= kDecodeRows;
+        const bool few_rows = decode && m <= few_limit;
         const bool next_expert = nx >= 0 && items[nx].e != I.e;
         const ST* w1n = next_expert ? w1p + items[nx].e * 2 * de * H : nullptr;
         const ST* w2n = next_expert ? w2p + items[nx].e * H * de : nullptr;
@@ -330,6 +331,11 @@ std::string moe_forward_kernel(int64_t hidden, int64_t expert_size, at::ScalarTy
   return forward_kernel(hidden, expert_size, dtype);
 }
 
+int64_t moe_few_rows_limit(int64_t hidden, int64_t expert_size, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(hidden > 0 && expert_size > 0, "moe_few_rows_limit: hidden and expert_size must be positive");
+  return few_rows_limit(3 * hidden * expert_size * static_cast<int64_t>(c10::elementSize(dtype)));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort(const at::Tensor& ids, int64_t num_experts) {
   Routing R = sort_pairs(ids, num_experts);
   return {R.order, R.rev, R.offsets};
@@ -341,6 +347,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort(const at::Tensor& ids, i
 TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {
   m.def("moe_sort(Tensor topk_ids, int num_experts) -> (Tensor order, Tensor rev, Tensor offsets)");
   m.def("moe_forward_kernel(int hidden, int expert_size, ScalarType dtype) -> str", &smelt_moe::moe_forward_kernel);
+  m.def("moe_few_rows_limit(int hidden, int expert_size, ScalarType dtype) -> int", &smelt_moe::moe_few_rows_limit);
   m.def(
       "moe_ffn_fwd(Tensor x, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, bool save_preact=True)"
       " -> (Tensor y, Tensor preact, Tensor order, Tensor rev, Tensor offsets)");

@@ -6,9 +6,9 @@ expert's two GEMMs with SwiGLU between them and combines in slot order; the back
 dgrad and weight-gradient GEMMs on the same sort. fp32 forwards with experts of at most 1 MB
 of weights run an AVX-512 kernel on row pointers (``cpu_rows.h``) where the CPU has it; the
 rest run oneDNN brgemm micro-kernels on packed panels (``SMELT_CPU_GENERIC=1`` forces those).
-Experts with at most 16 rows in a call (decode, small batches) take a few-rows path instead:
-dot products against the weights where they lie, nothing packed (``cpu_decode.cpp``;
-``SMELT_CPU_DECODE=0`` turns it off), and a call whose experts hold at most 2 MB of weights
+Experts with few rows in a call (decode, small batches: at most 16, 32 or 48 as their weights
+grow, :func:`few_rows_limit`) take a few-rows path instead: dot products against the weights
+where they lie, nothing packed (``cpu_decode.cpp``; ``SMELT_CPU_DECODE=0`` turns it off), and a call whose experts hold at most 2 MB of weights
 in all runs on the calling thread. :func:`route` is the fused router (``cpu_route.cpp``):
 softmax, top-k and renormalisation in one pass, differentiable with respect to the logits.
 Everything is bitwise deterministic and independent of the thread count.
@@ -61,6 +61,11 @@ def grouped_wgrad(dc, a, offsets, gather):
 def forward_kernel(hidden_size: int, expert_size: int, dtype: torch.dtype) -> str:
     """``"rows"``, ``"panels"`` or ``"panels-16bit"``: the forward kernel this shape gets here."""
     return torch.ops.smelt_cpu.moe_forward_kernel(hidden_size, expert_size, dtype)
+
+
+def few_rows_limit(hidden_size: int, expert_size: int, dtype: torch.dtype) -> int:
+    """The most rows an expert of this shape may have in a call to take the few-rows path."""
+    return int(torch.ops.smelt_cpu.moe_few_rows_limit(hidden_size, expert_size, dtype))
 
 
 # ----------------------------------------------------------------------------- routing

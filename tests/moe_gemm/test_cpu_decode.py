@@ -1,6 +1,7 @@
-"""The few-rows (decode) path of the CPU MoE forward: experts with at most 16 rows in a call
-run dot products against their weights in place. Forward and backward against the fp64
-reference at T = 1..64, with skewed routing, in fp32 and the 16-bit types."""
+"""The few-rows (decode) path of the CPU MoE forward: experts with at most 16, 32 or 48 rows
+in a call (by the size of their weights) run dot products against their weights in place.
+Forward and backward against the fp64 reference at T = 1..64, with skewed routing, in fp32
+and the 16-bit types."""
 
 import pytest
 import torch
@@ -13,7 +14,6 @@ pytestmark = pytest.mark.skipif(cpu.missing("moe_ffn_fwd") is not None,
 
 # max |err| / max |ref| per dtype (fp64 reference from the same low-precision inputs)
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
-DECODE_ROWS = 16  # kDecodeRows in csrc/moe_gemm/cpu_decode.h
 
 
 def make_case(T, H, de, E, k, dtype, ids=None, seed=0):
@@ -94,6 +94,31 @@ def test_decode_target_shape(T):
     """The CPU target's expert shape (H 256, d_e 64, E 288, k 8)."""
     case = make_case(T, 256, 64, 288, 8, torch.float32)
     assert_close(run(case), oracle(case), torch.float32)
+
+
+# (H, d_e) with 3 H d_e fp32 weights under 256 KiB, under 1 MiB, and above
+@pytest.mark.parametrize("H, de, limit", [(96, 40, 16), (256, 128, 32), (360, 248, 48)])
+def test_few_rows_limit_by_expert_size(H, de, limit):
+    assert cpu.few_rows_limit(H, de, torch.float32) == limit
+    assert cpu.few_rows_limit(H, de, torch.bfloat16) <= limit
+    with pytest.raises(ValueError, match="positive"):
+        cpu.few_rows_limit(0, de, torch.float32)
+
+
+@pytest.mark.parametrize("H, de", [(256, 128), (360, 248)])
+def test_decode_at_and_past_the_limit(H, de, monkeypatch):
+    """One expert takes every token: at the limit (few-rows path) and one row past it
+    (panels), both against the reference and against the panels forced."""
+    limit = cpu.few_rows_limit(H, de, torch.float32)
+    for T in (limit, limit + 1):
+        case = make_case(T, H, de, 4, 1, torch.float32, ids=skewed_ids("one_expert", T, 4, 1))
+        assert_close(run(case), oracle(case), torch.float32)
+        with torch.no_grad():
+            a = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend="cpu")
+            monkeypatch.setenv("SMELT_CPU_DECODE", "0")
+            b = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend="cpu")
+            monkeypatch.delenv("SMELT_CPU_DECODE")
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_agrees_with_the_panel_kernels(monkeypatch):
