@@ -28,8 +28,9 @@ so that load drifts hit them alike; compare ratios within a row, and see p20/p80
 Decode rows (``--decode-shapes``, CPU): the inference forward at T = 1, 8, 64 tokens
 (``--decode-tokens``), all batch sizes and implementations interleaved, per-token time:
 smelt as selected (experts with at most 16-48 rows, by expert size, take the few-rows
-path), smelt with that path off (``SMELT_CPU_DECODE=0``: the packed-panel kernels), and the dense FFN of the same
-FLOPs; ``GB/s`` is the bytes of the distinct selected experts' weights over smelt's time.
+path), smelt with that path off (``SMELT_CPU_DECODE=0``: the packed-panel kernels), and the
+dense FFN of the same FLOPs; ``GB/s`` is the bytes of the distinct selected experts' weights
+over smelt's time.
 
 Nothing is written unless asked: ``--out`` writes ``bench/results/moe_gemm_<device>.{json,md}``
 (``--out DIR``: into DIR), the Markdown with the command that produced it.

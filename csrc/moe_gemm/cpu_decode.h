@@ -1,8 +1,8 @@
 // The few-rows path of the CPU MoE forward (decode): an expert with at most
-// few_rows_limit(its weight bytes) sorted rows runs both GEMMs as dot products against its weights where they lie, row-major
-// as stored, with SwiGLU between them. Nothing is packed or transposed, and every weight
-// row is read from memory once per item: four weight rows at a time stay in L1 while the
-// item's token rows (three at a time) are dotted against them.
+// few_rows_limit(its weight bytes) sorted rows runs both GEMMs as dot products against its
+// weights where they lie, row-major as stored, with SwiGLU between them. Nothing is packed
+// or transposed, and every weight row is read from memory once per item: four weight rows at
+// a time stay in L1 while the item's token rows (three at a time) are dotted against them.
 #pragma once
 
 #include "cpu_rows.h"

@@ -8,8 +8,8 @@ of weights run an AVX-512 kernel on row pointers (``cpu_rows.h``) where the CPU 
 rest run oneDNN brgemm micro-kernels on packed panels (``SMELT_CPU_GENERIC=1`` forces those).
 Experts with few rows in a call (decode, small batches: at most 16, 32 or 48 as their weights
 grow, :func:`few_rows_limit`) take a few-rows path instead: dot products against the weights
-where they lie, nothing packed (``cpu_decode.cpp``; ``SMELT_CPU_DECODE=0`` turns it off), and a call whose experts hold at most 2 MB of weights
-in all runs on the calling thread. :func:`route` is the fused router (``cpu_route.cpp``):
+where they lie, nothing packed (``cpu_decode.cpp``; ``SMELT_CPU_DECODE=0`` turns it off),
+and a call whose experts hold at most 2 MB of weights in all runs on the calling thread. :func:`route` is the fused router (``cpu_route.cpp``):
 softmax, top-k and renormalisation in one pass, differentiable with respect to the logits.
 Everything is bitwise deterministic and independent of the thread count.
 """
