@@ -5,6 +5,7 @@ Import the op modules, or the layers built on them, directly::
 
     from smelt_kernels.moe_gemm import route, moe_ffn
     from smelt_kernels.attention import segment_attention
+    from smelt_kernels.norm import rms_norm
     from smelt_kernels.layers import MoE, SegmentAttention, RMSNorm, Rotary
     from smelt_kernels.executor import LoopPlan, Executor, LoopedSpan
 
