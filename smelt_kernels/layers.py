@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .attention import segment_attention
+from .attention.rotary import apply_rotary
 from .moe_gemm import moe_ffn, route
 from .norm import rms_norm
 
@@ -76,12 +77,9 @@ class Rotary(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, heads, D); cos/sin: (T, D/2) or (B, T, D/2)."""
-        half = x.shape[-1] // 2
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half:]
-        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads (and batch)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+        """x: (B, T, heads, D); cos/sin: (T, D/2) or (B, T, D/2)
+        (:func:`smelt_kernels.attention.rotary.apply_rotary`: one fused pass on the CPU)."""
+        return apply_rotary(x, cos, sin)
 
 
 class _Attend(nn.Module):

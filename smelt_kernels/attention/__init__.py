@@ -3,7 +3,8 @@
     from smelt_kernels.attention import segment_attention
 
 Inside: ``ops`` (validation, custom ops, autograd), ``reference`` (pure torch), ``cpu``,
-``triton`` and ``cuda`` (the backends).
+``triton`` and ``cuda`` (the backends), and ``rotary`` (the rotary embedding applied to q
+and k before the op, with a fused CPU kernel).
 """
 
 from .ops import segment_attention, segment_bounds, select_backend

@@ -1,0 +1,108 @@
+"""Rotary position embedding (rotate-half form) with a fused CPU kernel.
+
+    from smelt_kernels.attention.rotary import apply_rotary
+    q = apply_rotary(q, cos, sin)     # q (B, T, heads, D); cos/sin (T, D/2) or (B, T, D/2)
+
+On the CPU, for float32, bfloat16 and float16 ``x`` with float32 tables, forward and
+backward are one pass each (``csrc/attention/cpu_rotary.cpp``, ``torch.ops.smelt_cpu.rotary``).
+Everything else (CUDA, float64, tables that need gradients, a build without the CPU
+extension, and code being compiled, whose generated kernels fuse the rotation themselves)
+runs :func:`rotary_reference`; :func:`implementation` says which one a call takes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import backends
+
+__all__ = ["apply_rotary", "rotary_reference", "implementation", "native_missing"]
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MISSING: list[Optional[str]] = []  # native_missing()'s answer, worked out once
+
+
+def native_missing() -> Optional[str]:
+    """None when the native CPU kernel is available, else why not."""
+    if not _MISSING:
+        _MISSING.append(backends.extension_op_missing("_cpu", "rotary", "csrc/attention/cpu_rotary.cpp"))
+    return _MISSING[0]
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The eager form: ``x1 c - x2 s`` and ``x2 c + x1 s`` over the two halves of the last
+    dimension, in float32 (float64 stays float64), rounded to ``x``'s dtype."""
+    half = x.shape[-1] // 2
+    xf = x if x.dtype == torch.float64 else x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads (and batch)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def implementation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
+    """``"native"`` or ``"torch"``: what :func:`apply_rotary` runs for these inputs."""
+    if (x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and x.dim() == 4
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32
+            and cos.device.type == "cpu" and sin.device.type == "cpu"
+            and not (cos.requires_grad or sin.requires_grad)
+            and not torch.compiler.is_compiling() and native_missing() is None):
+        return "native"
+    return "torch"
+
+
+def _validate(x, cos, sin) -> None:
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"apply_rotary: {name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"apply_rotary: {name} must be floating point, got {t.dtype}")
+    if x.dim() != 4 or x.shape[-1] % 2:
+        raise ValueError(f"apply_rotary: x must be (B, T, heads, head_dim) with an even head_dim, "
+                         f"got shape {tuple(x.shape)}")
+    B, T, _, D = x.shape
+    if cos.shape != sin.shape or tuple(cos.shape) not in ((T, D // 2), (B, T, D // 2)):
+        raise ValueError(f"apply_rotary: cos and sin must both be {(T, D // 2)} or {(B, T, D // 2)} "
+                         f"for x of shape {tuple(x.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if not x.device == cos.device == sin.device:
+        raise ValueError(f"apply_rotary: x, cos and sin must be on one device, got {x.device}, "
+                         f"{cos.device}, {sin.device}")
+
+
+# A custom op (not a plain call) so that autograd reaches the native backward (the same
+# kernel, rotating back) and torch.compile can trace a call it is handed.
+@torch.library.custom_op("smelt_cpu_py::rotary", mutates_args=())
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    return torch.ops.smelt_cpu.rotary(x, cos, sin, inverse)
+
+
+@_rotary.register_fake
+def _(x, cos, sin, inverse):
+    return x.new_empty(x.shape)
+
+
+def _setup(ctx, inputs, output):
+    _, cos, sin, inverse = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.inverse = inverse
+
+
+def _grad(ctx, dy):
+    cos, sin = ctx.saved_tensors
+    return _rotary(dy.contiguous(), cos, sin, not ctx.inverse), None, None, None
+
+
+torch.library.register_autograd("smelt_cpu_py::rotary", _grad, setup_context=_setup)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` (B, T, heads, head_dim) rotated by the angles whose cos/sin are given per position
+    (T, head_dim / 2) or per batch row and position (B, T, head_dim / 2):
+    :func:`rotary_reference`'s semantics. Differentiable in ``x``."""
+    _validate(x, cos, sin)
+    if implementation(x, cos, sin) == "native":
+        if not backends.needs_grad(x):  # no autograd record: the native op alone
+            return torch.ops.smelt_cpu.rotary(x, cos, sin, False)
+        return _rotary(x, cos, sin, False)
+    return rotary_reference(x, cos, sin)
