@@ -66,9 +66,10 @@ class Block(nn.Module):
         # the model checked segment_ids once for the whole forward (SmeltLM._check_inputs)
         a = self.attn(self.attn_norm(x), ctx.segment_ids, rope=(ctx.cos, ctx.sin),
                       kv_cache=kv, check_values=False)
-        x = x + (a * step.scale if step.scale != 1.0 else a)
+        # x + scale * update in one pass (a looped layer's updates are scaled by 1/r)
+        x = torch.add(x, a, alpha=step.scale)
         m, aux = self.moe(self.moe_norm(x), return_aux=True)
-        x = x + (m * step.scale if step.scale != 1.0 else m)
+        x = torch.add(x, m, alpha=step.scale)
         return x, aux
 
 
