@@ -79,8 +79,8 @@ constexpr int64_t kPanelBytes = 256 * 1024;  // weight panel packed at a time (f
 // Rows per item: an expert's rows are split only above this, so that most experts are one
 // item and read their weights once. Every item transposes its expert's weights into panels,
 // so a split expert pays for that twice: at 4096 tokens, top-8 of 64 to 104 experts (~300 to
-// ~500 rows each), 1024 instead of 256 took 8-12% off the training forward at the tiny,
-// cpu-target and 100M shapes. Items stay many enough to balance the threads (one per expert).
+// ~500 rows each), 1024 instead of 256 took 8-12% off the training forward at the tiny and
+// 100M shapes. Items stay many enough to balance the threads (one per expert).
 constexpr int64_t kItemRows = 1024;
 // fp32 experts with at most this many bytes of weights run in the rows kernel (cpu_rows.h);
 // larger ones ran faster on the brgemm panels of the portable path.

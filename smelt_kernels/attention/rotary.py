@@ -70,8 +70,9 @@ def _validate(x, cos, sin) -> None:
                          f"{cos.device}, {sin.device}")
 
 
-# A custom op (not a plain call) so that autograd reaches the native backward (the same
-# kernel, rotating back) and torch.compile can trace a call it is handed.
+# A custom op (not a plain call) so that autograd reaches the native backward: the same
+# kernel, rotating back. Compiled code never gets here (implementation() sends it to the
+# reference); the fake keeps the op traceable all the same.
 @torch.library.custom_op("smelt_cpu_py::rotary", mutates_args=())
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     return torch.ops.smelt_cpu.rotary(x, cos, sin, inverse)

@@ -63,8 +63,9 @@ def _validate(x, weight, eps) -> None:
         raise ValueError(f"rms_norm: eps must be >= 0, got {eps!r}")
 
 
-# Custom ops (not plain calls) so that autograd reaches the native backward and
-# torch.compile can trace a call it is handed through the fake implementations.
+# Custom ops (not plain calls) so that autograd reaches the native backward. Compiled code
+# never gets here (implementation() sends it to the reference); the fakes keep the ops
+# traceable all the same.
 @torch.library.custom_op("smelt_cpu_py::rms_norm", mutates_args=())
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.smelt_cpu.rms_norm_fwd(x, weight, eps)
