@@ -60,6 +60,8 @@ void swiglu_forward(const float* gate, const float* up, float* h, int64_t n);
 // w): dgate, dup (with w applied) and hw = w * h; returns sum(G * h), dL/dw.
 float swiglu_backward(const float* gate, const float* up, const float* G, float w, int64_t n,
                       float* dgate, float* dup, float* hw);
+// sum of a[i] * b[i] in 16 fixed lanes (vectorised, the same order on every CPU)
+float lane_dot(const float* a, const float* b, int64_t n);
 // acc += a * x
 void axpy(float* acc, const float* x, float a, int64_t n);
 // out = sum_j w[j] * rows[j] (w == nullptr: weights 1), summed in j order

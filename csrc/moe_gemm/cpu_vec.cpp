@@ -25,16 +25,21 @@ float swiglu_backward(const float* __restrict gate, const float* __restrict up, 
     dup[i] = dh * silu;
     hw[i] = silu * u;  // h for now; scaled by w below
   }
-  // sum(G * h) in 16 fixed lanes (a vectorisable, still fixed-order reduction)
+  const float dot = lane_dot(G, hw, n);  // sum(G * h)
+  for (int64_t c = 0; c < n; ++c) hw[c] *= w;
+  return dot;
+}
+
+SMELT_MULTIVERSION
+float lane_dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float lane[16] = {0.0f};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) lane[j] += G[i + j] * hw[i + j];
-  for (; i < n; ++i) lane[i % 16] += G[i] * hw[i];
-  float dot = 0.0f;
-  for (int j = 0; j < 16; ++j) dot += lane[j];
-  for (int64_t c = 0; c < n; ++c) hw[c] *= w;
-  return dot;
+    for (int j = 0; j < 16; ++j) lane[j] += a[i + j] * b[i + j];
+  for (; i < n; ++i) lane[i % 16] += a[i] * b[i];
+  float s = 0.0f;
+  for (int j = 0; j < 16; ++j) s += lane[j];
+  return s;
 }
 
 SMELT_MULTIVERSION

@@ -20,23 +20,11 @@
 namespace smelt_norm {
 namespace {
 
+using smelt_moe::lane_dot;
 using smelt_moe::narrow;
 using smelt_moe::widen;
 
 constexpr int64_t kBlock = 64;  // rows per partial sum of the weight gradient
-
-// sum of a[i] * b[i] in 16 fixed lanes (vectorisable, fixed order)
-SMELT_MULTIVERSION
-float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float lane[16] = {0.0f};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) lane[j] += a[i + j] * b[i + j];
-  for (; i < n; ++i) lane[i % 16] += a[i] * b[i];
-  float s = 0.0f;
-  for (int j = 0; j < 16; ++j) s += lane[j];
-  return s;
-}
 
 SMELT_MULTIVERSION
 void scale(const float* __restrict x, float r, float* __restrict out, int64_t n) {
@@ -91,7 +79,7 @@ void forward(const ST* x, const ST* w, float eps, int64_t N, int64_t H, ST* y, f
         widen(x + row * H, xb.data(), H);
         xf = xb.data();
       }
-      const float r = 1.0f / std::sqrt(dot(xf, xf, H) / static_cast<float>(H) + eps);
+      const float r = 1.0f / std::sqrt(lane_dot(xf, xf, H) / static_cast<float>(H) + eps);
       rstd[row] = r;
       if constexpr (kF32) {
         scale_mul(xf, r, wf.data(), y + row * H, H);
@@ -132,7 +120,7 @@ void backward(const ST* dy, const ST* x, const ST* w, const float* rstd, int64_t
         const float r = rstd[row];
         scale(xf, r, nrm.data(), H);
         mul(dyf, wf.data(), g.data(), H);
-        const float c = dot(g.data(), nrm.data(), H) / static_cast<float>(H);
+        const float c = lane_dot(g.data(), nrm.data(), H) / static_cast<float>(H);
         if constexpr (kF32) {
           input_grad(g.data(), nrm.data(), r, c, dx + row * H, H);
           accumulate(acc, dyf, nrm.data(), H);

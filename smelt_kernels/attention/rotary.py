@@ -12,6 +12,7 @@ runs :func:`rotary_reference`; :func:`implementation` says which one a call take
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -21,14 +22,10 @@ from .. import backends
 __all__ = ["apply_rotary", "rotary_reference", "implementation", "native_missing"]
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MISSING: list[Optional[str]] = []  # native_missing()'s answer, worked out once
-
-
+@functools.cache  # the extension does not change within a process
 def native_missing() -> Optional[str]:
     """None when the native CPU kernel is available, else why not."""
-    if not _MISSING:
-        _MISSING.append(backends.extension_op_missing("_cpu", "rotary", "csrc/attention/cpu_rotary.cpp"))
-    return _MISSING[0]
+    return backends.extension_op_missing("_cpu", "rotary", "csrc/attention/cpu_rotary.cpp")
 
 
 def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

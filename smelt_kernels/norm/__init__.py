@@ -14,6 +14,7 @@ takes.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -27,14 +28,10 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SOURCE = "csrc/norm/cpu_rmsnorm.cpp"
 
 
-_MISSING: list[Optional[str]] = []  # native_missing()'s answer, worked out once
-
-
+@functools.cache  # the extension does not change within a process
 def native_missing() -> Optional[str]:
     """None when the native CPU kernel is available, else why not."""
-    if not _MISSING:
-        _MISSING.append(backends.extension_op_missing("_cpu", "rms_norm_fwd", _SOURCE))
-    return _MISSING[0]
+    return backends.extension_op_missing("_cpu", "rms_norm_fwd", _SOURCE)
 
 
 def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
