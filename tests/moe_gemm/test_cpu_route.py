@@ -78,6 +78,38 @@ def test_route_tie_rule():
     torch.testing.assert_close(w, torch.gather(p, 1, ids.long()))
 
 
+def tie_heavy_logits(T, E, seed):
+    """Logits on a coarse grid (many exact ties), with some rows holding -inf entries (masked
+    experts; a few rows with fewer finite logits than any k) and a few rows with a NaN."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-4, 5, (T, E), generator=g).float() * 0.5
+    masked = torch.rand(T, E, generator=g) < 0.3
+    logits[masked & (torch.arange(T) % 3 == 0)[:, None]] = float("-inf")
+    logits[T // 2, 1:] = float("-inf")                  # one finite logit
+    logits[T // 2 + 1] = float("-inf")                  # none
+    logits[T // 3, E // 2] = float("nan")
+    return logits
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "generic"])
+@pytest.mark.parametrize("E,k", [(8, 8), (9, 3), (15, 8), (16, 1), (17, 8), (33, 9), (104, 8),
+                                 (104, 16), (288, 8), (40, 20)])
+def test_route_vector_topk_matches_scan(isa, E, k, monkeypatch):
+    """The vector top-k forms (AVX-512, AVX2; SMELT_ROUTE_ISA picks one, per call) give the
+    scan's ids and weights exactly: tie rule, -inf entries, NaN rows (which take the scan)."""
+    logits = torch.cat([tie_heavy_logits(300, E, seed=E + k), distinct_logits(200, E, seed=k)])
+    monkeypatch.setenv("SMELT_ROUTE_ISA", "generic")
+    w0, ids0 = cpu.route(logits, k, True)
+    monkeypatch.setenv("SMELT_ROUTE_ISA", "" if isa == "native" else isa)
+    w, ids = cpu.route(logits, k, True)
+    assert torch.equal(ids, ids0)
+    assert torch.equal(w.isnan(), w0.isnan()) and torch.equal(w.nan_to_num(), w0.nan_to_num())
+    # the tie rule, on the rows without NaN: descending logits, lower expert first
+    ok = ~logits.isnan().any(1)
+    want = torch.sort(-logits[ok], dim=1, stable=True).indices[:, :k].int()
+    assert torch.equal(ids[ok], want)
+
+
 def test_route_sort_matches_moe_sort():
     T, E, k = 777, 96, 6
     logits = distinct_logits(T, E, seed=5)
