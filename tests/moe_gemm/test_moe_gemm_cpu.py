@@ -10,11 +10,13 @@ from smelt_kernels.moe_gemm import cpu_forward_kernel, moe_ffn
 
 pytestmark = pytest.mark.skipif(not has_cpu_kernel(), reason="smelt_kernels._cpu without moe kernels")
 
-# the last one splits each expert's 1100 rows into two items (more than the forward's 1024
-# rows per item) and walks the native kernel's column blocks past their edges (d_e > 128
-# hidden units, H > 256 output columns)
+# (130, 150, 70) and (400, 320, 96) run the rows kernel with d_e in (64, 128]: token rows
+# read in place and gate and up as one pass (140 columns: two blocks and a tail; 192: three
+# full blocks); the last one splits each expert's 1100 rows into two items (more than the
+# forward's 1024 rows per item) and walks the native kernel's column blocks past their edges
+# (d_e > 128 hidden units, H > 256 output columns)
 CPU_SHAPES = [(1, 16, 8, 1, 1), (7, 33, 17, 8, 2), (63, 40, 24, 64, 8), (200, 67, 35, 288, 8),
-              (130, 150, 70, 8, 8), (1100, 260, 136, 2, 2)]
+              (130, 150, 70, 8, 8), (400, 320, 96, 4, 2), (1100, 260, 136, 2, 2)]
 
 
 @pytest.fixture(params=["auto", "generic"])
