@@ -39,6 +39,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -498,11 +499,33 @@ def run_pair(args) -> dict[str, Any]:
                                           bytes_per_token=nbytes / d["batch"],
                                           gb_per_s=nbytes / (t.median_ms / 1e3) / 1e9)
         results["arch"][a] = res
+    results["round_ratios"] = round_ratios(blocks, modes)
     results["ratios"] = {"flops": ratios.flops, "params": ratios.params, "kv": ratios.kv}
     results["workload"] = wl.__dict__
     results["schedule"] = {"rounds": args.rounds, "order": "ABBA blocks, one model in memory",
                            "repeats_per_block": steps_per_block(args.repeats, args)}
     return summarize(results, leds, wl, modes)
+
+
+def _block_median(block: dict[str, Any], mode: str, key: Optional[str]) -> float:
+    if mode == "decode":
+        return block["decode"][key]["timing"].median_ms
+    return block[mode]["parts"].step.median_ms
+
+
+def round_ratios(blocks: dict[str, list[dict[str, Any]]], modes) -> dict[str, list[float]]:
+    """Per row of the summary (``train``, ``prefill``, ``decode (batch8)``, ...), the
+    wall-clock ratio smelt / baseline of each round's two blocks, which ran back to back:
+    drift between rounds cancels within each, so their range is a direct measure of how
+    far the row's ratio can be trusted."""
+    out: dict[str, list[float]] = {}
+    pairs = list(zip(blocks["baseline"], blocks["smelt"]))
+    for mode in modes:
+        keys = list(pairs[0][0]["decode"]) if mode == "decode" else [None]
+        for key in keys:
+            name = mode if key is None else f"{mode} ({key})"
+            out[name] = [_block_median(s, mode, key) / _block_median(b, mode, key) for b, s in pairs]
+    return out
 
 
 class _NoBar:
@@ -554,6 +577,8 @@ def summarize(results, leds, wl: Workload, modes) -> dict[str, Any]:
                 # decode FLOPs differ from the training ratio: report its own FLOP ratio too
                 row["decode_flops_ratio"] = per["smelt"]["flops"] / per["baseline"]["flops"]
                 row["gap"] = wall / row["decode_flops_ratio"]
+            f_row = row.get("decode_flops_ratio", F)
+            row["round_gaps"] = [x / f_row for x in results.get("round_ratios", {}).get(row["mode"], [])]
             rows.append(row)
         summary[mode] = rows
     results["summary"] = summary
@@ -569,6 +594,9 @@ legend
   spread      (p80 - p20) / median of an architecture's samples. Above ~0.10 the machine was
               busy or changing clocks while measuring: rerun, or raise --repeats / --rounds,
               before trusting a ratio from that row
+  gap by      the gap of each round alone (its two blocks ran back to back, so drift between
+   round      rounds cancels): median, min and max. A target inside [min, max] is not told
+              apart from the measured gap by this run
   components  each part timed alone at the step's shapes, round-robin with the step in one
               loop; ms per step (median x runs per step) and % of the step; the ratio column
               is smelt / baseline, F the part's FLOPs ratio (- where the ledger counts none)
@@ -658,6 +686,10 @@ def format_tables(res: dict[str, Any]) -> str:
             fr = row.get("decode_flops_ratio", row["flops_ratio"])
             print(f"{'  F ratio':18} {'':>12} {'':>12} {fr:>8.3f}")
             print(f"{'  gap (wall / F)':18} {'':>12} {'':>12} {row['gap']:>8.3f}")
+            g = sorted(row.get("round_gaps", []))
+            if len(g) > 1:
+                print(f"{'  gap by round':18} {'':>12} {'':>12} {statistics.median(g):>8.3f}   "
+                      f"(min {g[0]:.3f}, max {g[-1]:.3f} over {len(g)} rounds)")
         if mode != "decode":
             for line in _component_lines(arch, mode, rows[0]):
                 print(line)

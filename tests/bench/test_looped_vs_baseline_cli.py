@@ -30,8 +30,12 @@ def result(tmp_path_factory):
 def test_json_has_every_field(result):
     res, _ = result
     for key in ("preset", "device", "dtype", "backend", "environment", "ratios", "workload",
-                "summary", "arch"):
+                "summary", "arch", "round_ratios"):
         assert key in res, key
+    assert set(res["round_ratios"]) == {"train", "prefill", "decode (batch1)", "decode (batch2)"}
+    for rows in res["summary"].values():
+        for row in rows:
+            assert len(row["round_gaps"]) == 1  # one round: one pair of blocks
     env = res["environment"]
     for key in ("date", "machine", "device", "torch", "python", "device_name"):
         assert key in env, key

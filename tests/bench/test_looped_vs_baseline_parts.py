@@ -2,6 +2,7 @@
 timings, so nothing heavy runs."""
 
 import itertools
+import json
 
 import pytest
 
@@ -104,6 +105,7 @@ def test_tables_explain_their_columns(monkeypatch, capsys):
     legend = out[out.index("legend"):]
     assert "busy" in legend  # what a large spread means
     assert "framework overhead" in legend  # what other holds
+    assert "gap by" in legend and "gap by round" in out
     assert "note" not in out and "exceed the step" not in out
     # other = step - components: 10 ms of 100 for the baseline
     line = next(x for x in out.splitlines() if x.strip().startswith("other"))
@@ -117,3 +119,32 @@ def test_a_row_that_does_not_add_up_says_so(monkeypatch, capsys):
     assert "note (smelt): components sum to 140% of the step" in out
     other = next(x for x in out.splitlines() if x.strip().startswith("other"))
     assert "n/a" in other and "-" not in other.split("n/a")[0]  # no negative other
+
+
+def test_gap_by_round_pairs_each_rounds_blocks(monkeypatch, capsys, tmp_path):
+    """Each round's smelt block is compared with the baseline block it ran beside: a drift
+    that hits one round only moves that round's gap, and the table gives their range."""
+    smelt_ms = iter([100.0, 120.0, 110.0])  # the smelt step of rounds 1, 2, 3
+    calls = {"baseline": 0, "smelt": 0}
+
+    def block(cfg, wl, args, device, dtype, modes, first, bar):
+        arch = "smelt" if cfg.loop is not None else "baseline"
+        calls[arch] += 1
+        step = next(smelt_ms) if arch == "smelt" else 100.0
+        pt = timing.PartsTiming(_t(step), {"attention": _t(step / 2)}, {"attention": 1}, 0.5,
+                                args.tolerance, 1)
+        return {"params_total": 1, "params_active": 1, "peak_rss_bytes": 2**30,
+                "prefill": {"tokens": wl.tokens, "parts": pt}}
+
+    monkeypatch.setattr(lvb, "measure_block", block)
+    out_json = tmp_path / "r.json"
+    assert lvb.main(["--quiet", "--tokens", "128", "--seq-len", "64", "--mode", "prefill",
+                     "--rounds", "3", "--json", str(out_json)]) == 0
+    assert calls == {"baseline": 3, "smelt": 3}
+    res = json.loads(out_json.read_text())
+    assert res["round_ratios"]["prefill"] == pytest.approx([1.0, 1.2, 1.1])
+    F = res["ratios"]["flops"]
+    assert res["summary"]["prefill"][0]["round_gaps"] == pytest.approx([1.0 / F, 1.2 / F, 1.1 / F])
+    line = next(x for x in capsys.readouterr().out.splitlines()
+                if x.strip().startswith("gap by round"))
+    assert f"{1.1 / F:.3f}" in line and f"(min {1.0 / F:.3f}, max {1.2 / F:.3f} over 3 rounds)" in line
