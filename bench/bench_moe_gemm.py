@@ -27,7 +27,7 @@ so that load drifts hit them alike; compare ratios within a row, and see p20/p80
 
 Decode rows (``--decode-shapes``, CPU): the inference forward at T = 1, 8, 64 tokens
 (``--decode-tokens``), all batch sizes and implementations interleaved, per-token time:
-smelt as selected (experts with at most 16-48 rows, by expert size, take the few-rows
+smelt as selected (experts with at most 6-48 rows, by expert size and CPU, take the few-rows
 path), smelt with that path off (``SMELT_CPU_DECODE=0``: the packed-panel kernels), and the
 dense FFN of the same FLOPs; ``GB/s`` is the bytes of the distinct selected experts' weights
 over smelt's time.
@@ -355,7 +355,7 @@ def main(argv=None):
         with open(mpath, "a") as f:
             f.write("\n## Decode: inference forward per token by batch size\n\n"
                     + markdown_table(decode, dcols) + "\n\n"
-                    "smelt: experts with at most 16-48 rows (by expert size) take the few-rows path; panels: the same "
+                    "smelt: experts with at most 6-48 rows (by expert size and CPU) take the few-rows path; panels: the same "
                     "op with it off (SMELT_CPU_DECODE=0); dense: a SwiGLU FFN of the same FLOPs. "
                     "vs_X = X time / smelt time. gb_per_s: bytes of the distinct selected experts' "
                     "weights / smelt time. spread = (p80 - p20) / median of the samples.\n")

@@ -17,6 +17,15 @@ def has_cpu_kernel() -> bool:
     return moe_ops.moe_cpu.missing("moe_ffn_fwd") is None
 
 
+def cpu_has_avx512() -> bool:
+    """Whether this CPU has AVX-512F (what the native MoE kernels check at run time)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
 def make_case(T, H, de, E, k, dtype, device="cpu", ids=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)

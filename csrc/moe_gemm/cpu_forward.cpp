@@ -7,8 +7,8 @@
 //   P[r] = x[tok(r)] @ W1[e]^T                 (pre-activation, kept for backward)
 //   O[r] = (silu(P_gate) * P_up)[r] @ W2[e]^T
 // and then y[t] = sum_j w[t,j] * O[rev(t,j)], a gather-and-sum in slot order (no atomics).
-// An expert with at most few_rows_limit rows (decode, small batches; 16 to 48 by the size of
-// its weights) runs the few-rows path of cpu_decode.h: dot products against its weights in
+// An expert with at most few_rows_limit rows (decode, small batches; 6 to 48 by the size of
+// its weights and the CPU) runs the few-rows path of cpu_decode.h: dot products against its weights in
 // place, nothing packed. Otherwise, in fp32 on an AVX-512 CPU the GEMMs run in the rows
 // kernel of cpu_rows.h on the token rows in place; otherwise through the micro-kernel of
 // cpu_blas.h on token rows gathered into a cache-resident buffer (the 16-bit types on the

@@ -6,8 +6,8 @@ expert's two GEMMs with SwiGLU between them and combines in slot order; the back
 dgrad and weight-gradient GEMMs on the same sort. fp32 forwards with experts of at most 1 MB
 of weights run an AVX-512 kernel on row pointers (``cpu_rows.h``) where the CPU has it; the
 rest run oneDNN brgemm micro-kernels on packed panels (``SMELT_CPU_GENERIC=1`` forces those).
-Experts with few rows in a call (decode, small batches: at most 16, 32 or 48 as their weights
-grow, :func:`few_rows_limit`) take a few-rows path instead: dot products against the weights
+Experts with few rows in a call (decode, small batches: at most 6 to 48 as their weights
+grow, fewer on AVX-512 CPUs, :func:`few_rows_limit`) take a few-rows path instead: dot products against the weights
 where they lie, nothing packed (``cpu_decode.cpp``; ``SMELT_CPU_DECODE=0`` turns it off),
 and a call whose experts hold at most 2 MB of weights in all runs on the calling thread. :func:`route` is the fused router (``cpu_route.cpp``):
 softmax, top-k and renormalisation in one pass, differentiable with respect to the logits.

@@ -5,7 +5,8 @@ independence and non-contiguous inputs."""
 import pytest
 import torch
 
-from helpers_moe import DTYPES, assert_deterministic, check, has_cpu_kernel, make_case, run, skewed_ids
+from helpers_moe import (DTYPES, assert_deterministic, check, cpu_has_avx512, has_cpu_kernel, make_case, run,
+                         skewed_ids)
 from smelt_kernels.moe_gemm import cpu_forward_kernel, moe_ffn
 
 pytestmark = pytest.mark.skipif(not has_cpu_kernel(), reason="smelt_kernels._cpu without moe kernels")
@@ -49,18 +50,10 @@ def test_cpu_kernels_agree(monkeypatch):
     torch.testing.assert_close(auto, generic, rtol=1e-5, atol=1e-5)
 
 
-def _cpu_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512f" in f.read()
-    except OSError:
-        return False
-
-
 def test_cpu_forward_kernel_choice(monkeypatch):
     monkeypatch.delenv("SMELT_CPU_GENERIC", raising=False)
     small, large = cpu_forward_kernel(256, 64), cpu_forward_kernel(1280, 432)
-    assert small == ("rows" if _cpu_has_avx512() else "panels")
+    assert small == ("rows" if cpu_has_avx512() else "panels")
     assert large == "panels"  # experts above 1 MB of weights stay on the brgemm panels
     assert cpu_forward_kernel(256, 64, torch.bfloat16).startswith("panels")
     monkeypatch.setenv("SMELT_CPU_GENERIC", "1")
