@@ -11,8 +11,7 @@ therefore a renaming of tensors, each copied bit for bit in its dtype:
     hf = to_hf(smelt)                    # a MixtralForCausalLM
 
 The names come from one table (:data:`LAYER_KEYS`, :data:`TOP_KEYS`): a Mixtral name on the
-left, the smelt names it may have on the right (the first one the model has is used), so a
-renamed smelt module needs one more entry, not new code. Every tensor on both sides must be
+left, the smelt name on the right, so a renamed smelt module changes one entry, not code. Every tensor on both sides must be
 matched exactly once, or the conversion stops with the names it could not place.
 
 Refused with a ``ValueError`` that says why: a looped SMELT model in :func:`to_hf` (its span
@@ -36,27 +35,23 @@ from .config import ModelConfig
 
 __all__ = ["from_hf", "to_hf", "config_from_hf", "config_to_hf", "LAYER_KEYS", "TOP_KEYS"]
 
-#: per layer: Mixtral name (under ``model.layers.{i}.``) -> smelt names (under the block)
-LAYER_KEYS: dict[str, tuple[str, ...]] = {
-    "input_layernorm.weight": ("attn_norm.weight", "input_layernorm.weight"),
-    "self_attn.q_proj.weight": ("attn.wq.weight", "attn.q_proj.weight", "self_attn.q_proj.weight"),
-    "self_attn.k_proj.weight": ("attn.wk.weight", "attn.k_proj.weight", "self_attn.k_proj.weight"),
-    "self_attn.v_proj.weight": ("attn.wv.weight", "attn.v_proj.weight", "self_attn.v_proj.weight"),
-    "self_attn.o_proj.weight": ("attn.wo.weight", "attn.o_proj.weight", "self_attn.o_proj.weight"),
-    "post_attention_layernorm.weight": ("moe_norm.weight", "post_attention_layernorm.weight",
-                                        "mlp_norm.weight", "ffn_norm.weight"),
-    "mlp.gate.weight": ("moe.router.weight", "moe.gate.weight", "mlp.gate.weight",
-                        "mlp.router.weight", "moe.router.linear.weight"),
-    "mlp.experts.gate_up_proj": ("moe.w1", "moe.gate_up_proj", "moe.experts.gate_up_proj",
-                                 "mlp.experts.gate_up_proj", "mlp.gate_up_proj"),
-    "mlp.experts.down_proj": ("moe.w2", "moe.down_proj", "moe.experts.down_proj",
-                              "mlp.experts.down_proj", "mlp.down_proj"),
+#: per layer: Mixtral name (under ``model.layers.{i}.``) -> smelt name (under the block)
+LAYER_KEYS: dict[str, str] = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn.q_proj.weight",
+    "self_attn.k_proj.weight": "attn.k_proj.weight",
+    "self_attn.v_proj.weight": "attn.v_proj.weight",
+    "self_attn.o_proj.weight": "attn.o_proj.weight",
+    "post_attention_layernorm.weight": "moe_norm.weight",
+    "mlp.gate.weight": "moe.router.weight",
+    "mlp.experts.gate_up_proj": "moe.gate_up_proj",
+    "mlp.experts.down_proj": "moe.down_proj",
 }
-#: outside the layers: Mixtral name -> smelt names
-TOP_KEYS: dict[str, tuple[str, ...]] = {
-    "model.embed_tokens.weight": ("embed.weight", "embed_tokens.weight"),
-    "model.norm.weight": ("norm.weight",),
-    "lm_head.weight": ("lm_head.weight",),
+#: outside the layers: Mixtral name -> smelt name
+TOP_KEYS: dict[str, str] = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
 }
 
 
@@ -139,25 +134,9 @@ def config_to_hf(cfg: ModelConfig, max_position_embeddings: int = 32768, **overr
 
 # ---------------------------------------------------------------------- tensor names
 def _layer_prefixes(model) -> list[str]:
-    """The state-dict prefix of each physical layer of a SmeltLM, in layer order: from
-    ``model.layer(i)`` when the model has it, else the modules holding an attention norm
-    (prelude, span and coda are registered in layer order)."""
+    """The state-dict prefix of each physical layer of a SmeltLM, in layer order."""
     names = {id(m): n for n, m in model.named_modules()}
-    L = model.cfg.n_layers
-    if hasattr(model, "layer"):
-        out = []
-        for i in range(L):
-            block = model.layer(i)
-            if id(block) not in names:
-                raise ValueError(f"convert: physical layer {i} is not a submodule of the model")
-            out.append(names[id(block)] + ".")
-        return out
-    sd = model.state_dict()
-    norms = LAYER_KEYS["input_layernorm.weight"]
-    out = [n + "." for n in names.values() if n and any(f"{n}.{c}" in sd for c in norms)]
-    if len(out) != L:
-        raise ValueError(f"convert: found {len(out)} blocks in the model, its config has {L}")
-    return out
+    return [names[id(model.layer(i))] + "." for i in range(model.cfg.n_layers)]
 
 
 def key_map(model) -> dict[str, str]:
@@ -165,19 +144,17 @@ def key_map(model) -> dict[str, str]:
     sd = model.state_dict()
     mapping: dict[str, str] = {}
 
-    def place(hf_name: str, candidates: tuple[str, ...]) -> None:
-        for c in candidates:
-            if c in sd:
-                mapping[hf_name] = c
-                return
-        raise ValueError(f"convert: no SmeltLM tensor for {hf_name} (looked for "
-                         f"{', '.join(candidates)}); the conversion table needs updating")
+    def place(hf_name: str, name: str) -> None:
+        if name not in sd:
+            raise ValueError(f"convert: no SmeltLM tensor {name} for {hf_name}; the "
+                             "conversion table needs updating")
+        mapping[hf_name] = name
 
-    for hf_name, cands in TOP_KEYS.items():
-        place(hf_name, cands)
+    for hf_name, name in TOP_KEYS.items():
+        place(hf_name, name)
     for i, prefix in enumerate(_layer_prefixes(model)):
-        for suffix, cands in LAYER_KEYS.items():
-            place(f"model.layers.{i}.{suffix}", tuple(prefix + c for c in cands))
+        for suffix, name in LAYER_KEYS.items():
+            place(f"model.layers.{i}.{suffix}", prefix + name)
     used = set(mapping.values())
     left = sorted(set(sd) - used)
     if left or len(used) != len(mapping):

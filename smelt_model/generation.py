@@ -25,8 +25,8 @@ __all__ = ["KVCache", "CacheSlot", "DecodeStep", "generate", "compile_unavailabl
 #: ``generate(compile=None)`` compiles the decode step from this many new tokens on: a
 #: compile costs seconds to a minute, a few dozen eager steps much less.
 COMPILE_MIN_TOKENS = 256
-#: the ``torch.compile`` backend of :class:`DecodeStep` when none is given
-COMPILE_BACKEND = "inductor"
+#: the ``torch.compile`` compiler (its ``backend=``) of :class:`DecodeStep` when none is given
+DEFAULT_COMPILER = "inductor"
 
 
 def _write(cache_k, cache_v, cache_seg, k, v, segment_ids, slot, pos):
@@ -158,14 +158,14 @@ def _decode_call(model, ids, segment_ids, cache, pos):
 _COMPILED: dict[object, object] = {}
 
 
-def _compiled(backend):
-    # One compiled function per compiler backend, shared by every model: modules are
-    # arguments (their parameters are graph inputs), so a new model of the same shapes reuses
-    # the graph, and ``dynamic=True`` makes the cache position symbolic from the first call.
-    if backend not in _COMPILED:
-        _COMPILED[backend] = torch.compile(_decode_call, fullgraph=True, dynamic=True,
-                                           backend=backend)
-    return _COMPILED[backend]
+def _compiled(compiler):
+    # One compiled function per compiler, shared by every model: modules are arguments (their
+    # parameters are graph inputs), so a new model of the same shapes reuses the graph, and
+    # ``dynamic=True`` makes the cache position symbolic from the first call.
+    if compiler not in _COMPILED:
+        _COMPILED[compiler] = torch.compile(_decode_call, fullgraph=True, dynamic=True,
+                                            backend=compiler)
+    return _COMPILED[compiler]
 
 
 class DecodeStep:
@@ -173,20 +173,27 @@ class DecodeStep:
 
     Equal to ``model(ids, segment_ids, cache=cache, cache_pos=pos).logits[:, -1]`` (ids and
     segment ids (B, 1), the cache written at ``pos``). ``compile``: True compiles the step
-    (``backend``: the ``torch.compile`` backend, default ``COMPILE_BACKEND``); False runs eager. When
-    compiling is unavailable or fails, the step runs eager, warns once, and keeps the reason
-    in :attr:`reason`; :attr:`compiled` says which one runs.
+    with ``compiler`` (what ``torch.compile`` takes as ``backend=``; default
+    :data:`DEFAULT_COMPILER`); False runs eager. When compiling is unavailable or fails, the
+    step runs eager, warns once, and keeps the reason in :attr:`reason`; :attr:`compiled`
+    says which one runs. ``backend=`` is the old name of ``compiler=``.
     """
 
-    def __init__(self, model, compile: bool = True, backend=None):
+    def __init__(self, model, compile: bool = True, compiler=None, *, backend=None):
+        if backend is not None:
+            if compiler is not None:
+                raise TypeError("DecodeStep: give compiler= (backend= is its old name), not both")
+            warnings.warn("DecodeStep(backend=) is now DecodeStep(compiler=)", DeprecationWarning,
+                          stacklevel=2)
+            compiler = backend
         self.model = model
-        self.backend = COMPILE_BACKEND if backend is None else backend
+        self.compiler = DEFAULT_COMPILER if compiler is None else compiler
         self.reason: Optional[str] = None if compile else "compile=False"
         if compile:
             self.reason = compile_unavailable(next(model.parameters()).device)
             if self.reason is not None:
                 warnings.warn(f"decode step runs eager: {self.reason}", stacklevel=2)
-        self._fn = _compiled(self.backend) if self.reason is None else None
+        self._fn = _compiled(self.compiler) if self.reason is None else None
 
     @property
     def compiled(self) -> bool:

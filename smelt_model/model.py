@@ -21,12 +21,14 @@ from torch import nn
 from smelt_kernels.backends import BACKENDS
 from smelt_kernels.executor import Executor, LoopedSpan, LoopPlan
 
+from .block import Block, ForwardContext, MoE, RMSNorm, Rotary, SegmentAttention, init_weights
+from .budget.ledger import layer_params
 from .config import ModelConfig
-from .layers import Block, ForwardContext, MoE, RMSNorm, Rotary, SegmentAttention, init_weights
 
-__all__ = ["SmeltLM", "SmeltOutput", "IGNORE_INDEX"]
+__all__ = ["SmeltLM", "SmeltOutput", "IGNORE_INDEX", "valid_targets"]
 
-# parameter names of checkpoints written before the layers took Hugging Face's names
+#: parameter names of checkpoints written before the layers took Hugging Face's names,
+#: mapped to today's (what :meth:`SmeltLM.from_pretrained` reads)
 _OLD_NAMES = {".attn.wq.": ".attn.q_proj.", ".attn.wk.": ".attn.k_proj.",
               ".attn.wv.": ".attn.v_proj.", ".attn.wo.": ".attn.o_proj.",
               ".moe.w1": ".moe.gate_up_proj", ".moe.w2": ".moe.down_proj"}
@@ -44,6 +46,16 @@ def _renamed(state: dict) -> dict:
 
 IGNORE_INDEX = -100
 MODEL_BACKENDS = ("auto",) + BACKENDS
+
+
+def valid_targets(labels: torch.Tensor, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Which next-token targets the loss counts, (B, T-1) bool: position t predicts
+    ``labels[:, t+1]`` unless that label is :data:`IGNORE_INDEX` or lies in another segment
+    than position t (a document's first token is not predicted from the previous one)."""
+    valid = labels[:, 1:] != IGNORE_INDEX
+    if segment_ids is not None:
+        valid = valid & (segment_ids[:, 1:] == segment_ids[:, :-1])
+    return valid
 
 
 @dataclass
@@ -134,10 +146,9 @@ class SmeltLM(nn.Module):
             raise ValueError(f"kind must be 'total' or 'active', got {kind!r}")
         skip = set() if embeddings else {id(self.embed.weight), id(self.lm_head.weight)}
         n = sum(p.numel() for p in self.parameters() if id(p) not in skip)
-        if kind == "active":
-            c = self.cfg
-            inactive_per_layer = (c.n_experts - c.top_k) * 3 * c.hidden_size * c.expert_size
-            n -= c.n_layers * inactive_per_layer
+        if kind == "active":  # the experts a token does not use, as the ledger counts them
+            p = layer_params(self.cfg)
+            n -= self.cfg.n_layers * (p["experts_total"] - p["experts_active"])
         return n
 
     # ------------------------------------------------------------------ forward
@@ -182,9 +193,7 @@ class SmeltLM(nn.Module):
         V = logits.shape[-1]
         pred = logits[:, :-1].reshape(-1, V).float()
         tgt = labels[:, 1:]
-        valid = tgt != IGNORE_INDEX
-        if segment_ids is not None:
-            valid = valid & (segment_ids[:, 1:] == segment_ids[:, :-1])
+        valid = valid_targets(labels, segment_ids)
         tgt = torch.where(valid, tgt, torch.zeros_like(tgt)).reshape(-1).long()
         ce = F.cross_entropy(pred, tgt, reduction="none")
         valid = valid.reshape(-1)
@@ -245,14 +254,6 @@ class SmeltLM(nn.Module):
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         self.cfg.to_json(out / "config.json")
         return out
-
-    @classmethod
-    def from_hf(cls, model_or_path, **kwargs) -> "SmeltLM":
-        """From a Mixtral-layout transformers model or its saved folder, weights copied exactly
-        (:func:`smelt_model.convert.from_hf`)."""
-        from .convert import from_hf
-
-        return from_hf(model_or_path, **kwargs)
 
     @classmethod
     def from_pretrained(cls, path: Union[str, Path], device=None, dtype=None,

@@ -85,7 +85,7 @@ _ACTIVE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def _attach(block, rec: Recorder) -> list:
-    """Register the hooks ``rec`` needs on one :class:`smelt_model.layers.Block`."""
+    """Register the hooks ``rec`` needs on one :class:`smelt_model.block.Block`."""
     state: dict = {}
     handles = []
     w = rec.wants
@@ -138,16 +138,16 @@ def capture(model, what: Optional[Iterable[str]] = None, to_cpu: bool = False) -
     """Record probes from every forward of ``model`` inside the ``with`` block.
 
     ``model`` is a :class:`smelt_model.SmeltLM` (any module whose blocks are
-    :class:`smelt_model.layers.Block`); records are keyed by (physical layer, visit).
+    :class:`smelt_model.block.Block`); records are keyed by (physical layer, visit).
     """
-    from .layers import Block
+    from .block import Block
 
     if model in _ACTIVE:
         raise RuntimeError("a capture is already active on this model")
     rec = Recorder(what, to_cpu=to_cpu)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     if not blocks:
-        raise ValueError(f"capture needs a model built of smelt_model.layers.Block, got "
+        raise ValueError(f"capture needs a model built of smelt_model.block.Block, got "
                          f"{type(model).__name__}")
     handles, sinks = [], []
     _ACTIVE.add(model)

@@ -31,6 +31,7 @@ import torch
 
 from .. import budget
 from ..config import ModelConfig
+from ..model import valid_targets as model_valid_targets
 from . import checkpoint
 from .data import Packed, epoch_order
 
@@ -72,11 +73,10 @@ class RunSpec:
         return [k for k in a if k not in _FREE and a[k] != b.get(k)]
 
 
-def valid_targets(segment_ids: np.ndarray, labels: np.ndarray) -> int:
-    """Targets the model's loss counts: not -100 and in the same segment as the previous
-    position (the same rule as ``SmeltLM.lm_loss``)."""
-    ok = (labels[:, 1:] != -100) & (segment_ids[:, 1:] == segment_ids[:, :-1])
-    return int(ok.sum())
+def valid_targets(segment_ids, labels) -> int:
+    """How many targets the model's loss counts in these rows (numpy arrays or tensors):
+    :func:`smelt_model.model.valid_targets`, the rule ``SmeltLM.lm_loss`` applies."""
+    return int(model_valid_targets(torch.as_tensor(labels), torch.as_tensor(segment_ids)).sum())
 
 
 def _rank_world() -> tuple[int, int]:

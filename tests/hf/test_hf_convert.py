@@ -110,10 +110,3 @@ def test_every_smelt_tensor_is_in_the_table():
     model = SmeltLM(smelt_cfg())
     names = convert.key_map(model)
     assert sorted(names.values()) == sorted(model.state_dict())
-
-
-def test_layers_are_found_without_the_layer_method(monkeypatch):
-    model = SmeltLM(smelt_cfg(n_layers=4, loop=middle_loop(4)))
-    with_method = convert.key_map(model)
-    monkeypatch.delattr(SmeltLM, "layer")
-    assert convert.key_map(model) == with_method

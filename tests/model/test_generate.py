@@ -91,7 +91,7 @@ def cheap_compiler(monkeypatch):
 
     torch._dynamo.reset()
     generation._COMPILED.clear()
-    monkeypatch.setattr(generation, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(generation, "DEFAULT_COMPILER", "aot_eager")
     # one recompilation is allowed (a first call may specialise on a shape), not one per
     # position: the cache position is a symbolic int
     with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):

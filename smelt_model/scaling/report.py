@@ -1,14 +1,5 @@
-"""Scaling-law analysis of matched baseline / looped runs.
-
-Fit a loss surface ``L = E + A (1-S)^b / F^a + K / D^c`` per architecture
-(:func:`fit_surface`), find its compute-optimal frontier (:func:`frontier`, :func:`gamma`,
-:func:`tpp`), turn the gap between two frontiers into the share of training compute saved
-(:func:`ce_gain`), put intervals on all of it with a cell bootstrap (:func:`bootstrap`), and
-check that loss predicts downstream scores the same way for both (:func:`calibrate`).
-
-The model lives in :mod:`smelt_model.scaling_law`, the bootstrap, endpoint tables and
-calibration in :mod:`smelt_model.scaling_stats`; this module gathers them and is the command
-line::
+"""The scaling-law report: tables of fitted surfaces, frontiers, CE Gain and TPP (with
+bootstrap intervals), the frontier plot, and the command line::
 
     python -m smelt_model.scaling endpoints.csv --bootstrap 2000 --seed 0 --plot frontier.png
     python -m smelt_model.scaling --paper        # the tables from the paper's coefficients
@@ -25,7 +16,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .scaling_law import (
+from .surface import (
     PAPER_BASELINE,
     PAPER_SMELT,
     Frontier,
@@ -37,7 +28,7 @@ from .scaling_law import (
     gamma,
     tpp,
 )
-from .scaling_stats import (
+from .endpoints import (
     BootstrapResult,
     Endpoints,
     Sigmoid,
@@ -47,28 +38,7 @@ from .scaling_stats import (
     read_csv,
 )
 
-__all__ = [
-    "Surface",
-    "Frontier",
-    "PAPER_BASELINE",
-    "PAPER_SMELT",
-    "fit_surface",
-    "frontier",
-    "gamma",
-    "compute_for_loss",
-    "ce_gain",
-    "tpp",
-    "Endpoints",
-    "read_csv",
-    "BootstrapResult",
-    "bootstrap",
-    "Sigmoid",
-    "fit_sigmoid",
-    "calibrate",
-    "report",
-    "plot_frontiers",
-    "main",
-]
+__all__ = ["PAPER_SPARSITIES", "report", "plot_frontiers", "main"]
 
 #: sparsities of the paper's cells (its S≈85/95/97%; these reproduce its TPP and CE Gain)
 PAPER_SPARSITIES = (0.85, 0.95, 0.97)
@@ -351,7 +321,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plot_frontiers(args.plot, {a: fits[a] for a in order}, S, data)
         print(f"\nplot written to {args.plot}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
