@@ -48,16 +48,16 @@ from typing import Any, Callable, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (Timing, available_memory, environment, measure, measure_parts,  # noqa: E402
-                    merge, peak_rss, release_memory)
+from timing import Timing, environment, measure, measure_parts, merge, release_memory  # noqa: E402
 
-from smelt_model import budget, presets  # noqa: E402
+from smelt_model import budget, memory, presets  # noqa: E402
+from smelt_model.memory import available as available_memory  # noqa: E402
+from smelt_model.memory import peak_rss  # noqa: E402
 from smelt_model.config import ModelConfig  # noqa: E402
 
 MODES = ("train", "prefill", "decode")
 ARCHS = ("baseline", "smelt")
-GiB = 2**30
-RUNTIME_BYTES = 3 * GiB // 4  # torch, its libraries and the extensions, resident
+GiB = memory.GiB
 
 
 class UsageError(ValueError):
@@ -149,53 +149,29 @@ def steps_per_block(total: int, args) -> int:
 
 
 def estimate_memory(cfg: ModelConfig, wl: Workload, args, dtype_bytes: int) -> dict[str, int]:
-    """Bytes one architecture needs at its peak, by part (an estimate).
-
-    Weights; for training their gradients and AdamW's two moments; activations kept for
-    backward (calibrated on the tiny pair against ``executor.activation_memory``, about 1.4x
-    the saved bytes, to cover the temporaries beside them) and the logits with their fp32
-    copies; the largest decode batch's KV cache; a workspace of four layers' experts when
-    training; the runtime itself (torch, the extensions). On the 100M pairs at 512 tokens
-    it is about 8% below the measured peak RSS of the whole run (14.8 GiB).
-    """
+    """Bytes one architecture needs at its peak in this run, by part
+    (:func:`smelt_model.memory.estimate` for the modes asked). On the 100M pairs at 512
+    tokens it is about 6-8% below the measured peak RSS of the whole run (14.8 GiB), which
+    the check's margin covers."""
     modes = MODES if args.mode == "all" else (args.mode,)
-    led = budget.ledger(cfg, wl.mean_doc_len, wl.seq_len, kv_dtype_bytes=dtype_bytes)
-    n = led.total_params + 2 * cfg.vocab_size * cfg.hidden_size
-    train = "train" in modes
-    H, k = cfg.hidden_size, cfg.top_k
-    per_layer = (4 * H + 2 * cfg.q_dim + 4 * cfg.kv_dim + 2 * cfg.n_experts
-                 + k * (H + 2 * cfg.expert_size))
-    tokens = wl.tokens if train or "prefill" in modes else 0
-    layers = cfg.executed_layers if train else 1
-    logits = tokens * cfg.vocab_size * (dtype_bytes + (12 if train else 4))
-    kv = 0
-    if "decode" in modes:
-        kv = max(wl.decode_batches) * decode_cache_len(wl, args) * led.kv_bytes_per_token
-    return {
-        "weights": n * dtype_bytes,
-        "gradients": n * dtype_bytes if train else 0,
-        "optimizer": 2 * n * dtype_bytes if train else 0,
-        "activations": tokens * layers * per_layer * dtype_bytes + logits,
-        "kv_cache": kv,
-        # the MoE backward's expert gradients before they accumulate, AdamW's temporaries
-        "workspace": 4 * cfg.n_experts * 3 * H * cfg.expert_size * dtype_bytes if train else 0,
-        "runtime": RUNTIME_BYTES,
-    }
+    decode = "decode" in modes
+    return memory.estimate(cfg, tokens=wl.tokens, seq_len=wl.seq_len, train="train" in modes,
+                           forward="prefill" in modes,
+                           decode_batch=max(wl.decode_batches) if decode else 0,
+                           decode_len=decode_cache_len(wl, args) if decode else 0,
+                           param_bytes=dtype_bytes)
 
 
 def check_memory(cfgs: dict[str, ModelConfig], wl: Workload, args, dtype_bytes: int,
                  available: Optional[int]) -> dict[str, dict[str, int]]:
-    """The estimate per architecture; a :class:`UsageError` naming it when the larger one
-    exceeds ``available`` bytes (only one architecture is ever in memory)."""
+    """The estimate per architecture; a :class:`UsageError` naming the larger one when it
+    (with the margin) exceeds ``available`` bytes (only one architecture is ever in memory)."""
     est = {a: estimate_memory(c, wl, args, dtype_bytes) for a, c in cfgs.items()}
-    worst = max(ARCHS, key=lambda a: sum(est[a].values()))
-    need = sum(est[worst].values())
-    if available is not None and need > available:
-        parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in est[worst].items() if v)
-        raise UsageError(
-            f"--preset {args.preset} needs an estimated {need / GiB:.1f} GiB for its {worst} "
-            f"model ({parts} GiB) but {available / GiB:.1f} GiB are available on "
-            f"{args.device}: lower --tokens, pick a --mode, or a smaller --preset")
+    try:
+        memory.check(est, available, what=f"--preset {args.preset}", where=str(args.device),
+                     hint="lower --tokens, pick a --mode, or a smaller --preset")
+    except memory.MemoryRefusal as e:
+        raise UsageError(str(e)) from None
     return est
 
 

@@ -5,8 +5,6 @@
   call (after a synchronising warm-up); on the CPU, ``time.perf_counter``.
 * :func:`measure_parts` times a step and its components round-robin in one loop and checks
   that the components add up to the step (repeating the measurement when they exceed it).
-* :func:`available_memory` is the memory a run may still use (CUDA free memory, or the
-  CPU's ``MemAvailable``).
 * :func:`environment` describes the machine, device, library versions and the date.
 * :func:`write_results` writes ``<name>.json`` (every number plus the environment) and
   ``<name>.md`` (a Markdown table) under an output folder.
@@ -27,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 __all__ = ["Timing", "PartsTiming", "measure", "measure_interleaved", "measure_parts", "merge",
-           "available_memory", "peak_rss", "release_memory", "environment", "write_results", "markdown_table", "tflops"]
+           "release_memory", "environment", "write_results", "markdown_table", "tflops"]
 
 
 @dataclass
@@ -224,35 +222,6 @@ def measure_parts(
         if res.adds_up:
             break
     return res
-
-
-def available_memory(device: Optional[torch.device | str] = None) -> Optional[int]:
-    """Bytes a new allocation may still use: free memory of a CUDA device, or the CPU's
-    ``MemAvailable`` (Linux); None when the platform does not say."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def peak_rss() -> Optional[int]:
-    """This process's peak resident memory so far (bytes; Linux ``VmHWM``), else None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def release_memory() -> None:
