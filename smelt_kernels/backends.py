@@ -1,28 +1,32 @@
-"""The one backend registry of every smelt op.
+"""The one registry of smelt's ops: what runs for a call, and why.
 
-Backends:
+Backend families (:class:`Family`, one registered object each): ``"torch"`` (the pure-torch
+reference of every op, always there), ``"cpu"`` (native C++ from ``smelt_kernels._cpu``),
+``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and ``"cuda"``
+(``smelt_kernels._cuda``). A family knows its devices, its extension and why it cannot run.
 
-* ``"torch"``  -- the pure-torch reference of the op (``<feature>/reference.py``); always there.
-* ``"cpu"``    -- fast CPU paths (native C++ from ``smelt_kernels._cpu`` where built).
-* ``"triton"`` -- Triton kernels: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
-* ``"cuda"``   -- hand-written CUDA kernels from the optional ``smelt_kernels._cuda`` extension.
+Ops register their implementations (:func:`register`): op name, family, forward and backward
+callables, and what the implementation takes (devices, dtypes, ``requires`` for what the
+extension must provide, ``supports`` for what the inputs must be). An implementation may
+have *variants*, choices made inside it that a user should see (the attention's native
+kernel or its ATen-chunked path, the MoE kernel the CPU picks). :func:`define` tells the
+registry how to read an op's inputs, so that ``select(op, *inputs)`` answers for a call.
 
-Each op registers its implementations here (:func:`register`): the op name, the backend
-name, the forward and backward callables, and what the implementation can take -- device
-types, dtypes, a check of what the extension provides (``requires``) and a check of the
-inputs (``supports``: head dims, shapes...). The op then asks :func:`select` for the
-implementation to run and calls it. ``None`` / ``"auto"`` resolution, the fallback and its
-log line (once per op, device and choice, on the ``smelt`` logger) and every "cannot run"
-error live in :func:`select`, and nowhere else:
+:func:`select` resolves ``None``/``"auto"`` to the highest-priority implementation that can
+run the inputs, logs a fallback once per op, device and choice (``smelt`` logger), and
+raises every "cannot run" error -- and nothing else does:
 
 * an unknown backend name: ``ValueError``;
-* a backend the op has no implementation for, or one that cannot run here (not built,
-  wrong device, no Triton): :class:`BackendUnavailableError`, with the reason;
+* a backend the op lacks, or one that cannot run here: :class:`BackendUnavailableError`,
+  with the reason (an op may declare that it runs its auto choice instead, see :func:`define`);
 * a dtype the implementation does not take: ``TypeError``;
-* inputs outside what it supports (``supports`` says why): ``ValueError``.
+* inputs outside what it supports: ``ValueError``.
 
-The native extensions are imported behind a guard: without them everything imports and
-the registry reports why they are missing (:func:`report`).
+:func:`report` lists every op, backend and variant with the reason each cannot run, and the
+environment variables that change a choice (:data:`ENVIRONMENT`, read through :func:`env`
+and nowhere else in Python). The error policy of every op (one error class per kind of
+failure, naming the argument, raised before any kernel runs) is written once, in
+``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -36,44 +40,62 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 __all__ = [
-    "BACKENDS",
-    "BackendUnavailableError",
-    "Implementation",
-    "register",
-    "implementation",
-    "implementations",
-    "registered_ops",
-    "select",
-    "backward_of",
-    "backward_impl",
-    "lazy",
-    "report",
-    "extension",
-    "extension_error",
-    "extension_op_missing",
-    "register_native_fake",
-    "needs_grad",
-    "triton_interpret",
-    "unavailable_reason",
-    "can_read_values",
-    "require_tensor",
-    "require_floating",
-    "require_device",
+    "BACKENDS", "BackendUnavailableError", "Family", "Variant", "Implementation", "Choice",
+    "Report", "ENVIRONMENT", "register_family", "families", "choices", "define", "register",
+    "implementation", "implementations", "select", "backward_of", "backward_impl", "lazy",
+    "report", "env", "env_flag", "extension", "extension_error", "extension_op_missing",
+    "register_native_fake", "needs_grad", "triton_interpret", "unavailable_reason",
+    "can_read_values", "require_tensor", "require_floating", "require_device",
     "check_values_flag",
 ]
 
-BACKENDS = ("torch", "cpu", "triton", "cuda")
 logger = logging.getLogger("smelt")
 
 #: the modules whose import registers the shipped ops (loaded by :func:`report`)
-OP_MODULES = ("smelt_kernels.moe_gemm", "smelt_kernels.attention")
+OP_MODULES = ("smelt_kernels.moe_gemm", "smelt_kernels.attention", "smelt_kernels.norm")
 
 
 class BackendUnavailableError(RuntimeError):
     """A requested backend cannot run here (not built, wrong device, no Triton...)."""
 
 
-# ----------------------------------------------------------------------------- optional pieces
+# ----------------------------------------------------------------------------- environment
+#: every environment variable smelt reads at run time, and what it changes
+ENVIRONMENT: dict[str, str] = {
+    "TRITON_INTERPRET": "1 runs Triton kernels on CPU tensors in the interpreter",
+    "SMELT_CPU_GENERIC": "1: the CPU MoE forward uses the packed-panel kernels, never the "
+                         "AVX-512 rows kernel",
+    "SMELT_CPU_DECODE": "0: the CPU MoE forward never takes the few-rows (decode) path",
+    "SMELT_ATTENTION_ISA": "avx2, avx2-wide or generic: the CPU attention kernel's vector form "
+                           "(read once, when the extension loads)",
+    "SMELT_ROUTE_ISA": "avx2 or generic: the CPU router's top-k form",
+    "SMELT_CPU_POOL_MB": "what the CPU kernels' block pool keeps unused, in MB (default 1024; "
+                         "0 turns it off)",
+    "SMELT_POISON": "1 fills every kernel output with NaN before the kernel writes it (tests)",
+    "SMELT_HF_STRICT": "1: the transformers experts integration raises instead of falling back",
+}
+
+
+def env(name: str) -> Optional[str]:
+    """The value of environment variable ``name`` (one of :data:`ENVIRONMENT`), or None."""
+    if name not in ENVIRONMENT:
+        raise KeyError(f"{name} is not one of smelt's environment variables ({', '.join(ENVIRONMENT)})")
+    return os.environ.get(name)
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """Whether ``name`` is set to something other than empty, "0", "false" or "no"."""
+    value = env(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def triton_interpret() -> bool:
+    return env_flag("TRITON_INTERPRET")
+
+
+# ----------------------------------------------------------------------------- extensions
 _EXT_CACHE: dict[str, object] = {}
 _EXT_ERRORS: dict[str, str] = {}
 
@@ -100,13 +122,19 @@ def extension_error(name: str) -> Optional[str]:
     return _EXT_ERRORS.get(name)
 
 
+def _library(ext: str) -> str:
+    for fam in _FAMILIES.values():
+        if fam.extension == ext:
+            return fam.library
+    raise ValueError(f"no backend family builds the extension {ext!r}")
+
+
 def extension_op_missing(name: str, op: str, source: str) -> Optional[str]:
     """None if extension ``name`` loaded and registered ``torch.ops.<lib>.<op>``, else why not.
-
     ``source`` names the file that defines the op (for the message)."""
     if extension(name) is None:
         return extension_error(name)
-    lib = {"_cpu": "smelt_cpu", "_cuda": "smelt_cuda"}[name]
+    lib = _library(name)
     if not hasattr(getattr(torch.ops, lib), op):
         return f"smelt_kernels.{name} was built without {source} (no {lib}.{op})"
     return None
@@ -114,22 +142,62 @@ def extension_op_missing(name: str, op: str, source: str) -> Optional[str]:
 
 def register_native_fake(name: str, op: str, fake) -> bool:
     """Register ``fake`` as the fake (meta) kernel of native op ``torch.ops.<lib>.<op>`` of
-    extension ``name`` when it is built, so that ``torch.compile`` can trace a direct call to
-    it (what the no-gradient paths make, skipping the Python custom op). True if registered."""
+    extension ``name`` when it is built, so that ``torch.compile`` can trace a direct call
+    to it (what the no-autograd entry points make). True if registered."""
     if extension_op_missing(name, op, "") is not None:
         return False
-    lib = {"_cpu": "smelt_cpu", "_cuda": "smelt_cuda"}[name]
-    torch.library.register_fake(f"{lib}::{op}", fake)
+    torch.library.register_fake(f"{_library(name)}::{op}", fake)
     return True
 
 
-def needs_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd will record a call on ``tensors`` (grad mode on and one requires it)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+# ----------------------------------------------------------------------------- families
+def _device(device) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
 
 
-def triton_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+@dataclass(frozen=True)
+class Family:
+    """A backend family: ``devices`` it can run on (None: any), the native ``extension`` it
+    builds (with its ``torch.ops`` ``library``) and whether every implementation needs it
+    (``needs_extension``), and ``check(device)`` for anything else (None or the reason)."""
+
+    name: str
+    doc: str
+    devices: Optional[tuple[str, ...]] = None
+    extension: Optional[str] = None
+    library: Optional[str] = None
+    needs_extension: bool = False
+    check: Optional[Callable[[torch.device], Optional[str]]] = None
+
+    def unavailable(self, device) -> Optional[str]:
+        dev = _device(device)
+        if self.devices is not None and dev.type not in self.devices:
+            kind = "/".join(self.devices)
+            return f"the {self.name!r} backend runs on {kind} tensors, got device {dev}"
+        if self.needs_extension and extension(self.extension) is None:
+            return extension_error(self.extension)
+        return None if self.check is None else self.check(dev)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add a backend family (a new kind of kernel: its implementations then register under
+    its name). Registering a name twice is an error."""
+    if family.name in _FAMILIES or family.name == "auto":
+        raise ValueError(f"register_family: {family.name!r} is already a backend name")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> tuple[Family, ...]:
+    return tuple(_FAMILIES.values())
+
+
+def choices() -> tuple[str, ...]:
+    """What a ``--backend`` option takes: ``"auto"`` and every family."""
+    return ("auto",) + tuple(_FAMILIES)
 
 
 _TRITON_ERROR: list[Optional[str]] = []
@@ -147,33 +215,32 @@ def _triton_import_error() -> Optional[str]:
     return _TRITON_ERROR[0]
 
 
-def _device(device) -> torch.device:
-    return device if isinstance(device, torch.device) else torch.device(device)
+def _triton_check(dev: torch.device) -> Optional[str]:
+    reason = _triton_import_error()
+    if reason is None and dev.type == "cpu" and not triton_interpret():
+        return "Triton on CPU tensors needs TRITON_INTERPRET=1 (the interpreter)"
+    return reason
+
+
+register_family(Family("torch", "the pure-torch reference of every op (any device)"))
+register_family(Family("cpu", "native C++ kernels (smelt_kernels._cpu) and ATen fast paths",
+                       devices=("cpu",), extension="_cpu", library="smelt_cpu"))
+register_family(Family("triton", "Triton kernels (CUDA; CPU under TRITON_INTERPRET=1)",
+                       devices=("cpu", "cuda"), check=_triton_check))
+register_family(Family("cuda", "hand-written CUDA kernels (smelt_kernels._cuda)",
+                       devices=("cuda",), extension="_cuda", library="smelt_cuda",
+                       needs_extension=True))
+
+#: the shipped backend families (:func:`choices` adds ``"auto"`` and any registered later)
+BACKENDS = tuple(_FAMILIES)
 
 
 def unavailable_reason(backend: str, device) -> Optional[str]:
-    """None if the backend family ``backend`` can run on ``device`` at all; otherwise why not.
-
-    This is the device-level check every implementation of that backend shares; what an
-    op's implementation needs beyond it is its ``requires`` check."""
-    dev = _device(device)
-    if backend not in BACKENDS:
-        return f"unknown backend {backend!r}; choose one of {BACKENDS} or None"
-    if backend == "cpu" and dev.type != "cpu":
-        return f"the 'cpu' backend runs on CPU tensors, got device {dev}"
-    if backend == "triton":
-        reason = _triton_import_error()
-        if reason is None and dev.type == "cpu" and not triton_interpret():
-            reason = "Triton on CPU tensors needs TRITON_INTERPRET=1 (the interpreter)"
-        elif reason is None and dev.type not in ("cpu", "cuda"):
-            reason = f"Triton kernels need CUDA tensors, got device {dev}"
-        return reason
-    if backend == "cuda":
-        if dev.type != "cuda":
-            return f"the 'cuda' backend needs CUDA tensors, got device {dev}"
-        if extension("_cuda") is None:
-            return extension_error("_cuda")
-    return None
+    """None if the backend family ``backend`` can run on ``device`` at all; otherwise why
+    not (what an op's implementation needs beyond it is its ``requires`` check)."""
+    if backend not in _FAMILIES:
+        return f"unknown backend {backend!r}; choose one of {tuple(_FAMILIES)} or None"
+    return _FAMILIES[backend].unavailable(device)
 
 
 def lazy(module: str, attr: str) -> Callable[..., Any]:
@@ -192,19 +259,31 @@ def lazy(module: str, attr: str) -> Callable[..., Any]:
 
 # ----------------------------------------------------------------------------- the registry
 @dataclass(frozen=True)
+class Variant:
+    """One choice an implementation makes inside itself, and when."""
+
+    name: str
+    doc: str
+
+
+@dataclass(frozen=True)
 class Implementation:
     """One backend's implementation of one op, and what it can take.
 
     ``forward`` / ``backward``: the callables the op runs (their signatures are the op's
     business). ``backward_via``: when ``backward`` is None, the backends of the same op whose
-    backward this one borrows, first available wins (a forward-only CUDA kernel uses the
-    Triton backward). ``devices``: device types it runs on; ``auto``: device types where
-    ``None``/``"auto"`` may pick it (default: ``devices``), in descending ``priority``.
-    ``dtypes``: the floating dtypes it takes (None: any). ``requires(device)`` and
-    ``supports(**features)`` return None or the reason it cannot run / cannot take them.
-    ``infer``: an optional entry point for calls that autograd does not record (no output is
-    differentiated), which skips the op's Python custom op; it returns None for inputs it
-    does not take, and the op then runs as usual.
+    backward this one borrows, first available wins. ``devices``: device types it runs on;
+    ``auto``: device types where ``None``/``"auto"`` may pick it (default: ``devices``), in
+    descending ``priority``. ``dtypes``: the floating dtypes it takes (None: any).
+    ``requires(device)`` and ``supports(**features)`` return None or the reason it cannot
+    run / cannot take them. ``infer``: an entry point for calls autograd does not record,
+    which skips the op's operators (it returns None for inputs it does not take).
+    ``variants`` and ``variant(*inputs) -> (name, reason)``: the choices it makes inside.
+    ``traced``: False keeps ``"auto"`` from picking it while ``torch.compile`` traces (the
+    compiler fuses the reference's ops itself). ``direct``: the forward is plain
+    differentiable torch code, called as it is (autograd records its ops), not through the
+    op's operators. ``checks_values``: the implementation checks argument values itself
+    (the op's host check is skipped).
     """
 
     op: str
@@ -220,6 +299,11 @@ class Implementation:
     supports: Optional[Callable[..., Optional[str]]] = None
     info: dict[str, Any] = field(default_factory=dict)
     infer: Optional[Callable[..., Any]] = None
+    variants: tuple[Variant, ...] = ()
+    variant: Optional[Callable[..., tuple[str, str]]] = None
+    traced: bool = True
+    direct: bool = False
+    checks_values: bool = False
 
     def unavailable(self, device) -> Optional[str]:
         """None if this implementation can run on ``device``, else why not."""
@@ -245,8 +329,57 @@ class Implementation:
         return self.supports(**features)
 
 
+@dataclass(frozen=True)
+class _OpInfo:
+    describe: Callable[..., tuple[torch.device, Optional[torch.dtype], dict[str, Any]]]
+    missing_runs_auto: bool
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`select` picked: the ``implementation`` (its ``backend``), why, and --
+    given the inputs -- the ``variant`` it will run inside and why (``variant_reason``)."""
+
+    implementation: Implementation
+    reason: str
+    inputs: tuple = ()
+
+    @property
+    def backend(self) -> str:
+        return self.implementation.backend
+
+    @property
+    def variant(self) -> Optional[str]:
+        return self._variant()[0]
+
+    @property
+    def variant_reason(self) -> Optional[str]:
+        return self._variant()[1]
+
+    def _variant(self) -> tuple[Optional[str], Optional[str]]:
+        impl = self.implementation
+        if impl.variant is None or not self.inputs:
+            return None, None
+        return impl.variant(*self.inputs)
+
+    def __getattr__(self, name):  # the Implementation's fields (forward, infer...)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.implementation, name)
+
+
 _REGISTRY: dict[str, dict[str, Implementation]] = {}
+_OPS: dict[str, _OpInfo] = {}
 _REPORTED: set[tuple[str, str, str]] = set()
+_CACHE: dict[tuple, tuple[Implementation, str]] = {}
+
+
+def define(op: str, describe: Callable[..., tuple], *, missing_runs_auto: bool = False) -> None:
+    """Tell the registry how to read ``op``'s inputs: ``describe(*inputs)`` returns
+    ``(device, dtype, features)``. ``missing_runs_auto``: a backend name the op has no
+    implementation of runs the op's auto choice (logged once) instead of raising -- for an
+    op that one backend serves for all, as the router's torch ops serve the GPU backends."""
+    _OPS[op] = _OpInfo(describe, missing_runs_auto)
 
 
 def register(op: str, backend: str, forward: Callable[..., Any],
@@ -256,14 +389,15 @@ def register(op: str, backend: str, forward: Callable[..., Any],
              dtypes: Optional[Sequence[torch.dtype]] = None,
              requires: Optional[Callable[[torch.device], Optional[str]]] = None,
              supports: Optional[Callable[..., Optional[str]]] = None,
-             infer: Optional[Callable[..., Any]] = None,
-             replace: bool = False, **info: Any) -> Implementation:
+             infer: Optional[Callable[..., Any]] = None, variants: Sequence[Variant] = (),
+             variant: Optional[Callable[..., tuple[str, str]]] = None, traced: bool = True,
+             direct: bool = False, checks_values: bool = False, replace: bool = False,
+             **info: Any) -> Implementation:
     """Register ``backend``'s implementation of ``op`` (see :class:`Implementation`).
-
     Registering the same (op, backend) twice is an error unless ``replace=True`` (for
     experiments: a user's own kernel under an existing name)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"register: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in _FAMILIES:
+        raise ValueError(f"register: backend must be one of {tuple(_FAMILIES)}, got {backend!r}")
     if backward is not None and backward_via:
         raise ValueError("register: give backward or backward_via, not both")
     impls = _REGISTRY.setdefault(op, {})
@@ -273,13 +407,11 @@ def register(op: str, backend: str, forward: Callable[..., Any],
                           None if devices is None else tuple(devices),
                           None if auto is None else tuple(auto), priority,
                           None if dtypes is None else tuple(dtypes), requires, supports,
-                          dict(info), infer)
+                          dict(info), infer, tuple(variants), variant, traced, direct,
+                          checks_values)
     impls[backend] = impl
+    _CACHE.clear()
     return impl
-
-
-def registered_ops() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
 
 
 def implementations(op: str) -> tuple[Implementation, ...]:
@@ -293,62 +425,118 @@ def implementation(op: str, backend: str) -> Implementation:
     """The registered implementation of ``op`` by ``backend`` (no availability check)."""
     impls = _REGISTRY.get(op, {})
     if backend not in impls:
-        raise BackendUnavailableError(
-            f"{op}: no {backend!r} implementation (has {sorted(impls)})")
+        raise BackendUnavailableError(f"{op}: no {backend!r} implementation (has {sorted(impls)})")
     return impls[backend]
 
 
 def _check_name(backend) -> None:
     if backend is not None and (not isinstance(backend, str)
-                                or backend not in BACKENDS + ("auto",)):
-        raise ValueError(f"backend must be one of {BACKENDS}, 'auto' or None; got {backend!r}")
+                                or backend not in tuple(_FAMILIES) + ("auto",)):
+        raise ValueError(f"backend must be one of {tuple(_FAMILIES)}, 'auto' or None; got {backend!r}")
 
 
-def select(op: str, backend: Optional[str] = None, *, device, dtype: Optional[torch.dtype] = None,
-           **features: Any) -> Implementation:
-    """The implementation of ``op`` to run for inputs on ``device`` of ``dtype`` with
-    ``features`` (what the implementations' ``supports`` checks read, e.g. ``head_dim``).
+def _explicit(op, backend, dev, dtype, features) -> Implementation:
+    impl = implementation(op, backend)
+    reason = impl.unavailable(dev)
+    if reason is not None:
+        raise BackendUnavailableError(f"{op}: backend {backend!r} is unavailable: {reason}")
+    reason = impl.dtype_reason(dtype)
+    if reason is not None:
+        raise TypeError(f"{op}: {reason}")
+    reason = impl.feature_reason(features)
+    if reason is not None:
+        raise ValueError(f"{op}: {reason}")
+    return impl
 
-    ``backend`` None or ``"auto"``: the highest-priority implementation that can run and
-    take the inputs; a fallback past a preferred one is logged once with the reasons.
-    An explicit backend is returned or refused with the error its failure calls for (see
-    the module docstring)."""
-    _check_name(backend)
-    dev = _device(device)
-    if backend is not None and backend != "auto":
-        impl = implementation(op, backend)
-        reason = impl.unavailable(dev)
-        if reason is not None:
-            raise BackendUnavailableError(f"{op}: backend {backend!r} is unavailable: {reason}")
-        reason = impl.dtype_reason(dtype)
-        if reason is not None:
-            raise TypeError(f"{op}: {reason}")
-        reason = impl.feature_reason(features)
-        if reason is not None:
-            raise ValueError(f"{op}: {reason}")
-        return impl
+
+def _auto(op, dev, dtype, features) -> tuple[Implementation, str]:
+    compiling = torch.compiler.is_compiling()
     skipped = []
     for impl in implementations(op):
-        auto = impl.auto if impl.auto is not None else impl.devices
-        if auto is not None and dev.type not in auto:
+        allowed = impl.auto if impl.auto is not None else impl.devices
+        if allowed is not None and dev.type not in allowed:
             continue
-        reason = (impl.unavailable(dev) or impl.dtype_reason(dtype)
-                  or impl.feature_reason(features))
+        if compiling and not impl.traced:
+            reason = "not while torch.compile traces (its generated code fuses the reference)"
+        else:
+            reason = (impl.unavailable(dev) or impl.dtype_reason(dtype)
+                      or impl.feature_reason(features))
         if reason is None:
-            key = (op, dev.type, impl.backend)
-            if skipped and key not in _REPORTED and not torch.compiler.is_compiling():
-                _REPORTED.add(key)
-                logger.info("%s on %s uses backend %r (%s)", op, dev.type, impl.backend,
-                            "; ".join(skipped))
-            return impl
+            return impl, "; ".join(skipped)
         skipped.append(f"{impl.backend}: {reason}")
     raise BackendUnavailableError(
         f"{op}: no backend can run these inputs on {dev} ({'; '.join(skipped) or 'none registered'})")
 
 
+def _state() -> tuple:
+    # what availability depends on besides the registry: tests and users may load, replace
+    # or drop an extension, or switch the Triton interpreter, in a running process
+    return (os.environ.get("TRITON_INTERPRET"), id(_EXT_CACHE.get("_cpu")),
+            id(_EXT_CACHE.get("_cuda")), len(_EXT_CACHE))
+
+
+def select(op: str, *inputs: Any, backend: Optional[str] = None, device=None,
+           dtype: Optional[torch.dtype] = None, **features: Any) -> Choice:
+    """The implementation of ``op`` to run, as a :class:`Choice` (``.backend``,
+    ``.reason``, ``.variant``, ``.variant_reason``).
+
+    ``select(op, *inputs, backend=None)``: for these inputs of the op (read by the op's
+    :func:`define`). ``select(op, backend, device=, dtype=, **features)``: for inputs
+    described by hand. ``backend`` None or ``"auto"``: the highest-priority implementation
+    that can run and take the inputs (a fallback past a preferred one is logged once with
+    the reasons). An explicit backend is returned or refused with the error its failure
+    calls for (see the module docstring)."""
+    if device is None:
+        if op not in _OPS:
+            raise ValueError(f"select: op {op!r} has no input description; pass device=")
+        dev, dtype, features = _OPS[op].describe(*inputs)
+    else:
+        if len(inputs) > 1:
+            raise TypeError("select: give the op's inputs, or backend and device=, not both")
+        if inputs:
+            backend = inputs[0]
+        dev, inputs = _device(device), ()
+    if not (backend is None or backend in _FAMILIES or backend == "auto"):
+        _check_name(backend)
+    why = None
+    if backend is not None and backend != "auto":
+        info = _OPS.get(op)
+        if info is not None and info.missing_runs_auto and backend not in _REGISTRY.get(op, {}):
+            why = f"{op} has no {backend!r} implementation and runs its auto choice"
+            backend = None
+    explicit = backend is not None and backend != "auto"
+    if torch.compiler.is_compiling():
+        # traced once per graph: no cache (its contents would become guards)
+        if explicit:
+            return Choice(_explicit(op, backend, dev, dtype, features), "asked for", inputs)
+        return Choice(_auto(op, dev, dtype, features)[0], "traced by torch.compile", inputs)
+    key = (op, backend, dev.type, dtype, tuple(sorted(features.items())) if features else (),
+           _state())
+    hit = _CACHE.get(key)
+    # a hit stands while the registry still holds that implementation
+    if hit is None or _REGISTRY.get(op, {}).get(hit[0].backend) is not hit[0]:
+        hit = (_explicit(op, backend, dev, dtype, features), "") if explicit else \
+            _auto(op, dev, dtype, features)
+        _CACHE[key] = hit
+    if explicit:
+        return Choice(hit[0], "asked for", inputs)
+    impl, skipped = hit
+    reason = "; ".join(r for r in (why, skipped and f"fell back past {skipped}") if r) or \
+        "the highest-priority backend that can run these inputs"
+    if why or skipped:
+        log_key = (op, dev.type, impl.backend)
+        if log_key not in _REPORTED:
+            _REPORTED.add(log_key)
+            logger.info("%s on %s uses backend %r (%s)", op, dev.type, impl.backend,
+                        "; ".join(r for r in (why, skipped) if r))
+    return Choice(impl, reason, inputs)
+
+
 def backward_impl(impl: Implementation, device) -> Implementation:
     """The implementation whose backward runs for a forward run by ``impl``: ``impl`` itself
     when it has one, else the first available backend of its ``backward_via``."""
+    if isinstance(impl, Choice):
+        impl = impl.implementation
     if impl.backward is not None:
         return impl
     reasons = []
@@ -367,16 +555,49 @@ def backward_of(impl: Implementation, device) -> Callable[..., Any]:
     return backward_impl(impl, device).backward
 
 
-def report(device="cpu") -> dict[str, dict[str, Optional[str]]]:
-    """For every registered op and each of its backends: None (can run on ``device``) or the
-    reason it cannot. Loads the shipped op modules first, so their registrations count."""
+class Report(dict):
+    """``{op: {backend: None or why it cannot run}}`` for a device, with ``variants``
+    (``{op: {backend: {variant: doc}}}``) and ``environment`` (the variables of
+    :data:`ENVIRONMENT` that are set); ``str()`` prints it as a table."""
+
+    def __init__(self, device, rows, variants, environment):
+        super().__init__(rows)
+        self.device, self.variants, self.environment = device, variants, environment
+
+    def __str__(self) -> str:
+        lines = [f"smelt backends on {self.device}"]
+        for op, per in self.items():
+            lines.append(f"{op}:")
+            for backend, reason in per.items():
+                lines.append(f"  {backend:<7} {'available' if reason is None else reason}")
+                for name, doc in self.variants.get(op, {}).get(backend, {}).items():
+                    lines.append(f"    variant {name}: {doc}")
+        lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in self.environment.items())
+                                        or "no smelt variable set"))
+        return "\n".join(lines)
+
+
+def report(device="cpu") -> Report:
+    """Every registered op, each backend (None: can run on ``device``; else why not) and
+    its variants, and the environment variables that are set. Loads the shipped op modules
+    first, so their registrations count."""
     for mod in OP_MODULES:
         importlib.import_module(mod)
-    return {op: {impl.backend: impl.unavailable(device) for impl in implementations(op)}
+    rows = {op: {impl.backend: impl.unavailable(device) for impl in implementations(op)}
             for op in _REGISTRY}
+    variants = {op: {impl.backend: {v.name: v.doc for v in impl.variants}
+                     for impl in implementations(op) if impl.variants}
+                for op in _REGISTRY}
+    environment = {name: os.environ[name] for name in ENVIRONMENT if name in os.environ}
+    return Report(str(device), rows, variants, environment)
 
 
-# ----------------------------------------------------------------------------- value checks
+# ----------------------------------------------------------------------------- calls
+def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd will record a call on ``tensors`` (grad mode on and one requires it)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def can_read_values(t: torch.Tensor) -> bool:
     """Whether an op may read ``t``'s values on the host before launching: not while
     ``torch.compile`` traces or a CUDA graph is being captured (both would break on the read)."""

@@ -35,12 +35,37 @@ from .norm import rms_norm
 __all__ = ["RMSNorm", "Rotary", "SegmentAttention", "MoE"]
 
 
+def _sizes(layer: str, **sizes: int) -> None:
+    """Each size a positive int, else one error naming it."""
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{layer}: {name} must be an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"{layer}: {name} must be positive, got {v}")
+
+
+def _input(layer: str, x, hidden_size: int, weight: torch.Tensor) -> None:
+    """``x`` a floating tensor ending in ``hidden_size``, of the layer's weight dtype."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{layer}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != hidden_size:
+        raise ValueError(f"{layer}: x must end in hidden_size={hidden_size}, got shape "
+                         f"{tuple(x.shape)}")
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"{layer}: x is {x.dtype} but the layer's weights are {weight.dtype}; "
+                        f"convert one to the other (e.g. layer.to({x.dtype})) or run under "
+                        "torch.autocast")
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned gain, computed in float32
     (:func:`smelt_kernels.norm.rms_norm`: one fused pass per row on the CPU)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
+        _sizes("RMSNorm", dim=dim)
+        if not eps >= 0:
+            raise ValueError(f"RMSNorm: eps must be >= 0, got {eps!r}")
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
@@ -127,6 +152,8 @@ class SegmentAttention(nn.Module):
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  rope_theta: float = 10000.0, backend: Optional[str] = None):
         super().__init__()
+        _sizes("SegmentAttention", hidden_size=hidden_size, n_heads=n_heads,
+               n_kv_heads=n_kv_heads, head_dim=head_dim)
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -149,6 +176,7 @@ class SegmentAttention(nn.Module):
                 positions: Optional[torch.Tensor] = None, *,
                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                 kv_cache: Any = None, check_values: Optional[bool] = None) -> torch.Tensor:
+        _input("SegmentAttention", x, self.q_proj.in_features, self.q_proj.weight)
         if x.dim() != 3:
             raise ValueError(f"x must be (batch, seq, hidden), got shape {tuple(x.shape)}")
         B, T, _ = x.shape
@@ -196,6 +224,8 @@ class MoE(nn.Module):
                  renormalize: bool = True, aux_loss_weight: float = 0.0,
                  z_loss_weight: float = 0.0, backend: Optional[str] = None):
         super().__init__()
+        _sizes("MoE", hidden_size=hidden_size, n_experts=n_experts, expert_size=expert_size,
+               top_k=top_k)
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
         if aux_loss_weight < 0 or z_loss_weight < 0:
@@ -234,9 +264,7 @@ class MoE(nn.Module):
         """``y`` (x's shape); with ``return_aux=True`` the pair ``(y, aux)`` instead, and
         :attr:`aux_loss` is left alone (no state is written: what activation checkpointing
         under ``torch.compile`` needs, and what a model that sums the losses itself uses)."""
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must end in hidden_size={self.hidden_size}, got shape "
-                             f"{tuple(x.shape)}")
+        _input("MoE", x, self.hidden_size, self.gate_up_proj)
         flat = x.reshape(-1, self.hidden_size)
         logits = self.router(flat).float()
         weights, ids = self.topk(logits)
@@ -251,18 +279,24 @@ class MoE(nn.Module):
         return y.view(x.shape)
 
     def router_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The weighted router losses for router ``logits`` (N, E) and chosen ``ids``."""
+        """The weighted router losses for router ``logits`` (N, E) and chosen ``ids``.
+
+        The probabilities are ``exp(logits - logsumexp)``, not ``softmax``: every op of the
+        loss then has a backward of element-wise ops and per-row sums, the same at any
+        thread count (ATen's softmax backward is not)."""
         E = logits.shape[-1]
         loss = logits.new_zeros(())
+        lse = torch.logsumexp(logits, -1, keepdim=True)
         if self.aux_loss_weight > 0:
-            probs = torch.softmax(logits, dim=-1)
+            probs = torch.exp(logits - lse)
             counts = torch.zeros(E, device=logits.device, dtype=torch.float32)
             counts = counts.scatter_add(0, ids.reshape(-1).long(),
                                         torch.ones(ids.numel(), device=logits.device))
             frac = counts / ids.numel()
-            loss = loss + self.aux_loss_weight * E * (frac * probs.mean(0)).sum()
+            # E * sum_e frac_e * mean_t P_te, summed per token first
+            loss = loss + self.aux_loss_weight * E * (probs * frac).sum(-1).mean()
         if self.z_loss_weight > 0:
-            loss = loss + self.z_loss_weight * torch.logsumexp(logits, -1).pow(2).mean()
+            loss = loss + self.z_loss_weight * lse.pow(2).mean()
         return loss
 
     def extra_repr(self) -> str:

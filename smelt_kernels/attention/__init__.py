@@ -8,5 +8,6 @@ and k before the op, with a fused CPU kernel).
 """
 
 from .ops import segment_attention, segment_bounds, select_backend
+from .rotary import apply_rotary
 
-__all__ = ["segment_attention", "segment_bounds", "select_backend"]
+__all__ = ["segment_attention", "segment_bounds", "select_backend", "apply_rotary"]

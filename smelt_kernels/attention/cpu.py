@@ -1,6 +1,6 @@
 """The ``"cpu"`` backend of segment attention.
 
-Two implementations, same contract (see :func:`forward`, :func:`backward`):
+Two variants, same contract (see :func:`forward`, :func:`backward`, :data:`VARIANTS`):
 
 * ``native`` (the default where it can run): the fused kernel of
   ``csrc/attention/cpu_attention.cpp`` (``torch.ops.smelt_cpu.segment_attention_fwd`` /
@@ -15,7 +15,7 @@ Two implementations, same contract (see :func:`forward`, :func:`backward`):
 * ``chunked`` (:func:`chunked_forward`, :func:`chunked_backward`): ATen's CPU
   flash-attention kernel on segment-aware chunks, described below. It runs where the native
   kernel cannot: float64 inputs, head dims that are not a multiple of 8, or a build without
-  the extension. :func:`implementation` says which one a call takes.
+  the extension. :func:`variant_for` says which one a call takes, and why.
 
 The chunked path. A batch row's queries are cut into chunks of ``CHUNK`` positions. A chunk
 [c0, c1) only needs keys from the start of its first query's segment, and splits into two
@@ -49,7 +49,7 @@ import torch
 from .. import _alloc, backends
 from . import reference
 
-__all__ = ["available", "forward", "backward", "implementation", "native_missing", "native_isa",
+__all__ = ["VARIANTS", "variant", "variant_for", "available", "forward", "backward", "implementation", "native_missing", "native_isa",
            "starts_missing", "native_starts", "inference_missing", "infer",
            "native_forward", "native_backward", "chunked_forward", "chunked_backward", "CHUNK"]
 
@@ -119,12 +119,39 @@ def available() -> Optional[str]:
     return f"native kernel: {native_missing()}; chunked path: {chunked}"
 
 
+VARIANTS = (
+    backends.Variant("native", "the fused kernel of csrc/attention/cpu_attention.cpp: float32, "
+                               "bfloat16 and float16, head dims that are multiples of 8"),
+    backends.Variant("chunked", "ATen's CPU flash kernel on segment-aware chunks: float64, other "
+                                "head dims, or a build without the extension"),
+)
+
+
+def _chunked_reason(dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why inputs of this dtype and head dim run the chunked path, or None (native)."""
+    if dtype not in _NATIVE_DTYPES:
+        return f"the native kernel takes float32, bfloat16 and float16, got {dtype}"
+    if head_dim % 8:
+        return f"the native kernel needs a head dim that is a multiple of 8, got {head_dim}"
+    return native_missing()
+
+
+def variant_for(dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+    """(``"native"`` or ``"chunked"``, why) for inputs of this dtype and head dim."""
+    reason = _chunked_reason(dtype, head_dim)
+    if reason is not None:
+        return "chunked", reason
+    return "native", f"{dtype}, head dim {head_dim}: the fused kernel ({native_isa()})"
+
+
+def variant(q, k, v, *_) -> tuple[str, str]:
+    """The variant :func:`forward` / :func:`backward` run for these inputs, and why."""
+    return variant_for(q.dtype, q.shape[-1])
+
+
 def implementation(dtype: torch.dtype, head_dim: int) -> str:
-    """``"native"`` or ``"chunked"``: what :func:`forward` / :func:`backward` run for inputs
-    of this dtype and head dim."""
-    if dtype in _NATIVE_DTYPES and head_dim % 8 == 0 and native_missing() is None:
-        return "native"
-    return "chunked"
+    """``"native"`` or ``"chunked"``: the variant for inputs of this dtype and head dim."""
+    return "chunked" if _chunked_reason(dtype, head_dim) else "native"
 
 
 def forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: bool):

@@ -58,6 +58,7 @@ from typing import Optional
 import torch
 
 from .. import backends
+from ..opdef import KernelOp
 from . import cpu as attention_cpu
 from . import cuda as attention_cuda
 from . import reference
@@ -117,9 +118,18 @@ def _cuda_requires(device) -> Optional[str]:
     return backends.extension_op_missing("_cuda", "segment_attention_fwd", "csrc/attention/cuda.cu")
 
 
+def _cpu_infer(q, k, v, segment_ids, scale, want_sink):
+    if want_sink or q.numel() == 0:
+        return None
+    return attention_cpu.infer(q, k, v, segment_ids, scale)
+
+
+backends.define(_OP, lambda q, k, v, segment_ids=None, scale=None, want_sink=False:
+                (q.device, q.dtype, {"head_dim": q.shape[-1]}))
 backends.register(_OP, "torch", reference.forward, reference.backward, devices=None)
 backends.register(_OP, "cpu", attention_cpu.forward, attention_cpu.backward, devices=("cpu",),
-                  priority=10, requires=lambda d: attention_cpu.available(), infer=attention_cpu.infer)
+                  priority=10, requires=lambda d: attention_cpu.available(), infer=_cpu_infer,
+                  variants=attention_cpu.VARIANTS, variant=attention_cpu.variant)
 backends.register(_OP, "triton", backends.lazy(_TRITON, "forward"), backends.lazy(_TRITON, "backward"),
                   auto=("cuda",), priority=30,
                   dtypes=(torch.float16, torch.bfloat16, torch.float32), supports=_kernel_head_dim)
@@ -134,72 +144,54 @@ def select_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
                            head_dim=q.shape[-1]).backend
 
 
-# ----------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("smelt::segment_attention_fwd", mutates_args=())
-def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   segment_ids: Optional[torch.Tensor], scale: float, backend: str,
-                   want_sink: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    start = attention_cpu.native_starts(segment_ids)
+# ----------------------------------------------------------------------------- operators
+def _stat_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _forward(impl, q, k, v, segment_ids, scale, want_sink):
+    start = attention_cpu.native_starts(segment_ids)  # checks CPU ids in the same pass
     if start is None:
-        _check_segment_values(segment_ids)
+        _check_segment_values(segment_ids)  # CPU ids without the native pass
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
-    stat = torch.float64 if q.dtype == torch.float64 else torch.float32
+    stat = _stat_dtype(q)
     if q.numel() == 0:
-        o = q.new_zeros(B, Tq, Hq, D)
-        lse = q.new_zeros(B, Hq, Tq, dtype=stat)
-        return o, lse, q.new_zeros((B, Hq) if want_sink else (0,), dtype=stat)
+        return (q.new_zeros(B, Tq, Hq, D), q.new_zeros(B, Hq, Tq, dtype=stat),
+                q.new_zeros((B, Hq) if want_sink else (0,), dtype=stat))
     if start is None and segment_ids is not None:
         start = segment_bounds(segment_ids)[0]
-    o, lse, psink = backends.implementation(_OP, backend).forward(q, k, v, start, scale, want_sink)
+    o, lse, psink = impl.forward(q, k, v, start, scale, want_sink)
     if not want_sink:
         return o, lse, q.new_zeros(0, dtype=stat)
     counted = reference.query_starts(start, B, Tq, Tk, q.device)[1]
     return o, lse, reference.sink_mean(psink, counted)
 
 
-@_attention_fwd.register_fake
-def _(q, k, v, segment_ids, scale, backend, want_sink):
+def _fake(q, k, v, segment_ids, scale, want_sink):
     B, Tq, Hq, D = q.shape
-    stat = torch.float64 if q.dtype == torch.float64 else torch.float32
+    stat = _stat_dtype(q)
     return (q.new_empty(B, Tq, Hq, D), q.new_empty(B, Hq, Tq, dtype=stat),
             q.new_empty((B, Hq) if want_sink else (0,), dtype=stat))
 
 
-@torch.library.custom_op("smelt::segment_attention_bwd", mutates_args=())
-def _attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   o: torch.Tensor, lse: torch.Tensor, segment_ids: Optional[torch.Tensor],
-                   scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(impl, do, q, k, v, o, lse, segment_ids, scale):
     if q.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     start, end = segment_bounds(segment_ids) if segment_ids is not None else (None, None)
-    return backends.implementation(_OP, backend).backward(do, q, k, v, o, lse, start, end, scale)
+    return impl.backward(do, q, k, v, o, lse, start, end, scale)
 
 
-@_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, segment_ids, scale, backend):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, segment_ids, scale, backend, _ = inputs
-    o, lse, sink = output
-    ctx.save_for_backward(q, k, v, o, lse, segment_ids)
-    ctx.scale = scale
-    # a forward-only kernel borrows another backend's backward
-    ctx.backend = backends.backward_impl(backends.implementation(_OP, backend), q.device).backend
-    ctx.mark_non_differentiable(lse, sink)
-
-
-def _backward(ctx, do, _dlse, _dsink):
-    q, k, v, o, lse, segment_ids = ctx.saved_tensors
-    dq, dk, dv = torch.ops.smelt.segment_attention_bwd(do, q, k, v, o, lse, segment_ids,
-                                                       ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None, None
-
-
-torch.library.register_autograd("smelt::segment_attention_fwd", _backward,
-                                setup_context=_setup_context)
+_ATTENTION = KernelOp(
+    _OP,
+    inputs="Tensor q, Tensor k, Tensor v, Tensor? segment_ids, float scale, str backend, "
+           "bool want_sink",
+    outputs=("o", "lse", "sink"), public=3, differentiable=("q", "k", "v"),
+    saves=("q", "k", "v", "o", "lse", "segment_ids"), backward_attrs=("scale",),
+    forward=_forward, backward=_backward, fake=_fake,
+    check=lambda q, k, v, segment_ids, *_: _check_segment_values(segment_ids, any_device=True),
+    check_cpu=False,
+)
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -250,26 +242,10 @@ def segment_attention(q, k, v, segment_ids=None, *, scale=None, return_lse=False
     Returns ``o``, or ``(o, lse)``, ``(o, sink)``, ``(o, lse, sink)`` as asked.
     """
     _validate(q, k, v, segment_ids, scale)
-    backends.check_values_flag("segment_attention", check_values)
-    if (segment_ids is not None and segment_ids.device.type != "cpu" and check_values is not False
-            and backends.can_read_values(segment_ids)):
-        _check_segment_values(segment_ids, any_device=True)
-    name = select_backend(q, backend)
+    backends.check_values_flag(_OP, check_values)
     sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    infer = backends.implementation(_OP, name).infer
-    if infer is not None and not return_sink and q.numel() > 0 and not backends.needs_grad(q, k, v):
-        # no autograd record: the backend's own entry point, without the custom op's Python
-        # layers (a decode step calls this once per executed layer)
-        out = infer(q, k, v, segment_ids, sc)
-        if out is not None:
-            return out if return_lse else out[0]
-    o, lse, sink = torch.ops.smelt.segment_attention_fwd(q, k, v, segment_ids, sc, name,
-                                                         bool(return_sink))
+    out = _ATTENTION(q, k, v, segment_ids, sc, bool(return_sink), backend=backend,
+                     check_values=check_values)
     if not return_lse and not return_sink:
-        return o
-    out = (o,)
-    if return_lse:
-        out += (lse,)
-    if return_sink:
-        out += (sink,)
-    return out
+        return out[0]
+    return (out[0],) + ((out[1],) if return_lse else ()) + ((out[2],) if return_sink else ())

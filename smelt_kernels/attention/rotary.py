@@ -18,10 +18,14 @@ from typing import Optional
 import torch
 
 from .. import backends
+from ..opdef import KernelOp
 
 __all__ = ["apply_rotary", "rotary_reference", "implementation", "native_missing"]
 
+_OP = "rotary"
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @functools.cache  # the extension does not change within a process
 def native_missing() -> Optional[str]:
     """None when the native CPU kernel is available, else why not."""
@@ -38,15 +42,39 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+def _cpu_supports(tables_fp32: bool, tables_grad: bool) -> Optional[str]:
+    if not tables_fp32:
+        return "the native kernel takes float32 cos/sin tables"
+    if tables_grad:
+        return "the native kernel does not differentiate the tables"
+    return None
+
+
+def _native(x, cos, sin, inverse: bool):
+    return torch.ops.smelt_cpu.rotary(x, cos, sin, inverse)
+
+
+backends.define(_OP, lambda x, cos, sin: (x.device, x.dtype, {
+    "tables_fp32": cos.dtype == sin.dtype == torch.float32,
+    "tables_grad": cos.requires_grad or sin.requires_grad}))
+backends.register(_OP, "torch", rotary_reference, devices=None, direct=True)
+backends.register(_OP, "cpu", lambda x, cos, sin: _native(x, cos, sin, False),
+                  lambda dy, cos, sin: _native(dy, cos, sin, True), devices=("cpu",), priority=10,
+                  dtypes=_NATIVE_DTYPES, requires=lambda d: native_missing(),
+                  supports=_cpu_supports, infer=lambda x, cos, sin: _native(x, cos, sin, False),
+                  traced=False)
+
+# the backward is the same kernel rotating back
+_ROTARY = KernelOp(
+    _OP, inputs="Tensor x, Tensor cos, Tensor sin, str backend", outputs=("y",),
+    differentiable=("x",), saves=("cos", "sin"), fake=lambda x, cos, sin: x.new_empty(x.shape),
+    backward_fake=lambda dy, cos, sin: dy.new_empty(dy.shape),
+)
+
+
 def implementation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
-    """``"native"`` or ``"torch"``: what :func:`apply_rotary` runs for these inputs."""
-    if (x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and x.dim() == 4
-            and cos.dtype == torch.float32 and sin.dtype == torch.float32
-            and cos.device.type == "cpu" and sin.device.type == "cpu"
-            and not (cos.requires_grad or sin.requires_grad)
-            and not torch.compiler.is_compiling() and native_missing() is None):
-        return "native"
-    return "torch"
+    """``"native"`` (the ``"cpu"`` backend) or ``"torch"``: what :func:`apply_rotary` runs."""
+    return {"cpu": "native"}.get(backends.select(_OP, x, cos, sin).backend, "torch")
 
 
 def _validate(x, cos, sin) -> None:
@@ -67,40 +95,10 @@ def _validate(x, cos, sin) -> None:
                          f"{cos.device}, {sin.device}")
 
 
-# A custom op (not a plain call) so that autograd reaches the native backward: the same
-# kernel, rotating back. Compiled code never gets here (implementation() sends it to the
-# reference); the fake keeps the op traceable all the same.
-@torch.library.custom_op("smelt_cpu_py::rotary", mutates_args=())
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    return torch.ops.smelt_cpu.rotary(x, cos, sin, inverse)
-
-
-@_rotary.register_fake
-def _(x, cos, sin, inverse):
-    return x.new_empty(x.shape)
-
-
-def _setup(ctx, inputs, output):
-    _, cos, sin, inverse = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.inverse = inverse
-
-
-def _grad(ctx, dy):
-    cos, sin = ctx.saved_tensors
-    return _rotary(dy.contiguous(), cos, sin, not ctx.inverse), None, None, None
-
-
-torch.library.register_autograd("smelt_cpu_py::rotary", _grad, setup_context=_setup)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 backend: Optional[str] = None) -> torch.Tensor:
     """``x`` (B, T, heads, head_dim) rotated by the angles whose cos/sin are given per position
     (T, head_dim / 2) or per batch row and position (B, T, head_dim / 2):
     :func:`rotary_reference`'s semantics. Differentiable in ``x``."""
     _validate(x, cos, sin)
-    if implementation(x, cos, sin) == "native":
-        if not backends.needs_grad(x):  # no autograd record: the native op alone
-            return torch.ops.smelt_cpu.rotary(x, cos, sin, False)
-        return _rotary(x, cos, sin, False)
-    return rotary_reference(x, cos, sin)
+    return _ROTARY(x, cos, sin, backend=backend)

@@ -2,16 +2,21 @@
 (``torch.ops.smelt_cpu.*``, from the optional ``smelt_kernels._cpu`` extension).
 
 The forward sorts the (token, slot) pairs by expert with a stable counting sort, runs each
-expert's two GEMMs with SwiGLU between them and combines in slot order; the backward runs the
-dgrad and weight-gradient GEMMs on the same sort. fp32 forwards with experts of at most 1 MB
-of weights run an AVX-512 kernel on row pointers (``cpu_rows.h``) where the CPU has it; the
-rest run oneDNN brgemm micro-kernels on packed panels (``SMELT_CPU_GENERIC=1`` forces those).
-Experts with few rows in a call (decode, small batches: at most 6 to 48 as their weights
-grow, fewer on AVX-512 CPUs, :func:`few_rows_limit`) take a few-rows path instead: dot products against the weights
-where they lie, nothing packed (``cpu_decode.cpp``; ``SMELT_CPU_DECODE=0`` turns it off),
-and a call whose experts hold at most 2 MB of weights in all runs on the calling thread. :func:`route` is the fused router (``cpu_route.cpp``):
-softmax, top-k and renormalisation in one pass, differentiable with respect to the logits.
-Everything is bitwise deterministic and independent of the thread count.
+expert's two GEMMs with SwiGLU between them and combines in slot order; the backward runs
+the dgrad and weight-gradient GEMMs on the same sort. Which kernel an expert's GEMMs run is
+a variant (:data:`VARIANTS`, :func:`variant`):
+
+* ``rows``: fp32 experts of at most 1 MB of weights on a CPU with AVX-512 (``cpu_rows.h``),
+  token rows read in place, the next expert's weights prefetched;
+* ``panels`` / ``panels-16bit``: oneDNN brgemm micro-kernels on packed panels, with AMX for
+  bf16/fp16 where the CPU has it (``SMELT_CPU_GENERIC=1`` forces them);
+* ``few-rows``: experts with few rows in a call (decode, small batches: at most 6 to 48 as
+  their weights grow, fewer on AVX-512 CPUs, :func:`few_rows_limit`) run dot products
+  against the weights where they lie (``cpu_decode.cpp``; ``SMELT_CPU_DECODE=0`` turns it
+  off); a call whose experts hold at most 2 MB of weights runs on the calling thread.
+
+The router (``cpu_route.cpp``) is softmax, top-k and renormalisation in one pass. Everything
+is bitwise deterministic and independent of the thread count.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import torch
 
 from .. import backends
 
-__all__ = ["missing", "forward", "infer", "backward", "grouped_mm", "grouped_wgrad", "forward_kernel", "route",
-           "route_sort"]
+__all__ = ["missing", "forward", "infer", "backward", "grouped_mm", "grouped_wgrad",
+           "forward_kernel", "few_rows_limit", "VARIANTS", "variant", "route_forward",
+           "route_backward", "route_infer"]
 
 _SOURCE = "csrc/moe_gemm/cpu_forward.cpp"
 
@@ -39,7 +45,7 @@ def forward(x, w1, w2, topk_weights, topk_ids, save_preact: bool):
     return torch.ops.smelt_cpu.moe_ffn_fwd(x, w1, w2, topk_weights, topk_ids, save_preact)
 
 
-def infer(x, w1, w2, topk_weights, topk_ids):
+def infer(x, w1, w2, topk_weights, topk_ids, save_preact=False):
     """y of a forward that autograd does not record (no pre-activation kept)."""
     return torch.ops.smelt_cpu.moe_ffn_fwd(x, w1, w2, topk_weights, topk_ids, False)[0]
 
@@ -68,79 +74,61 @@ def few_rows_limit(hidden_size: int, expert_size: int, dtype: torch.dtype) -> in
     return int(torch.ops.smelt_cpu.moe_few_rows_limit(hidden_size, expert_size, dtype))
 
 
+# ----------------------------------------------------------------------------- variants
+VARIANTS = (
+    backends.Variant("rows", "fp32 experts of at most 1 MB of weights on an AVX-512 CPU: token "
+                             "rows read in place, the next expert's weights prefetched"),
+    backends.Variant("panels", "oneDNN brgemm micro-kernels on packed panels, fp32 compute"),
+    backends.Variant("panels-16bit", "brgemm on the CPU's matrix unit (AMX) for bf16/fp16"),
+    backends.Variant("few-rows", "experts with few rows in a call (decode, small batches): "
+                                 "dot products against the weights where they lie"),
+)
+
+
+def variant(x, w1, w2, topk_weights, topk_ids, *_) -> tuple[str, str]:
+    """The kernel most of a call's experts run, and why (each expert picks on its own rows)."""
+    H, de, E = x.shape[1], w1.shape[1] // 2, w1.shape[0]
+    kernel = forward_kernel(H, de, x.dtype)
+    why = {"rows": "fp32 experts of at most 1 MB on an AVX-512 CPU",
+           "panels": "experts over 1 MB, or no AVX-512",
+           "panels-16bit": f"{str(x.dtype).replace('torch.', '')} on a CPU with a matrix unit"}
+    reason = why.get(kernel, kernel)
+    if backends.env_flag("SMELT_CPU_GENERIC"):
+        reason = "SMELT_CPU_GENERIC=1 forces the packed panels"
+    rows = topk_ids.numel() / E
+    if backends.env("SMELT_CPU_DECODE") == "0":
+        return kernel, reason + "; the few-rows path is off (SMELT_CPU_DECODE=0)"
+    limit = few_rows_limit(H, de, x.dtype)
+    if rows <= limit:
+        return "few-rows", (f"{rows:.1f} rows per expert on average, at most {limit} take the "
+                            "few-rows path")
+    return kernel, f"{reason}; experts with at most {limit} rows take the few-rows path"
+
+
 # ----------------------------------------------------------------------------- routing
-# Custom ops (not plain calls) so that torch.compile(fullgraph=True) traces route() through
-# their fake implementations and autograd reaches the native backward.
-@torch.library.custom_op("smelt_cpu_py::route", mutates_args=())
-def _route(logits: torch.Tensor, top_k: int, renormalize: bool
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # outputs: weights (T, k) fp32, ids (T, k) int32, and each row's log-sum-exp (T,) fp32,
-    # which the backward uses to recompute the probabilities
-    w, ids, lse, _, _, _ = torch.ops.smelt_cpu.moe_route_fwd(logits, top_k, renormalize, False)
+def route_forward(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """(weights fp32 (T, k), ids int32 (T, k), each row's log-sum-exp (T,) fp32): softmax
+    over the E experts of each row, its top-k in descending order, renormalised to sum 1
+    when asked, in one pass (``cpu_route.cpp``); the backward recomputes the probabilities
+    from the log-sum-exp. Selection is by logit; exact ties go to the lower expert index."""
+    w, ids, lse, *_ = torch.ops.smelt_cpu.moe_route_fwd(logits, top_k, renormalize, False)
     return w, ids, lse
 
 
-@_route.register_fake
-def _(logits, top_k, renormalize):
-    T = logits.shape[0]
-    return (logits.new_empty(T, top_k, dtype=torch.float32), logits.new_empty(T, top_k, dtype=torch.int32),
-            logits.new_empty(T, dtype=torch.float32))
-
-
-@torch.library.custom_op("smelt_cpu_py::route_backward", mutates_args=())
-def _route_backward(grad_w: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, w: torch.Tensor,
-                    ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
+def route_backward(grad_w, logits, lse, w, ids, top_k, renormalize):
+    """The gradient of :func:`route_forward`'s weights with respect to the logits."""
     return torch.ops.smelt_cpu.moe_route_bwd(grad_w, logits, lse, w, ids, renormalize).to(logits.dtype)
 
 
-@_route_backward.register_fake
-def _(grad_w, logits, lse, w, ids, renormalize):
-    return torch.empty_like(logits)
-
-
-def _route_setup(ctx, inputs, output):
-    logits, _, renormalize = inputs
-    w, ids, lse = output
-    ctx.save_for_backward(logits, lse, w, ids)
-    ctx.renormalize = renormalize
-    ctx.mark_non_differentiable(ids, lse)
-
-
-def _route_grad(ctx, grad_w, *_):
-    logits, lse, w, ids = ctx.saved_tensors
-    if grad_w is None:
-        return None, None, None
-    return _route_backward(grad_w.contiguous(), logits, lse, w, ids, ctx.renormalize), None, None
-
-
-torch.library.register_autograd("smelt_cpu_py::route", _route_grad, setup_context=_route_setup)
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool):
-    """(weights fp32 (T, k), ids int32 (T, k)): softmax over the E experts of each row of
-    ``logits`` (T, E), its top-k in descending order, renormalised to sum 1 when asked; the
-    semantics of :func:`smelt_kernels.moe_gemm.reference.route`. Differentiable with respect
-    to ``logits``. Selection is by logit; exact ties go to the lower expert index.
-    Inputs are validated by the public op (and the kernel checks rank, dtype and top_k)."""
-    if not backends.needs_grad(logits):  # no autograd record: the native op without the custom op
-        w, ids, *_ = torch.ops.smelt_cpu.moe_route_fwd(logits, int(top_k), bool(renormalize), False)
-        return w, ids
-    w, ids, _ = _route(logits, int(top_k), bool(renormalize))
+def route_infer(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """(weights, ids) of a call autograd does not record: the native op alone."""
+    w, ids, *_ = torch.ops.smelt_cpu.moe_route_fwd(logits, top_k, renormalize, False)
     return w, ids
 
 
-def route_sort(logits: torch.Tensor, top_k: int, renormalize: bool):
-    """Not differentiable: (weights, ids, order, rev, offsets), the routing of :func:`route`
-    and, from the same pass, the stable expert sort of its (token, slot) pairs
-    (``smelt_cpu::moe_sort``'s layout: order/rev int32 (T*k,), offsets int32 (E+1,))."""
-    w, ids, _, order, rev, offsets = torch.ops.smelt_cpu.moe_route_fwd(logits, int(top_k), bool(renormalize),
-                                                                       True)
-    return w, ids, order, rev, offsets
-
-
 # ----------------------------------------------------------------------------- fakes
-# Fake kernels of the native ops that calls without autograd make directly (route above,
-# moe_ffn in ops.py), so that torch.compile traces them.
+# Fake kernels of the native ops that calls without autograd make directly (route_infer,
+# infer), so that torch.compile traces them.
 def _route_fwd_fake(logits, top_k, renormalize, want_sort):
     T, E = logits.shape
     n, e = (T * top_k, E + 1) if want_sort else (0, 0)

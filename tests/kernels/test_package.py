@@ -104,7 +104,11 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 def test_report_lists_every_op_and_backend():
     rep = backends.report("cpu")
-    assert set(rep) == {"moe_ffn", "grouped_gemm", "route", "segment_attention"}
+    assert set(rep) == {"moe_ffn", "grouped_gemm", "route", "segment_attention", "rms_norm",
+                        "rotary"}
+    assert set(rep.variants["segment_attention"]["cpu"]) == {"native", "chunked"}
+    assert {"rows", "panels", "few-rows"} <= set(rep.variants["moe_ffn"]["cpu"])
+    assert set(rep["rms_norm"]) == set(rep["rotary"]) == {"torch", "cpu"}
     assert set(rep["moe_ffn"]) == set(rep["segment_attention"]) == {"torch", "cpu", "triton", "cuda"}
     assert set(rep["grouped_gemm"]) == {"torch", "cpu", "triton"}
     for op, per_backend in rep.items():

@@ -1,10 +1,15 @@
-"""The fused CPU router (``smelt_kernels.moe_gemm.cpu.route``) against the pure-torch
-reference: values, ids, gradients, its tie rule, the sort it returns and tracing."""
+"""The fused CPU router (``route`` on the ``"cpu"`` backend, ``csrc/moe_gemm/cpu_route.cpp``)
+against the pure-torch reference: values, ids, gradients, its tie rule and tracing."""
 
 import pytest
 import torch
 
 from smelt_kernels.moe_gemm import cpu, reference
+from smelt_kernels.moe_gemm import route as _route
+
+
+def cpu_route(logits, k, renormalize):
+    return _route(logits, k, renormalize, backend="cpu")
 
 pytestmark = pytest.mark.skipif(cpu.missing("moe_route_fwd") is not None,
                                 reason="smelt_kernels._cpu without the routing kernel")
@@ -25,7 +30,7 @@ def distinct_logits(T, E, seed=0, dtype=torch.float32, step=0.02):
 @pytest.mark.parametrize("T,E,k", SHAPES)
 def test_route_matches_reference(T, E, k, renormalize):
     logits = distinct_logits(T, E)
-    w, ids = cpu.route(logits, k, renormalize)
+    w, ids = cpu_route(logits, k, renormalize)
     rw, rids = reference.route(logits, k, renormalize)
     assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.shape == (T, k)
     assert torch.equal(ids, rids)
@@ -38,7 +43,7 @@ def test_route_gradient_matches_reference(T, E, k, renormalize):
     logits = distinct_logits(T, E, seed=1)
     g = torch.randn(T, k, generator=torch.Generator().manual_seed(2))
     a = logits.clone().requires_grad_()
-    (ga,) = torch.autograd.grad(cpu.route(a, k, renormalize)[0], a, g)
+    (ga,) = torch.autograd.grad(cpu_route(a, k, renormalize)[0], a, g)
     b = logits.clone().requires_grad_()
     (gb,) = torch.autograd.grad(reference.route(b, k, renormalize)[0], b, g)
     assert not torch.isnan(ga).any()
@@ -50,19 +55,19 @@ def test_route_gradient_fp64_gradcheck(renormalize):
     """The gradient formula by finite differences (fp64 logits; the kernel computes in fp32,
     so the check uses fp32-sized steps and tolerances)."""
     logits = distinct_logits(4, 12, seed=3).double().requires_grad_()
-    torch.autograd.gradcheck(lambda l: cpu.route(l, 3, renormalize)[0].double(), (logits,), eps=1e-3,
+    torch.autograd.gradcheck(lambda l: cpu_route(l, 3, renormalize)[0].double(), (logits,), eps=1e-3,
                              atol=1e-3, rtol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_route_other_logit_dtypes(dtype):
     logits = distinct_logits(50, 40, seed=4, dtype=dtype, step=0.125)
-    w, ids = cpu.route(logits, 8, True)
+    w, ids = cpu_route(logits, 8, True)
     rw, rids = reference.route(logits, 8, True)
     assert torch.equal(ids, rids)
     torch.testing.assert_close(w, rw, rtol=2e-6, atol=1e-7)
     a = logits.clone().requires_grad_()
-    (ga,) = torch.autograd.grad(cpu.route(a, 8, True)[0].sum(), a)
+    (ga,) = torch.autograd.grad(cpu_route(a, 8, True)[0].sum(), a)
     assert ga.dtype == dtype and ga.shape == logits.shape
 
 
@@ -72,7 +77,7 @@ def test_route_tie_rule():
     logits = torch.zeros(T, E)
     logits[1, [2, 7]] = 1.0          # two tied leaders, then eight tied zeros
     logits[2] = torch.tensor([0.5, 3.0, 0.5, 3.0, 0.5, -1.0, 3.0, 0.5, 0.5, 0.5])
-    w, ids = cpu.route(logits, k, False)
+    w, ids = cpu_route(logits, k, False)
     assert ids.tolist() == [[0, 1, 2, 3], [2, 7, 0, 1], [1, 3, 6, 0]]
     p = torch.softmax(logits, -1)
     torch.testing.assert_close(w, torch.gather(p, 1, ids.long()))
@@ -99,25 +104,15 @@ def test_route_vector_topk_matches_scan(isa, E, k, monkeypatch):
     scan's ids and weights exactly: tie rule, -inf entries, NaN rows (which take the scan)."""
     logits = torch.cat([tie_heavy_logits(300, E, seed=E + k), distinct_logits(200, E, seed=k)])
     monkeypatch.setenv("SMELT_ROUTE_ISA", "generic")
-    w0, ids0 = cpu.route(logits, k, True)
+    w0, ids0 = cpu_route(logits, k, True)
     monkeypatch.setenv("SMELT_ROUTE_ISA", "" if isa == "native" else isa)
-    w, ids = cpu.route(logits, k, True)
+    w, ids = cpu_route(logits, k, True)
     assert torch.equal(ids, ids0)
     assert torch.equal(w.isnan(), w0.isnan()) and torch.equal(w.nan_to_num(), w0.nan_to_num())
     # the tie rule, on the rows without NaN: descending logits, lower expert first
     ok = ~logits.isnan().any(1)
     want = torch.sort(-logits[ok], dim=1, stable=True).indices[:, :k].int()
     assert torch.equal(ids[ok], want)
-
-
-def test_route_sort_matches_moe_sort():
-    T, E, k = 777, 96, 6
-    logits = distinct_logits(T, E, seed=5)
-    w, ids, order, rev, offsets = cpu.route_sort(logits, k, True)
-    w2, ids2 = cpu.route(logits, k, True)
-    assert torch.equal(w, w2) and torch.equal(ids, ids2)
-    o, r, off = torch.ops.smelt_cpu.moe_sort(ids, E)
-    assert torch.equal(order, o) and torch.equal(rev, r) and torch.equal(offsets, off)
 
 
 def test_route_does_not_depend_on_thread_count():
@@ -129,9 +124,9 @@ def test_route_does_not_depend_on_thread_count():
         for n in (1, 2):
             torch.set_num_threads(n)
             a = logits.clone().requires_grad_()
-            w, ids, order, rev, offsets = cpu.route_sort(logits, 8, True)
-            (ga,) = torch.autograd.grad(cpu.route(a, 8, True)[0], a, g)
-            out.append((w, ids, order, rev, offsets, ga))
+            w, ids = cpu_route(logits, 8, True)
+            (ga,) = torch.autograd.grad(cpu_route(a, 8, True)[0], a, g)
+            out.append((w, ids, ga))
     finally:
         torch.set_num_threads(before)
     for u, v in zip(*out):
@@ -140,12 +135,12 @@ def test_route_does_not_depend_on_thread_count():
 
 def test_route_opcheck():
     logits = distinct_logits(9, 16, seed=6).requires_grad_()
-    torch.library.opcheck(torch.ops.smelt_cpu_py.route.default, (logits, 4, True))
+    torch.library.opcheck(torch.ops.smelt.route_fwd.default, (logits, 4, True, "cpu"))
 
 
 def test_route_traces_under_compile():
     def f(logits):
-        w, ids = cpu.route(logits, 4, True)
+        w, ids = cpu_route(logits, 4, True)
         return (w * ids.float()).sum()
 
     logits = distinct_logits(20, 32, seed=7)
@@ -164,4 +159,4 @@ def test_route_kernel_rejects(bad, err):
     args = dict(logits=torch.randn(4, 8), top_k=2)
     args.update(bad)
     with pytest.raises(err):
-        cpu.route(args["logits"], args["top_k"], True)
+        cpu_route(args["logits"], args["top_k"], True)
