@@ -211,74 +211,82 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _configs(args) -> tuple[list[str], ModelConfig, Optional[ModelConfig]]:
+    """(column names, baseline or single config, looped config or None) from the command."""
     from .. import presets
 
+    if args.config in presets.pairs():
+        base, looped = presets.pair(args.config)
+        names = [f"{args.config}-baseline", f"{args.config}-smelt"]
+    else:
+        base, looped, names = _load_config(args.config), None, [args.config]
+    if args.match:
+        looped, _ = match(
+            base, tolerances=args.tolerances, mean_doc_len=args.mean_doc_len,
+            seq_len=args.seq_len, head_dim_multiple=args.head_dim_multiple,
+            expert_size_multiple=args.expert_size_multiple, kv_heads=args.kv_heads,
+        )
+        names = [names[0], "matched-smelt"]
+    return names, base, looped
+
+
+def _projections(args, names, base, looped) -> str:
+    if args.ep is not None or args.dp_shard is not None:
+        raise ValueError("with --cluster, give ep and gpus in the cluster SPEC, not --ep / "
+                         "--dp-shard")
+    kw = dict(dtype=args.dtype, mean_doc_len=args.mean_doc_len, seq_len=args.seq_len)
+    blocks = []
+    for spec in args.cluster:
+        cl = parse_cluster(spec)
+        if looped is None:
+            pair, projs = None, [project(base, cl, args.tokens_per_step, **kw)]
+        else:
+            pair = project_pair(base, looped, cl, args.tokens_per_step, **kw)
+            projs = [pair.baseline, pair.looped]
+        blocks.append(_format_projection(spec, names, projs, pair))
+    return "\n\n".join(blocks)
+
+
+def _ledgers(args, names, base, looped) -> str:
+    """The three budgets, the communication ledger and their ratios (and a match's JSON)."""
+    cfgs = [base] if looped is None else [base, looped]
+    leds = [ledger(c, args.mean_doc_len, args.seq_len) for c in cfgs]
+    dp_shard = 8 if args.dp_shard is None else args.dp_shard
+    ep = _default_ep(cfgs, dp_shard) if args.ep is None else args.ep
+    tokens = TOKENS_PER_GPU * dp_shard if args.tokens_per_step is None else args.tokens_per_step
+    kw = dict(ep=ep, dp_shard=dp_shard, dtype=args.dtype)
+    comms = [comm(c, tokens, **kw) for c in cfgs]
+    out = [_format_side_by_side(names, leds, cfgs)]
+    if looped is not None:
+        r = compare(base, looped, args.mean_doc_len, args.seq_len)
+        out.append(f"\nratios (looped / baseline): F {r.flops:.4f}  N {r.params:.4f}  "
+                   f"KV {r.kv:.4f}")
+    out.append("\n" + _format_comm(names, comms))
+    if looped is not None:
+        cr = ratios(base, looped, tokens, mean_doc_len=args.mean_doc_len,
+                    seq_len=args.seq_len, **kw)
+        parts = [f"{label} {'-' if v is None else f'{v:.4f}'}"
+                 for label, v in (("EP", cr.ep), ("FSDP", cr.fsdp), ("all", cr.total))]
+        out.append(f"\ncommunication ratios (looped / baseline): {'  '.join(parts)}  "
+                   f"(F {cr.flops:.4f})")
+    if args.match:
+        out.append("\nmatched config (JSON):\n" + looped.to_json())
+    return "\n".join(out)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = _parser().parse_args(argv)
-    except _ArgumentError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    try:
-        if args.config in presets.pairs():
-            base, looped = presets.pair(args.config)
-            names = [f"{args.config}-baseline", f"{args.config}-smelt"]
-        else:
-            base = _load_config(args.config)
-            looped = None
-            names = [args.config]
-        if args.match:
-            looped, _ = match(
-                base, tolerances=args.tolerances, mean_doc_len=args.mean_doc_len,
-                seq_len=args.seq_len, head_dim_multiple=args.head_dim_multiple,
-                expert_size_multiple=args.expert_size_multiple, kv_heads=args.kv_heads,
-            )
-            names = [names[0], "matched-smelt"]
-        cfgs = [base] if looped is None else [base, looped]
-        doc = dict(mean_doc_len=args.mean_doc_len, seq_len=args.seq_len)
+        names, base, looped = _configs(args)
         if args.cluster:
-            if args.ep is not None or args.dp_shard is not None:
-                raise ValueError("with --cluster, give ep and gpus in the cluster SPEC, "
-                                 "not --ep / --dp-shard")
-            blocks = []
-            for spec in args.cluster:
-                cl = parse_cluster(spec)
-                kw = dict(dtype=args.dtype, **doc)
-                if looped is None:
-                    pair, projs = None, [project(base, cl, args.tokens_per_step, **kw)]
-                else:
-                    pair = project_pair(base, looped, cl, args.tokens_per_step, **kw)
-                    projs = [pair.baseline, pair.looped]
-                blocks.append(_format_projection(spec, names, projs, pair))
-            print("\n\n".join(blocks))
-            return 0
-        leds = [ledger(c, args.mean_doc_len, args.seq_len) for c in cfgs]
-        dp_shard = 8 if args.dp_shard is None else args.dp_shard
-        ep = _default_ep(cfgs, dp_shard) if args.ep is None else args.ep
-        tokens = TOKENS_PER_GPU * dp_shard if args.tokens_per_step is None \
-            else args.tokens_per_step
-        kw = dict(ep=ep, dp_shard=dp_shard, dtype=args.dtype)
-        comms = [comm(c, tokens, **kw) for c in cfgs]
-        comm_ratios = None if looped is None else ratios(base, looped, tokens, **kw, **doc)
+            text = _projections(args, names, base, looped)
+        else:
+            text = _ledgers(args, names, base, looped)
     except MatchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (OSError, TypeError, ValueError) as e:
+    except (OSError, TypeError, ValueError) as e:  # _ArgumentError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(_format_side_by_side(names, leds, cfgs))
-    if looped is not None:
-        r = compare(base, looped, args.mean_doc_len, args.seq_len)
-        print(f"\nratios (looped / baseline): F {r.flops:.4f}  N {r.params:.4f}  KV {r.kv:.4f}")
-    print("\n" + _format_comm(names, comms))
-    if comm_ratios is not None:
-        parts = [f"{label} {'-' if v is None else f'{v:.4f}'}" for label, v in
-                 (("EP", comm_ratios.ep), ("FSDP", comm_ratios.fsdp),
-                  ("all", comm_ratios.total))]
-        print(f"\ncommunication ratios (looped / baseline): {'  '.join(parts)}  "
-              f"(F {comm_ratios.flops:.4f})")
-    if args.match:
-        print("\nmatched config (JSON):")
-        print(looped.to_json())
+    print(text)
     return 0

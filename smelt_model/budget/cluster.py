@@ -195,16 +195,17 @@ def parse_cluster(spec: Any) -> Cluster:
     spec = spec.strip()
     if not spec:
         raise ValueError("cluster spec is empty")
-    head, _, rest = spec.partition(",")
-    given = {}
+    head, comma, rest = spec.partition(",")
+    given: dict[str, str] = {}
     if "=" not in head:
         if head.strip() not in CLUSTER_PRESETS:
             raise ValueError(f"unknown cluster preset {head.strip()!r}; presets: "
                              f"{', '.join(CLUSTER_PRESETS)}, or key=value pairs")
         given = _items(CLUSTER_PRESETS[head.strip()], "cluster preset")
+        if not comma:
+            return Cluster(**{key: _value(key, text) for key, text in given.items()})
         spec = rest
-    if spec.strip() or not given:
-        given.update(_items(spec, "cluster spec"))
+    given.update(_items(spec, "cluster spec"))
     return Cluster(**{key: _value(key, text) for key, text in given.items()})
 
 

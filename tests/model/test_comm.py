@@ -177,6 +177,7 @@ def test_parse_cluster():
     ("gpus=8,colour=red", "key one of gpus"),
     ("gpus=8,gpus=16", "gives gpus twice"),
     ("gpus=8,", "item ''"),
+    ("h100-8,", "item ''"),
     ("gpus=eight", "cluster gpus must be an int"),
     ("inter=fast", "cluster inter must be a bandwidth"),
     ("inter=400Mb/s", "unknown unit 'Mb/s'"),
