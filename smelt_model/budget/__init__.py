@@ -5,12 +5,27 @@
     budget.ledger(smelt).flops_by_part       # training FLOPs per token, by part
     budget.compare(base, smelt)              # Ratios(flops=1.029, params=1.004, kv=1.031)
     cfg, ratios = budget.match(base)         # a looped config matched to the baseline
+    budget.comm(smelt, 262144, ep=8, dp_shard=8).ep_bytes   # bytes per step and rank
+    budget.ratios(base, smelt, 262144, ep=8, dp_shard=8)   # CommRatios(ep=1.2375, ...)
+    budget.project_pair(base, smelt, "h100-64").gap()      # projected step-time gap
 
-Inside: ``ledger`` (every accounting formula, and the convention they follow), ``matcher``
-and ``cli`` (``python -m smelt_model.budget``).
+Inside: ``ledger`` (every accounting formula, and the convention they follow), ``matcher``,
+``comm`` (the communication ledger), ``cluster`` (a projected step time on a cluster, a model
+on paper) and ``cli`` (``python -m smelt_model.budget``).
 """
 
 from .cli import main
+from .cluster import (
+    CLUSTER_PRESETS,
+    TOKENS_PER_GPU,
+    Cluster,
+    PairProjection,
+    Projection,
+    parse_cluster,
+    project,
+    project_pair,
+)
+from .comm import DTYPE_BYTES, Comm, CommRatios, comm, dtype_bytes, ratios
 from .ledger import (
     PARTS,
     Ledger,
@@ -39,4 +54,18 @@ __all__ = [
     "decode_flops_per_token",
     "MatchError",
     "main",
+    "DTYPE_BYTES",
+    "Comm",
+    "CommRatios",
+    "comm",
+    "ratios",
+    "dtype_bytes",
+    "CLUSTER_PRESETS",
+    "TOKENS_PER_GPU",
+    "Cluster",
+    "Projection",
+    "PairProjection",
+    "parse_cluster",
+    "project",
+    "project_pair",
 ]

@@ -1,0 +1,299 @@
+"""The communication ledger (budget.comm), the cluster projection (budget.cluster), their
+command line, and the worked tables of docs/comm.md."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from smelt_model import budget, presets
+from smelt_model.config import ModelConfig, LoopSpec
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "comm.md"
+
+
+def _small(**changes) -> ModelConfig:
+    # per layer: attention 2*4*4 + 2*4*4 = 64, router 4*4 = 16, norms 8, experts 4*3*4*2 = 96
+    cfg = ModelConfig(vocab_size=10, hidden_size=4, n_layers=2, n_heads=1, n_kv_heads=1,
+                      head_dim=4, n_experts=4, expert_size=2, top_k=2)
+    return cfg.replace(**changes)
+
+
+# ----------------------------------------------------------------------------- EP bytes
+def test_uniform_ep_bytes_by_hand():
+    # 8 tokens over 2 ranks: 4 tokens x top-2 = 8 rows per rank, half of them leave it;
+    # a row is H = 4 bf16 elements (8 bytes); 2 executed layers
+    c = budget.comm(_small(), 8, ep=2, dp_shard=2)
+    per_collective = 2 * 4 * 8
+    assert (c.dispatch_forward, c.combine_forward, c.dispatch_backward,
+            c.combine_backward) == (per_collective,) * 4
+    assert c.ep_bytes == 4 * per_collective
+    assert c.ep_by_rank == (256, 256)
+    assert c.ep_bytes_per_token == 256 / 4
+    assert c.moe_layers == 2 and c.tokens_per_rank == 4 and c.efsdp == 1
+    # fp32 rows are twice as large
+    assert budget.comm(_small(), 8, ep=2, dp_shard=2, dtype="float32").ep_bytes == 512
+
+
+def test_uniform_ep_four_ranks():
+    # 16 tokens over 4 ranks: 8 rows per rank, 3/4 of them leave it
+    c = budget.comm(_small(), 16, ep=4, dp_shard=4)
+    assert c.dispatch_forward == 2 * 6 * 8
+
+
+def test_ep_one_sends_nothing():
+    c = budget.comm(_small(), 8, ep=1, dp_shard=2)
+    assert c.ep_bytes == 0 and c.ep_by_rank == (0, )
+    c = budget.comm(_small(), 8, ep=1, dp_shard=2, routing=[[[3, 1, 2, 2]]] * 2)
+    assert c.ep_bytes == 0
+
+
+def test_skewed_routing_by_hand():
+    # experts 0, 1 live on rank 0 and 2, 3 on rank 1
+    routing = [
+        [[5, 1, 2, 0],   # rank 0 sends 2 rows to rank 1
+         [3, 3, 0, 2]],  # rank 1 sends 6 rows to rank 0
+        [[0, 0, 4, 4],   # rank 0 sends all 8 rows away
+         [0, 0, 8, 0]],  # rank 1 keeps all of its rows
+    ]
+    c = budget.comm(_small(), 8, ep=2, dp_shard=2, routing=routing)
+    row = 8
+    assert c.dispatch_by_rank == (10 * row, 6 * row)  # layer 0 + layer 1
+    assert c.combine_by_rank == (6 * row, 10 * row)   # the rows each rank received back
+    # each collective is paced by its busiest rank: max(2, 6) + max(8, 0)
+    assert c.dispatch_forward == c.combine_backward == 14 * row
+    assert c.combine_forward == c.dispatch_backward == (6 + 8) * row
+    assert c.ep_by_rank == (2 * 16 * row, 2 * 16 * row)
+    assert c.ep_bytes > budget.comm(_small(), 8, ep=2, dp_shard=2).ep_bytes
+
+
+def test_routing_edge_cases():
+    local = [[[4, 4, 0, 0], [0, 0, 4, 4]]] * 2
+    assert budget.comm(_small(), 8, ep=2, dp_shard=2, routing=local).ep_bytes == 0
+    even = [[[2] * 4] * 4] * 2
+    assert budget.comm(_small(), 16, ep=4, dp_shard=4, routing=even) == \
+        budget.comm(_small(), 16, ep=4, dp_shard=4)
+    torch = pytest.importorskip("torch")
+    as_tensors = [torch.tensor(m) for m in even]
+    assert budget.comm(_small(), 16, ep=4, dp_shard=4, routing=as_tensors).ep_bytes == \
+        budget.comm(_small(), 16, ep=4, dp_shard=4).ep_bytes
+
+
+@pytest.mark.parametrize("routing,message", [
+    ("abc", "routing must be a sequence"),
+    ([[[4, 4, 0, 0], [0, 0, 4, 4]]], "one matrix per executed MoE layer"),
+    ([[[4, 4, 0, 0]]] * 2, r"routing\[0\] must be an \(ep, n_experts\)"),
+    ([[[4, 4, 0], [0, 4, 4]]] * 2, r"routing\[0\] must be an \(ep, n_experts\)"),
+    ([[[4, 4, 0, 0], [0, 0, 4, 4]], [[9, -1, 0, 0], [0, 0, 4, 4]]], r"routing\[1\] .*non-neg"),
+    ([[[4, 4, 0, 0], [0, 0, 4, 4.5]]] * 2, "integer counts"),
+    ([[[4, 4, 0, 0], [0, 0, 4, 3]]] * 2, r"routing\[0\] row 1 routes 7"),
+])
+def test_bad_routing(routing, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        budget.comm(_small(), 8, ep=2, dp_shard=2, routing=routing)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(cfg="tiny"), TypeError, "cfg must be a ModelConfig"),
+    (dict(tokens_per_step=0), ValueError, "tokens_per_step must be >= 1"),
+    (dict(tokens_per_step=8.0), TypeError, "tokens_per_step must be an int"),
+    (dict(tokens_per_step=9), ValueError, r"tokens_per_step \(9\) must be a multiple of dp"),
+    (dict(ep=3, dp_shard=6, tokens_per_step=6), ValueError, r"ep \(3\) must divide n_exp"),
+    (dict(ep=4), ValueError, r"ep \(4\) must divide dp_shard"),
+    (dict(ep=True), TypeError, "ep must be an int"),
+    (dict(dp_shard=0), ValueError, "dp_shard must be >= 1"),
+    (dict(dtype="int8"), ValueError, "dtype must be one of"),
+    (dict(reduce_dtype="fp64"), ValueError, "reduce_dtype must be one of"),
+    (dict(reshard_after_forward=1), TypeError, "reshard_after_forward must be a bool"),
+])
+def test_bad_arguments(kwargs, error, message):
+    args = dict(cfg=_small(), tokens_per_step=8, ep=2, dp_shard=2) | kwargs
+    with pytest.raises(error, match=message):
+        budget.comm(args.pop("cfg"), args.pop("tokens_per_step"), **args)
+
+
+# ----------------------------------------------------------------------------- FSDP bytes
+def test_fsdp_bytes_by_hand():
+    # dense parts: attention 128 + router 32 + norms 16 + final norm 4 + embeddings 2*10*4
+    # = 260 parameters over dp_shard ranks; experts 192 over efsdp, 1/ep of them per EP rank
+    c = budget.comm(_small(), 8, ep=2, dp_shard=2)  # efsdp 1: experts do not move
+    assert c.fsdp_all_gather_forward == c.fsdp_all_gather_backward == 260 / 2 * 2
+    assert c.fsdp_reduce_scatter == 260 / 2 * 4
+    assert c.fsdp_by_part["experts"] == 0 and c.fsdp_by_part["embeddings"] == 40 * 8
+    assert sum(c.fsdp_by_part.values()) == c.fsdp_bytes
+    c = budget.comm(_small(), 8, ep=2, dp_shard=4)  # efsdp 2
+    gathered = 260 * 3 / 4 + 192 / 2 * 1 / 2
+    assert c.fsdp_all_gather_forward == gathered * 2
+    assert c.fsdp_reduce_scatter == gathered * 4
+    c = budget.comm(_small(), 8, ep=2, dp_shard=4, reshard_after_forward=False,
+                    reduce_dtype="bfloat16")
+    assert c.fsdp_all_gather_backward == 0 and c.fsdp_bytes == gathered * 4
+    assert budget.comm(_small(), 8).fsdp_bytes == 0  # one rank: nothing to gather
+
+
+def test_span_gathered_once():
+    looped = _small(n_layers=4, loop=LoopSpec(start=1, length=2, count=2))
+    flat = looped.replace(loop=None)
+    a, b = (budget.comm(c, 64, ep=2, dp_shard=4) for c in (flat, looped))
+    assert b.moe_layers == 6 and a.moe_layers == 4
+    assert b.fsdp_by_part == a.fsdp_by_part  # the span's weights move once, not per visit
+    assert b.ep_bytes == pytest.approx(a.ep_bytes * 6 / 4)
+
+
+# ----------------------------------------------------------------------------- ratios
+@pytest.mark.parametrize("pair,ep_ratio,flops", [("200M-S95", 1.238, 1.029),
+                                                 ("1.6B-S97", 1.203, 1.008)])
+def test_issue_ratios(pair, ep_ratio, flops):
+    base, smelt = presets.pair(pair)
+    for ep, dp_shard in ((8, 8), (8, 64), (2, 2)):
+        r = budget.ratios(base, smelt, 32768 * dp_shard, ep=ep, dp_shard=dp_shard)
+        assert r.ep == pytest.approx(ep_ratio, abs=5e-4)
+        assert r.flops == pytest.approx(flops, abs=5e-4)
+        # the hidden size times the executed layers, through the ledger
+        lb, ls = budget.ledger(base), budget.ledger(smelt)
+        assert r.ep == pytest.approx(smelt.hidden_size * ls.executed_layers
+                                     / (base.hidden_size * lb.executed_layers))
+    r = budget.ratios(base, smelt, 32768, ep=1, dp_shard=1)
+    assert r.ep is None and r.fsdp is None and r.total is None
+    with pytest.raises(TypeError, match="looped_cfg"):
+        budget.ratios(base, "smelt", 8)
+
+
+# ----------------------------------------------------------------------------- cluster
+def test_parse_cluster():
+    assert budget.parse_cluster("h100-8") == budget.Cluster()
+    c = budget.parse_cluster("h100-64,ep=16,inter=200Gb/s")
+    assert (c.gpus, c.ep, c.inter, c.nodes, c.ep_peers()) == (64, 16, 25e9, 8, (7, 8))
+    c = budget.parse_cluster("gpus=16, intra=0.9TB/s, inter=50GB/s, peak=500, mfu=0.5")
+    assert (c.intra, c.inter, c.peak, c.mfu, c.ep) == (0.9e12, 50e9, 500e12, 0.5, 8)
+    assert budget.parse_cluster("inter=400").inter == 50e9  # a bare number is Gb/s
+    assert budget.parse_cluster(c) is c
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("", "empty"),
+    ("h200-3", "unknown cluster preset 'h200-3'"),
+    ("gpus=8,colour=red", "key one of gpus"),
+    ("gpus=8,gpus=16", "gives gpus twice"),
+    ("gpus=8,", "item ''"),
+    ("h100-8,", "item ''"),
+    ("gpus=eight", "cluster gpus must be an int"),
+    ("inter=fast", "cluster inter must be a bandwidth"),
+    ("inter=400Mb/s", "unknown unit 'Mb/s'"),
+    ("intra=-5", "cluster intra must be positive"),
+    ("mfu=1.5", r"cluster mfu must lie in \(0, 1\]"),
+    ("peak=inf", "cluster peak must be positive and finite"),
+    ("gpus=12", "must fill whole nodes"),
+    ("gpus=8,ep=3", r"cluster ep \(3\) must divide gpus"),
+    ("gpus=48,gpus_per_node=8,ep=12", "must divide one another"),
+    ("gpus=0", "cluster gpus must be a positive int"),
+])
+def test_bad_cluster(spec, message):
+    with pytest.raises(ValueError, match=message):
+        budget.parse_cluster(spec)
+    with pytest.raises(TypeError, match="cluster spec must be a str"):
+        budget.parse_cluster(8)
+
+
+def test_projection_by_hand():
+    base, smelt = _small(), _small(n_layers=4, loop=LoopSpec(start=1, length=2, count=2))
+    one_node = budget.Cluster(gpus=4, gpus_per_node=4, intra=100.0, inter=10.0, peak=1000.0,
+                              mfu=0.5, ep=2)
+    p = budget.project(base, one_node, 64)
+    c = budget.comm(base, 64, ep=2, dp_shard=4)
+    assert p.comm == c
+    assert p.compute_s == pytest.approx(budget.ledger(base).flops_per_token * 16 / 500)
+    assert p.ep_s == pytest.approx(c.ep_bytes / 100) and p.fsdp_s == pytest.approx(
+        c.fsdp_bytes / 100)
+    assert p.serial_s == pytest.approx(p.compute_s + p.ep_s + p.fsdp_s)
+    assert p.fsdp_overlapped_s == pytest.approx(max(p.compute_s, p.fsdp_s) + p.ep_s)
+    assert p.overlapped_s == pytest.approx(max(p.compute_s, p.ep_s + p.fsdp_s))
+    # EP over two nodes of two: one peer in the node, two on the other node (NIC bound)
+    two_nodes = budget.Cluster(gpus=8, gpus_per_node=2, intra=100.0, inter=10.0, peak=1000.0,
+                               mfu=0.5, ep=4)
+    p = budget.project(base, two_nodes, 64)
+    c = budget.comm(base, 64, ep=4, dp_shard=8)
+    assert p.ep_s == pytest.approx(max(c.ep_bytes / 3 / 100, c.ep_bytes * 2 / 3 / 10))
+    assert p.fsdp_s == pytest.approx(c.fsdp_bytes / 10)
+    pp = budget.project_pair(base, smelt, one_node, 64)
+    f = budget.compare(base, smelt).flops
+    for mode in ("serial", "fsdp_overlapped", "overlapped"):
+        assert pp.gap(mode) == pytest.approx(
+            pp.looped.step_s(mode) / pp.baseline.step_s(mode) / f)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        pp.gap("ideal")
+    assert budget.project(base, "h100-8,ep=4").comm.tokens_per_step == 8 * budget.TOKENS_PER_GPU
+
+
+def test_overlap_hides_the_extra_all_to_all_on_one_node():
+    p = budget.project_pair(*presets.pair("200M-S95"), "h100-8")
+    assert p.looped.ep_s > p.baseline.ep_s
+    assert p.gap("serial") > 1.03 and p.gap("overlapped") == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_shows_the_communication_ledger(capsys):
+    assert budget.main(["200M-S95"]) == 0
+    out = capsys.readouterr().out
+    assert "F 1.0288" in out and "ep 8, dp_shard 8" in out
+    assert "communication ratios (looped / baseline): EP 1.2375" in out
+    assert budget.main(["200M-S95", "--ep", "2", "--dp-shard", "2", "--tokens-per-step",
+                        "4096"]) == 0
+    assert "4096 tokens per step (2048 per rank), ep 2" in capsys.readouterr().out
+    # a single config whose expert count 8 does not divide: the default EP degree adapts
+    assert budget.main(["tiny-baseline", "--dp-shard", "4"]) == 0
+    assert "ep 4, dp_shard 4" in capsys.readouterr().out
+
+
+def test_cli_cluster(capsys):
+    assert budget.main(["200M-S95", "--cluster", "h100-8", "--cluster", "gpus=16,ep=16"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("a model on paper") == 2 and "EP 16 (over 2 nodes)" in out
+    assert "gap (step ratio / F ratio 1.0288)" in out
+    assert budget.main(["tiny-smelt", "--cluster", "h100-8"]) == 0
+    assert "gap" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["tiny", "--cluster", "gpus=8,ep=3"], "cluster ep (3) must divide gpus"),
+    (["tiny", "--cluster", "h100-9"], "unknown cluster preset"),
+    (["tiny", "--cluster", "h100-8", "--ep", "4"], "give ep and gpus in the cluster SPEC"),
+    (["tiny", "--ep", "0"], "argument --ep: expected a positive int"),
+    (["tiny", "--ep", "3"], "ep (3) must divide dp_shard"),
+    (["tiny", "--tokens-per-step", "100"], "tokens_per_step (100) must be a multiple"),
+    (["tiny", "--dtype", "int8"], "dtype must be one of"),
+    (["tiny", "--colour"], "unrecognized arguments: --colour"),
+])
+def test_cli_errors_are_one_line(capsys, args, message):
+    assert budget.main(args) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.startswith("error: ") and cap.err.count("\n") == 1
+    assert message in cap.err, cap.err
+
+
+# ----------------------------------------------------------------------------- the doc
+def _doc_commands() -> list[tuple[str, str]]:
+    blocks = re.findall(r"```console\n(.*?)```", DOC.read_text(), flags=re.S)
+    out = []
+    for block in blocks:
+        first, _, rest = block.partition("\n")
+        assert first.startswith("$ python -m smelt_model.budget "), first
+        out.append((first[len("$ python -m smelt_model.budget "):], rest))
+    return out
+
+
+def test_doc_tables_are_the_commands_output(capsys):
+    commands = _doc_commands()
+    assert len(commands) >= 2
+    text = DOC.read_text()
+    assert "a model on paper" in text
+    outputs = []
+    for args, expected in commands:
+        assert budget.main(shlex.split(args)) == 0
+        outputs.append(capsys.readouterr().out)
+        assert outputs[-1] == expected, f"docs/comm.md is stale for: {args}"
+    # the ratios the prose quotes come from those outputs
+    prose = re.sub(r"```console\n.*?```", "", text, flags=re.S)
+    quoted = re.findall(r"\b\d\.\d{4}\b", prose)
+    assert quoted and all(q in "".join(outputs) for q in quoted), quoted
