@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 __all__ = ["STDLIB", "Document", "Packed", "load_documents", "split", "pack", "stdlib_root",
-           "epoch_order", "unigram_entropy", "Corpus", "prepare"]
+           "epoch_order", "unigram_entropy", "Corpus", "prepare", "held_out"]
 
 #: the name of the built-in corpus: the running interpreter's standard-library sources
 STDLIB = "python-stdlib"
@@ -239,8 +239,22 @@ def prepare(data: str, tokenizer_spec: str, seq_len: int, val_fraction: float, s
     order = np.random.default_rng([seed, 0x5EED]).permutation(len(train_docs))
     train_tokens = tokenizer.encode_batch([train_docs[i].text for i in order])
     train = pack(train_tokens, seq_len, tokenizer.pad_id)
-    val = None
-    if val_docs:
-        val = pack(tokenizer.encode_batch([d.text for d in val_docs]), seq_len,
-                   tokenizer.pad_id)
-    return Corpus(train, val, tokenizer, len(train_docs), len(val_docs))
+    return Corpus(train, _pack_docs(val_docs, tokenizer, seq_len), tokenizer, len(train_docs),
+                  len(val_docs))
+
+
+def _pack_docs(docs: Sequence[Document], tokenizer: Any, seq_len: int) -> Optional[Packed]:
+    """``docs`` in corpus order, encoded and packed (None without documents)."""
+    if not docs:
+        return None
+    return pack(tokenizer.encode_batch([d.text for d in docs]), seq_len, tokenizer.pad_id)
+
+
+def held_out(data: str, val_fraction: float, tokenizer: Any, seq_len: int) -> Optional[Packed]:
+    """The validation side of ``data`` as :func:`prepare` splits it, encoded with
+    ``tokenizer`` and packed into ``seq_len`` contexts (None when the split has none): a
+    run's held-out text, for tools that look at a trained model."""
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"--seq-len must be an int >= 2, got {seq_len!r}")
+    _, val_docs = split(load_documents(data), val_fraction)
+    return _pack_docs(val_docs, tokenizer, seq_len)
