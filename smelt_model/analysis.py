@@ -366,10 +366,16 @@ def _load_model(path: Path, backend: str):
         raise ValueError(f"{path}: {_first_line(e)}") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .model import MODEL_BACKENDS
 
-    ap = argparse.ArgumentParser(prog="python -m smelt_model.analysis",
+    ap = _Parser(prog="python -m smelt_model.analysis",
                                  description="Mechanism probes for a SMELT (and baseline) checkpoint.")
     ap.add_argument("checkpoint", help="a save_pretrained folder, a run folder, "
                                        "RUN/checkpoints/latest or RUN/checkpoints/step_N")
