@@ -228,7 +228,7 @@ class Trainer:
         return idx
 
     def _tensors(self, data: Packed, rows: np.ndarray):
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a[rows])).to(self.device)
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a[rows])).long().to(self.device)
         return t(data.input_ids), t(data.segment_ids), t(data.labels)
 
     def _autocast(self):
