@@ -180,9 +180,11 @@ def resolve_latest(folder: Path) -> Optional[Path]:
                               f"checkpoint inside {folder}")
     if not latest.exists():
         return None
+    if not latest.is_file():
+        raise CheckpointError(f"{latest}: not a plain file")
     try:
-        raw = latest.read_bytes()[:4096]
-        name = raw.decode("utf-8").strip()
+        with open(latest, "rb") as fh:
+            name = fh.read(256).decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{latest}: not readable as text ({e})") from None
     if not _NAME.fullmatch(name):
@@ -228,10 +230,12 @@ def _check_manifest(ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt / LEGACY_STATE}: a pickled state from an older smelt; "
                               "it is not loaded (unpickling can run code)")
     path = ckpt / MANIFEST
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing (the checkpoint is incomplete)")
+    if path.is_symlink() or not path.is_file() or path.stat().st_size > 1 << 20:
+        raise CheckpointError(f"{path}: not a plain manifest file")
     try:
         manifest = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing (the checkpoint is incomplete)") from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None

@@ -67,10 +67,12 @@ def read_run_file(path: Path) -> RunSpec:
     from dataclasses import MISSING, fields
 
     path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: not found (no run to continue there)")
+    if not path.is_file():
+        raise ValueError(f"{path}: not a plain file")
     try:
         d = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: not found (no run to continue there)") from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ValueError(f"{path}: not a valid run file ({str(e).splitlines()[0]})") from None
     if not isinstance(d, dict):

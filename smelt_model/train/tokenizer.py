@@ -121,6 +121,8 @@ def load(folder: Path):
     path = Path(folder) / FILE
     if not path.exists():
         raise ValueError(f"{path}: no tokenizer saved in the run folder")
+    if not path.is_file():
+        raise ValueError(f"{path}: not a plain file")
     try:
         head = json.loads(path.read_bytes())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
