@@ -50,7 +50,7 @@ def encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return obj if math.isfinite(obj) else {"float": repr(obj)}
     if isinstance(obj, torch.Tensor):
         name = f"t{len(tensors)}"
-        tensors[name] = obj.detach().cpu().contiguous().clone()
+        tensors[name] = obj.detach().cpu().contiguous()
         return {"tensor": name}
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in _NDARRAY_KINDS:
@@ -140,6 +140,12 @@ def dump(state: Any) -> tuple[bytes, dict[str, torch.Tensor]]:
     second with ``safetensors.torch.save_file``."""
     tensors: dict[str, torch.Tensor] = {}
     doc = {"format": FORMAT, "state": encode(state, tensors)}
+    seen = set()
+    for name, t in tensors.items():  # safetensors stores no two views of one memory
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in seen:
+            tensors[name] = t.clone()
+        seen.add(ptr)
     return json.dumps(doc, allow_nan=False).encode(), tensors
 
 

@@ -47,6 +47,8 @@ __all__ = ["RunSpec", "Trainer", "valid_targets", "ENDPOINT_COLUMNS", "read_run_
 ENDPOINT_COLUMNS = ("arch", "F", "S", "D", "loss", "step", "seconds", "C")
 #: the run's log files (appended to; a checkpoint records their lengths)
 LOGS = ("log.jsonl", "endpoints.csv")
+
+
 def _combined(parts: dict[str, dict[str, int]]) -> dict[str, int]:
     """Peak bytes of models trained one optimizer step at a time in one process: weights
     and optimizer state of all of them, the step's transients of the largest, one runtime."""
@@ -376,7 +378,7 @@ class Trainer:
                     for line in lines:
                         if not isinstance(json.loads(line), dict):
                             raise ValueError("a line is not a JSON object")
-                elif lines and lines[0] != ",".join(ENDPOINT_COLUMNS) or any(
+                elif (lines and lines[0] != ",".join(ENDPOINT_COLUMNS)) or any(
                         len(line.split(",")) != len(ENDPOINT_COLUMNS) for line in lines[1:]):
                     raise ValueError(f"expected the columns {','.join(ENDPOINT_COLUMNS)}")
             except (UnicodeDecodeError, ValueError, RecursionError) as e:

@@ -270,3 +270,15 @@ def test_a_cut_log_is_refused(corpus, run, capsys):
     log.write_bytes(log.read_bytes()[:100])
     rc, err = _resume(corpus, cfg, out, capsys)
     _refused(rc, err, "log.jsonl", "recorded")
+
+
+def test_plain_state_stores_views_of_one_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    base = torch.arange(6.0)
+    doc, tensors = plainstate.dump({"a": base, "b": base[:3], "c": base})
+    (tmp_path / "s.json").write_bytes(doc)
+    save_file(tensors, str(tmp_path / "s.safetensors"))
+    back = plainstate.load(tmp_path / "s.json", tmp_path / "s.safetensors")
+    assert back["a"].tolist() == back["c"].tolist() == list(range(6))
+    assert back["b"].tolist() == [0, 1, 2]
