@@ -26,8 +26,8 @@ A model is a ``save_pretrained`` folder, a trainer's run folder (its newest chec
 ``RUN/checkpoints/latest`` pointer or a ``RUN/checkpoints/step_N`` folder; the folder of an
 ``--arch both`` pair stands for its SMELT model with its baseline. Without ``--tokens`` the
 held-out tokens are the run's own validation split (its data, split and tokenizer, packed
-into ``--seq-len`` contexts with their document segments). ``--tokens`` reads ``.npy``
-(no pickled objects), ``.safetensors`` or a tensor ``.pt`` (torch's tensors-only loader).
+into ``--seq-len`` contexts with their document segments). ``--tokens`` reads ``.npy`` (no
+pickled objects) or ``.safetensors``; a ``.pt`` file is a pickle and is refused unread.
 Bad input gives one line on stderr and exit status 2.
 """
 
@@ -265,7 +265,9 @@ def _first_line(e: BaseException) -> str:
 
 
 def _read_ids(p: Path) -> torch.Tensor:
-    """Token ids from ``.npy``, ``.safetensors`` (one tensor, or ``input_ids``) or ``.pt``."""
+    """Token ids from ``.npy`` (no pickled objects) or ``.safetensors`` (one tensor, or one
+    named ``input_ids``). Nothing else is read: a ``.pt`` file is a pickle, which can run
+    code."""
     import numpy as np
 
     if p.suffix == ".npy":
@@ -279,11 +281,8 @@ def _read_ids(p: Path) -> torch.Tensor:
         if len(found) != 1:
             raise ValueError(f"expected one tensor or one named input_ids, got {len(found)}")
         return next(iter(found.values()))
-    # torch's tensors-only unpickler: globals outside its allow-list are refused, not run
-    ids = torch.load(p, map_location="cpu", weights_only=True)
-    if not isinstance(ids, torch.Tensor):
-        raise ValueError(f"expected a tensor, got {type(ids).__name__}")
-    return ids
+    raise ValueError(f"{p.suffix or 'a file without a suffix'} is not read (a .pt file is a "
+                     "pickle, which can run code); save the ids with numpy.save or safetensors")
 
 
 def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tensor:
@@ -296,8 +295,8 @@ def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tenso
             raise ValueError(f"expected integer token ids, got {ids.dtype}")
         ids = ids.long()
     except Exception as e:  # whatever the reader says: the file is not an array of token ids
-        raise ValueError(f"--tokens {path}: cannot read token ids (.npy, .safetensors or a "
-                         f"tensor .pt): {_first_line(e)}") from None
+        raise ValueError(f"--tokens {path}: cannot read token ids (.npy or .safetensors): "
+                         f"{_first_line(e)}") from None
     ids = ids.reshape(-1)
     need = seq_len * batch
     if ids.numel() < need:
@@ -380,8 +379,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("checkpoint", help="a save_pretrained folder, a run folder, "
                                        "RUN/checkpoints/latest or RUN/checkpoints/step_N")
     ap.add_argument("--baseline", help="a baseline model (same forms) to compare sink by depth")
-    ap.add_argument("--tokens", help="held-out token ids (.npy, .safetensors or .pt; default: "
-                                     "the run's validation split)")
+    ap.add_argument("--tokens", help="held-out token ids (.npy or .safetensors; default: the "
+                                     "run's validation split)")
     ap.add_argument("--seq-len", type=int,
                     help="tokens per context (default: the run's, or 512 with --tokens)")
     ap.add_argument("--batch", type=int, default=4)

@@ -2,8 +2,10 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from smelt_kernels import reference as R
 from smelt_model import analysis, capture
@@ -111,33 +113,38 @@ def test_cli_on_checkpoints(tmp_path, capsys):
     torch.manual_seed(0)
     SmeltLM(micro(), backend="torch").save_pretrained(tmp_path / "smelt")
     SmeltLM(micro(loop=None), backend="torch").save_pretrained(tmp_path / "base")
-    torch.save(torch.randint(0, 97, (200,)), tmp_path / "ids.pt")
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 97, 200))
+    save_file({"input_ids": torch.randint(0, 97, (2, 16))}, str(tmp_path / "ids.safetensors"))
     pytest.importorskip("matplotlib")
     rc = analysis.main([str(tmp_path / "smelt"), "--baseline", str(tmp_path / "base"),
-                        "--tokens", str(tmp_path / "ids.pt"), "--seq-len", "16", "--batch", "2",
+                        "--tokens", str(tmp_path / "ids.npy"), "--seq-len", "16", "--batch", "2",
                         "--backend", "torch", "--plot", str(tmp_path / "sink.png")])
     assert rc == 0
     out = capsys.readouterr().out
     assert "== smelt: per executed layer ==" in out and "== baseline" in out
     assert (tmp_path / "sink.png").stat().st_size > 0
-    rc = analysis.main([str(tmp_path / "smelt"), "--tokens", str(tmp_path / "ids.pt"),
+    assert analysis.main([str(tmp_path / "smelt"), "--tokens", str(tmp_path / "ids.safetensors"),
+                          "--seq-len", "16", "--batch", "2", "--backend", "torch"]) == 0
+    rc = analysis.main([str(tmp_path / "smelt"), "--tokens", str(tmp_path / "ids.npy"),
                         "--seq-len", "1000", "--batch", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and "need 2000" in err and err.count("\n") == 1
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    torch.save(torch.randint(0, 97, (200,)), tmp_path / "ids.pt")
-    rc = analysis.main([str(tmp_path / "absent"), "--tokens", str(tmp_path / "ids.pt")])
+    np.save(tmp_path / "ids.npy", np.arange(200))
+    rc = analysis.main([str(tmp_path / "absent"), "--tokens", str(tmp_path / "ids.npy")])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and "not found" in err and err.count("\n") == 1
     with pytest.raises(SystemExit):
         analysis.main([str(tmp_path / "absent"), "--tokens", "x.pt", "--backend", "jax"])
     SmeltLM(micro(), backend="torch").save_pretrained(tmp_path / "ckpt")
-    (tmp_path / "bad.pt").write_text("not a tensor")
+    (tmp_path / "bad.npy").write_text("not an array")
+    np.save(tmp_path / "floats.npy", np.ones(200))
     capsys.readouterr()
     for argv, fragment in [
-        (["--tokens", str(tmp_path / "bad.pt")], "cannot read token ids"),
+        (["--tokens", str(tmp_path / "bad.npy")], "cannot read token ids"),
+        (["--tokens", str(tmp_path / "floats.npy")], "integer token ids"),
         ([], "pass held-out token ids with --tokens"),  # a bare folder: no run to take them from
     ]:
         assert analysis.main([str(tmp_path / "ckpt"), *argv]) == 2
@@ -161,9 +168,8 @@ def test_a_pickled_token_file_runs_nothing(tmp_path, capsys):
     assert marker.exists()
     marker.unlink()
     assert analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "ids.pt")]) == 2
-    assert "cannot read token ids" in capsys.readouterr().err
+    assert "a .pt file is a pickle" in capsys.readouterr().err
     assert not marker.exists()
-    np = pytest.importorskip("numpy")
     np.save(tmp_path / "obj.npy", np.array([Payload()], dtype=object), allow_pickle=True)
     np.load(tmp_path / "obj.npy", allow_pickle=True)
     assert marker.exists()
