@@ -308,7 +308,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 fits[a] = data[a].fit(args.delta)
             except ValueError as e:
                 e_ = data[a]
-                print(f"error: cannot fit {a!r}: {e} (it has {len(e_)} endpoints: "
+                print(f"error: cannot fit {a!r}: {e} (it has {len(e_)} "
+                      f"endpoint{'s' if len(e_) != 1 else ''}: "
                       f"{len(np.unique(e_.F))} distinct F, {len(np.unique(e_.D))} distinct D); "
                       f"{_MORE_RUNS}", file=sys.stderr)
                 return 1
