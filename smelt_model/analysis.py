@@ -18,8 +18,17 @@ For the baseline (no loop) the per-layer statistics (norms, sink) are reported b
 
 Command line::
 
-    python -m smelt_model.analysis CHECKPOINT --tokens held_out.pt [--seq-len 512]
+    python -m smelt_model.analysis runs/tiny                  # a trainer's run folder
+    python -m smelt_model.analysis runs/tiny/smelt/checkpoints/latest --baseline runs/tiny/baseline
     python -m smelt_model.analysis SMELT_CKPT --baseline BASE_CKPT --tokens ids.npy --plot sink.png
+
+A model is a ``save_pretrained`` folder, a trainer's run folder (its newest checkpoint), a
+``RUN/checkpoints/latest`` pointer or a ``RUN/checkpoints/step_N`` folder; the folder of an
+``--arch both`` pair stands for its SMELT model with its baseline. Without ``--tokens`` the
+held-out tokens are the run's own validation split (its data, split and tokenizer, packed
+into ``--seq-len`` contexts with their document segments). ``--tokens`` reads ``.npy`` (no
+pickled objects) or ``.safetensors``; a ``.pt`` file is a pickle and is refused unread.
+Bad input gives one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -250,58 +259,144 @@ def format_report(report: ProbeReport) -> str:
 
 
 # ----------------------------------------------------------------------------- command line
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _read_ids(p: Path) -> torch.Tensor:
+    """Token ids from ``.npy`` (no pickled objects) or ``.safetensors`` (one tensor, or one
+    named ``input_ids``). Nothing else is read: a ``.pt`` file is a pickle, which can run
+    code."""
+    import numpy as np
+
+    if p.suffix == ".npy":
+        return torch.from_numpy(np.load(p, allow_pickle=False))
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        found = load_file(str(p))
+        if "input_ids" in found:
+            return found["input_ids"]
+        if len(found) != 1:
+            raise ValueError(f"expected one tensor or one named input_ids, got {len(found)}")
+        return next(iter(found.values()))
+    raise ValueError(f"{p.suffix or 'a file without a suffix'} is not read (a .pt file is a "
+                     "pickle, which can run code); save the ids with numpy.save or safetensors")
+
+
 def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tensor:
     p = Path(path)
-    if not p.exists():
-        raise SystemExit(f"no such token file: {path}")
+    if not p.is_file():
+        raise ValueError(f"--tokens {path}: no such file")
     try:
-        if p.suffix == ".npy":
-            import numpy as np
-
-            ids = torch.from_numpy(np.load(p)).long()
-        else:
-            ids = torch.load(p).long()
-    except Exception as e:  # a file that is not an array of token ids, whatever the reader says
-        raise SystemExit(f"cannot read token ids from {path} (.pt tensor or .npy array): "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        ids = _read_ids(p)
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"expected integer token ids, got {ids.dtype}")
+        ids = ids.long()
+    except Exception as e:  # whatever the reader says: the file is not an array of token ids
+        raise ValueError(f"--tokens {path}: cannot read token ids (.npy or .safetensors): "
+                         f"{_first_line(e)}") from None
     ids = ids.reshape(-1)
     need = seq_len * batch
     if ids.numel() < need:
-        raise SystemExit(f"{path} has {ids.numel()} tokens; need {need} (--seq-len x --batch)")
+        raise ValueError(f"--tokens {path} has {ids.numel()} tokens; need {need} (--seq-len x "
+                         "--batch)")
     ids = ids[:need].view(batch, seq_len)
     if ids.min() < 0 or ids.max() >= vocab:
-        raise SystemExit(f"token ids in {path} fall outside the vocabulary [0, {vocab})")
+        raise ValueError(f"--tokens {path}: token ids fall outside the vocabulary [0, {vocab})")
     return ids
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .model import MODEL_BACKENDS, SmeltLM
+def _locate(path: str) -> tuple[Path, Optional[Path]]:
+    """(the checkpoint folder ``path`` points at, the run folder it belongs to or None)."""
+    from .train import checkpoint
 
-    ap = argparse.ArgumentParser(prog="python -m smelt_model.analysis",
+    p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        raise ValueError(f"{path}: not found")
+    ckpt = checkpoint.resolve(p)
+    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+    if run is not None and not (run / "run.json").is_file():
+        run = None
+    return ckpt, run
+
+
+def _pair(path: str) -> Optional[tuple[str, str]]:
+    """(smelt run, baseline run) when ``path`` is the folder of an ``--arch both`` pair."""
+    p = Path(path)
+    if (p / "smelt" / "run.json").is_file() and (p / "baseline" / "run.json").is_file():
+        return str(p / "smelt"), str(p / "baseline")
+    return None
+
+
+def _held_out(run: Optional[Path], where: str, seq_len: Optional[int], batch: int):
+    """(ids, segment_ids) from the run's validation split: ``batch`` contexts."""
+    from .train import data, tokenizer
+    from .train.runspec import read_run_file
+
+    if run is None:
+        raise ValueError(f"{where} is not a trainer's run (no run.json beside its checkpoints): "
+                         "pass held-out token ids with --tokens")
+    spec = read_run_file(run / "run.json")
+    tok = tokenizer.load(run)
+    try:
+        val = data.held_out(spec.data, spec.val_fraction, tok, seq_len or spec.seq_len)
+    except ValueError as e:
+        raise ValueError(f"{run / 'run.json'}: the run's data cannot be read here ({e}); pass "
+                         "--tokens") from None
+    if val is None:
+        raise ValueError(f"{run}: the run has no validation split (--val-fraction "
+                         f"{spec.val_fraction}); pass --tokens")
+    n = min(batch, len(val))
+    ids = torch.from_numpy(val.input_ids[:n]).long()
+    seg = torch.from_numpy(val.segment_ids[:n]).long()
+    print(f"held-out tokens: {n} x {ids.shape[1]} from the validation split of {spec.data} "
+          f"({run})")
+    return ids, seg
+
+
+def _load_model(path: Path, backend: str):
+    from .model import SmeltLM
+
+    try:
+        return SmeltLM.from_pretrained(path, backend=backend)
+    except Exception as e:  # config or weights that do not make a model
+        raise ValueError(f"{path}: {_first_line(e)}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .model import MODEL_BACKENDS
+
+    ap = _Parser(prog="python -m smelt_model.analysis",
                                  description="Mechanism probes for a SMELT (and baseline) checkpoint.")
-    ap.add_argument("checkpoint", help="a save_pretrained folder")
-    ap.add_argument("--baseline", help="a baseline checkpoint to compare sink by depth")
-    ap.add_argument("--tokens", required=True, help="held-out token ids (.pt or .npy)")
-    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("checkpoint", help="a save_pretrained folder, a run folder, "
+                                       "RUN/checkpoints/latest or RUN/checkpoints/step_N")
+    ap.add_argument("--baseline", help="a baseline model (same forms) to compare sink by depth")
+    ap.add_argument("--tokens", help="held-out token ids (.npy or .safetensors; default: the "
+                                     "run's validation split)")
+    ap.add_argument("--seq-len", type=int,
+                    help="tokens per context (default: the run's, or 512 with --tokens)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--backend", default="auto", choices=MODEL_BACKENDS)
     ap.add_argument("--plot", help="write the sink-by-depth plot here (needs matplotlib)")
     args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except ValueError as e:
+        print("error: " + "; ".join(str(e).splitlines()), file=sys.stderr)
+        return 2
 
-    models = [("smelt" if args.baseline else "model", args.checkpoint)]
-    if args.baseline:
-        models.append(("baseline", args.baseline))
-    reports = {}
-    for name, path in models:
-        try:
-            model = SmeltLM.from_pretrained(path, backend=args.backend)
-        except (OSError, TypeError, ValueError, RuntimeError) as e:
-            print(f"error: {path}: {e}", file=sys.stderr)
-            return 2
-        ids = _load_tokens(args.tokens, args.seq_len, args.batch, model.cfg.vocab_size)
-        reports[name] = analyze(model, ids)
-        print(format_report(reports[name]))
-        print()
+
+def _run(args) -> int:
+    if args.batch < 1 or (args.seq_len is not None and args.seq_len < 2):
+        raise ValueError("--batch must be >= 1 and --seq-len >= 2")
     if args.plot:
         try:
             import matplotlib
@@ -309,9 +404,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            print("error: --plot needs matplotlib (pip install matplotlib, or install smelt "
-                  "with the [plot] extra)", file=sys.stderr)
-            return 1
+            raise ValueError("--plot needs matplotlib (pip install matplotlib, or install smelt "
+                             "with the [plot] extra)") from None
+    main_path, base_path = args.checkpoint, args.baseline
+    pair = _pair(main_path) if base_path is None else None
+    if pair is not None:
+        main_path, base_path = pair
+    models = [("smelt" if base_path else "model", main_path)]
+    if base_path:
+        models.append(("baseline", base_path))
+    located = [(name, *_locate(path)) for name, path in models]  # every path, before work
+    ids = seg = None
+    if args.tokens is None:
+        ids, seg = _held_out(located[0][2], models[0][1], args.seq_len, args.batch)
+    reports = {}
+    for name, ckpt, _ in located:
+        model = _load_model(ckpt, args.backend)
+        vocab = model.cfg.vocab_size
+        if args.tokens is not None:
+            x, s = _load_tokens(args.tokens, args.seq_len or 512, args.batch, vocab), None
+        else:
+            x, s = ids, seg
+            if int(x.max()) >= vocab:
+                raise ValueError(f"{ckpt}: the held-out tokens fall outside its vocabulary "
+                                 f"[0, {vocab}): pass --tokens")
+        reports[name] = analyze(model, x, s)
+        print(format_report(reports[name]))
+        print()
+    if args.plot:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, rep in reports.items():
             xs, ys = zip(*sink_by_depth(rep))

@@ -43,6 +43,13 @@ __all__ = ["PAPER_SPARSITIES", "report", "plot_frontiers", "main"]
 #: sparsities of the paper's cells (its S≈85/95/97%; these reproduce its TPP and CE Gain)
 PAPER_SPARSITIES = (0.85, 0.95, 0.97)
 
+#: what a fit that lacks endpoints needs, and how the trainer provides them
+_MORE_RUNS = (
+    "each evaluation of a training run adds one endpoint (its D, tokens so far; --eval-every "
+    "sets how many), while F changes only with the model (--preset / --config) or --seq-len: "
+    "train each architecture at two or more model sizes or context lengths, then merge the "
+    "runs' endpoints.csv files (one header, all rows) and fit that")
+
 
 # ----------------------------------------------------------------------------- tables
 
@@ -225,8 +232,14 @@ def plot_frontiers(path: str, fits: dict[str, Surface], S: Sequence[float],
 # ----------------------------------------------------------------------------- command line
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="python -m smelt_model.scaling",
         description="Fit loss surfaces per architecture; print coefficients, frontier "
                     "exponents, CE Gain and TPP tables (with bootstrap intervals).",
@@ -289,11 +302,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         S = args.S or [float(v) for v in np.unique(np.round(data[ref].S, 6))]
         counts = {a: len(data[a]) for a in order}
-        try:
-            fits = {a: data[a].fit(args.delta) for a in order}
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+        fits = {}
+        for a in order:
+            try:
+                fits[a] = data[a].fit(args.delta)
+            except ValueError as e:
+                e_ = data[a]
+                print(f"error: cannot fit {a!r}: {e} (it has {len(e_)} "
+                      f"endpoint{'s' if len(e_) != 1 else ''}: "
+                      f"{len(np.unique(e_.F))} distinct F, {len(np.unique(e_.D))} distinct D); "
+                      f"{_MORE_RUNS}", file=sys.stderr)
+                return 1
 
     boots = {}
     if args.bootstrap:

@@ -5,8 +5,11 @@
     torchrun --nproc_per_node 2 -m smelt_model.train --preset tiny --arch smelt ...
 
 Bad input (a missing path, an empty corpus, ``--seq-len`` below 2, a config whose vocabulary
-is smaller than the tokenizer's, ``--resume`` of a different run) stops with one line on
-stderr before any training.
+is smaller than the tokenizer's, a model that would not fit in memory, ``--resume`` of a
+different run, a damaged run file) stops with one line on stderr and a non-zero exit before
+any training. ``--resume`` compares ``run.json`` before anything is built, never starts a run
+over and leaves the run's files untouched when it refuses; with a larger ``--steps`` it
+extends a finished run.
 """
 
 from __future__ import annotations
@@ -27,7 +30,17 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def default_every(steps: int) -> int:
+    """Evaluation (and checkpoint) cadence when none is given: a tenth of the run, but not
+    more often than every 10 steps (a run also evaluates at its start and end and saves at
+    its end)."""
+    return max(10, math.ceil(steps / 10))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from smelt_kernels.backends import BACKENDS
+    from smelt_kernels.executor import RECOMPUTE_POLICIES
+
     ap = _Parser(prog="python -m smelt_model.train",
                  description="Train baseline / SMELT models on packed documents.")
     what = ap.add_argument_group("what to train")
@@ -54,21 +67,30 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--batch-size", type=int,
                      help="contexts per micro-batch and process (default: no accumulation)")
     opt.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    opt.add_argument("--recompute", choices=("none", "visit1", "all"), default="none")
+    opt.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default=RECOMPUTE_POLICIES[0],
+                     help="what the looped span recomputes in backward")
     stop = ap.add_argument_group("when to stop (the first reached)")
     stop.add_argument("--steps", type=int)
     stop.add_argument("--tokens", type=float)
     stop.add_argument("--budget-flops", type=float, help="ledger training FLOPs")
     out = ap.add_argument_group("output")
     out.add_argument("--out", required=True, help="run folder")
-    out.add_argument("--resume", action="store_true", help="continue the run in --out")
-    out.add_argument("--eval-every", type=int, help="steps (default: 10 evaluations a run)")
+    out.add_argument("--resume", action="store_true",
+                     help="continue the run in --out (a larger --steps extends it)")
+    out.add_argument("--allow-nonbitwise", action="store_true",
+                     help="let --resume use another --threads or --backend than the run (the "
+                          "result is then no longer bitwise equal to an uninterrupted run)")
+    out.add_argument("--eval-every", type=int,
+                     help="steps (default: a tenth of the run, at least 10; also at the start "
+                          "and the end)")
     out.add_argument("--eval-tokens", type=int, default=32768,
                      help="validation tokens per evaluation")
-    out.add_argument("--save-every", type=int, help="steps (default: at every evaluation)")
+    out.add_argument("--save-every", type=int,
+                     help="steps (default: the evaluation cadence; always at the end)")
     out.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     out.add_argument("--plot", help="draw validation loss against FLOPs and seconds")
-    out.add_argument("--backend", default="auto", help="kernel backend (default auto)")
+    out.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
+                     help="kernel backend (default auto)")
     out.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     out.add_argument("--threads", type=int,
                      help="CPU threads for torch and the kernels (default: torch's choice)")
@@ -120,6 +142,8 @@ def _steps(args, tokens_per_step: int, flops_per_token: float) -> int:
 
 
 def _check_numbers(args) -> None:
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
     for name in ("tokens_per_step", "eval_tokens"):
@@ -156,9 +180,49 @@ def _init_distributed(args):
     return device
 
 
+def _resume_checks(args, dirs: dict, vocab_spec: int):
+    """On ``--resume``: each run's ``run.json`` (a damaged one is refused naming it) and the
+    run's own tokenizer; the recipe the arguments ask for is compared here, before any data
+    or model. Returns ``(saved specs by arch or {}, tokenizer or None, vocabulary size)``."""
+    from . import tokenizer as tok_mod
+    from .runspec import read_run_file
+
+    if not args.resume:
+        for d in dirs.values():
+            if (d / "run.json").exists():
+                raise ValueError(f"--out {d} already holds a run; pass --resume to continue "
+                                 "it or choose another --out")
+        return {}, None, vocab_spec
+    saved = {}
+    for a, d in dirs.items():
+        if not (d / "run.json").exists():
+            raise ValueError(f"--resume: no run in {d} (run.json not found)")
+        saved[a] = read_run_file(d / "run.json")
+    first = next(iter(dirs.values()))
+    tokenizer = tok_mod.load(first) if (first / tok_mod.FILE).exists() else None
+    return saved, tokenizer, (tokenizer.vocab_size if tokenizer else vocab_spec)
+
+
+def _recipe(args, arch: str, cfg) -> dict:
+    """The RunSpec fields the command line fixes without reading the data."""
+    import torch
+
+    now = {"arch": arch, "config": cfg.to_dict(), "seed": args.seed, "data": args.data,
+           "tokenizer": args.tokenizer, "seq_len": args.seq_len,
+           "val_fraction": args.val_fraction, "tokens_per_step": args.tokens_per_step,
+           "lr": args.lr, "weight_decay": args.weight_decay, "min_lr_ratio": args.min_lr_ratio,
+           "grad_clip": args.grad_clip, "dtype": args.dtype, "recompute": args.recompute,
+           "threads": torch.get_num_threads(), "backend": args.backend}
+    if args.warmup_steps is not None:
+        now["warmup_steps"] = args.warmup_steps
+    return now
+
+
 def run(args) -> int:
     from . import plot as plot_mod
     from . import tokenizer as tok_mod
+    from .runspec import compare
+    from .trainer import check_memory
 
     _check_numbers(args)
     tok_mod.parse_spec(args.tokenizer)
@@ -172,15 +236,22 @@ def run(args) -> int:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     out = Path(args.out)
     both = args.preset is not None and args.arch == "both"
-    # read the configs first (cheap, and a bad one should stop before any tokenising)
+    # the configs first (cheap: a bad one stops before any tokenising), then the run on disk
     archs = list(_configs(args, tok_mod.parse_spec(args.tokenizer)[1]))
     dirs = {a: (out / a if both else out) for a in archs}
-    if args.resume:
-        for a, d in dirs.items():
-            if not (d / "run.json").exists():
-                raise ValueError(f"--resume: no run in {d} (run.json not found)")
+    saved, _, vocab = _resume_checks(args, dirs, tok_mod.parse_spec(args.tokenizer)[1])
+    cfgs = _configs(args, vocab)
+    for a, spec in saved.items():
+        compare(_recipe(args, a, cfgs[a]), spec, dirs[a], args.allow_nonbitwise)
+    rows = args.tokens_per_step // args.seq_len
+    what = f"--preset {args.preset}" if args.preset else f"--config {args.config}"
+    check_memory(cfgs, batch_size=args.batch_size or max(1, rows // world),
+                 seq_len=args.seq_len, dtype=args.dtype, world=world,
+                 local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)), device=device,
+                 what=what)
     trainers, corpus = build_trainers(args, dirs, device, rank)
     if rank == 0 and not args.quiet:
         print(f"data: {corpus.n_train_docs} train / {corpus.n_val_docs} val documents, "
@@ -205,19 +276,17 @@ def run(args) -> int:
 
 def build_trainers(args, dirs: dict, device: str, rank: int = 0):
     """Load and pack the data once, and make one :class:`Trainer` per architecture of
-    ``args`` (writing into ``dirs[arch]``). Returns ``(trainers, corpus)``."""
+    ``args`` (writing into ``dirs[arch]``). Returns ``(trainers, corpus)``. With
+    ``args.resume`` the runs' own tokenizer is used, and settings the command line leaves
+    out (the warm-up) come from their ``run.json``."""
+    import torch
     import torch.distributed as dist
 
     from .. import budget
-    from . import tokenizer as tok_mod
     from .data import prepare
     from .trainer import RunSpec, Trainer
 
-    archs = list(dirs)
-    tokenizer = None
-    first = dirs[archs[0]]
-    if args.resume and (first / tok_mod.FILE).exists():
-        tokenizer = tok_mod.load(first)
+    saved, tokenizer, _ = _resume_checks(args, dirs, 0)
     corpus = prepare(args.data, args.tokenizer, args.seq_len, args.val_fraction, args.seed,
                      tokenizer)
     cfgs = _configs(args, corpus.tokenizer.vocab_size)
@@ -229,19 +298,23 @@ def build_trainers(args, dirs: dict, device: str, rank: int = 0):
     for arch, cfg in cfgs.items():
         fpt = budget.ledger(cfg, corpus.train.mean_doc_len, args.seq_len).flops_per_token
         steps = _steps(args, args.tokens_per_step, fpt)
-        every = args.eval_every or max(1, steps // 10)
+        every = args.eval_every or default_every(steps)
+        old = saved.get(arch)
+        warmup = args.warmup_steps or (old.warmup_steps if old else max(1, round(0.05 * steps)))
         spec = RunSpec(
             arch=arch, config=cfg.to_dict(), seed=args.seed, data=args.data,
             tokenizer=args.tokenizer, seq_len=args.seq_len, val_fraction=args.val_fraction,
             tokens_per_step=args.tokens_per_step, batch_size=batch, steps=steps, lr=args.lr,
-            weight_decay=args.weight_decay,
-            warmup_steps=args.warmup_steps or max(1, round(0.05 * steps)),
+            weight_decay=args.weight_decay, warmup_steps=warmup,
             min_lr_ratio=args.min_lr_ratio, grad_clip=args.grad_clip, dtype=args.dtype,
             recompute=args.recompute, eval_every=every, save_every=args.save_every or every,
             eval_tokens=args.eval_tokens, keep=args.keep,
+            schedule_steps=old.schedule_steps if old else steps,
+            threads=torch.get_num_threads(), backend=args.backend,
         )
-        trainers.append(Trainer(spec, corpus.train, corpus.val, dirs[arch],
-                                backend=args.backend, device=device, resume=args.resume))
+        trainers.append(Trainer(spec, corpus.train, corpus.val, dirs[arch], device=device,
+                                resume=args.resume,
+                                allow_nonbitwise=getattr(args, "allow_nonbitwise", False)))
         if rank == 0:
             corpus.tokenizer.save(dirs[arch])
     return trainers, corpus
@@ -316,7 +389,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run(args)
     except (ValueError, KeyError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {msg}", file=sys.stderr)
+        print("error: " + "; ".join(str(msg).splitlines()), file=sys.stderr)
         return 2
 
 

@@ -1,11 +1,20 @@
-"""Atomic, resumable checkpoints.
+"""Atomic, resumable checkpoints that run no code when they are read.
 
 A checkpoint is a folder ``checkpoints/step_NNNNNNNN/`` holding ``model.safetensors`` and
-``config.json`` (loadable with ``SmeltLM.from_pretrained``), ``state.pt`` (optimizer,
-scheduler, RNG states, the data position and the lengths of the logs at that step) and
+``config.json`` (loadable with ``SmeltLM.from_pretrained``), the training state (optimizer,
+scheduler, RNG states, the data position and the lengths of the logs at that step) as
+``state.json`` + ``state.safetensors`` (:mod:`.plainstate`: JSON and tensors, no pickle) and
 ``manifest.json``, written last, with every file's size and SHA-256. The folder is written
-under a temporary name and renamed into place, then ``checkpoints/latest`` is replaced
-atomically; a crash at any moment leaves the previous checkpoint loadable.
+under a temporary name and renamed into place, then ``checkpoints/latest`` (a file holding
+the folder's name) is replaced atomically; a crash at any moment leaves the previous
+checkpoint loadable.
+
+Reading is strict. ``latest`` must name a ``step_N`` folder directly inside
+``checkpoints/`` (no path, no symbolic link): anything else raises :class:`CheckpointError`.
+A checkpoint whose files do not match its manifest, or whose files cannot be parsed, is not
+loaded; :func:`load_latest` then falls back to the next newest and reports each one it
+passed over, and raises when checkpoints exist but none loads. A folder from an older format
+with a pickled ``state.pt`` is never unpickled: it is refused like a corrupt one.
 
 ``SMELT_TRAIN_CRASH`` is a fault-injection hook for tests: ``step:N`` kills the process with
 SIGKILL after step N has been logged, ``checkpoint:N`` in the middle of writing the step-N
@@ -17,19 +26,41 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["save", "load_latest", "crash_point", "Checkpoint"]
+from . import plainstate
+
+__all__ = ["save", "load_latest", "resolve", "resolve_latest", "crash_point", "Checkpoint",
+           "CheckpointError", "NoCheckpoint"]
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 WEIGHTS = "model.safetensors"
-STATE = "state.pt"
+CONFIG = "config.json"
+STATE_JSON = "state.json"
+STATE_TENSORS = "state.safetensors"
+#: the pickled state file of an older format: never loaded
+LEGACY_STATE = "state.pt"
+FILES = (WEIGHTS, CONFIG, STATE_JSON, STATE_TENSORS)
+_NAME = re.compile(r"step_\d{8,}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or ``latest``) that cannot be used; the message names the file."""
+
+
+class NoCheckpoint(CheckpointError):
+    """Checkpoints exist but none loads; ``tried`` lists ``(folder, reason)``."""
+
+    def __init__(self, message: str, tried: list[tuple[Path, str]]):
+        super().__init__(message)
+        self.tried = tried
 
 
 def crash_point(kind: str, step: int) -> None:
@@ -82,16 +113,18 @@ def save(folder: Path, step: int, weights: dict[str, torch.Tensor], config_json:
     tmp.mkdir()
     save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
               str(tmp / WEIGHTS), metadata={"format": "pt"})
-    _fsync_write(tmp / "config.json", (config_json + "\n").encode())
-    blob = _serialise(state)
-    _fsync_write(tmp / STATE, blob[: len(blob) // 2])
+    _fsync_write(tmp / CONFIG, (config_json + "\n").encode())
+    doc, tensors = plainstate.dump(state)
+    save_file(tensors, str(tmp / STATE_TENSORS))
+    _fsync_write(tmp / STATE_JSON, doc[: len(doc) // 2])
     crash_point("checkpoint", step)  # half a state file written: the folder is incomplete
-    _fsync_write(tmp / STATE, blob)
-    files = {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
-             for f in (WEIGHTS, "config.json", STATE)}
+    _fsync_write(tmp / STATE_JSON, doc)
+    files = {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in FILES}
     _fsync_write(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
     _fsync_dir(tmp)
-    if final.exists():  # a stale copy of this step from an earlier, interrupted run
+    if final.is_symlink():
+        final.unlink()
+    elif final.exists():  # a stale copy of this step from an earlier, interrupted run
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(folder)
@@ -99,59 +132,198 @@ def save(folder: Path, step: int, weights: dict[str, torch.Tensor], config_json:
     _fsync_write(latest_tmp, (name + "\n").encode())
     os.replace(latest_tmp, folder / LATEST)
     _fsync_dir(folder)
-    for old in _complete(folder)[:-keep] if keep > 0 else []:
+    for old in _folders(folder)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def _serialise(state: dict[str, Any]) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
-
-
-def _valid(ckpt: Path) -> bool:
-    try:
-        manifest = json.loads((ckpt / MANIFEST).read_text())
-        for f, meta in manifest["files"].items():
-            if (ckpt / f).stat().st_size != meta["bytes"] or _sha256(ckpt / f) != meta["sha256"]:
-                return False
-    except (OSError, ValueError, KeyError, TypeError):
+# ----------------------------------------------------------------------------- reading
+def _inside(folder: Path, path: Path) -> bool:
+    """Whether ``path`` is a real (not linked) entry directly inside ``folder``."""
+    if path.is_symlink():
         return False
-    return True
+    try:
+        return path.resolve().parent == folder.resolve()
+    except (OSError, RuntimeError):
+        return False
 
 
-def _complete(folder: Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first."""
-    found = sorted(p for p in Path(folder).glob("step_*") if p.is_dir())
-    return [p for p in found if (p / MANIFEST).exists()]
+def _step_of(path: Path) -> int:
+    return int(path.name[len("step_"):])
+
+
+def _folders(folder: Path) -> list[Path]:
+    """Checkpoint folders (``step_N``, real folders inside ``folder``), oldest first."""
+    found = [p for p in Path(folder).glob("step_*") if _NAME.fullmatch(p.name)
+             and p.is_dir() and _inside(folder, p)]
+    return sorted(found, key=_step_of)
+
+
+def _check_links(folder: Path) -> None:
+    for p in Path(folder).glob("step_*"):
+        if p.is_symlink():
+            raise CheckpointError(f"{p}: a symbolic link; checkpoints must be folders inside "
+                                  f"{folder}, so it is not followed")
+
+
+def resolve_latest(folder: Path) -> Optional[Path]:
+    """The checkpoint folder that ``folder/latest`` names, or None without a ``latest``.
+
+    :class:`CheckpointError` when ``latest`` is a link, is not a short text file naming a
+    ``step_N`` folder, or names something that is not a folder inside ``folder`` (a path,
+    an absolute path, a link). The folder itself need not exist.
+    """
+    folder = Path(folder)
+    latest = folder / LATEST
+    if latest.is_symlink():
+        raise CheckpointError(f"{latest}: a symbolic link; it must be a file naming a "
+                              f"checkpoint inside {folder}")
+    if not latest.exists():
+        return None
+    if not latest.is_file():
+        raise CheckpointError(f"{latest}: not a plain file")
+    try:
+        with open(latest, "rb") as fh:
+            name = fh.read(256).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{latest}: not readable as text ({e})") from None
+    if not _NAME.fullmatch(name):
+        raise CheckpointError(f"{latest}: names {name[:80]!r}, not a checkpoint folder inside "
+                              f"{folder} (expected step_NNNNNNNN)")
+    target = folder / name
+    if (target.exists() or target.is_symlink()) and not _inside(folder, target):
+        raise CheckpointError(f"{latest}: names {name}, which leads outside {folder}")
+    return target
+
+
+def resolve(path: Path) -> Path:
+    """The checkpoint folder ``path`` points at: a run folder (its newest checkpoint as
+    ``latest`` names it), a ``checkpoints`` folder, a ``latest`` file or a ``step_N`` folder.
+    :class:`CheckpointError` when there is none or the pointer leads outside the run."""
+    path = Path(path)
+    if path.name == LATEST and path.parent.name == "checkpoints":
+        target = resolve_latest(path.parent)
+        if target is None:
+            raise CheckpointError(f"{path}: not found")
+    elif (path / "checkpoints").is_dir() or (path / LATEST).exists():
+        ckpts = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        _check_links(ckpts)
+        target = resolve_latest(ckpts)
+        if target is None:
+            found = _folders(ckpts)
+            if not found:
+                raise CheckpointError(f"{ckpts}: holds no checkpoint")
+            target = found[-1]
+    else:
+        target = path
+        if path.parent.name == "checkpoints" and _NAME.fullmatch(path.name) \
+                and not _inside(path.parent, path):
+            raise CheckpointError(f"{path}: a symbolic link out of {path.parent}")
+    if not target.is_dir():
+        raise CheckpointError(f"{target}: no such checkpoint folder")
+    return target
+
+
+def _check_manifest(ckpt: Path) -> None:
+    """Raise :class:`CheckpointError` unless every file matches ``manifest.json``."""
+    if (ckpt / LEGACY_STATE).exists():
+        raise CheckpointError(f"{ckpt / LEGACY_STATE}: a pickled state from an older smelt; "
+                              "it is not loaded (unpickling can run code)")
+    path = ckpt / MANIFEST
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing (the checkpoint is incomplete)")
+    if path.is_symlink() or not path.is_file() or path.stat().st_size > 1 << 20:
+        raise CheckpointError(f"{path}: not a plain manifest file")
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or set(files) != set(FILES):
+        raise CheckpointError(f"{path}: expected the files {', '.join(FILES)}")
+    for f in FILES:
+        meta = files[f]
+        if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int)
+                and isinstance(meta.get("sha256"), str)):
+            raise CheckpointError(f"{path}: the entry of {f} needs bytes and sha256")
+        p = ckpt / f
+        if p.is_symlink() or not p.is_file():
+            raise CheckpointError(f"{p}: missing or not a plain file")
+        size = p.stat().st_size
+        if size != meta["bytes"]:
+            raise CheckpointError(f"{p}: {size} bytes, its manifest says {meta['bytes']}")
+        if _sha256(p) != meta["sha256"]:
+            raise CheckpointError(f"{p}: its SHA-256 differs from the manifest's")
+
+
+_STATE_KEYS = {"step": int, "seconds": (int, float), "last_val": (int, float, type(None)),
+               "optimizer": dict, "scheduler": dict, "rng": dict, "log_bytes": dict}
 
 
 class Checkpoint:
-    """A loaded checkpoint: ``weights`` (CPU tensors), ``state`` and its ``path``."""
+    """A loaded checkpoint: ``weights`` (CPU tensors), ``state``, ``step`` and its ``path``.
+
+    Reading it runs no code from its files; :class:`CheckpointError` (naming the file) when
+    they do not match the manifest or are not what :func:`save` writes.
+    """
 
     def __init__(self, path: Path):
         from safetensors.torch import load_file
 
-        self.path = path
-        self.weights = load_file(str(path / WEIGHTS))
-        self.state = torch.load(path / STATE, map_location="cpu", weights_only=False)
-        self.step = int(self.state["step"])
+        self.path = path = Path(path)
+        _check_manifest(path)
+        try:
+            self.weights = load_file(str(path / WEIGHTS))
+        except Exception as e:  # safetensors' own error types: a damaged header
+            raise CheckpointError(f"{path / WEIGHTS}: not a readable safetensors file "
+                                  f"({plainstate._first_line(e)})") from None
+        try:
+            state = plainstate.load(path / STATE_JSON, path / STATE_TENSORS)
+        except plainstate.StateFileError as e:
+            raise CheckpointError(str(e)) from None
+        where = path / STATE_JSON
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{where}: the state is not a mapping")
+        for key, kind in _STATE_KEYS.items():
+            if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+                raise CheckpointError(f"{where}: {key!r} is missing or of the wrong type")
+        if not all(isinstance(k, str) and isinstance(v, int) for k, v in
+                   state["log_bytes"].items()):
+            raise CheckpointError(f"{where}: 'log_bytes' must map file names to sizes")
+        self.state = state
+        self.step = int(state["step"])
 
 
-def load_latest(folder: Path) -> Optional[Checkpoint]:
-    """The newest checkpoint whose files match its manifest, or None when there is none."""
+def load_latest(folder: Path, on_skip: Optional[Callable[[Path, str], None]] = None
+                ) -> Optional[Checkpoint]:
+    """The newest checkpoint under ``folder`` that loads, or None when there is none at all.
+
+    Candidates are the ``step_N`` folders, newest first (``latest`` is checked with
+    :func:`resolve_latest` and, when it names a folder that is missing, that is reported
+    too). Each one passed over goes to ``on_skip(folder, reason)``. Raises
+    :class:`NoCheckpoint` listing every candidate and its reason when none loads, and
+    :class:`CheckpointError` for a ``latest`` or ``step_N`` that leads outside ``folder``.
+    """
     folder = Path(folder)
     if not folder.exists():
         return None
-    candidates = []
-    latest = folder / LATEST
-    if latest.exists():
-        candidates.append(folder / latest.read_text().strip())
-    candidates += reversed(_complete(folder))
-    for ckpt in candidates:
-        if ckpt.is_dir() and _valid(ckpt):
-            return Checkpoint(ckpt)
-    return None
+    _check_links(folder)
+    named = resolve_latest(folder)
+    found = _folders(folder)
+    tried: list[tuple[Path, str]] = []
+    if named is not None and not named.exists():
+        tried.append((named, f"{folder / LATEST} names it, but it is missing"))
+    if not found and not tried:
+        return None
+    for ckpt in reversed(found):
+        try:
+            loaded = Checkpoint(ckpt)
+        except CheckpointError as e:
+            tried.append((ckpt, str(e)))
+            continue
+        for path, why in tried:
+            if on_skip is not None:
+                on_skip(path, why)
+        return loaded
+    listing = "; ".join(f"{p.name}: {why.replace(str(p) + os.sep, '')}" for p, why in tried)
+    raise NoCheckpoint(f"no loadable checkpoint in {folder} (tried {listing})", tried)

@@ -116,12 +116,26 @@ def make(spec: str, train_texts: Iterable[str] = ()):
 
 
 def load(folder: Path):
-    """The tokenizer saved in ``folder`` by a run."""
+    """The tokenizer saved in ``folder`` by a run; ``ValueError`` naming the file when it is
+    missing or not a tokenizer."""
     path = Path(folder) / FILE
     if not path.exists():
         raise ValueError(f"{path}: no tokenizer saved in the run folder")
-    head = json.loads(path.read_text())
+    if not path.is_file():
+        raise ValueError(f"{path}: not a plain file")
+    try:
+        head = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: not a tokenizer file ({str(e).splitlines()[0]})") from None
+    if not isinstance(head, dict):
+        raise ValueError(f"{path}: not a tokenizer file (expected a JSON object)")
     if head.get("smelt_tokenizer") == "bytes":
         return BytesTokenizer()
     tokenizers = _import_tokenizers()
-    return BPETokenizer(tokenizers.Tokenizer.from_file(str(path)))
+    try:
+        tok = BPETokenizer(tokenizers.Tokenizer.from_file(str(path)))
+    except Exception as e:  # the tokenizers library's own error types
+        raise ValueError(f"{path}: not a tokenizer file ({str(e).splitlines()[0]})") from None
+    if tok.pad_id is None or tok.eos_id is None:
+        raise ValueError(f"{path}: not a smelt tokenizer (no <pad> and <eos> tokens)")
+    return tok

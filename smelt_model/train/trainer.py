@@ -12,6 +12,11 @@ Under ``torch.distributed`` the step's R rows form micro-batches of ``batch_size
 micro-batch ``m`` runs on rank ``m % world``. Each micro-batch's mean loss is weighted by its
 share of the step's valid targets, so the gradient is that of the mean over the whole step,
 whatever the world size.
+
+``run.json`` records everything that fixes the trajectory (:class:`RunSpec`, including the
+thread count and the kernel backend); a resumed run is compared with it before any model is
+built. Resuming never starts a run over: without a checkpoint that loads it stops with one
+line and leaves the run's files as they are.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ import os
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -34,43 +39,62 @@ from ..config import ModelConfig
 from ..model import valid_targets as model_valid_targets
 from . import checkpoint
 from .data import Packed, epoch_order
+from .runspec import RunSpec, compare, read_run_file
 
-__all__ = ["RunSpec", "Trainer", "valid_targets", "ENDPOINT_COLUMNS"]
+__all__ = ["RunSpec", "Trainer", "valid_targets", "ENDPOINT_COLUMNS", "read_run_file",
+           "check_memory", "LOGS"]
 
 ENDPOINT_COLUMNS = ("arch", "F", "S", "D", "loss", "step", "seconds", "C")
-#: RunSpec fields a resumed run may change (they do not change the trajectory)
-_FREE = ("eval_every", "save_every", "eval_tokens", "keep")
+#: the run's log files (appended to; a checkpoint records their lengths)
+LOGS = ("log.jsonl", "endpoints.csv")
 
 
-@dataclass
-class RunSpec:
-    """Everything that fixes a run's trajectory (saved as ``run.json``)."""
+def _combined(parts: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Peak bytes of models trained one optimizer step at a time in one process: weights
+    and optimizer state of all of them, the step's transients of the largest, one runtime."""
+    keep = ("weights", "optimizer")
+    out = {k: sum(p[k] for p in parts.values()) for k in keep}
+    transient = max(parts.values(), key=lambda p: sum(v for k, v in p.items()
+                                                       if k not in keep + ("runtime",)))
+    out.update({k: v for k, v in transient.items() if k not in keep})
+    return out
 
-    arch: str
-    config: dict
-    seed: int
-    data: str
-    tokenizer: str
-    seq_len: int
-    val_fraction: float
-    tokens_per_step: int
-    batch_size: int
-    steps: int
-    lr: float
-    weight_decay: float
-    warmup_steps: int
-    min_lr_ratio: float
-    grad_clip: float
-    dtype: str
-    recompute: str
-    eval_every: int
-    save_every: int
-    eval_tokens: int
-    keep: int = 2
 
-    def differences(self, other: "RunSpec") -> list[str]:
-        a, b = asdict(self), asdict(other)
-        return [k for k in a if k not in _FREE and a[k] != b.get(k)]
+def check_memory(cfgs: dict[str, ModelConfig], *, batch_size: int, seq_len: int, dtype: str,
+                 world: int = 1, local_world: Optional[int] = None, device: str = "cpu",
+                 what: str = "this run", available: Optional[int] = None) -> dict[str, int]:
+    """The estimated peak bytes of training ``cfgs`` together (:mod:`smelt_model.memory`),
+    refused with :class:`~smelt_model.memory.MemoryRefusal` (one line) when it does not fit.
+
+    Under ``world`` processes FSDP shards weights, gradients and optimizer state; on the CPU
+    the ``local_world`` processes of this machine share its memory. ``available``: bytes to
+    compare with (default :func:`smelt_model.memory.available` of ``device``).
+    """
+    from .. import memory
+
+    act = 2 if dtype == "bf16" else 4
+    parts = {}
+    for arch, cfg in cfgs.items():
+        p = memory.estimate(cfg, tokens=batch_size * seq_len, seq_len=seq_len, train=True,
+                            param_bytes=4, act_bytes=act)
+        for k in ("weights", "gradients", "optimizer", "workspace"):
+            p[k] = -(-p[k] // world)
+        parts[arch] = p
+    total = _combined(parts)
+    dev = torch.device(device)
+    procs = 1
+    if dev.type == "cpu":
+        procs = local_world if local_world is not None else world
+        total = {k: v * procs for k, v in total.items()}
+    name = " + ".join(cfgs)
+    where = ("this machine" if dev.type == "cpu" else str(dev)) + (
+        f" ({procs} processes)" if procs > 1 else "")
+    if available is None:
+        available = memory.available(dev)
+    memory.check({name: total}, available, what=what, where=where,
+                 hint="use a smaller model, a smaller --batch-size (--tokens-per-step stays "
+                      "the same, by accumulation) or --dtype bf16")
+    return total
 
 
 def valid_targets(segment_ids, labels) -> int:
@@ -107,17 +131,30 @@ def _all_reduce(values: list[float], device) -> list[float]:
 class Trainer:
     """Train ``spec`` on ``train``/``val`` contexts, writing into ``out``.
 
-    ``resume``: continue from the newest checkpoint in ``out`` (``ValueError`` when its
-    ``run.json`` differs from ``spec``). ``backend``/``device`` go to the model.
+    ``resume``: continue from the newest checkpoint in ``out`` that loads. ``run.json`` is
+    compared with ``spec`` before the model is built: a different recipe is a
+    ``ValueError``; another ``threads`` or ``backend`` too, unless ``allow_nonbitwise``
+    (then a warning: the continued run is no longer bitwise equal to an uninterrupted one).
+    A larger ``spec.steps`` extends the run. No checkpoint that loads is a ``ValueError``
+    naming what was tried; the run's files are then left untouched. ``backend`` (default
+    the spec's) and ``device`` go to the model; ``warn`` receives one-line warnings
+    (default: stderr, rank 0).
     """
 
     def __init__(self, spec: RunSpec, train: Packed, val: Optional[Packed], out: Path, *,
-                 backend: str = "auto", device: str = "cpu", resume: bool = False):
+                 backend: Optional[str] = None, device: str = "cpu", resume: bool = False,
+                 allow_nonbitwise: bool = False,
+                 warn: Optional[Callable[[str], None]] = None):
+        from dataclasses import replace
+
         from ..model import SmeltLM
 
+        if backend is not None and backend != spec.backend:
+            spec = replace(spec, backend=backend)
         self.spec, self.train_data, self.val_data = spec, train, val
         self.out = Path(out)
         self.rank, self.world = _rank_world()
+        self.warn = warn if warn is not None else self._warn
         self.device = torch.device(device)
         self.cfg = ModelConfig.from_dict(spec.config)
         rows = spec.tokens_per_step // spec.seq_len
@@ -132,9 +169,11 @@ class Trainer:
         self.ledger = budget.ledger(self.cfg, mean_doc_len=train.mean_doc_len,
                                     seq_len=spec.seq_len)
         self.flops_per_token = self.ledger.flops_per_token
+        # compare with the run on disk before anything large is built
+        saved = self._check_run_file(resume, allow_nonbitwise)
 
         torch.manual_seed(spec.seed)
-        model = SmeltLM(self.cfg, backend=backend, recompute=spec.recompute).to(self.device)
+        model = SmeltLM(self.cfg, backend=spec.backend, recompute=spec.recompute).to(self.device)
         if self.world > 1:
             from ..parallel import shard
 
@@ -149,22 +188,30 @@ class Trainer:
         self.step_count = 0
         self.seconds = 0.0
         self.last_val: Optional[float] = None
+        if resume:
+            self._resume(saved)
+            return
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-        self._check_run_file(resume)
-        if resume:
-            self._resume()
-        elif self.rank == 0:
-            for f in ("log.jsonl", "endpoints.csv"):
+        _barrier()  # every rank has looked for run.json before rank 0 writes it
+        if self.rank == 0:
+            self._write_run_file()
+            for f in LOGS:
                 (self.out / f).unlink(missing_ok=True)
             self._write_endpoint_header()
+
+    def _warn(self, message: str) -> None:
+        if self.rank == 0:
+            import sys
+
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ schedule and data
     def _lr_factor(self, step: int) -> float:
         s = self.spec
         if step < s.warmup_steps:
             return (step + 1) / s.warmup_steps
-        span = max(1, s.steps - s.warmup_steps)
+        span = max(1, s.schedule_steps - s.warmup_steps)
         progress = min(1.0, (step - s.warmup_steps) / span)
         return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -183,7 +230,7 @@ class Trainer:
         return idx
 
     def _tensors(self, data: Packed, rows: np.ndarray):
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a[rows])).to(self.device)
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a[rows])).long().to(self.device)
         return t(data.input_ids), t(data.segment_ids), t(data.labels)
 
     def _autocast(self):
@@ -288,23 +335,55 @@ class Trainer:
     def _write_endpoint_header(self) -> None:
         (self.out / "endpoints.csv").write_text(",".join(ENDPOINT_COLUMNS) + "\n")
 
-    def _check_run_file(self, resume: bool) -> None:
+    def _write_run_file(self) -> None:
+        path, tmp = self.out / "run.json", self.out / ".run.json.tmp"
+        tmp.write_text(json.dumps(asdict(self.spec), indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+
+    def _check_run_file(self, resume: bool, allow_nonbitwise: bool) -> Optional[RunSpec]:
+        """Refuse a new run over an old one, or a resume whose recipe differs from
+        ``run.json``; returns the saved spec when resuming."""
         path = self.out / "run.json"
         if not resume:
             if path.exists():
                 raise ValueError(f"--out {self.out} already holds a run; pass --resume to "
                                  "continue it or choose another --out")
-            _barrier()  # every rank has looked before rank 0 writes
-            if self.rank == 0:
-                path.write_text(json.dumps(asdict(self.spec), indent=1, sort_keys=True) + "\n")
-            return
-        if not path.exists():
-            raise ValueError(f"--resume: {path} not found (no run to continue in --out)")
-        saved = RunSpec(**json.loads(path.read_text()))
-        diff = self.spec.differences(saved)
-        if diff:
-            raise ValueError(f"--resume: the run in {self.out} was made with a different "
-                             f"setup ({', '.join(diff)} differ)")
+            return None
+        saved = read_run_file(path)
+        note = compare(asdict(self.spec), saved, self.out, allow_nonbitwise)
+        if note:
+            self.warn(note)
+        return saved
+
+    def _check_logs(self, ckpt: checkpoint.Checkpoint) -> dict[str, int]:
+        """The logs' lengths at the checkpoint, after checking that each log holds at least
+        that much and parses; ``ValueError`` naming the file otherwise."""
+        sizes = ckpt.state["log_bytes"]
+        for f, size in sizes.items():
+            path = self.out / f
+            if f not in LOGS or size < 0:
+                raise ValueError(f"{ckpt.path / checkpoint.STATE_JSON}: names an unknown log "
+                                 f"{f!r}")
+            have = path.stat().st_size if path.is_file() else None
+            if have is None or have < size:
+                raise ValueError(
+                    f"{path}: {'missing' if have is None else f'{have} bytes'}, but the "
+                    f"checkpoint at step {ckpt.step} recorded {size}: the log was cut or "
+                    "replaced (restore it, or start a new run)")
+            with open(path, "rb") as fh:
+                head = fh.read(size)
+            try:
+                lines = head.decode("utf-8").splitlines()
+                if f == "log.jsonl":
+                    for line in lines:
+                        if not isinstance(json.loads(line), dict):
+                            raise ValueError("a line is not a JSON object")
+                elif (lines and lines[0] != ",".join(ENDPOINT_COLUMNS)) or any(
+                        len(line.split(",")) != len(ENDPOINT_COLUMNS) for line in lines[1:]):
+                    raise ValueError(f"expected the columns {','.join(ENDPOINT_COLUMNS)}")
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
+                raise ValueError(f"{path}: not a valid log ({str(e).splitlines()[0]})") from None
+        return sizes
 
     def state_for_checkpoint(self) -> tuple[dict, dict]:
         """(weights, optimizer state) as full, unsharded state dicts."""
@@ -322,8 +401,7 @@ class Trainer:
         weights, optim = self.state_for_checkpoint()
         if self.rank != 0:
             return
-        sizes = {f: (self.out / f).stat().st_size for f in ("log.jsonl", "endpoints.csv")
-                 if (self.out / f).exists()}
+        sizes = {f: (self.out / f).stat().st_size for f in LOGS if (self.out / f).exists()}
         state = {
             "step": self.step_count, "seconds": self.seconds, "last_val": self.last_val,
             "optimizer": optim, "scheduler": self.scheduler.state_dict(),
@@ -334,32 +412,69 @@ class Trainer:
         checkpoint.save(self.out / "checkpoints", self.step_count, weights,
                         self.cfg.to_json(), state, keep=self.spec.keep)
 
-    def _resume(self) -> None:
-        ckpt = checkpoint.load_latest(self.out / "checkpoints")
-        if ckpt is None:  # killed before the first checkpoint: start over
-            if self.rank == 0:
-                for f in ("log.jsonl", "endpoints.csv"):
-                    (self.out / f).unlink(missing_ok=True)
-                self._write_endpoint_header()
+    def _resume(self, saved: RunSpec) -> None:
+        """Continue from the newest checkpoint that loads; every check comes before the
+        first change to the run's files."""
+        folder = self.out / "checkpoints"
+        skipped = lambda path, why: self.warn(f"checkpoint {path} not loaded ({why})")
+        try:
+            ckpt = checkpoint.load_latest(folder, on_skip=skipped)
+        except checkpoint.NoCheckpoint as e:
+            raise ValueError(f"--resume: {e}; the run's files are left as they are") from None
+        if ckpt is None:
+            raise ValueError(
+                f"--resume: {self.out} holds no checkpoint (the run stopped before its first, "
+                f"every {saved.save_every} steps); nothing was changed: start again with "
+                "another --out, or remove the run folder")
+        if self.spec.steps < ckpt.step:
+            raise ValueError(f"--resume: the run is at step {ckpt.step}, past the {self.spec.steps} "
+                             "steps asked for: give --steps (or --tokens / --budget-flops) of "
+                             f"at least {ckpt.step}")
+        sizes = self._check_logs(ckpt)
+        self._load(ckpt)
+        self.step_count, self.seconds, self.last_val = (ckpt.step, float(ckpt.state["seconds"]),
+                                                        ckpt.state["last_val"])
+        if self.rank != 0:
             return
-        st = ckpt.state
-        if self.world > 1:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+        for f, size in sizes.items():  # drop what the interrupted run logged after its checkpoint
+            if (self.out / f).stat().st_size > size:
+                os.truncate(self.out / f, size)
+        if self.spec.steps != saved.steps:
+            self._write_run_file()
+            tail = ""
+            if self.spec.steps > self.spec.schedule_steps:
+                tail = (f"; steps past {self.spec.schedule_steps} keep the schedule's final "
+                        f"learning rate ({self.spec.min_lr_ratio * self.spec.lr:g})")
+            self.warn(f"{self.out}: the run now stops at step {self.spec.steps} "
+                      f"(it was {saved.steps}){tail}")
 
-            opts = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(self.model, ckpt.weights, options=opts)
-            set_optimizer_state_dict(self.model, self.optimizer, st["optimizer"], options=opts)
-        else:
-            self.model.load_state_dict(ckpt.weights)
-            self.optimizer.load_state_dict(st["optimizer"])
-        self.scheduler.load_state_dict(st["scheduler"])
-        torch.set_rng_state(st["rng"]["torch"])
-        np.random.set_state(st["rng"]["numpy"])
-        random.setstate(st["rng"]["python"])
-        self.step_count, self.seconds, self.last_val = st["step"], st["seconds"], st["last_val"]
-        if self.rank == 0:  # drop what the interrupted run logged after its checkpoint
-            for f, size in st["log_bytes"].items():
-                path = self.out / f
-                if path.exists() and path.stat().st_size > size:
-                    os.truncate(path, size)
+    def _load(self, ckpt: checkpoint.Checkpoint) -> None:
+        """Put the checkpoint's weights, optimizer, scheduler and RNG states in place."""
+        st = ckpt.state
+        want = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        have = {k: tuple(v.shape) for k, v in ckpt.weights.items()}
+        if want != have:
+            odd = sorted(set(want) ^ set(have)) or [k for k in want if want[k] != have[k]]
+            raise ValueError(f"{ckpt.path / checkpoint.WEIGHTS}: does not fit the run's model "
+                             f"({len(odd)} tensor(s) differ, e.g. {odd[0]})")
+        try:
+            if self.world > 1:
+                from torch.distributed.checkpoint.state_dict import (
+                    StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
+                opts = StateDictOptions(full_state_dict=True)
+                set_model_state_dict(self.model, ckpt.weights, options=opts)
+                set_optimizer_state_dict(self.model, self.optimizer, st["optimizer"],
+                                         options=opts)
+            else:
+                self.model.load_state_dict(ckpt.weights)
+                self.optimizer.load_state_dict(st["optimizer"])
+            self.scheduler.load_state_dict(st["scheduler"])
+            rng = st["rng"]
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{ckpt.path / checkpoint.STATE_JSON}: does not fit the run "
+                             f"({first})") from None

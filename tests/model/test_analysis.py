@@ -2,8 +2,10 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from smelt_kernels import reference as R
 from smelt_model import analysis, capture
@@ -111,29 +113,115 @@ def test_cli_on_checkpoints(tmp_path, capsys):
     torch.manual_seed(0)
     SmeltLM(micro(), backend="torch").save_pretrained(tmp_path / "smelt")
     SmeltLM(micro(loop=None), backend="torch").save_pretrained(tmp_path / "base")
-    torch.save(torch.randint(0, 97, (200,)), tmp_path / "ids.pt")
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 97, 200))
+    save_file({"input_ids": torch.randint(0, 97, (2, 16))}, str(tmp_path / "ids.safetensors"))
     pytest.importorskip("matplotlib")
     rc = analysis.main([str(tmp_path / "smelt"), "--baseline", str(tmp_path / "base"),
-                        "--tokens", str(tmp_path / "ids.pt"), "--seq-len", "16", "--batch", "2",
+                        "--tokens", str(tmp_path / "ids.npy"), "--seq-len", "16", "--batch", "2",
                         "--backend", "torch", "--plot", str(tmp_path / "sink.png")])
     assert rc == 0
     out = capsys.readouterr().out
     assert "== smelt: per executed layer ==" in out and "== baseline" in out
     assert (tmp_path / "sink.png").stat().st_size > 0
-    with pytest.raises(SystemExit, match="need 2000"):
-        analysis.main([str(tmp_path / "smelt"), "--tokens", str(tmp_path / "ids.pt"),
-                       "--seq-len", "1000", "--batch", "2"])
+    assert analysis.main([str(tmp_path / "smelt"), "--tokens", str(tmp_path / "ids.safetensors"),
+                          "--seq-len", "16", "--batch", "2", "--backend", "torch"]) == 0
+    rc = analysis.main([str(tmp_path / "smelt"), "--tokens", str(tmp_path / "ids.npy"),
+                        "--seq-len", "1000", "--batch", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "need 2000" in err and err.count("\n") == 1
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    torch.save(torch.randint(0, 97, (200,)), tmp_path / "ids.pt")
-    rc = analysis.main([str(tmp_path / "absent"), "--tokens", str(tmp_path / "ids.pt")])
+    np.save(tmp_path / "ids.npy", np.arange(200))
+    rc = analysis.main([str(tmp_path / "absent"), "--tokens", str(tmp_path / "ids.npy")])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and "not found" in err and err.count("\n") == 1
     with pytest.raises(SystemExit):
         analysis.main([str(tmp_path / "absent"), "--tokens", "x.pt", "--backend", "jax"])
     SmeltLM(micro(), backend="torch").save_pretrained(tmp_path / "ckpt")
-    (tmp_path / "bad.pt").write_text("not a tensor")
-    with pytest.raises(SystemExit, match="cannot read token ids"):
-        analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "bad.pt")])
+    (tmp_path / "bad.npy").write_text("not an array")
+    np.save(tmp_path / "floats.npy", np.ones(200))
+    capsys.readouterr()
+    for argv, fragment in [
+        (["--tokens", str(tmp_path / "bad.npy")], "cannot read token ids"),
+        (["--tokens", str(tmp_path / "floats.npy")], "integer token ids"),
+        ([], "pass held-out token ids with --tokens"),  # a bare folder: no run to take them from
+    ]:
+        assert analysis.main([str(tmp_path / "ckpt"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and fragment in err and err.count("\n") == 1, err
 
+
+def test_a_pickled_token_file_runs_nothing(tmp_path, capsys):
+    import pickle
+
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    SmeltLM(micro(), backend="torch").save_pretrained(tmp_path / "ckpt")
+    with open(tmp_path / "ids.pt", "wb") as fh:  # torch.save's zip format, with a payload
+        torch.save({"ids": Payload()}, fh, pickle_module=pickle)
+    torch.load(tmp_path / "ids.pt", weights_only=False)  # the payload is live: it opens a file
+    assert marker.exists()
+    marker.unlink()
+    assert analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "ids.pt")]) == 2
+    assert "a .pt file is a pickle" in capsys.readouterr().err
+    assert not marker.exists()
+    np.save(tmp_path / "obj.npy", np.array([Payload()], dtype=object), allow_pickle=True)
+    np.load(tmp_path / "obj.npy", allow_pickle=True)
+    assert marker.exists()
+    marker.unlink()
+    assert analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "obj.npy")]) == 2
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- trainer runs
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A trained SMELT / baseline pair (micro configs) in one folder, as ``--arch both``
+    lays it out: PAIR/smelt and PAIR/baseline, each a run folder."""
+    from smelt_model.train.__main__ import main as train
+
+    tmp = tmp_path_factory.mktemp("pair")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox " * (20 + i))
+    for name, loop in (("smelt", LoopSpec(1, 2, 2)), ("baseline", None)):
+        cfg = micro(loop).replace(vocab_size=258)
+        (tmp / f"{name}.json").write_text(cfg.to_json())
+        assert train(["--config", str(tmp / f"{name}.json"), "--data", str(corpus),
+                      "--seq-len", "32", "--tokens-per-step", "64", "--steps", "2",
+                      "--val-fraction", "0.3", "--eval-tokens", "64", "--threads", "1",
+                      "--quiet", "--out", str(tmp / "pair" / name)]) == 0
+    return tmp / "pair"
+
+
+@pytest.mark.parametrize("form", ["run", "latest", "step", "pair"])
+def test_cli_on_a_trainers_run_makes_its_own_held_out_tokens(pair, capsys, form):
+    run = pair / "smelt"
+    path = {"run": run, "latest": run / "checkpoints" / "latest",
+            "step": run / "checkpoints" / "step_00000002", "pair": pair}[form]
+    extra = ["--baseline", str(pair / "baseline")] if form == "latest" else []
+    capsys.readouterr()
+    assert analysis.main([str(path), "--batch", "2", "--backend", "torch", *extra]) == 0
+    out = capsys.readouterr().out
+    assert "held-out tokens: 2 x 32 from the validation split" in out
+    assert "== smelt: per executed layer ==" in out and "span layers" in out
+    assert ("== baseline" in out) == (form in ("latest", "pair"))
+
+
+def test_cli_refuses_a_latest_leading_out_of_the_run(pair, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(pair / "smelt", run)
+    (run / "checkpoints" / "latest").write_text("../../../elsewhere\n")
+    for path in (run, run / "checkpoints" / "latest"):
+        capsys.readouterr()
+        assert analysis.main([str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "latest" in err and "not a checkpoint folder" in err

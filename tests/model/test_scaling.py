@@ -418,3 +418,29 @@ def test_cli_module_entry_point_paper_tables():
     got = [[float(c.strip().rstrip("%")) for c in r.split("|")[2:5]] for r in rows]
     np.testing.assert_allclose(got, CE_PAPER, atol=0.3)
     assert "| 1e+21 | smelt | 56.1 | 75.3 | 86.4 |" in out
+
+
+def test_cli_on_too_few_runs_says_what_it_needs(tmp_path, capsys):
+    # one run of each architecture: five evaluations, one F
+    p = tmp_path / "one_run.csv"
+    rows = ["arch,F,S,D,loss"] + [f"{a},{f},0.9,{d:.0f},{3 - d / 1e6}" for a, f in
+                                  (("baseline", 1e6), ("smelt", 1.02e6))
+                                  for d in (1e5, 2e5, 3e5, 4e5, 5e5)]
+    p.write_text("\n".join(rows) + "\n")
+    assert scaling.main([str(p)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: cannot fit 'baseline'"), err
+    for fragment in ("need at least 7 points, got 5", "5 endpoints: 1 distinct F, 5 distinct D",
+                     "--eval-every", "--preset", "endpoints.csv"):
+        assert fragment in err, err
+    # more evaluations, still one model size: the exponent of F cannot be fitted
+    rows = ["arch,F,S,D,loss"] + [f"baseline,1e6,0.9,{d},{3 - d / 1e7}"
+                                  for d in range(100000, 1000001, 100000)]
+    p.write_text("\n".join(rows) + "\n")
+    assert scaling.main([str(p)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "F needs at least two distinct values" in err
+    assert "two or more model sizes" in err
+    with pytest.raises(SystemExit, match="2"):
+        scaling.main([str(p), "--bootstrap", "-1"])
+    assert capsys.readouterr().err == "error: --bootstrap must be >= 0\n"

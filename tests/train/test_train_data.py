@@ -49,7 +49,7 @@ def test_targets_across_a_boundary_are_ignored():
     assert valid_targets(p.segment_ids, p.labels) == 2 + 1  # (1->2, 2->3) and (4->5)
     cfg = ModelConfig(vocab_size=8, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1,
                       head_dim=8, n_experts=2, expert_size=8, top_k=1)
-    ids, seg, lab = (torch.from_numpy(a) for a in (p.input_ids, p.segment_ids, p.labels))
+    ids, seg, lab = (torch.from_numpy(a).long() for a in (p.input_ids, p.segment_ids, p.labels))
     logits = torch.randn(1, 8, 8)
     loss = SmeltLM.lm_loss(logits, lab, seg)
     manual = torch.nn.functional.cross_entropy(logits[0, [0, 1, 3]], ids[0, [1, 2, 4]])
@@ -125,3 +125,21 @@ def test_bpe_tokenizer(tmp_path, corpus):
         tokenizer.parse_spec("bpe:100")
     with pytest.raises(ValueError, match="'bytes' or 'bpe:N'"):
         tokenizer.parse_spec("words")
+
+
+def test_pack_matches_a_direct_construction():
+    # every context row against a plain loop over the token stream
+    docs = _docs(9, seed=3)
+    p = data.pack(docs, 10, pad_id=256)
+    assert p.input_ids.dtype == p.segment_ids.dtype == p.labels.dtype == np.int32
+    stream = [(int(t), d) for d, doc in enumerate(docs) for t in doc]
+    stream += [(256, len(docs))] * (p.input_ids.size - len(stream))
+    for r in range(len(p)):
+        row = stream[r * 10:(r + 1) * 10]
+        seg, want = 0, []
+        for j, (_, d) in enumerate(row):
+            seg += j > 0 and d != row[j - 1][1]
+            want.append(seg)
+        assert p.input_ids[r].tolist() == [t for t, _ in row]
+        assert p.segment_ids[r].tolist() == want
+        assert p.labels[r].tolist() == [t if d < len(docs) else -100 for t, d in row]

@@ -91,3 +91,56 @@ def test_bad_input_stops_with_one_line(corpus, tmp_path, capsys):
     proc = run_cli(_base(tmp_path / "missing", cfg, tmp_path / "z", *ok))
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1
     assert "no such file or folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_model_too_large_is_refused_before_the_data(tmp_path, capsys):
+    # the data path does not exist: the refusal must come before anything reads it
+    for extra in (["--arch", "smelt"], ["--arch", "both"]):
+        capsys.readouterr()
+        rc = main(["--preset", "1.6B-S97", *extra, "--data", str(tmp_path / "absent"),
+                   "--steps", "1", "--threads", "1", "--out", str(tmp_path / "big")])
+        err = capsys.readouterr().err
+        assert rc != 0 and err.count("\n") == 1, err
+        assert "--preset 1.6B-S97 needs an estimated" in err and "GiB" in err
+    assert not (tmp_path / "big").exists()
+
+
+def test_resume_with_another_preset_says_different_setup_without_building(
+        corpus, tmp_path, capsys, monkeypatch):
+    from smelt_model import model as model_mod
+
+    cfg = micro_config(tmp_path / "micro.json")
+    out = tmp_path / "run"
+    ok = ["--steps", "1", "--seq-len", "16", "--tokens-per-step", "32"]
+    assert main(_base(corpus, cfg, out, *ok)) == 0
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(model_mod.SmeltLM, "__init__", no_model)
+    capsys.readouterr()
+    rc = main([str(a) for a in ("--preset", "1.6B-S97", "--arch", "baseline", "--data",
+                                tmp_path / "absent", "--threads", "1", "--out", out, *ok,
+                                "--resume")])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.count("\n") == 1 and "different setup (config" in err, err
+
+
+def test_choices_come_from_the_registries():
+    from smelt_kernels.backends import BACKENDS
+    from smelt_kernels.executor import RECOMPUTE_POLICIES
+    from smelt_model.train.__main__ import build_parser
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    assert tuple(actions["backend"].choices) == ("auto",) + BACKENDS
+    assert tuple(actions["recompute"].choices) == tuple(RECOMPUTE_POLICIES)
+
+
+def test_default_cadence_suits_a_short_run(corpus, tmp_path):
+    cfg = micro_config(tmp_path / "micro.json")
+    out = tmp_path / "run"
+    assert main(_base(corpus, cfg, out, "--steps", "5", "--seq-len", "16",
+                      "--tokens-per-step", "32", "--eval-tokens", "64")) == 0
+    recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "val_loss" in r] == [0, 5]
+    assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_00000005"]
