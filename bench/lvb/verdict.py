@@ -60,9 +60,10 @@ def judge(gap: float, target: Optional[float], round_gaps: Sequence[float] = (),
     reasons = []
     if len(round_gaps) > 1 and min(round_gaps) <= target < max(round_gaps):
         reasons.append(f"gaps by round {min(round_gaps):.3f}-{max(round_gaps):.3f} straddle it")
-    for arch, s in (spreads or {}).items():
-        if not s <= spread_limit:  # NaN counts as too wide
-            reasons.append(f"spread {s:.2f} ({arch}) > {spread_limit:.2f}")
+    wide = [f"{arch} {s:.2f}" for arch, s in (spreads or {}).items()
+            if not s <= spread_limit]  # NaN counts as too wide
+    if wide:
+        reasons.append(f"spread above {spread_limit:.2f} ({', '.join(wide)})")
     out.update(verdict="uncertain" if reasons else on_median, on_median=on_median,
                reasons=reasons)
     return out

@@ -52,7 +52,7 @@ def test_judge_without_a_target_or_a_gap():
 def test_reasons_name_the_straddle_and_the_spread():
     v = verdict.judge(1.00, 1.03, [0.94, 1.05], {"baseline": 0.19, "smelt": 0.05})
     text = verdict.describe(v)
-    assert "0.940-1.050" in text and "spread 0.19 (baseline) > 0.10" in text
+    assert "0.940-1.050" in text and "spread above 0.10 (baseline 0.19)" in text
     assert "smelt" not in text and "median meets" in text
 
 
@@ -119,7 +119,7 @@ def test_the_main_job_prints_and_writes_each_verdict(monkeypatch, capsys, tmp_pa
     v = rows["decode (batch1)"]["verdict"]
     assert v["round_gap_min"] == pytest.approx(0.98) and v["round_gap_max"] == pytest.approx(1.10)
     assert rows["decode (batch8)"]["verdict"]["on_median"] == "meets"
-    assert any("(baseline) > 0.10" in r for r in rows["decode (batch8)"]["verdict"]["reasons"])
+    assert rows["decode (batch8)"]["verdict"]["reasons"] == ["spread above 0.10 (baseline 0.50)"]
     lines = [" ".join(x.split()) for x in text.splitlines()]
     assert "verdict meets: gap 1.010 <= 1.03" in lines  # in the train table
     assert "prefill misses: gap 1.070 > 1.03" in lines  # in the verdicts block
