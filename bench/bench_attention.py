@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from smelt_kernels import backends
 from smelt_kernels.attention import cpu as attention_cpu
 from smelt_kernels.attention import segment_attention, segment_bounds
-from smelt_kernels.timing import (Parser, UsageError, environment, markdown_table, measure,
-                                  measure_interleaved, run_cli, tflops, write_results)
+from smelt_kernels.timing import (Parser, UsageError, check_device, environment, markdown_table,
+                                  measure, measure_interleaved, run_cli, tflops, write_results)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # (query heads, KV heads, head dim, default T)
@@ -62,19 +62,6 @@ COLUMNS = ["shape", "T", "layout", "mean doc", "method", "pass", "ms", "p20", "p
            "vs smelt"]
 TARGET_COLUMNS = ["T", "layout", "pass", "d64 5:1 ms", "d96 4:1 ms", "d64 GFLOP/s",
                   "d96 GFLOP/s", "spread", "rate ratio", "target"]
-
-
-def check_device(name: str) -> torch.device:
-    """``name`` as a device this benchmark can run on (a :class:`UsageError` otherwise)."""
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise UsageError(f"--device must be cpu or cuda[:N], got {name!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda[:N], got {name!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda, but no CUDA device is available")
-    return dev
 
 
 # ----------------------------------------------------------------------------- workload

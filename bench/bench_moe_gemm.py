@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from smelt_kernels import backends, moe_gemm
-from smelt_kernels.timing import (Parser, Timing, UsageError, environment, markdown_table,
-                                  measure, run_cli, tflops, write_results)
+from smelt_kernels.timing import (Parser, Timing, UsageError, check_device, environment,
+                                  markdown_table, measure, run_cli, tflops, write_results)
 
 # name: (H, d_e, E, k, tokens on CPU, tokens on GPU)
 SHAPES = {
@@ -234,14 +234,7 @@ IMPLS = ("reference", "grouped_mm", "dense")
 def _check(args) -> torch.device:
     """Every option checked before anything runs (a :class:`UsageError` naming the first bad
     one); returns the device."""
-    try:
-        device = torch.device(args.device)
-    except (RuntimeError, TypeError):
-        raise UsageError(f"--device must be cpu or cuda[:N], got {args.device!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda[:N], got {args.device!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda, but no CUDA device is available")
+    device = check_device(args.device)
     if args.backend is not None:
         why = backends.unavailable_reason(args.backend, device)
         if why is not None:

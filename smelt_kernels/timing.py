@@ -34,7 +34,7 @@ import torch
 
 __all__ = ["Timing", "PartsTiming", "measure", "measure_interleaved", "measure_parts", "merge",
            "quantile", "release_memory", "environment", "cpu_name", "write_results",
-           "markdown_table", "tflops", "UsageError", "Parser", "run_cli"]
+           "markdown_table", "tflops", "UsageError", "Parser", "run_cli", "check_device"]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -356,6 +356,20 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UsageError(message)
+
+
+def check_device(name: str, option: str = "--device") -> torch.device:
+    """``name`` as a device a benchmark can run on: ``cpu``, or ``cuda[:N]`` where CUDA is
+    available (a :class:`UsageError` naming ``option`` otherwise)."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"{option} must be cpu or cuda[:N], got {name!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"{option} must be cpu or cuda[:N], got {name!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"{option} {name}, but no CUDA device is available")
+    return dev
 
 
 def run_cli(prog: str, main: Callable[[Optional[Sequence[str]]], Optional[int]],
