@@ -37,22 +37,18 @@ work are noisy; the ratios come from one process run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (environment, measure, measure_interleaved, markdown_table, tflops,  # noqa: E402
-                    write_results)
-
-from smelt_kernels import backends  # noqa: E402
-from smelt_kernels.attention import cpu as attention_cpu  # noqa: E402
-from smelt_kernels.attention import segment_attention, segment_bounds  # noqa: E402
+from smelt_kernels import backends
+from smelt_kernels.attention import cpu as attention_cpu
+from smelt_kernels.attention import segment_attention, segment_bounds
+from smelt_kernels.timing import (Parser, UsageError, check_device, environment, markdown_table,
+                                  measure, measure_interleaved, run_cli, tflops, write_results)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # (query heads, KV heads, head dim, default T)
@@ -61,6 +57,7 @@ SHAPES = {"baseline 10/2x128": (10, 2, 128, 4096), "SMELT 12/2x88": (12, 2, 88, 
 TARGET = ("tiny SMELT 5/1x64", "tiny baseline 4/1x96")  # rate of the first over the second
 TARGET_RATIO = 0.95
 LAYOUTS = ("one", "mixed", "short")
+DTYPES = ("float32", "bfloat16", "float16")
 COLUMNS = ["shape", "T", "layout", "mean doc", "method", "pass", "ms", "p20", "p80", "TFLOP/s",
            "vs smelt"]
 TARGET_COLUMNS = ["T", "layout", "pass", "d64 5:1 ms", "d96 4:1 ms", "d64 GFLOP/s",
@@ -204,8 +201,6 @@ def time_method(build, backward, q, k, v, ids, device, args) -> dict[str, Option
 
 
 def run(args) -> list[dict]:
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("bench_attention.py: --device cuda but no CUDA device is available")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     B = args.batch
@@ -295,9 +290,10 @@ def target_rows(args) -> list[dict]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    ap = Parser(prog="bench_attention.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--dtype", default=None, choices=DTYPES,
+                    help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--batch", type=int, default=None, help="default: 1 on CPU, 8 on CUDA")
     ap.add_argument("--seq", type=int, default=None,
                     help="sequence length for every shape (default: 4096 paper, 2048 tiny)")
@@ -321,7 +317,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     for name in ("seq", "batch", "repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            ap.error(f"--{name} must be at least 1")
+            raise UsageError(f"--{name} must be at least 1")
+    if args.warmup is not None and args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {args.threads}")
+    known = {"cpu-chunked", "sdpa-mask", "flex"}
+    if args.methods and not set(args.methods) <= known:
+        raise UsageError(f"--methods: unknown {sorted(set(args.methods) - known)}; choose from "
+                         f"{', '.join(sorted(known))}")
+    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
@@ -379,4 +384,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cli("bench_attention", main))

@@ -38,20 +38,17 @@ Nothing is written unless asked: ``--out`` writes ``bench/results/moe_gemm_<devi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import Timing, environment, markdown_table, measure, tflops, write_results  # noqa: E402
-
-from smelt_kernels import moe_gemm  # noqa: E402
+from smelt_kernels import backends, moe_gemm
+from smelt_kernels.timing import (Parser, Timing, UsageError, check_device, environment,
+                                  markdown_table, measure, run_cli, tflops, write_results)
 
 # name: (H, d_e, E, k, tokens on CPU, tokens on GPU)
 SHAPES = {
@@ -146,19 +143,6 @@ def _backend_label(backend, H, de, dtype):
     return f"cpu/{moe_gemm.cpu_forward_kernel(H, de, dtype)}"
 
 
-def _stats(samples):
-    xs = sorted(samples)
-
-    def q(p):
-        pos = p * (len(xs) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-    return Timing(median_ms=statistics.median(xs), p20_ms=q(0.2), p80_ms=q(0.8), min_ms=xs[0],
-                  repeats=len(xs), samples_ms=list(samples))
-
-
 def time_interleaved(steps, device, repeats, min_time_s):
     """Round-robin timing: one sample of every step per round, so slow drifts of a shared
     machine's load hit all implementations alike. Returns name -> Timing."""
@@ -173,7 +157,7 @@ def time_interleaved(steps, device, repeats, min_time_s):
             break
         if done and len(next(iter(samples.values()))) >= 50:
             break
-    return {name: _stats(v) for name, v in samples.items()}
+    return {name: Timing.of(v) for name, v in samples.items()}
 
 
 def _decode_off(fn):
@@ -243,8 +227,46 @@ class Impl:
         return self.fn(*args)
 
 
+MODES = ("fwd", "bwd", "fwd+bwd")
+IMPLS = ("reference", "grouped_mm", "dense")
+
+
+def _check(args) -> torch.device:
+    """Every option checked before anything runs (a :class:`UsageError` naming the first bad
+    one); returns the device."""
+    device = check_device(args.device)
+    if args.backend is not None:
+        why = backends.unavailable_reason(args.backend, device)
+        if why is not None:
+            raise UsageError(f"--backend {args.backend} cannot run on {device.type}: {why}")
+    try:
+        decode_tokens = [int(v) for v in args.decode_tokens.split(",") if v]
+    except ValueError:
+        raise UsageError("--decode-tokens must be a comma list of positive ints, got "
+                         f"{args.decode_tokens!r}") from None
+    if any(v <= 0 for v in decode_tokens):
+        raise UsageError(f"--decode-tokens must be positive, got {args.decode_tokens!r}")
+    for name in filter(None, args.shapes.split(",") + args.decode_shapes.split(",")):
+        if name not in SHAPES:
+            raise UsageError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
+    for name in args.dtypes.split(","):
+        if name not in DTYPES:
+            raise UsageError(f"--dtypes: unknown dtype {name!r} (known: {', '.join(DTYPES)})")
+    for name in args.modes.split(","):
+        if name not in MODES:
+            raise UsageError(f"--modes: unknown mode {name!r} (known: {', '.join(MODES)})")
+    for name in filter(None, args.skip.split(",")):
+        if name not in IMPLS:
+            raise UsageError(f"--skip: unknown {name!r} (known: {', '.join(IMPLS)})")
+    if args.repeats < 1 or (args.tokens is not None and args.tokens < 1):
+        raise UsageError("--repeats and --tokens must be at least 1")
+    if not args.min_time >= 0:
+        raise UsageError(f"--min-time must be >= 0, got {args.min_time}")
+    return device
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="bench_moe_gemm.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--shapes", default="cpu-target,200M-base,200M-smelt")
@@ -264,25 +286,11 @@ def main(argv=None):
                    help="write the results (default folder bench/results); without it, print only")
     p.add_argument("--name", default=None, help="results file stem (default moe_gemm_<device>)")
     args = p.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device cuda but no CUDA device is available")
-
-    device = torch.device(args.device)
+    device = _check(args)
     skip = set(filter(None, args.skip.split(",")))
     rows = []
     backend_used = moe_gemm.select_backend(torch.empty(1, 1, device=device), args.backend)
-    try:
-        decode_tokens = [int(v) for v in args.decode_tokens.split(",") if v]
-    except ValueError:
-        p.error(f"--decode-tokens must be a comma list of positive ints, got {args.decode_tokens!r}")
-    if any(v <= 0 for v in decode_tokens):
-        p.error(f"--decode-tokens must be positive, got {args.decode_tokens!r}")
-    for name in filter(None, args.shapes.split(",") + args.decode_shapes.split(",")):
-        if name not in SHAPES:
-            p.error(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
-    for name in args.dtypes.split(","):
-        if name not in DTYPES:
-            p.error(f"--dtypes: unknown dtype {name!r} (known: {', '.join(DTYPES)})")
+    decode_tokens = [int(v) for v in args.decode_tokens.split(",") if v]
     for shape in filter(None, args.shapes.split(",")):
         H, de, E, k, t_cpu, t_gpu = SHAPES[shape]
         T = args.tokens or (t_gpu if device.type == "cuda" else t_cpu)
@@ -363,4 +371,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_cli("bench_moe_gemm", main))

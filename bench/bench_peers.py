@@ -19,7 +19,6 @@ one line and exits with status 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -27,8 +26,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from smelt_kernels.timing import Parser, UsageError, run_cli
 
 
 def _moe_cases(T, dev):
@@ -161,23 +159,18 @@ def _attention_cases(T, dev):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="bench_peers.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="folder for peers_cuda.json and peers_cuda.md")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="8k tokens, 2 rounds (a smoke run)")
     args = ap.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("bench_peers: needs PyTorch with CUDA; torch is not installed", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("bench_peers: needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
     if args.tokens < 1024 or args.rounds < 1:
-        print("bench_peers: --tokens must be >= 1024 and --rounds >= 1", file=sys.stderr)
-        return 2
+        raise UsageError("--tokens must be >= 1024 and --rounds >= 1")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("needs a CUDA device (torch.cuda.is_available() is False)")
     import triton.testing
 
     T, rounds = (8192, 2) if args.quick else (args.tokens, args.rounds)
@@ -233,4 +226,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_cli("bench_peers", main))

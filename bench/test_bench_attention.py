@@ -8,17 +8,13 @@ takes seconds; ``bench/bench_attention.py`` has the full comparison at T = 4096.
 ATen-chunked path beside it.
 """
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import _chunked, workload  # noqa: E402
+from bench_attention import _chunked, workload
 
-from smelt_kernels.attention import segment_attention  # noqa: E402
+from smelt_kernels.attention import segment_attention
 
 T, HQ, HKV, D = 1024, 12, 2, 88
 

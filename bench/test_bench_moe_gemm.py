@@ -6,16 +6,12 @@ The shape is the CPU target shape (T = 4096, H = 256, d_e = 64, E = 288, k = 8);
 ``bench/bench_moe_gemm.py`` has the full comparison (paper shapes, grouped_mm, reference).
 """
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_gemm import SHAPES, dense_ffn, make_inputs  # noqa: E402
+from bench_moe_gemm import SHAPES, dense_ffn, make_inputs
 
-from smelt_kernels.moe_gemm import moe_ffn, select_backend  # noqa: E402
+from smelt_kernels.moe_gemm import moe_ffn, select_backend
 
 H, DE, E, K, T, _ = SHAPES["cpu-target"]
 

@@ -9,24 +9,27 @@ Both models train on the identical data order (same seed, same packed contexts, 
 schedule); their optimizer steps are interleaved one at a time so both see the same machine
 load. Seconds count only the training steps (evaluation excluded). A model reaches a loss
 at the first evaluation at or below it, interpolated linearly (in FLOPs and in seconds)
-from the evaluation before. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
+from the evaluation before. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``: by
+default into the temporary folder the runs train in (its path is printed); ``--out STEM``
+chooses the place, e.g. ``--out bench/results/time_to_loss_cpu`` for the committed results.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import math
 import platform
 import shlex
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
+
+from smelt_kernels.timing import Parser, UsageError, cpu_name, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 
 def reach(evals: list[dict], target: float) -> Optional[dict]:
@@ -42,9 +45,12 @@ def reach(evals: list[dict], target: float) -> Optional[dict]:
     return None
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="tiny")
+def parse_args(argv: Optional[Sequence[str]] = None):
+    """The options, each checked (a :class:`UsageError` naming the first bad one)."""
+    from smelt_model import presets
+
+    ap = Parser(prog="time_to_loss.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny", help=f"a matched pair: {', '.join(presets.pairs())}")
     ap.add_argument("--data", default="python-stdlib")
     ap.add_argument("--budget-flops", type=float, default=1e12)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -55,9 +61,35 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads (default 1: steady timing on a shared machine)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "time_to_loss_cpu"),
-                    help="output path without suffix")
+    ap.add_argument("--out", default=None,
+                    help="output path without suffix (default: in the temporary folder the "
+                         "runs train in, printed at the end)")
     args = ap.parse_args(argv)
+    if args.preset not in presets.pairs():
+        raise UsageError(f"--preset {args.preset!r} is not a pair; choose from "
+                         f"{', '.join(presets.pairs())}")
+    for name in ("budget_flops", "lr"):
+        v = getattr(args, name)
+        if not (v > 0 and math.isfinite(v)):
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
+    for name in ("tokens_per_step", "evals", "eval_tokens", "threads"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got "
+                             f"{getattr(args, name)}")
+    if args.seq_len < 2:
+        raise UsageError(f"--seq-len must be at least 2, got {args.seq_len}")
+    if args.out is not None and (not args.out or Path(args.out).is_dir()):
+        raise UsageError(f"--out must be a path without suffix, not a folder: {args.out!r}")
+    try:
+        import matplotlib  # noqa: F401  (the loss plot)
+    except ImportError:
+        raise UsageError("the loss plot needs matplotlib (pip install matplotlib, or the [plot]"
+                         " extra)") from None
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
 
     import torch
 
@@ -77,8 +109,8 @@ def main(argv=None) -> int:
         dirs = {a: work / a for a in ("baseline", "smelt")}
         trainers, corpus = build_trainers(targs, dirs, "cpu")
     except (ValueError, KeyError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        shutil.rmtree(work, ignore_errors=True)
+        raise UsageError(str(e)) from None
     for t in trainers:
         t.spec.eval_every = t.spec.save_every = max(1, t.spec.steps // args.evals)
     print(f"data: {corpus.n_train_docs} train / {corpus.n_val_docs} val documents, "
@@ -106,18 +138,18 @@ def main(argv=None) -> int:
                        "seconds_saved": 1 - ratios["seconds"]})
     command = "python bench/time_to_loss.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    out = Path(args.out) if args.out is not None else work / "time_to_loss_cpu"
     opts = dict(vars(args))
     try:  # record the output inside the repository relative to it, never a machine's path
-        opts["out"] = str(Path(args.out).resolve().relative_to(REPO))
+        opts["out"] = str(out.resolve().relative_to(REPO))
     except ValueError:
-        opts["out"] = Path(args.out).name
+        opts["out"] = out.name
     result = {"command": command.strip(), "args": opts, "target_loss": target,
               "runs": runs, "ratios": ratios, "wall_seconds": wall,
               "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                          "processor": platform.processor() or platform.machine(),
+                          "processor": cpu_name() or platform.machine(),
                           "threads": args.threads},
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     plot_mod.plot_runs([dirs["baseline"], dirs["smelt"]], out.with_suffix(".png"),
@@ -125,6 +157,9 @@ def main(argv=None) -> int:
     md = markdown(result, out.with_suffix(".png").name)
     out.with_suffix(".md").write_text(md)
     print(md)
+    print(f"wrote {out.with_suffix('.json')}, .md and .png"
+          + ("" if args.out else " (a temporary folder: --out chooses the place)"),
+          file=sys.stderr)
     return 0
 
 
@@ -159,4 +194,4 @@ def markdown(r: dict, image: str) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli("time_to_loss", main))

@@ -1,5 +1,6 @@
 """Test-session set-up: Triton through its interpreter when there is no GPU, poisoned
-outputs, and the shared helpers (tests/helpers*.py) importable from every test folder."""
+outputs, and the shared helpers (tests/helpers*.py) and the benchmarks' modules (bench/)
+importable from every test folder."""
 
 import os
 import sys
@@ -12,7 +13,8 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TESTS, os.path.join(os.path.dirname(_TESTS), "bench")]
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -20,18 +20,15 @@ there. ``--out DIR`` writes ``hf_bench_<device>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
-import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from ..timing import Parser, UsageError, environment, measure_interleaved
 
 CONFIGS = (("eager", "sdpa"), ("grouped_mm", "sdpa"), ("smelt", "sdpa"), ("smelt", "smelt"))
 BASELINE = ("grouped_mm", "sdpa")
@@ -51,6 +48,7 @@ MEMORY_LIMIT_BYTES = 8 * 2 ** 30
 
 
 def _fail(msg: str) -> "None":
+    """One line on stderr and exit status 2."""
     print(f"smelt_kernels.hf.bench: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -83,35 +81,15 @@ def estimate_bytes(shape: dict) -> int:
     return 2 * params * elem + acts
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int,
-                repeats: int, label: str) -> dict[str, list[float]]:
-    for name, fn in fns.items():
-        for _ in range(warmup):
-            fn()
-    _sync(device)
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(repeats):
-        for name, fn in fns.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            samples[name].append((time.perf_counter() - t0) * 1e3)
-        print(f"  {label}: round {r + 1}/{repeats}", file=sys.stderr, flush=True)
-    return samples
+                repeats: int, label: str) -> dict:
+    """Each callable's :class:`~smelt_kernels.timing.Timing`, timed round-robin
+    (:func:`smelt_kernels.timing.measure_interleaved`), with a progress line per round."""
+    def progress(r: int) -> None:
+        print(f"  {label}: round {r}/{repeats}", file=sys.stderr, flush=True)
 
-
-def _q(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return measure_interleaved(fns, device=device, warmup=warmup, repeats=repeats,
+                               on_round=progress)
 
 
 def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
@@ -176,44 +154,27 @@ def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
     for task, maker, n_tok in (("train step", train_step, tokens),
                                ("greedy generate", generate, shape["new_tokens"])):
         fns = {f"{e}+{a}": maker(e, a) for e, a in CONFIGS}
-        samples = interleaved(fns, device, warmup, repeats, task)
-        base = statistics.median(samples["+".join(BASELINE)])
+        times = interleaved(fns, device, warmup, repeats, task)
+        base = times["+".join(BASELINE)].median_ms
         for (experts, attn) in CONFIGS:
             name = f"{experts}+{attn}"
-            xs = samples[name]
-            med = statistics.median(xs)
+            t = times[name]
+            med = t.median_ms
             rows.append(dict(
                 task=task, experts=experts, attention=attn, median_ms=med,
-                p20_ms=_q(xs, 0.2), p80_ms=_q(xs, 0.8),
-                spread=(_q(xs, 0.8) - _q(xs, 0.2)) / med, repeats=len(xs),
+                p20_ms=t.p20_ms, p80_ms=t.p80_ms, spread=t.spread, repeats=t.repeats,
                 tokens_per_s=n_tok / (med / 1e3), speedup_vs_grouped_mm=base / med,
                 max_rel_logit_diff_vs_eager=checks[name], same_greedy_tokens=same_tokens[name],
             ))
     probe = torch.empty(1, shape["model"]["hidden_size"], device=device, dtype=shape["dtype"])
     q = torch.empty(1, 1, 1, shape["model"]["head_dim"], device=device, dtype=shape["dtype"])
-    env = dict(
-        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        device=str(device), device_name=(torch.cuda.get_device_name(device)
-                                         if device.type == "cuda" else _cpu_name()),
-        cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
-        load_average=round(os.getloadavg()[0], 1) if hasattr(os, "getloadavg") else None,
-        python=platform.python_version(), torch=torch.__version__,
+    env = environment(device)
+    env.update(
         transformers=transformers.__version__, dtype=str(shape["dtype"]),
         smelt_moe_backend=moe_backend(probe, None), smelt_attention_backend=attn_backend(q, None),
         shape={k: (str(v) if k == "dtype" else v) for k, v in shape.items()},
     )
     return dict(environment=env, rows=rows)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 COLUMNS = ("task", "experts", "attention", "median_ms", "p20_ms", "p80_ms", "spread",
@@ -251,8 +212,8 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m smelt_kernels.hf.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m smelt_kernels.hf.bench", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
@@ -261,7 +222,10 @@ def main(argv=None) -> int:
                          "machine 1 avoids threads waiting on each other")
     ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run")
     ap.add_argument("--out", default=None, help="folder for hf_bench_<device>.json/.md")
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except UsageError as e:
+        _fail(str(e))
     try:
         import transformers  # noqa: F401
     except ImportError:

@@ -5,9 +5,10 @@ import sys
 import pytest
 import torch
 
-from _lvb import load
+from lvb import cli, driver, runners, workload
 
-lvb = load("looped_vs_baseline")
+from smelt_model import budget, presets
+
 GiB = 2**30
 
 
@@ -16,12 +17,12 @@ def nothing_runs(monkeypatch):
     """Fail the test if a model is built or anything is measured."""
     def boom(*a, **k):
         raise AssertionError("a model was built or measured before the options were checked")
-    monkeypatch.setattr(lvb, "build", boom)
-    monkeypatch.setattr(lvb, "measure_block", boom)
+    monkeypatch.setattr(runners, "build", boom)
+    monkeypatch.setattr(runners, "measure_block", boom)
 
 
 def _fails(argv, capsys):
-    rc = lvb.main(argv)
+    rc = cli.main(argv)
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
@@ -70,33 +71,33 @@ def test_plot_without_matplotlib_fails_first(capsys, monkeypatch, nothing_runs, 
 
 
 def test_memory_estimate_of_the_100m_pair():
-    args = lvb.parse_args(["--preset", "100M-S85", "--tokens", "512"])
-    wl = lvb.make_workload(args)
-    base, smelt = (lvb.estimate_memory(c, wl, args, 4) for c in lvb.presets.pair("100M-S85"))
-    for est, cfg in ((base, lvb.presets.pair("100M-S85")[0]),
-                     (smelt, lvb.presets.pair("100M-S85")[1])):
-        n = lvb.budget.ledger(cfg).total_params + 2 * cfg.vocab_size * cfg.hidden_size
+    args = cli.parse_args(["--preset", "100M-S85", "--tokens", "512"])
+    wl = workload.make_workload(args)
+    base, smelt = (workload.estimate_memory(c, wl, args, 4) for c in presets.pair("100M-S85"))
+    for est, cfg in ((base, presets.pair("100M-S85")[0]),
+                     (smelt, presets.pair("100M-S85")[1])):
+        n = budget.ledger(cfg).total_params + 2 * cfg.vocab_size * cfg.hidden_size
         assert est["weights"] == 4 * n and est["gradients"] == 4 * n
         assert est["optimizer"] == 8 * n  # AdamW: two moments
         assert 0 < est["activations"] < est["weights"] and est["kv_cache"] > 0
         # one model at a time: the pair fits the 16 GB the benchmark promises
         assert 10 * GiB < sum(est.values()) < 15.5 * GiB
-    prefill = lvb.parse_args(["--preset", "100M-S85", "--tokens", "512", "--mode", "prefill"])
-    est = lvb.estimate_memory(lvb.presets.pair("100M-S85")[0], wl, prefill, 4)
+    prefill = cli.parse_args(["--preset", "100M-S85", "--tokens", "512", "--mode", "prefill"])
+    est = workload.estimate_memory(presets.pair("100M-S85")[0], wl, prefill, 4)
     assert est["gradients"] == est["optimizer"] == est["kv_cache"] == est["workspace"] == 0
 
 
 def test_refuses_a_preset_that_does_not_fit(capsys, monkeypatch, nothing_runs):
-    monkeypatch.setattr(lvb, "available_memory", lambda device=None: 8 * GiB)
+    monkeypatch.setattr(driver, "available_memory", lambda device=None: 8 * GiB)
     err = _fails(["--preset", "100M-S85", "--tokens", "512"], capsys)
     assert "needs an estimated" in err and "GiB" in err and "8.0 GiB are available" in err
     assert "weights" in err and "optimizer" in err
 
 
 def test_fits_when_memory_suffices(monkeypatch):
-    args = lvb.parse_args(["--preset", "100M-S85", "--tokens", "512"])
-    wl = lvb.make_workload(args)
-    cfgs = dict(zip(lvb.ARCHS, lvb.presets.pair("100M-S85")))
-    est = lvb.check_memory(cfgs, wl, args, 4, available=16 * GiB)
-    assert set(est) == set(lvb.ARCHS)
-    lvb.check_memory(cfgs, wl, args, 4, available=None)  # the platform does not say: run
+    args = cli.parse_args(["--preset", "100M-S85", "--tokens", "512"])
+    wl = workload.make_workload(args)
+    cfgs = dict(zip(workload.ARCHS, presets.pair("100M-S85")))
+    est = workload.check_memory(cfgs, wl, args, 4, available=16 * GiB)
+    assert set(est) == set(workload.ARCHS)
+    workload.check_memory(cfgs, wl, args, 4, available=None)  # the platform does not say: run

@@ -22,6 +22,7 @@ def result(tmp_path_factory):
            "--eager-decode", "--json", str(out), "--quiet"]
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the benchmark picks real backends by itself
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout

@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-from _lvb import load
+from lvb import cli, driver, runners
 
-timing = load("timing")
-lvb = load("looped_vs_baseline")
+from smelt_kernels import timing
 
 
 def _fake_clock(monkeypatch, durations):
@@ -70,7 +69,7 @@ def _t(ms):
 
 @pytest.fixture(autouse=True)
 def _any_memory(monkeypatch):
-    monkeypatch.setattr(lvb, "available_memory", lambda device=None: None)
+    monkeypatch.setattr(driver, "available_memory", lambda device=None: None)
 
 
 def _fake_block(fractions):
@@ -96,8 +95,8 @@ def _fake_block(fractions):
 
 
 def test_tables_explain_their_columns(monkeypatch, capsys):
-    monkeypatch.setattr(lvb, "measure_block", _fake_block({"baseline": 0.9, "smelt": 0.8}))
-    assert lvb.main(["--quiet", "--tokens", "128", "--seq-len", "64"]) == 0
+    monkeypatch.setattr(runners, "measure_block", _fake_block({"baseline": 0.9, "smelt": 0.8}))
+    assert cli.main(["--quiet", "--tokens", "128", "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
     for word in ("legend", "gap", "F ratio", "spread", "other", "bytes/token", "GB/s",
                  "MiB/token", "memory estimate"):
@@ -113,8 +112,8 @@ def test_tables_explain_their_columns(monkeypatch, capsys):
 
 
 def test_a_row_that_does_not_add_up_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(lvb, "measure_block", _fake_block({"baseline": 0.9, "smelt": 1.4}))
-    assert lvb.main(["--quiet", "--tokens", "128", "--seq-len", "64", "--mode", "prefill"]) == 0
+    monkeypatch.setattr(runners, "measure_block", _fake_block({"baseline": 0.9, "smelt": 1.4}))
+    assert cli.main(["--quiet", "--tokens", "128", "--seq-len", "64", "--mode", "prefill"]) == 0
     out = capsys.readouterr().out
     assert "note (smelt): components sum to 140% of the step" in out
     other = next(x for x in out.splitlines() if x.strip().startswith("other"))
@@ -136,9 +135,9 @@ def test_gap_by_round_pairs_each_rounds_blocks(monkeypatch, capsys, tmp_path):
         return {"params_total": 1, "params_active": 1, "peak_rss_bytes": 2**30,
                 "prefill": {"tokens": wl.tokens, "parts": pt}}
 
-    monkeypatch.setattr(lvb, "measure_block", block)
+    monkeypatch.setattr(runners, "measure_block", block)
     out_json = tmp_path / "r.json"
-    assert lvb.main(["--quiet", "--tokens", "128", "--seq-len", "64", "--mode", "prefill",
+    assert cli.main(["--quiet", "--tokens", "128", "--seq-len", "64", "--mode", "prefill",
                      "--rounds", "3", "--json", str(out_json)]) == 0
     assert calls == {"baseline": 3, "smelt": 3}
     res = json.loads(out_json.read_text())

@@ -11,6 +11,8 @@ from smelt_kernels.hf import bench  # noqa: E402
 @pytest.mark.parametrize("argv,msg", [
     (["--device", "tpu"], "--device must be cpu or cuda"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--repeats", "x"], "argument --repeats: invalid int value"),
+    (["--no-such-option"], "unrecognized arguments"),
 ])
 def test_bad_arguments_fail_with_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:

@@ -1,0 +1,209 @@
+"""The main job's output: the text tables (printed, and the body of ``--markdown``), the
+Markdown file and the wall-clock-against-FLOPs plot. Everything is read from the result
+dictionary :func:`.driver.run_pair` returns (with the run's options added by the command)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Optional, Sequence
+
+from smelt_model.memory import GiB
+
+from .verdict import SPREAD_LIMIT, describe
+from .workload import ARCHS
+
+__all__ = ["LEGEND", "format_tables", "markdown", "plot"]
+
+LEGEND = """\
+legend
+  ratio       smelt / baseline wall-clock, medians of every timed call
+  F ratio     the ledger's FLOPs, smelt / baseline, of the same call (decode: its own ratio)
+  gap         ratio / F ratio: 1.00 = the loop costs exactly its FLOPs; 1.10 = 10% slower
+  spread      (p80 - p20) / median of an architecture's samples. Above ~{limit:.2f} the machine
+              was busy or changing clocks while measuring: rerun, or raise --repeats / --rounds,
+              before trusting a ratio from that row
+  gap by      the gap of each round alone (its two blocks ran back to back, so drift between
+   round      rounds cancels): median, min and max. A target inside [min, max] is not told
+              apart from the measured gap by this run
+  verdict     meets / misses: the gap at or below / above the row's target (see "verdicts");
+              uncertain: the gaps by round straddle the target or a spread is above {limit:.2f},
+              so this run cannot tell (the median's side is given); no target: none is set
+              for the row on this device
+  components  each part timed alone at the step's shapes, round-robin with the step in one
+              loop; ms per step (median x runs per step) and % of the step; the ratio column
+              is smelt / baseline, F the part's FLOPs ratio (- where the ledger counts none)
+  other       step - components: residual adds, rotary tables, router losses, reshapes and
+              framework overhead (Python, dispatch, allocation), plus the parts' timing
+              error. Components exceeding the step by more than {tol:.0%} are remeasured
+              (up to --max-tries) and the row says so instead of printing a negative other
+  decode      bytes/token: what one token reads (executed layers' weights with the experts
+              its batch selects, the head, the KV cache); GB/s: bytes per step / step time"""
+
+
+def _fmt_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _component_lines(arch: dict[str, Any], mode: str, row: dict[str, Any]) -> list[str]:
+    lines = []
+    mb, ms = arch["baseline"][mode], arch["smelt"][mode]
+    cb, cs = mb["components_ms"], ms["components_ms"]
+    tb, ts = row["baseline"]["median_ms"], row["smelt"]["median_ms"]
+    fb, fs = mb.get("components_flops", {}), ms.get("components_flops", {})
+    ok = mb["components_note"] is None and ms["components_note"] is None
+    lines.append(f"  components (ms per step, % of step){'':14}{'ratio':>8}")
+    for name in list(cb) + ["other"]:
+        if name == "other":
+            if not ok:
+                lines.append(f"    {'other':14} {'n/a':>10}        {'n/a':>10}         "
+                             "(components exceed the step: see the note)")
+                continue
+            vb, vs = tb - sum(cb.values()), ts - sum(cs.values())
+        else:
+            vb, vs = cb[name], cs[name]
+        ratio = f"{vs / vb:.3f}" if vb > 0 and vs > 0 else "-"
+        f_ratio = f"{fs[name] / fb[name]:.3f}" if fb.get(name, 0) > 0 else "-"
+        lines.append(f"    {name:14} {vb:>10.2f} ({100 * vb / tb:5.1f}%) {vs:>10.2f} "
+                     f"({100 * vs / ts:5.1f}%) {ratio:>8}   F {f_ratio}")
+    for a in ARCHS:
+        m = arch[a][mode]
+        tries = m["components_tries"]
+        if m["components_note"]:
+            lines.append(f"  note ({a}): {m['components_note']}")
+        elif max(tries) > 1:
+            lines.append(f"  note ({a}): components remeasured (tries per round {tries}) "
+                         f"until they added up; now {100 * m['components_fraction']:.0f}% of "
+                         "the step")
+    return lines
+
+
+def _row_lines(row: dict[str, Any], mode: str, arch: dict[str, Any]) -> list[str]:
+    b, s = row["baseline"], row["smelt"]
+    lines = [f"{row['mode']:18} {b['median_ms']:>10.2f}ms {s['median_ms']:>10.2f}ms "
+             f"{row['wall_ratio']:>8.3f}   (spread {b['spread']:.2f} / {s['spread']:.2f})",
+             f"{'  tokens/s':18} {b['tokens_per_s']:>12.0f} {s['tokens_per_s']:>12.0f}",
+             f"{'  GFLOP/s':18} {b['achieved_flops_per_s'] / 1e9:>12.1f} "
+             f"{s['achieved_flops_per_s'] / 1e9:>12.1f}"]
+    if mode == "decode":
+        key = row["mode"].split("(")[1].rstrip(")")
+        db, ds = arch["baseline"]["decode"][key], arch["smelt"]["decode"][key]
+        lines += [f"{'  MiB/token':18} {db['bytes_per_token'] / 2**20:>12.2f} "
+                  f"{ds['bytes_per_token'] / 2**20:>12.2f} "
+                  f"{ds['bytes_per_token'] / db['bytes_per_token']:>8.3f}",
+                  f"{'  GB/s':18} {db['gb_per_s']:>12.1f} {ds['gb_per_s']:>12.1f}"]
+    fr = row.get("decode_flops_ratio", row["flops_ratio"])
+    lines += [f"{'  F ratio':18} {'':>12} {'':>12} {fr:>8.3f}",
+              f"{'  gap (wall / F)':18} {'':>12} {'':>12} {row['gap']:>8.3f}"]
+    g = sorted(row.get("round_gaps", []))
+    if len(g) > 1:
+        lines.append(f"{'  gap by round':18} {'':>12} {'':>12} {statistics.median(g):>8.3f}   "
+                     f"(min {g[0]:.3f}, max {g[-1]:.3f} over {len(g)} rounds)")
+    if "verdict" in row:
+        lines.append(f"{'  verdict':18} {describe(row['verdict'])}")
+    return lines
+
+
+def _memory_line(arch: dict[str, Any], mode: str) -> str:
+    mem = []
+    for a in ARCHS:
+        m = arch[a][mode]
+        if mode == "decode":
+            first = next(iter(m.values()))
+            how = "compiled" if first["compiled"] else f"eager ({first['eager_reason']})"
+            mem.append(f"KV cache {_fmt_bytes(first['cache_bytes'])} (batch "
+                       f"{first['batch']}), step {how}")
+        else:
+            peak = m.get("peak_bytes")
+            txt = f"peak {_fmt_bytes(peak)}" if peak is not None else "peak n/a (CUDA only)"
+            if "activation_bytes" in m:
+                txt += f", activations saved {_fmt_bytes(m['activation_bytes'])}"
+            mem.append(txt)
+    return f"  memory: baseline {mem[0]}; smelt {mem[1]}"
+
+
+def _verdict_lines(res: dict[str, Any]) -> list[str]:
+    t = res.get("targets", {})
+    limit = t.get("spread_limit", SPREAD_LIMIT)
+    lines = [f"verdicts on {t.get('device', res['device'])} (uncertain: the gaps by round "
+             f"straddle the target, or a spread above {limit:.2f})",
+             f"  {'targets':18} {t.get('scope', 'none on this device')}"]
+    for rows in res["summary"].values():
+        for row in rows:
+            if "verdict" in row:
+                lines.append(f"  {row['mode']:18} {describe(row['verdict'])}")
+    return lines
+
+
+def format_tables(res: dict[str, Any]) -> str:
+    """The text tables: the pair and its ledger ratios, one table per mode, the verdicts and
+    the legend."""
+    lines: list[str] = []
+    r, wl, sch, arch = res["ratios"], res["workload"], res["schedule"], res["arch"]
+    lines.append(f"pair {res['preset']}  device {res['device']}  dtype {res['dtype']}  backend "
+                 f"{res['backend']}  tokens/step {wl['batch'] * wl['seq_len']} "
+                 f"({wl['batch']} x {wl['seq_len']}, docs of {wl['mean_doc_len']:g})")
+    lines.append(f"ledger ratios (smelt / baseline): F {r['flops']:.4f}   params "
+                 f"{r['params']:.4f}   KV {r['kv']:.4f}")
+    lines.append(f"schedule: {sch['rounds']} rounds of {sch['order']}, "
+                 f"{sch['repeats_per_block']} timed repeats per block")
+    est = [sum(arch[a]["memory_estimate_bytes"].values()) / GiB for a in ARCHS]
+    rss = [max((x or 0) for x in arch[a].get("peak_rss_bytes", [0])) / GiB for a in ARCHS]
+    lines.append(f"memory estimate: baseline {est[0]:.2f} GiB, smelt {est[1]:.2f} GiB; process "
+                 f"peak RSS after their blocks {rss[0]:.2f} / {rss[1]:.2f} GiB")
+    for mode, rows in res["summary"].items():
+        lines += ["", f"== {mode} ==", f"{'':18} {'baseline':>12} {'smelt':>12} {'ratio':>8}"]
+        for row in rows:
+            lines += _row_lines(row, mode, arch)
+        if mode != "decode":
+            lines += _component_lines(arch, mode, rows[0])
+        lines.append(_memory_line(arch, mode))
+    lines += [""] + _verdict_lines(res)
+    lines += ["", LEGEND.format(tol=res["tolerance"],
+                                limit=res.get("targets", {}).get("spread_limit", SPREAD_LIMIT))]
+    return "\n".join(lines)
+
+
+def markdown(res: dict[str, Any], text: str, argv: Sequence[str]) -> str:
+    """The ``--markdown`` file: a title, the environment, the command and the tables."""
+    env = res["environment"]
+    return (f"# looped vs baseline: {res['preset']} on {res['device']}\n\n"
+            f"{env['date']} · {env['device_name']} · {env['cpu_count']} CPUs · torch "
+            f"{env['torch']} · triton {env['triton']}\n\n"
+            f"Command: `python bench/looped_vs_baseline.py {' '.join(argv)}`\n\n"
+            f"```\n{text}\n```\n")
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    """Wall-clock against the ledger's FLOPs per call, both architectures, every row; a gray
+    line through each baseline point at the baseline's FLOP rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    markers = {"baseline": "o", "smelt": "s"}
+    colors = {"baseline": "tab:blue", "smelt": "tab:orange"}
+    first_mode = next(iter(res["summary"]))
+    for mode, rows in res["summary"].items():
+        for row in rows:
+            for arch in ARCHS:
+                p = row[arch]
+                ax.scatter(p["flops"], p["median_ms"], marker=markers[arch], s=40,
+                           color=colors[arch], label=arch if mode == first_mode else None)
+                ax.annotate(f"{arch} {row['mode']}", (p["flops"], p["median_ms"]), fontsize=7,
+                            xytext=(6, 3) if arch == "smelt" else (6, -9),
+                            textcoords="offset points")
+            b = row["baseline"]
+            xs = [b["flops"] * 0.8, b["flops"] * 1.4]
+            ax.plot(xs, [b["median_ms"] * x / b["flops"] for x in xs], lw=0.6, color="gray")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("useful FLOPs per call (ledger)")
+    ax.set_ylabel("wall-clock per call (ms)")
+    ax.set_title(f"{res['preset']} on {res['device']}: gray = baseline's FLOP rate")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)

@@ -1,0 +1,213 @@
+"""One architecture's measured calls: a training step, a prefill, a decode step, and the
+components of a step at its shapes; :func:`measure_block` measures them all for one block of
+one round.
+
+Each runner builds the inputs and state for one architecture and returns a callable that
+performs one measured call, plus facts about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from smelt_kernels.executor import activation_memory, maybe_capture
+from smelt_kernels.timing import measure, measure_parts, release_memory
+from smelt_model.config import ModelConfig
+from smelt_model.memory import peak_rss
+
+from .workload import (Workload, decode_cache_len, decode_warmup, packed_segments,
+                       steps_per_block)
+
+__all__ = ["build", "train_runner", "prefill_runner", "decode_runner", "component_runners",
+           "measure_block"]
+
+
+def build(cfg: ModelConfig, device, dtype, backend, recompute):
+    """The model of ``cfg``, seeded: the same weights every time it is built."""
+    from smelt_model.model import SmeltLM
+
+    torch.manual_seed(0)
+    model = SmeltLM(cfg, backend=backend, recompute=recompute)
+    return model.to(device=device, dtype=dtype)
+
+
+def _cuda_peak(fn: Callable[[], Any], device: torch.device) -> Optional[int]:
+    """Peak CUDA memory of one call above what was allocated before it (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    return activation_memory(fn, device=device)[1].peak_allocated_bytes
+
+
+def _batch(model, wl: Workload, device, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab_size, (wl.batch, wl.seq_len), generator=g).to(device)
+    return ids, packed_segments(wl.batch, wl.seq_len, wl.mean_doc_len, device)
+
+
+def train_runner(model, wl: Workload, device, args):
+    """A training step; gradients stay allocated between steps (zeroed, not freed), so the
+    optimizer can be timed alone as a component and memory is the steady state's."""
+    ids, seg = _batch(model, wl, device, 0)
+    model.train()
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=cuda)
+
+    def step(i, s):
+        out = model(i, s, labels=i)
+        loss = out.loss + out.aux_loss if out.aux_loss is not None else out.loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return out.loss.detach()
+
+    runner = maybe_capture(step, [ids, seg], capture=args.capture and cuda)
+    info = {"tokens": wl.tokens, "captured": runner.graph is not None,
+            "capture_note": getattr(runner, "reason", None)}
+    return (lambda: runner(ids, seg)), info, (ids, seg), opt
+
+
+def prefill_runner(model, wl: Workload, device, args):
+    """A forward over the workload's tokens without gradients."""
+    ids, seg = _batch(model, wl, device, 1)
+    model.eval()
+
+    def fwd(i, s):
+        with torch.no_grad():
+            return model(i, s).logits
+
+    runner = maybe_capture(fwd, [ids, seg], capture=args.capture and device.type == "cuda")
+    info = {"tokens": wl.tokens, "captured": runner.graph is not None}
+    return (lambda: runner(ids, seg)), info
+
+
+def decode_runner(model, wl: Workload, B: int, device, args):
+    """One greedy decode step per call, on a cache prefilled with a ``decode_prompt`` prompt,
+    through :class:`DecodeStep` (compiled unless ``--eager-decode``)."""
+    from smelt_model.generation import DecodeStep, KVCache
+
+    model.eval()
+    g = torch.Generator(device="cpu").manual_seed(2)
+    P = wl.decode_prompt
+    prompt = torch.randint(0, model.cfg.vocab_size, (B, P), generator=g).to(device)
+    seg1 = torch.zeros(B, 1, dtype=torch.long, device=device)
+    cache = KVCache.for_model(model, B, decode_cache_len(wl, args))
+    with torch.no_grad():
+        logits = model(prompt, torch.zeros_like(prompt), cache=cache, cache_pos=0).logits
+    state = {"tok": logits[:, -1].argmax(-1, keepdim=True), "pos": P}
+    step = DecodeStep(model, compile=not args.eager_decode)
+
+    def one():
+        lg = step(state["tok"], seg1, cache, state["pos"])
+        state["tok"] = lg.argmax(-1, keepdim=True)
+        state["pos"] += 1
+
+    info = {"batch": B, "context": P + decode_warmup(args) + wl.decode_steps // 2,
+            "cache_bytes": cache.nbytes}
+    return one, info, step
+
+
+def component_runners(model, wl: Workload, device, train: bool,
+                      opt=None) -> dict[str, tuple[Callable, int]]:
+    """Per component: a callable running it once at the step's shapes (forward, plus backward
+    when ``train``), and how many times a step runs it."""
+    from smelt_kernels.moe_gemm import moe_ffn, route
+
+    cfg = model.cfg
+    B, T, H = wl.batch, wl.seq_len, cfg.hidden_size
+    dtype = next(model.parameters()).dtype
+    L_exec = model.plan.executed_layers
+    blk = model.layer(0)
+    backend = None if model.backend == "auto" else model.backend
+    seg = packed_segments(B, T, wl.mean_doc_len, device)
+    cos, sin = model.rotary.tables(0, T, device)
+    g = torch.Generator(device="cpu").manual_seed(3)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_(train)
+
+    h, x2 = rnd(B, T, H), rnd(B * T, H)
+    zeros = torch.zeros(B, T, dtype=torch.long, device=device)
+    with torch.no_grad():
+        weights, ids = route(blk.moe.router(x2).float(), cfg.top_k, cfg.router_renormalize)
+    weights = weights.requires_grad_(train)
+
+    def run(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        if not train:
+            def f():
+                with torch.no_grad():
+                    fn()
+            return f
+
+        def fb():
+            y = fn()
+            y.backward(torch.ones_like(y))
+        return fb
+
+    def head():
+        if train:
+            return model.lm_loss(model.lm_head(model.norm(model.embed(zeros))), zeros)
+        return model.lm_head(model.norm(h))
+
+    parts = {
+        "attention": (run(lambda: blk.attn(h, seg, rope=(cos, sin), check_values=False)), L_exec),
+        "moe_gemm": (run(lambda: moe_ffn(x2, blk.moe.gate_up_proj, blk.moe.down_proj, weights, ids,
+                                         backend=backend, check_values=False)), L_exec),
+        "routing": (run(lambda: route(blk.moe.router(x2).float(), cfg.top_k,
+                                      cfg.router_renormalize)[0]), L_exec),
+        "norms": (run(lambda: blk.attn_norm(h)), 2 * L_exec),
+        "embed_head": (run(head), 1),
+    }
+    if opt is not None:
+        parts["optimizer"] = (opt.step, 1)
+    return parts
+
+
+def measure_block(cfg: ModelConfig, wl: Workload, args, device, dtype, modes, first: bool,
+                  bar) -> dict[str, Any]:
+    """One architecture's block of one round: build it, measure every mode, free it.
+
+    Train and prefill time the step and its components round-robin
+    (:func:`smelt_kernels.timing.measure_parts`); the first block of a run also records the
+    activations a step saves and, on CUDA, its peak allocation."""
+    model = build(cfg, device, dtype, args.backend, args.recompute)
+    timed = dict(device=device, warmup=args.warmup, repeats=steps_per_block(args.repeats, args),
+                 tolerance=args.tolerance, max_tries=args.max_tries)
+    out: dict[str, Any] = {"params_total": model.num_params("total"),
+                           "params_active": model.num_params("active")}
+    if "train" in modes:
+        fn, info, (ids, seg), opt = train_runner(model, wl, device, args)
+        parts = component_runners(model, wl, device, True, opt)
+        out["train"] = dict(info, parts=measure_parts(fn, parts, **timed))
+        if first:
+            params = list(model.parameters())
+            act = activation_memory(lambda: model(ids, seg, labels=ids).loss,
+                                    device=device, exclude=params)[1]  # graph freed here
+            del params
+            out["train"].update(activation_bytes=act.saved_bytes,
+                                peak_bytes=_cuda_peak(fn, device))
+        del fn, parts, opt
+        model.zero_grad(set_to_none=True)
+        bar.update(1)
+    if "prefill" in modes:
+        fn, info = prefill_runner(model, wl, device, args)
+        parts = component_runners(model, wl, device, False)
+        out["prefill"] = dict(info, parts=measure_parts(fn, parts, **timed),
+                              peak_bytes=_cuda_peak(fn, device) if first else None)
+        del fn, parts
+        bar.update(1)
+    if "decode" in modes:
+        out["decode"] = {}
+        for B in wl.decode_batches:
+            fn, info, step = decode_runner(model, wl, B, device, args)
+            t = measure(fn, device=device, warmup=decode_warmup(args),
+                        repeats=steps_per_block(wl.decode_steps, args))
+            out["decode"][f"batch{B}"] = dict(info, timing=t, compiled=step.compiled,
+                                              eager_reason=step.reason)
+            del fn, step
+            bar.update(1)
+    del model
+    release_memory()
+    out["peak_rss_bytes"] = peak_rss()
+    return out

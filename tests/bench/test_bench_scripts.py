@@ -1,0 +1,155 @@
+"""Every benchmark command: bad input is one line on stderr and a non-zero exit before
+anything is measured; nothing is written into the repository unless asked; no script or
+package touches ``sys.path``. (Timings themselves are not tested.)"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import bench_attention
+import bench_moe_gemm
+import bench_peers
+import pytest
+import time_to_loss
+import torch
+from lvb import cli
+
+from smelt_kernels import timing
+from smelt_kernels.backends import BACKENDS
+from smelt_kernels.executor import RECOMPUTE_POLICIES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Fail the test if a benchmark gets past its checks."""
+    def boom(*a, **k):
+        raise AssertionError("the benchmark ran before its options were checked")
+    monkeypatch.setattr(bench_attention, "run", boom)
+    monkeypatch.setattr(bench_moe_gemm, "make_inputs", boom)
+    monkeypatch.setattr(bench_moe_gemm, "decode_rows", boom)
+    monkeypatch.setattr(time_to_loss.tempfile, "mkdtemp", boom)
+    monkeypatch.setattr(bench_peers, "_moe_cases", boom)
+
+
+def _one_line(prog, main, argv, capsys):
+    rc = timing.run_cli(prog, main, argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "usage:" not in err, err
+    assert err.startswith(f"{prog}: error: ")
+    return err
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--device", "tpu"], "--device"),
+    (["--device", "nonsense:x"], "--device"),
+    (["--dtype", "float8"], "--dtype"),
+    (["--batch", "0"], "--batch"),
+    (["--repeats", "abc"], "--repeats"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--methods", "nope"], "--methods"),
+    (["--layouts", "nope"], "--layouts"),
+])
+def test_bench_attention_bad_input(argv, word, capsys, nothing_runs):
+    assert word in _one_line("bench_attention", bench_attention.main, argv, capsys)
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--device", "tpu"], "--device"),
+    (["--dtypes", "float8"], "--dtypes"),
+    (["--shapes", "nope"], "shape"),
+    (["--modes", "sideways"], "--modes"),
+    (["--skip", "nothing"], "--skip"),
+    (["--decode-tokens", "1,x"], "--decode-tokens"),
+    (["--decode-tokens", "0"], "--decode-tokens"),
+    (["--repeats", "0"], "--repeats"),
+    (["--backend", "nope"], "--backend"),
+    (["--min-time", "nan"], "--min-time"),
+])
+def test_bench_moe_gemm_bad_input(argv, word, capsys, nothing_runs):
+    assert word in _one_line("bench_moe_gemm", bench_moe_gemm.main, argv, capsys)
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--preset", "nope"], "--preset"),
+    (["--budget-flops", "-1"], "--budget-flops"),
+    (["--budget-flops", "inf"], "--budget-flops"),
+    (["--seq-len", "1"], "--seq-len"),
+    (["--evals", "0"], "--evals"),
+    (["--threads", "x"], "--threads"),
+    (["--out", "."], "--out"),
+])
+def test_time_to_loss_bad_input(argv, word, capsys, nothing_runs):
+    assert word in _one_line("time_to_loss", time_to_loss.main, argv, capsys)
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--tokens", "10"], "--tokens"),
+    (["--rounds", "x"], "--rounds"),
+])
+def test_bench_peers_bad_input(argv, word, capsys, nothing_runs):
+    assert word in _one_line("bench_peers", bench_peers.main, argv, capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CPU-only machine")
+def test_gpu_only_benchmarks_say_so_on_a_cpu_machine(capsys, nothing_runs):
+    assert "CUDA" in _one_line("bench_peers", bench_peers.main, [], capsys)
+    assert "CUDA" in _one_line("bench_attention", bench_attention.main,
+                               ["--device", "cuda"], capsys)
+    assert "CUDA" in _one_line("bench_moe_gemm", bench_moe_gemm.main, ["--device", "cuda"],
+                               capsys)
+
+
+def test_a_script_run_as_a_command_fails_in_one_line():
+    """The scripts as a user runs them: ``python bench/x.py``, no sys.path set-up."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for script, argv in (("time_to_loss.py", ["--evals", "0"]),
+                         ("bench_moe_gemm.py", ["--modes", "sideways"]),
+                         ("looped_vs_baseline.py", ["--rounds", "0"])):
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *argv],
+                              capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(err) == 1 and "error:" in err[0], proc.stderr
+
+
+def test_time_to_loss_writes_outside_the_repository_by_default():
+    args = time_to_loss.parse_args([])
+    assert args.out is None  # the results go to the temporary folder the runs train in
+    assert time_to_loss.parse_args(["--out", "bench/results/x"]).out == "bench/results/x"
+
+
+def test_the_main_jobs_choices_come_from_the_registry():
+    actions = {a.dest: a for a in cli._parser()._actions}
+    assert tuple(actions["backend"].choices) == ("auto",) + tuple(BACKENDS)
+    assert tuple(actions["recompute"].choices) == tuple(RECOMPUTE_POLICIES)
+
+
+def test_no_script_or_package_touches_sys_path():
+    """``python bench/x.py`` puts bench/ on the path by itself; tests/conftest.py is the one
+    place tests set it."""
+    offenders = []
+    for top in ("bench", "smelt_kernels", "smelt_model"):
+        for path in (ROOT / top).rglob("*.py"):
+            if "sys.path" in path.read_text():
+                offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []
+
+
+def test_the_timing_helpers_live_in_one_place():
+    import timing as bench_timing  # bench/timing.py: the old import path
+
+    from smelt_kernels.hf import bench as hf_bench
+
+    assert bench_timing.measure is timing.measure and bench_timing.Timing is timing.Timing
+    assert hf_bench.environment is timing.environment
+    assert not hasattr(hf_bench, "_cpu_name") and not hasattr(hf_bench, "_q")
+    t = timing.Timing.of([3.0, 1.0, 2.0])
+    assert (t.median_ms, t.min_ms, t.repeats) == (2.0, 1.0, 3)
+    assert timing.quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.2) == pytest.approx(1.8)
+    assert isinstance(timing.cpu_name(), str) and timing.cpu_name()
+    env = timing.environment("cpu")
+    for key in ("date", "processor", "cpu_count", "torch_threads", "torch", "device_name"):
+        assert key in env
