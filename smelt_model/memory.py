@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Optional
 
-from .budget.ledger import layer_params
+from .budget.ledger import embedding_params, layer_params
 from .config import ModelConfig
 
 __all__ = ["GiB", "RUNTIME_BYTES", "MARGIN", "MemoryRefusal", "estimate", "available", "check",
@@ -56,7 +56,7 @@ def estimate(cfg: ModelConfig, *, tokens: int, seq_len: int, train: bool, forwar
     p = layer_params(cfg)
     H, k = cfg.hidden_size, cfg.top_k
     n = (cfg.n_layers * (p["attention"] + p["router"] + p["norms"] + p["experts_total"]) + H
-         + 2 * cfg.vocab_size * H)
+         + embedding_params(cfg))
     per_layer = (4 * H + 2 * cfg.q_dim + 4 * cfg.kv_dim + 2 * cfg.n_experts
                  + k * (H + 2 * cfg.expert_size))
     live = tokens if train or forward else 0

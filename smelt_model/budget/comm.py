@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from ..config import ModelConfig, _check_int
-from .ledger import compare, ledger
+from .ledger import compare, embedding_params, ledger
 
 __all__ = ["DTYPE_BYTES", "Comm", "CommRatios", "comm", "ratios", "dtype_bytes"]
 
@@ -69,12 +69,6 @@ def dtype_bytes(dtype: Any, name: str = "dtype") -> int:
     if key not in DTYPE_BYTES:
         raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     return DTYPE_BYTES[key]
-
-
-def _embedding_params(cfg: ModelConfig) -> int:
-    # The untied input embedding and output head (vocab x hidden each); the ledger counts
-    # non-embedding parameters only, but FSDP moves these too.
-    return 2 * cfg.vocab_size * cfg.hidden_size
 
 
 def _ring(n: int) -> float:
@@ -261,7 +255,7 @@ def comm(
             gathered[part] = _ring(efsdp) * n / ep
         else:
             gathered[part] = _ring(dp_shard) * n
-    gathered["embeddings"] = _ring(dp_shard) * _embedding_params(cfg)
+    gathered["embeddings"] = _ring(dp_shard) * embedding_params(cfg)
     passes = 2 if reshard_after_forward else 1
     by_part = {part: n * (passes * act + red) for part, n in gathered.items()}
     all_gather = sum(gathered.values()) * act

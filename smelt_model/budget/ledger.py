@@ -33,6 +33,7 @@ __all__ = [
     "Ratios",
     "layer_params",
     "layer_counts",
+    "embedding_params",
     "mean_attended",
     "ledger",
     "compare",
@@ -65,6 +66,12 @@ def layer_params(cfg: ModelConfig) -> dict[str, int]:
     """Parameters of one physical layer of ``cfg``, by part (see :func:`layer_counts`)."""
     return layer_counts(cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.n_experts,
                         cfg.expert_size, cfg.top_k)
+
+
+def embedding_params(cfg: ModelConfig) -> int:
+    """Parameters of the untied input embedding and output head (vocab x hidden each): the
+    budgets leave them out; FSDP traffic and memory estimates count them."""
+    return 2 * cfg.vocab_size * cfg.hidden_size
 
 
 def _shared(p: dict[str, int]) -> int:

@@ -271,7 +271,6 @@ def test_deterministic_and_thread_count_independent(dtype):
 
 _ISA_SCRIPT = """
 import sys, torch
-sys.path.insert(0, {here!r})
 import test_cpu_attention as t
 from smelt_kernels.attention import cpu
 print(cpu.native_isa())
@@ -292,8 +291,9 @@ def test_instruction_set_variants(isa):
     AVX-512 path's logic is checked on machines without AVX-512."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, SMELT_ATTENTION_ISA="" if isa == "native" else isa)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _ISA_SCRIPT.format(here=os.path.dirname(os.path.abspath(__file__)))], env=env,
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([root, here, env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     got_isa, ok = res.stdout.split()[-2:]
