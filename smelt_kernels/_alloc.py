@@ -7,7 +7,6 @@ an element the kernel forgets to write fails the comparison instead of passing b
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -15,7 +14,9 @@ __all__ = ["cpu_pool_stats", "empty", "poisoning", "release_cpu_pool"]
 
 
 def poisoning() -> bool:
-    return os.environ.get("SMELT_POISON", "0") not in ("", "0")
+    from . import backends
+
+    return backends.env_flag("SMELT_POISON")
 
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:

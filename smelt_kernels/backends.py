@@ -43,7 +43,7 @@ __all__ = [
     "BACKENDS", "BackendUnavailableError", "Family", "Variant", "Implementation", "Choice",
     "Report", "ENVIRONMENT", "register_family", "families", "choices", "define", "register",
     "implementation", "implementations", "select", "backward_of", "backward_impl", "lazy",
-    "report", "env", "env_flag", "extension", "extension_error", "extension_op_missing",
+    "put", "report", "env", "env_flag", "extension", "extension_error", "extension_op_missing",
     "register_native_fake", "needs_grad", "triton_interpret", "unavailable_reason",
     "can_read_values", "require_tensor", "require_floating", "require_device",
     "check_values_flag",
@@ -73,6 +73,7 @@ ENVIRONMENT: dict[str, str] = {
                          "0 turns it off)",
     "SMELT_POISON": "1 fills every kernel output with NaN before the kernel writes it (tests)",
     "SMELT_HF_STRICT": "1: the transformers experts integration raises instead of falling back",
+    "SMELT_TRAIN_CRASH": "step:N or checkpoint:N kills the trainer there (fault injection, tests)",
 }
 
 
@@ -410,6 +411,16 @@ def register(op: str, backend: str, forward: Callable[..., Any],
                           dict(info), infer, tuple(variants), variant, traced, direct,
                           checks_values)
     impls[backend] = impl
+    _CACHE.clear()
+    return impl
+
+
+def put(impl: Implementation) -> Implementation:
+    """Register an :class:`Implementation` object as it is, replacing its op's entry for its
+    backend (e.g. to put back the one a ``register(..., replace=True)`` replaced)."""
+    if impl.backend not in _FAMILIES:
+        raise ValueError(f"put: backend must be one of {tuple(_FAMILIES)}, got {impl.backend!r}")
+    _REGISTRY.setdefault(impl.op, {})[impl.backend] = impl
     _CACHE.clear()
     return impl
 

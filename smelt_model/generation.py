@@ -19,6 +19,7 @@ import warnings
 from typing import Optional
 
 import torch
+from smelt_kernels import opdef
 
 __all__ = ["KVCache", "CacheSlot", "DecodeStep", "generate", "compile_unavailable"]
 
@@ -37,18 +38,14 @@ def _write(cache_k, cache_v, cache_seg, k, v, segment_ids, slot, pos):
         cache_seg[:, pos:end] = segment_ids
 
 
-# :meth:`KVCache.update`'s writes as one in-place op, what compiled steps call. Registered
-# with the plain Library API: a mutating ``torch.library.custom_op`` costs about 60 us more
-# per call in checks, once per executed layer of every decode step.
-_LIB = torch.library.Library("smelt", "FRAGMENT")
-_LIB.define("kv_cache_write(Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor(c!) cache_seg, "
-            "Tensor k, Tensor v, Tensor? segment_ids, SymInt slot, SymInt pos) -> ()")
-_LIB.impl("kv_cache_write", _write, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("smelt::kv_cache_write", lib=_LIB)
-def _(cache_k, cache_v, cache_seg, k, v, segment_ids, slot, pos):
-    return None
+# :meth:`KVCache.update`'s writes as one in-place operator, what compiled steps call
+# (registered like every smelt operator; a mutating ``torch.library.custom_op`` would cost
+# about 60 us more per call in checks, once per executed layer of every decode step)
+_KV_CACHE_WRITE = opdef.define(
+    "kv_cache_write",
+    "(Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor(c!) cache_seg, Tensor k, Tensor v, "
+    "Tensor? segment_ids, SymInt slot, SymInt pos) -> ()",
+    _write, lambda cache_k, cache_v, cache_seg, k, v, segment_ids, slot, pos: None)
 
 
 class KVCache:
@@ -100,7 +97,7 @@ class KVCache:
             # one op that writes the buffers in place: written as slice assignments, the
             # traced graph would rebuild every buffer functionally and copy it back whole at
             # the end, so that a compiled step cost O(max_len), not O(pos)
-            torch.ops.smelt.kv_cache_write(self.k, self.v, self.segment_ids, k, v, seg, slot, pos)
+            _KV_CACHE_WRITE(self.k, self.v, self.segment_ids, k, v, seg, slot, pos)
         else:
             _write(self.k, self.v, self.segment_ids, k, v, seg, slot, pos)
         return self.k[slot, :, :end], self.v[slot, :, :end], self.segment_ids[:, :end]

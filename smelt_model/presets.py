@@ -79,7 +79,7 @@ def _tiny(arch: str) -> ModelConfig:
     )
 
 
-# Found by smelt_model.budget.match on tiny-baseline (tests/test_budget.py checks the match).
+# Found by smelt_model.budget.match on tiny-baseline (tests/model/test_budget.py checks the match).
 TINY_SMELT_EXPERTS = 104
 TINY_SMELT_EXPERT_SIZE = 96
 

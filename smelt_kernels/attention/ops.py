@@ -1,54 +1,10 @@
 """Fused GQA attention with a segment-level mask: :func:`segment_attention`.
 
-Packed contexts hold several documents per row; ``segment_ids`` (B, Tk) labels every
-position with its document (non-decreasing along T), and a query attends causally to the
-earlier positions of its own document only. GQA: q has Hq heads, k and v Hkv, with Hq a
-multiple of Hkv; query head h reads KV head h // (Hq / Hkv).
-
-Decode form: with Tq < Tk the queries are the last Tq positions (a step of generation
-against a KV cache ``k_cache[:, :n]``); segment ids still label all Tk keys.
-
-Outputs: ``o`` (B, Tq, Hq, D) in q's dtype; with ``return_lse`` the natural-log
-log-sum-exp of the scaled scores (B, Hq, Tq) in fp32 (fp64 for fp64 inputs); with
-``return_sink`` the attention sink (B, Hq): the mean probability that queries put on the
-first key of their own segment, over queries that are not themselves a segment start
-(0 where there are none). LSE and sink are statistics and carry no gradient (they are
-returned with ``requires_grad=False``); ``o`` is differentiable w.r.t. q, k and v.
-
-Backends (registered with :mod:`smelt_kernels.backends`; ``backend=None``/``"auto"`` picks
-the first that can run the inputs; ``backends.report(device)`` says which can run and why not):
-
-* CUDA tensors: ``"triton"`` (forward and backward kernels in
-  :mod:`smelt_kernels.attention.triton`), then ``"cuda"`` (the forward kernel from
-  ``csrc/attention/cuda.cu``; its backward runs the Triton kernels, or the reference when
-  Triton is missing), then ``"torch"``.
-* CPU tensors: ``"cpu"`` (:mod:`smelt_kernels.attention.cpu`: the native fused kernel of
-  ``csrc/attention/cpu_attention.cpp``; ATen's flash kernel on segment-aware chunks for
-  float64 or head dims that are not a multiple of 8), then ``"torch"``. ``"triton"`` also runs on CPU tensors under
-  ``TRITON_INTERPRET=1`` when asked for explicitly.
-* ``"torch"``: :func:`smelt_kernels.attention.reference.forward` and its explicit
-  masked-softmax backward; materialises (B, Hq, Tq, Tk) scores.
-
-Limits: "triton" and "cuda" need D a multiple of 8 and at most 128 (padded internally to
-the kernel's width, never in the caller's tensors); "triton" takes fp16, bf16 and fp32,
-"cuda" fp16 and bf16; "cpu" and "torch" take any floating dtype and head dim.
-
-Validation: arguments are checked before any kernel runs, one error class per kind of
-failure, naming the argument: a non-tensor or a wrong dtype (also one the chosen backend
-does not take) is a ``TypeError``; a wrong shape, rank or device, bad values or a head dim
-the chosen kernel cannot take, a ``ValueError``; an unknown backend name a ``ValueError``;
-a backend that cannot run here :class:`~smelt_kernels.backends.BackendUnavailableError`. Segment-id *values* must be
-non-decreasing along T, and are checked (``ValueError``, with the first offending position):
-always on CPU tensors; on CUDA tensors by a host read before the launch, unless
-``check_values=False`` (for callers that checked their ids already, as ``SmeltLM`` does once
-per forward -- the read is a device synchronisation) or the call is being traced by
-``torch.compile`` or captured into a CUDA graph, where nothing can be read back. Unchecked
-ids that decrease do not give a plausible answer: every query of such a row gets an empty
-key interval, so its outputs and LSE (and the sink) come out NaN.
-
-``torch.ops.smelt.segment_attention_fwd`` / ``segment_attention_bwd`` are the registered
-custom ops (fake implementations included), so ``torch.compile(fullgraph=True)`` traces
-through :func:`segment_attention`.
+Semantics are those of :func:`smelt_kernels.attention.reference.segment_attention`.
+Backends, their variants and why one runs: ``smelt_kernels.backends.select(
+"segment_attention", q, k, v, ...)`` and ``report()``; how each computes: its module
+(``cpu``, ``triton``, ``cuda``, ``reference``). Operators:
+``torch.ops.smelt.segment_attention_fwd`` / ``segment_attention_bwd``.
 """
 
 from __future__ import annotations
@@ -233,13 +189,23 @@ def _validate(q, k, v, segment_ids, scale) -> None:
 
 def segment_attention(q, k, v, segment_ids=None, *, scale=None, return_lse=False,
                       return_sink=False, backend=None, check_values=None):
-    """Causal attention inside segments with GQA; see the module docstring.
+    """Causal attention inside packed segments, with GQA.
 
-    q: (B, Tq, Hq, D); k, v: (B, Tk, Hkv, D), Hq % Hkv == 0, Tq <= Tk (queries are the
-    last Tq positions); segment_ids: (B, Tk) integer, non-decreasing, or None (one
-    segment per row); scale: defaults to D ** -0.5; check_values: False skips reading
-    segment_ids back from a CUDA device to check them (see the module docstring).
-    Returns ``o``, or ``(o, lse)``, ``(o, sink)``, ``(o, lse, sink)`` as asked.
+    q (B, Tq, Hq, D); k, v (B, Tk, Hkv, D), one floating dtype and device, Hq a multiple of
+    Hkv (query head h reads KV head h // (Hq / Hkv)), Tq <= Tk: the queries are the last Tq
+    positions (Tq < Tk is a decode step against a KV cache). ``segment_ids`` (B, Tk) integer,
+    non-decreasing along T, labels each position's document (None: one per row); a query
+    sees the earlier positions of its own document only, and a key it cannot see adds
+    nothing to any output or gradient. ``scale`` defaults to D ** -0.5.
+
+    Returns ``o`` (B, Tq, Hq, D) in q's dtype, differentiable in q, k and v; with
+    ``return_lse`` also the natural-log log-sum-exp of the scaled scores (B, Hq, Tq), and
+    with ``return_sink`` the attention sink (B, Hq): the mean probability queries put on
+    their segment's first key, over queries that are not a segment start (0 where there are
+    none); both fp32 (fp64 for fp64 inputs), without gradient. Segment-id values are
+    checked: always on CPU tensors; on other devices by a host read unless
+    ``check_values=False`` or the call is compiled or captured (unchecked decreasing ids
+    give NaN rows). Deterministic on every backend. ``backend``: None/"auto" or a name.
     """
     _validate(q, k, v, segment_ids, scale)
     backends.check_values_flag(_OP, check_values)

@@ -34,8 +34,6 @@ __all__ = ["NAME", "register", "set_strict", "is_strict", "unsupported_reason",
            "smelt_attention_forward", "smelt_attention_mask"]
 
 NAME = "smelt"
-#: the transformers releases this integration was written and tested against
-TESTED = ("5.0", "6.0")
 
 
 def _check_version() -> None:

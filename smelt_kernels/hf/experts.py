@@ -21,12 +21,12 @@ in strict mode (:func:`set_strict`, or ``SMELT_HF_STRICT=1``).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
 from torch import nn
 
+from .. import backends
 from ..moe_gemm import moe_ffn
 
 __all__ = ["smelt_experts_forward", "unsupported_reason", "UnsupportedExperts", "set_strict",
@@ -66,7 +66,7 @@ def set_strict(on: Optional[bool] = True) -> Optional[bool]:
 def is_strict() -> bool:
     if _strict is not None:
         return _strict
-    return os.environ.get("SMELT_HF_STRICT", "0") not in ("", "0", "false", "False")
+    return backends.env_flag("SMELT_HF_STRICT")
 
 
 def _reference_code():

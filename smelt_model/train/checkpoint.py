@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from smelt_kernels import backends
 
 from . import plainstate
 
@@ -65,7 +66,7 @@ class NoCheckpoint(CheckpointError):
 
 def crash_point(kind: str, step: int) -> None:
     """SIGKILL this process when ``SMELT_TRAIN_CRASH`` names ``kind:step`` (test hook)."""
-    if os.environ.get("SMELT_TRAIN_CRASH") == f"{kind}:{step}":
+    if backends.env("SMELT_TRAIN_CRASH") == f"{kind}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
 
 
