@@ -39,8 +39,8 @@ def _parser_message(text: str) -> str:
     """The message of a torchtitan / tyro parser error, without its box drawing."""
     lines = text.splitlines()
     box = [i for i, line in enumerate(lines) if line.lstrip().startswith("\u256d")]
-    if box:  # tyro draws the error in a box: its title, then the message
-        lines = lines[box[-1]:]
+    if box:  # tyro draws the error in a box: its title ("Value error"), then the message
+        lines = lines[box[-1] + 1:]
     kept = []
     for line in lines:
         line = _BOX.sub(" ", line).strip()
@@ -86,7 +86,8 @@ def _check(config) -> None:
     shard = p.data_parallel_shard_degree
     if shard == -1:
         if world % rest:
-            raise ValueError(f"{world} processes cannot hold replicate x tp x cp x pp = {rest}")
+            raise ValueError(f"replicate x tp x cp x pp = {rest} does not divide the {world} "
+                             f"processes torchrun started (--nproc_per_node)")
         shard = world // rest
     if shard < 1 or shard * rest != world:
         raise ValueError(f"the parallel degrees multiply to {shard * rest}, but torchrun "

@@ -57,6 +57,9 @@ def recompute_policy(ac_config: Any) -> str:
 
 
 def _check_parallelism(arch, parallelism) -> None:
+    if parallelism.spmd_backend != "partial_dtensor":
+        raise ValueError(f"--parallelism.spmd_backend {parallelism.spmd_backend}: the SMELT "
+                         f"models run on torchtitan's partial_dtensor backend")
     for name, value in (("tensor_parallel_degree", parallelism.tensor_parallel_degree),
                         ("context_parallel_degree", parallelism.context_parallel_degree),
                         ("pipeline_parallel_degree", parallelism.pipeline_parallel_degree)):
@@ -150,7 +153,8 @@ def parallelize_smelt(model: nn.Module, *, parallel_dims: ParallelDims, training
         raise ValueError("--compile.components model: the SMELT models run eagerly here "
                          "(compile the loss only, or turn compile off)")
     _check_parallelism(model.cfg, parallelism)
-    model.recompute = recompute_policy(ac_config)
+    if model.recompute != recompute_policy(ac_config):
+        raise ValueError("the model was built for another activation_checkpoint choice")
     if parallel_dims.ep_enabled:
         model.parallelize(parallel_dims)
     if parallel_dims.dp_enabled:

@@ -204,3 +204,15 @@ def test_flex_attention_core_matches_segment_attention(monkeypatch):
     assert sink is None
     torch.testing.assert_close(out, segment_attention(q, k, v, seg, backend="torch"),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_stock_dispatchers_can_count_their_all_to_alls():
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from smelt_model.titan.comm import CountingAllToAllTokenDispatcher, count_all_to_all
+
+    new = count_all_to_all(AllToAllTokenDispatcher.Config(num_experts=4, top_k=2))
+    assert isinstance(new, CountingAllToAllTokenDispatcher.Config)
+    assert (new.num_experts, new.top_k) == (4, 2)
+    assert isinstance(moe_config(_cfg()).routed_experts.token_dispatcher,
+                      CountingAllToAllTokenDispatcher.Config)

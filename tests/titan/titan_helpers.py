@@ -4,13 +4,12 @@ each, the worktree's packages first on the path (no torchtitan import here)."""
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 #: a small corpus that every Python has (a few stdlib files): fast to load and pack
-import sysconfig  # noqa: E402
-
 SMALL_CORPUS = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
 
 
