@@ -6,7 +6,8 @@ attribute of this module, and :func:`__getattr__` answers it with a function ret
 preset's ``Trainer.Config``. :func:`trainer_config` is that function.
 
 Defaults (all overridable on the command line): smelt's packed-document loader on
-``python-stdlib`` with the bytes tokenizer, AdamW, a linear warmup, the SMELT loss
+``python-stdlib`` with the bytes tokenizer (training on smelt's train split, validation with
+``--validator.enable`` on its 5% validation split), AdamW, a linear warmup, the SMELT loss
 (cross-entropy plus router losses), smelt's recompute policy ``none``, checkpointing off,
 ``spmd_backend partial_dtensor`` and CUDA graphs off (:mod:`smelt_model.titan.shims`
 says why), and the sequence length and batch of the preset's scale (256 x 8 for the tiny
@@ -21,6 +22,7 @@ from typing import Callable
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.components.validate import Validator
 from torchtitan.config import TrainingConfig
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
@@ -59,7 +61,7 @@ def trainer_config(preset: str) -> Trainer.Config:
         hf_assets_path=".",
         dump_folder="./outputs",
         tokenizer=SmeltTokenizer.Config(),
-        dataloader=PackedDocuments.Config(),
+        dataloader=PackedDocuments.Config(split="train"),
         loss=SmeltLoss.Config(),
         metrics=MetricsProcessor.Config(log_freq=1),
         optimizer=default_adamw(lr=2e-3 if tiny else 3e-4),
@@ -68,6 +70,8 @@ def trainer_config(preset: str) -> Trainer.Config:
         training=TrainingConfig(local_batch_size=8, seq_len=seq_len, steps=1000),
         checkpoint=CheckpointManager.Config(interval=500),
         activation_checkpoint=None,
+        validator=Validator.Config(dataloader=PackedDocuments.Config(split="val",
+                                                                     infinite=False)),
     )
     return shims.config_defaults(config)
 

@@ -20,7 +20,7 @@ with ``--override.imports smelt_model.titan.data.smelt_data,smelt_model.titan.da
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import numpy as np
 import torch
@@ -100,13 +100,17 @@ class PackedDocuments(BaseDataLoader):
     """smelt's packed documents as a torchtitan dataloader (see the module docstring).
 
     Config: ``dataset`` is the corpus (``python-stdlib``, a folder, ``.txt`` or ``.jsonl``);
-    ``seed`` fixes the order; ``infinite`` starts a new epoch when the corpus is used up
-    (else the loader stops, and torchtitan ends the run).
+    ``split``: ``"all"`` its documents, or the ``"train"`` or ``"val"`` side of
+    :func:`smelt_model.train.data.split` with ``val_fraction`` (smelt's own trainer's
+    split); ``seed`` fixes the order; ``infinite`` starts a new epoch when the documents are
+    used up (else the loader stops, and torchtitan ends the run).
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         dataset: str = smelt_data_module.STDLIB
+        split: Literal["all", "train", "val"] = "all"
+        val_fraction: float = 0.05
         seed: int = 0
         infinite: bool = True
 
@@ -120,8 +124,16 @@ class PackedDocuments(BaseDataLoader):
         if seq_len < 1 or local_batch_size < 1:
             raise ValueError(f"seq_len and local_batch_size must be >= 1, got {seq_len}, "
                              f"{local_batch_size}")
+        if config.split not in ("all", "train", "val"):
+            raise ValueError(f"split must be 'all', 'train' or 'val', got {config.split!r}")
         self.config = config
         self.docs = smelt_data_module.load_documents(config.dataset)
+        if config.split != "all":
+            train, val = smelt_data_module.split(self.docs, config.val_fraction)
+            self.docs = train if config.split == "train" else val
+            if not self.docs:
+                raise ValueError(f"--dataloader.dataset {config.dataset}: no documents on the "
+                                 f"{config.split} side (val_fraction {config.val_fraction})")
         self.tokenizer = tokenizer
         self.seq_len, self.batch_size = seq_len, local_batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size

@@ -79,7 +79,9 @@ class SmeltMoE(MoE):
         weights, ids = route(logits, top_k=K, renormalize=self.router.route_norm,
                              backend=self.route_backend)
         ids = ids.long()
-        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        flat = ids.reshape(-1)  # a scatter, not bincount: no host sync for the output size
+        counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(counts)

@@ -91,3 +91,19 @@ def test_saved_smelt_tokenizer_and_stock_config_overrides(tmp_path):
     data = smelt_data(HuggingFaceTextDataLoader.Config(dataset=th.SMALL_CORPUS))
     assert data.dataset == th.SMALL_CORPUS
     assert isinstance(smelt_tokenizer(HuggingFaceTokenizer.Config()), SmeltTokenizer.Config)
+
+
+def test_train_and_val_sides_are_smelts_split(tmp_path):
+    corpus = tmp_path / "docs.txt"
+    corpus.write_text("\n\n".join(f"doc {i}" for i in range(50)))
+    tok = SmeltTokenizer.Config().build()
+    sides = {}
+    for split in ("all", "train", "val"):
+        loader = PackedDocuments.Config(dataset=str(corpus), split=split, val_fraction=0.2).build(
+            dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=8, local_batch_size=1)
+        sides[split] = {d.key for d in loader.docs}
+    assert sides["train"] | sides["val"] == sides["all"] and not sides["train"] & sides["val"]
+    assert 0 < len(sides["val"]) < len(sides["train"])
+    with pytest.raises(ValueError, match="split"):
+        PackedDocuments.Config(dataset=str(corpus), split="test").build(
+            dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=8, local_batch_size=1)

@@ -37,10 +37,11 @@ def torchrun(args, cwd, nproc=2, timeout=170, **extra) -> subprocess.CompletedPr
 
 
 def losses(log: str) -> list[float]:
-    """The per-step losses torchtitan logged (rank 0's lines; each step once)."""
+    """The per-step training losses torchtitan logged (each step once; not validation's)."""
     import re
 
     seen = {}
-    for m in re.finditer(r"step:\s+(\d+)\s+\S*loss:\s+([-+0-9.eE]+|nan|inf)", log):
+    for m in re.finditer(r"(?<!validate )step:\s+(\d+)\s+\S*loss:\s+([-+0-9.eE]+|nan|inf)",
+                         log):
         seen.setdefault(int(m.group(1)), float(m.group(2)))
     return [seen[k] for k in sorted(seen)]
