@@ -2,9 +2,10 @@
 
 :class:`SmeltStateDictAdapter` gives torchtitan's checkpointer smelt's names as the
 model's "external" format (``to_hf`` / ``from_hf``; the mapping is
-:mod:`smelt_model.titan.state_dict`), so ``--checkpoint.last_save_in_hf`` writes smelt's
-names and ``--checkpoint.initial_load_in_hf --checkpoint.initial_load_path DIR`` starts a
-run from a :meth:`smelt_model.SmeltLM.save_pretrained` folder. The torch-only helpers
+:mod:`smelt_model.titan.state_dict`), so ``--checkpoint.initial_load_in_hf
+--checkpoint.initial_load_path DIR`` starts a run from a
+:meth:`smelt_model.SmeltLM.save_pretrained` folder (read with DCP's safetensors reader, each
+rank its own shards). The torch-only helpers
 (seeds, export reading) are re-exported from :mod:`smelt_model.titan.state_dict`.
 """
 

@@ -100,3 +100,16 @@ def test_seed_and_export_round_trip_in_one_process(tmp_path, capsys):
     for name, value in stored.items():
         assert value.dtype == torch.bfloat16, name
         torch.testing.assert_close(value, original[name].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_without_torchtitan_the_launcher_says_so_and_export_still_works(tmp_path, capsys,
+                                                                          monkeypatch):
+    from smelt_model.model import SmeltLM
+
+    monkeypatch.setitem(sys.modules, "torchtitan", None)  # import torchtitan -> ImportError
+    _one_line_error(capsys, launcher.main(["--config", "tiny-smelt"]), "torchtitan is not installed")
+    cfg = presets.get("tiny-smelt").replace(n_layers=2, n_experts=8, loop=None)
+    SmeltLM(cfg).save_pretrained(tmp_path / "smelt")
+    assert export.main([str(tmp_path / "seed"), "--seed-from", str(tmp_path / "smelt")]) == 0
+    assert export.main([str(tmp_path / "seed"), str(tmp_path / "back")]) == 0
+    assert SmeltLM.from_pretrained(tmp_path / "back").cfg == cfg
