@@ -157,6 +157,7 @@ setup(
         "hf": ["transformers>=5.23,<6"],
         "train": ["tokenizers>=0.23"],
         "build": ["ninja"],  # torch ships the pybind11 headers
+        "titan": ["torchtitan==0.3.0"],  # smelt_model.titan; its shims are for this release
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

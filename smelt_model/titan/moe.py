@@ -1,0 +1,150 @@
+"""SMELT's MoE layer on torchtitan's router / dispatcher seam.
+
+:class:`SmeltMoE` is torchtitan's ``MoE`` module (its router gate, its ``RoutedExperts``:
+token dispatcher plus grouped experts, so its expert parallelism applies unchanged) with
+smelt's router semantics and router losses:
+
+* routing is :func:`smelt_kernels.moe_gemm.route` on the gate's fp32 logits: softmax over
+  all experts, top-k, weights renormalised to sum 1 (``route_norm``; off: no renorm);
+* the router losses are those of :meth:`smelt_kernels.layers.MoE.router_loss`
+  (``aux_loss_weight`` times Switch load balancing ``E * sum_e f_e P_e``, plus
+  ``z_loss_weight`` times the mean squared log-sum-exp of the logits), computed over the
+  *global* batch: with a ``stats_group`` (the data-parallel ranks, set by
+  :func:`smelt_model.titan.parallelize.parallelize_smelt`) the expert counts and token
+  count are summed over it (one all-reduce of E + 1 numbers), and each rank returns its
+  share, so the shares sum to the loss of the whole batch and their gradients, summed by
+  FSDP, are the whole batch's. On one process it equals ``router_loss`` exactly.
+
+``forward(x, *, return_aux=False)`` follows :class:`smelt_model.block.Block`'s call:
+``y`` or ``(y, aux)`` (aux None in eval mode or when both weights are 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.moe import MoE, RoutedExperts, TokenChoiceTopKRouter
+
+from smelt_kernels.moe_gemm import route
+
+from ..config import ModelConfig
+from .comm import CountingAllToAllTokenDispatcher
+from .experts import SmeltGroupedExperts
+
+__all__ = ["SmeltMoE", "moe_config"]
+
+
+class SmeltMoE(MoE):
+    """torchtitan MoE with smelt's routing and router losses (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MoE.Config):
+        aux_loss_weight: float = 0.0
+        z_loss_weight: float = 0.0
+        #: smelt backend for the routing op (None: the best available)
+        route_backend: str | None = None
+
+    def __init__(self, config: Config):
+        router = config.router
+        if config.load_balance_coeff is not None or config.shared_experts is not None:
+            raise ValueError("SmeltMoE has no expert-bias balancing and no shared experts: "
+                             "set load_balance_coeff=None and shared_experts=None")
+        if router.score_func != "softmax" or router.route_scale != 1.0 or \
+                router.num_expert_groups is not None:
+            raise ValueError("SmeltMoE routes with a softmax over all experts (score_func="
+                             "'softmax', route_scale=1, no expert groups)")
+        super().__init__(config)
+        self.aux_loss_weight = config.aux_loss_weight
+        self.z_loss_weight = config.z_loss_weight
+        self.route_backend = config.route_backend
+        #: process group the router statistics are summed over (None: this process only)
+        self.stats_group: Optional[dist.ProcessGroup] = None
+
+    def forward(self, x_BLD: torch.Tensor, *, return_aux: bool = False):
+        B, L, _ = x_BLD.shape
+        E, K = self.router.num_experts, self.router.top_k
+        # the gate in fp32, as torchtitan's router computes it (CPU autocast has no fp32)
+        fp32 = (contextlib.nullcontext() if x_BLD.device.type == "cpu" else
+                torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32))
+        with fp32:
+            logits = self.router.gate(x_BLD)
+        logits = logits.float().reshape(B * L, E)
+        weights, ids = route(logits, top_k=K, renormalize=self.router.route_norm,
+                             backend=self.route_backend)
+        ids = ids.long()
+        flat = ids.reshape(-1)  # a scatter, not bincount: no host sync for the output size
+        counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert_E.add_(counts)
+        out = self.routed_experts(x_BLD, weights.view(B, L, K), ids.view(B, L, K), counts)
+        aux = None
+        if self.training and (self.aux_loss_weight > 0 or self.z_loss_weight > 0):
+            aux = self.router_loss(logits, counts)
+        return (out, aux) if return_aux else out
+
+    def router_loss(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the weighted router losses of the batch (see the module doc).
+
+        ``logits`` (N, E) fp32 of this rank's tokens; ``counts`` (E,) how many of their
+        (token, slot) pairs went to each expert.
+        """
+        E, K = logits.shape[-1], self.router.top_k
+        stats = torch.cat([counts.detach().float(),
+                           torch.tensor([float(logits.shape[0])], device=logits.device)])
+        if self.stats_group is not None:
+            dist.all_reduce(stats, group=self.stats_group)
+        n_tokens = stats[-1].clamp_min(1.0)
+        loss = logits.new_zeros(())
+        if self.aux_loss_weight > 0:
+            frac = stats[:-1] / (n_tokens * K)
+            prob_sum = torch.softmax(logits, dim=-1).sum(0)
+            loss = loss + self.aux_loss_weight * E * (frac * prob_sum).sum() / n_tokens
+        if self.z_loss_weight > 0:
+            z = torch.logsumexp(logits, dim=-1).pow(2).sum()
+            loss = loss + self.z_loss_weight * z / n_tokens
+        return loss
+
+
+def _normal(std: float):
+    def init(t: torch.Tensor) -> None:
+        nn.init.normal_(t, 0.0, std)
+    return init
+
+
+def moe_config(cfg: ModelConfig, std: float = 0.02) -> SmeltMoE.Config:
+    """The :class:`SmeltMoE` config of one layer of ``cfg``.
+
+    Initialisation follows :func:`smelt_model.block.init_weights`: Normal(0, std), the
+    down projection Normal(0, std / sqrt(2 * executed layers)). The experts are smelt's
+    (:class:`~smelt_model.titan.experts.SmeltGroupedExperts`), the dispatcher torchtitan's
+    all-to-all one (local when expert parallelism is off), with byte counting
+    (:mod:`smelt_model.titan.comm`).
+    """
+    H, E, K = cfg.hidden_size, cfg.n_experts, cfg.top_k
+    out_std = std / (2 * cfg.executed_layers) ** 0.5
+    return SmeltMoE.Config(
+        num_experts=E,
+        load_balance_coeff=None,
+        aux_loss_weight=cfg.aux_loss_weight,
+        z_loss_weight=cfg.z_loss_weight,
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=E,
+            gate=Linear.Config(in_features=H, out_features=E, bias=False,
+                               param_init={"weight": _normal(std)}),
+            top_k=K, score_func="softmax", route_norm=cfg.router_renormalize),
+        routed_experts=RoutedExperts.Config(
+            inner_experts=SmeltGroupedExperts.Config(
+                dim=H, hidden_dim=cfg.expert_size, num_experts=E,
+                param_init={"w1_EFD": _normal(std), "w3_EFD": _normal(std),
+                            "w2_EDF": _normal(out_std)}),
+            token_dispatcher=CountingAllToAllTokenDispatcher.Config(num_experts=E, top_k=K)),
+    )
