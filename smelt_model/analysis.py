@@ -372,7 +372,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .model import MODEL_BACKENDS
+    from smelt_kernels import backends
 
     ap = _Parser(prog="python -m smelt_model.analysis",
                                  description="Mechanism probes for a SMELT (and baseline) checkpoint.")
@@ -384,7 +384,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seq-len", type=int,
                     help="tokens per context (default: the run's, or 512 with --tokens)")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--backend", default="auto", choices=MODEL_BACKENDS)
+    ap.add_argument("--backend", default="auto", choices=backends.choices())
     ap.add_argument("--plot", help="write the sink-by-depth plot here (needs matplotlib)")
     args = ap.parse_args(argv)
     try:

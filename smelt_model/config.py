@@ -16,7 +16,10 @@ from typing import Any, Optional, Union
 
 from smelt_kernels.plan import LoopPlan
 
-__all__ = ["LoopSpec", "ModelConfig", "middle_loop"]
+__all__ = ["LoopSpec", "ModelConfig", "middle_loop", "IGNORE_INDEX"]
+
+#: the label value no loss counts (the convention of torch's cross-entropy and transformers)
+IGNORE_INDEX = -100
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smelt_kernels.backends import BACKENDS
+from smelt_kernels import backends
 from smelt_kernels.executor import Executor, LoopedSpan, LoopPlan
 
 from .block import Block, ForwardContext, MoE, RMSNorm, Rotary, SegmentAttention, init_weights
 from .budget.ledger import layer_params
-from .config import ModelConfig
+from .config import IGNORE_INDEX, ModelConfig
 
 __all__ = ["SmeltLM", "SmeltOutput", "IGNORE_INDEX", "valid_targets"]
 
@@ -44,8 +44,6 @@ def _renamed(state: dict) -> dict:
         out[key] = value
     return out
 
-IGNORE_INDEX = -100
-MODEL_BACKENDS = ("auto",) + BACKENDS
 
 
 def valid_targets(labels: torch.Tensor, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -81,8 +79,8 @@ class SmeltLM(nn.Module):
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        if backend not in MODEL_BACKENDS:
-            raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")
+        if backend not in backends.choices():
+            raise ValueError(f"backend must be one of {backends.choices()}, got {backend!r}")
         self.plan = LoopPlan.from_config(cfg)
         self.executor = Executor(self.plan, recompute)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -110,8 +108,8 @@ class SmeltLM(nn.Module):
 
     @backend.setter
     def backend(self, name: str) -> None:
-        if name not in MODEL_BACKENDS:
-            raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {name!r}")
+        if name not in backends.choices():
+            raise ValueError(f"backend must be one of {backends.choices()}, got {name!r}")
         self._backend = name
         op_backend = None if name == "auto" else name
         for m in self.modules():  # the layers carry the backend; forward never branches on it

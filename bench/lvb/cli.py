@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from smelt_kernels.backends import BACKENDS
+from smelt_kernels import backends
 from smelt_kernels.executor import RECOMPUTE_POLICIES
 from smelt_kernels.timing import Parser, UsageError, environment
 from smelt_model import presets
@@ -32,7 +32,7 @@ def _parser() -> Parser:
     ap = Parser(prog="looped_vs_baseline.py", description=DESCRIPTION)
     ap.add_argument("--preset", default="tiny", help=f"a matched pair: {', '.join(presets.pairs())}")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--backend", default="auto", choices=("auto",) + tuple(BACKENDS))
+    ap.add_argument("--backend", default="auto", choices=backends.choices())
     ap.add_argument("--dtype", default=None, choices=tuple(driver.DTYPES),
                     help="default: fp32 on the CPU, bf16 on CUDA")
     ap.add_argument("--tokens", type=int, default=None,

@@ -4,8 +4,10 @@ A thin launcher: it applies the compatibility shims this torchtitan / torch pair
 (:mod:`smelt_model.titan.shims`, only those this process needs), checks the command line
 (torchtitan's own parser, then what the SMELT models support), and runs torchtitan's
 trainer (``torchtitan.train.main``). ``--module`` defaults to ``smelt_model.titan``; any
-other module (a stock torchtitan model such as ``qwen3``) runs with the same shims. Bad
-options give one line on stderr and exit status 2.
+other module (a stock torchtitan model such as ``qwen3``) runs with the same shims. Every
+checkpoint the run reads has its DCP metadata read by smelt's restricted unpickler
+(:func:`smelt_model.titan.state_dict.restrict_dcp_loading`). Bad options give one line on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -114,8 +116,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _fail("torchtitan is not installed (pip install -c constraints.txt "
                      "'smelt[titan]')")
     from . import shims
+    from .state_dict import restrict_dcp_loading
 
     shims.apply()
+    restrict_dcp_loading()  # nothing a checkpoint holds can run code in this process
     args = shims.launch_args(args)
     if _option(args, "--module") is None:
         args = ["--module", PROG] + args

@@ -31,12 +31,13 @@ from torchtitan.config.override import override
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 from ..train import data as smelt_data_module
+from ..config import IGNORE_INDEX
+from ..model import valid_targets
 from ..train import tokenizer as smelt_tokenizer_module
 
 __all__ = ["SmeltTokenizer", "PackedDocuments", "batch_from_packed", "IGNORE_INDEX",
            "smelt_data", "smelt_tokenizer"]
 
-IGNORE_INDEX = smelt_data_module.IGNORE_INDEX
 #: documents tokenised and packed together at a time (bounds the memory of a pass)
 _CHUNK_DOCS = 64
 
@@ -81,19 +82,17 @@ def batch_from_packed(ids: np.ndarray, segments: np.ndarray,
     ``ids``, ``segments``, ``labels``: (B, T + 1) as :func:`smelt_model.train.data.pack`
     makes them. Returns ``({"input", "positions"}, labels)``, each (B, T).
     """
-    inputs = ids[:, :-1]
-    target = labels[:, 1:].copy()
-    target[segments[:, 1:] != segments[:, :-1]] = IGNORE_INDEX
+    ids, segments, labels = (torch.from_numpy(np.ascontiguousarray(a)).long()
+                             for a in (ids, segments, labels))
+    # the model's own rule: no target across a document boundary, none at IGNORE_INDEX
+    target = torch.where(valid_targets(labels, segments), labels[:, 1:], IGNORE_INDEX)
     seg = segments[:, :-1]
     T = seg.shape[1]
-    change = np.ones_like(seg, dtype=bool)
+    change = torch.ones_like(seg, dtype=torch.bool)
     change[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    start = np.where(change, np.arange(T)[None, :], 0)
-    start = np.maximum.accumulate(start, axis=1)
-    positions = np.arange(T)[None, :] - start
-    return ({"input": torch.from_numpy(np.ascontiguousarray(inputs)),
-             "positions": torch.from_numpy(np.ascontiguousarray(positions))},
-            torch.from_numpy(np.ascontiguousarray(target)))
+    start = torch.where(change, torch.arange(T)[None, :], 0).cummax(dim=1).values
+    positions = torch.arange(T)[None, :] - start
+    return ({"input": ids[:, :-1].contiguous(), "positions": positions}, target.contiguous())
 
 
 class PackedDocuments(BaseDataLoader):

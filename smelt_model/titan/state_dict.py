@@ -16,8 +16,9 @@ counterpart.
 distributed checkpoint (DCP) that a run starts from with ``--checkpoint.enable
 --checkpoint.initial_load_path DIR``; :func:`load_model_state` reads the model out of a
 torchtitan checkpoint folder in one process. Neither needs torchtitan. Only DCP folders
-and safetensors are read: nothing here unpickles a file outside DCP's own format (whose
-``.metadata`` file torch reads with pickle: load checkpoints you trust).
+and safetensors are read, and nothing a checkpoint holds can run code: DCP's ``.metadata``
+(a pickle) is read by an unpickler that admits only DCP's own metadata classes, torch
+dtypes, sizes and layouts, and its tensor files by torch's weights-only loader.
 """
 
 from __future__ import annotations
@@ -142,10 +143,96 @@ def is_dcp_folder(path: Union[str, Path]) -> bool:
     return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
 
 
-def _metadata(path: Path):
-    from torch.distributed.checkpoint import FileSystemReader
+#: what a DCP ``.metadata`` pickle may name: DCP's metadata records, and torch's dtypes,
+#: sizes, layouts and memory formats; anything else refuses the checkpoint
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING", "TensorProperties",
+        "TensorStorageMetadata", "BytesStorageMetadata", "StorageMeta", "Metadata",
+        "MetadataIndex"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
 
-    return FileSystemReader(str(path)).read_metadata()
+
+def _safe_metadata(stream):
+    """DCP metadata from ``stream``, unpickling only :data:`_METADATA_CLASSES` (and torch's
+    dtypes and memory formats); raises :class:`CheckpointError` for anything else."""
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            allowed = name in _METADATA_CLASSES.get(module, ())
+            if module == "torch" and not allowed:
+                allowed = isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format,
+                                                                   torch.layout))
+            if not allowed:
+                raise CheckpointError(f"its .metadata names {module}.{name}, which a DCP "
+                                      "checkpoint does not hold: refused, nothing was run")
+            return super().find_class(module, name)
+
+    try:
+        return Restricted(stream).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # a truncated or garbled file
+        raise CheckpointError(f"its .metadata is not readable ({type(e).__name__}: {e})") from None
+
+
+def _reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _safe_metadata(f)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader
+
+
+def _reader(path: Path):
+    """A DCP ``FileSystemReader`` whose metadata goes through :func:`_safe_metadata`."""
+    return _reader_class()(str(path))
+
+
+def restrict_dcp_loading() -> None:
+    """Make every DCP load in this process unable to run code: ``FileSystemReader`` reads
+    ``.metadata`` through :func:`_safe_metadata`, and the default load planner reads the
+    non-tensor entries (a run's data position, its step) with torch's weights-only loader
+    instead of plain pickle. The launcher calls it, so torchtitan's own checkpoint loads --
+    resume, ``--checkpoint.initial_load_path`` -- are held to the same rule."""
+    from torch.distributed.checkpoint import FileSystemReader, default_planner
+
+    FileSystemReader.read_metadata = _reader_class().read_metadata
+
+    def load_bytes(self, read_item, value):  # DefaultLoadPlanner's, with weights_only=True
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"the checkpoint entry {fqn} is not plain data: refused, "
+                                  f"nothing was run ({type(e).__name__})") from None
+        if self.flatten_state_dict:
+            default_planner.set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
+
+
+def _metadata(path: Path):
+    try:
+        return _reader(path).read_metadata()
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def load_model_state(ckpt_dir: Union[str, Path]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -183,4 +270,4 @@ def _load(state: dict, path: Path) -> None:
 
     with warnings.catch_warnings():  # one process, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        dcp.load(state, storage_reader=_reader(path), no_dist=True)

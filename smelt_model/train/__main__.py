@@ -38,7 +38,7 @@ def default_every(steps: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from smelt_kernels.backends import BACKENDS
+    from smelt_kernels import backends
     from smelt_kernels.executor import RECOMPUTE_POLICIES
 
     ap = _Parser(prog="python -m smelt_model.train",
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="steps (default: the evaluation cadence; always at the end)")
     out.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     out.add_argument("--plot", help="draw validation loss against FLOPs and seconds")
-    out.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
+    out.add_argument("--backend", default="auto", choices=backends.choices(),
                      help="kernel backend (default auto)")
     out.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     out.add_argument("--threads", type=int,

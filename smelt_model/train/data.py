@@ -20,13 +20,13 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from ..config import IGNORE_INDEX
+
 __all__ = ["STDLIB", "Document", "Packed", "load_documents", "split", "pack", "stdlib_root",
            "epoch_order", "unigram_entropy", "Corpus", "prepare", "held_out"]
 
 #: the name of the built-in corpus: the running interpreter's standard-library sources
 STDLIB = "python-stdlib"
-#: label value the model ignores
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

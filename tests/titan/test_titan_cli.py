@@ -80,6 +80,31 @@ def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+class _Payload:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):  # what a crafted .metadata would run on an unrestricted load
+        return (open, (self.path, "w"))
+
+
+def test_export_refuses_a_checkpoint_whose_metadata_runs_code(tmp_path, capsys):
+    import pickle
+
+    from smelt_model.model import SmeltLM
+
+    cfg = presets.get("tiny-baseline").replace(n_layers=2, n_experts=8, vocab_size=300)
+    SmeltLM(cfg).save_pretrained(tmp_path / "smelt")
+    assert export.main([str(tmp_path / "seed"), "--seed-from", str(tmp_path / "smelt")]) == 0
+    marker = tmp_path / "ran"
+    (tmp_path / "seed" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    capsys.readouterr()
+    code = export.main([str(tmp_path / "seed"), str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "refused, nothing was run" in err[0], err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
 def test_seed_and_export_round_trip_in_one_process(tmp_path, capsys):
     from smelt_model.model import SmeltLM
 

@@ -125,6 +125,29 @@ def test_all_to_all_counts_follow_the_realised_routing(run):
             "dispatch_forward_including_self"} <= set(steps)
 
 
+def test_the_ledger_counts_the_bytes_the_dispatcher_sent(run):
+    """budget.comm on the run's realised routing equals, per rank and step, the bytes its
+    all-to-alls sent to the other rank: forward dispatch and combine, and the backward's
+    mirror of each."""
+    from smelt_model import budget
+
+    records = comm.read(run["dir"] / "comm")
+    cfg = presets.get(PRESET)
+    # (the last step also holds the worker's extra forward for the export check)
+    for step in range(1, STEPS):
+        led = budget.comm(cfg, 2 * 64 * 2, ep=2, dp_shard=2, dtype="float32",
+                          routing=comm.routing_matrices(records, step=step))
+        for r in records:
+            sent = r["steps"][str(step)]
+            rank = r["ep_rank"]
+            assert sent["dispatch_forward"] == led.dispatch_by_rank[rank], (step, rank)
+            assert sent["combine_forward"] == led.combine_by_rank[rank], (step, rank)
+            assert sent["combine_backward"] == led.dispatch_by_rank[rank], (step, rank)
+            assert sent["dispatch_backward"] == led.combine_by_rank[rank], (step, rank)
+        # the step's field sums each layer's busiest rank
+        assert led.dispatch_forward >= max(led.dispatch_by_rank)
+
+
 def test_export_gives_the_torchtitan_models_logits(run):
     ckpt = run["dir"] / "dump" / "checkpoint" / f"step-{STEPS}"
     out = run["dir"] / "exported"
