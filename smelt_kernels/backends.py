@@ -1,32 +1,20 @@
 """The one registry of smelt's ops: what runs for a call, and why.
 
 Backend families (:class:`Family`, one registered object each): ``"torch"`` (the pure-torch
-reference of every op, always there), ``"cpu"`` (native C++ from ``smelt_kernels._cpu``),
-``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and ``"cuda"``
-(``smelt_kernels._cuda``). A family knows its devices, its extension and why it cannot run.
+reference of every op), ``"cpu"`` (native C++ from ``smelt_kernels._cpu``), ``"triton"``
+(CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and ``"cuda"``
+(``smelt_kernels._cuda``). Ops register their implementations (:func:`register`) with what
+each takes, and may declare *variants*: choices made inside an implementation that a user
+should see. :func:`define` tells the registry how to read an op's inputs.
 
-Ops register their implementations (:func:`register`): op name, family, forward and backward
-callables, and what the implementation takes (devices, dtypes, ``requires`` for what the
-extension must provide, ``supports`` for what the inputs must be). An implementation may
-have *variants*, choices made inside it that a user should see (the attention's native
-kernel or its ATen-chunked path, the MoE kernel the CPU picks). :func:`define` tells the
-registry how to read an op's inputs, so that ``select(op, *inputs)`` answers for a call.
-
-:func:`select` resolves ``None``/``"auto"`` to the highest-priority implementation that can
-run the inputs, logs a fallback once per op, device and choice (``smelt`` logger), and
-raises every "cannot run" error -- and nothing else does:
-
-* an unknown backend name: ``ValueError``;
-* a backend the op lacks, or one that cannot run here: :class:`BackendUnavailableError`,
-  with the reason (an op may declare that it runs its auto choice instead, see :func:`define`);
-* a dtype the implementation does not take: ``TypeError``;
-* inputs outside what it supports: ``ValueError``.
-
-:func:`report` lists every op, backend and variant with the reason each cannot run, and the
+:func:`select` (``select(op, *inputs, backend=None)``) resolves ``None``/``"auto"`` to the
+highest-priority implementation that can run the inputs, logs a fallback once per op,
+device and choice (``smelt`` logger), and raises every "cannot run" error: ``ValueError``
+for an unknown backend name or inputs an implementation does not support, ``TypeError``
+for a dtype it does not take, :class:`BackendUnavailableError` (with the reason) for a
+backend that cannot run here. :func:`report` lists every op, backend and variant, and the
 environment variables that change a choice (:data:`ENVIRONMENT`, read through :func:`env`
-and nowhere else in Python). The error policy of every op (one error class per kind of
-failure, naming the argument, raised before any kernel runs) is written once, in
-``docs/kernels.md``.
+and nowhere else in Python).
 """
 
 from __future__ import annotations
@@ -440,12 +428,6 @@ def implementation(op: str, backend: str) -> Implementation:
     return impls[backend]
 
 
-def _check_name(backend) -> None:
-    if backend is not None and (not isinstance(backend, str)
-                                or backend not in tuple(_FAMILIES) + ("auto",)):
-        raise ValueError(f"backend must be one of {tuple(_FAMILIES)}, 'auto' or None; got {backend!r}")
-
-
 def _explicit(op, backend, dev, dtype, features) -> Implementation:
     impl = implementation(op, backend)
     reason = impl.unavailable(dev)
@@ -507,8 +489,9 @@ def select(op: str, *inputs: Any, backend: Optional[str] = None, device=None,
         if inputs:
             backend = inputs[0]
         dev, inputs = _device(device), ()
-    if not (backend is None or backend in _FAMILIES or backend == "auto"):
-        _check_name(backend)
+    if backend is not None and not (isinstance(backend, str)
+                                    and (backend in _FAMILIES or backend == "auto")):
+        raise ValueError(f"backend must be one of {tuple(_FAMILIES)}, 'auto' or None; got {backend!r}")
     why = None
     if backend is not None and backend != "auto":
         info = _OPS.get(op)
@@ -603,49 +586,9 @@ def report(device="cpu") -> Report:
     return Report(str(device), rows, variants, environment)
 
 
-# ----------------------------------------------------------------------------- calls
-def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether autograd will record a call on ``tensors`` (grad mode on and one requires it)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def can_read_values(t: torch.Tensor) -> bool:
-    """Whether an op may read ``t``'s values on the host before launching: not while
-    ``torch.compile`` traces or a CUDA graph is being captured (both would break on the read)."""
-    if torch.compiler.is_compiling():
-        return False
-    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
-    return t.device.type != "meta"
-
-
-def require_tensor(op: str, name: str, value, what: str = "a torch.Tensor") -> None:
-    """A non-tensor argument is a ``TypeError`` naming it, in every op."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be {what}, got {type(value).__name__}")
-
-
-def require_floating(op: str, first: str, tensor: torch.Tensor, **same: torch.Tensor) -> None:
-    """``tensor`` (argument ``first``) floating point and every ``same`` of its dtype, else a
-    ``TypeError`` naming the argument."""
-    if not tensor.dtype.is_floating_point:
-        raise TypeError(f"{op}: {first} must be floating point, got {tensor.dtype}")
-    for name, t in same.items():
-        if t.dtype != tensor.dtype:
-            raise TypeError(f"{op}: {name} must have {first}'s dtype {tensor.dtype}, got {t.dtype}")
-
-
-def require_device(op: str, first: str, tensor: torch.Tensor, **same: Optional[torch.Tensor]) -> None:
-    """Every ``same`` (None skipped) on ``tensor``'s device, else a ``ValueError``."""
-    for name, t in same.items():
-        if t is not None and t.device != tensor.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but {first} is on {tensor.device}")
-
-
-def check_values_flag(op: str, check_values) -> None:
-    """``check_values`` must be None (check where the values can be read) or a bool."""
-    if check_values is not None and not isinstance(check_values, bool):
-        raise TypeError(f"{op}: check_values must be None or a bool, got {type(check_values).__name__}")
+# the argument checks every op shares live in checks.py; ops reach them through here
+from .checks import (can_read_values, check_values_flag, needs_grad,  # noqa: E402
+                     require_device, require_floating, require_tensor)
 
 
 # Probe the optional pieces once, at import, so that backend selection inside a
