@@ -89,11 +89,12 @@ def _read_int(path: Path) -> Optional[int]:
         return None
 
 
-def _meminfo_available() -> Optional[int]:
+def _proc_kib(path: str, field: str) -> Optional[int]:
+    """The ``field:`` line of a /proc file given in kB, in bytes; None where it is absent."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
@@ -152,7 +153,8 @@ def available(device=None) -> Optional[int]:
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free)
-    found = [x for x in (_meminfo_available(), _cgroup_headroom()) if x is not None]
+    found = [x for x in (_proc_kib("/proc/meminfo", "MemAvailable"), _cgroup_headroom())
+             if x is not None]
     return min(found) if found else None
 
 
@@ -175,11 +177,4 @@ def check(estimates: Mapping[str, Mapping[str, int]], available_bytes: Optional[
 
 def peak_rss() -> Optional[int]:
     """This process's peak resident memory so far (bytes; Linux ``VmHWM``), else None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _proc_kib("/proc/self/status", "VmHWM")

@@ -19,11 +19,8 @@ import numpy as np
 from .surface import (
     PAPER_BASELINE,
     PAPER_SMELT,
-    Frontier,
     Surface,
     ce_gain,
-    compute_for_loss,
-    fit_surface,
     frontier,
     gamma,
     tpp,
@@ -31,7 +28,6 @@ from .surface import (
 from .endpoints import (
     BootstrapResult,
     Endpoints,
-    Sigmoid,
     bootstrap,
     calibrate,
     fit_sigmoid,

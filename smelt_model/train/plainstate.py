@@ -28,7 +28,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-__all__ = ["StateFileError", "dump", "load", "encode", "decode"]
+__all__ = ["StateFileError", "dump", "load", "encode", "decode", "read_json"]
 
 FORMAT = "smelt-train-state/1"
 #: numpy dtypes an ndarray entry may have (numbers only: no objects, no strings)
@@ -154,6 +154,20 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def read_json(path: Path, what: str, error: type[Exception] = ValueError) -> dict:
+    """The JSON object in the plain file ``path``; one ``error`` naming the file, and ``what``
+    it should have been, for anything else (a link, a folder, bad JSON, not an object)."""
+    if path.is_symlink() or not path.is_file():
+        raise error(f"{path}: not a plain file")
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise error(f"{path}: not a valid {what} ({_first_line(e)})") from None
+    if not isinstance(doc, dict):
+        raise error(f"{path}: not a valid {what} (expected a JSON object)")
+    return doc
+
+
 def load(json_path: Union[str, Path], tensor_path: Union[str, Path]) -> Any:
     """The state written by :func:`dump` into ``json_path`` and ``tensor_path``.
 
@@ -168,12 +182,8 @@ def load(json_path: Union[str, Path], tensor_path: Union[str, Path]) -> Any:
     except Exception as e:  # safetensors' own error types; the file is not a tensor file
         raise StateFileError(f"{tensor_path}: not a readable safetensors file "
                              f"({_first_line(e)})") from None
-    try:
-        doc = json.loads(json_path.read_bytes())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise StateFileError(f"{json_path}: not a readable JSON state file "
-                             f"({_first_line(e)})") from None
-    if not (isinstance(doc, dict) and doc.get("format") == FORMAT and "state" in doc):
+    doc = read_json(json_path, "JSON state file", StateFileError)
+    if not (doc.get("format") == FORMAT and "state" in doc):
         raise StateFileError(f"{json_path}: not a smelt training state (expected "
                              f"format {FORMAT!r})")
     try:

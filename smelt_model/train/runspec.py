@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 from ..config import ModelConfig
+from .plainstate import read_json
 
 __all__ = ["RunSpec", "read_run_file", "compare", "NONBITWISE"]
 
@@ -69,14 +69,7 @@ def read_run_file(path: Path) -> RunSpec:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: not found (no run to continue there)")
-    if not path.is_file():
-        raise ValueError(f"{path}: not a plain file")
-    try:
-        d = json.loads(path.read_bytes())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ValueError(f"{path}: not a valid run file ({str(e).splitlines()[0]})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: not a valid run file (expected a JSON object)")
+    d = read_json(path, "run file")
     known = {f.name: f for f in fields(RunSpec)}
     unknown = sorted(set(d) - set(known))
     missing = [n for n, f in known.items() if f.default is MISSING and n not in d]

@@ -14,6 +14,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .plainstate import read_json
+
 __all__ = ["BytesTokenizer", "BPETokenizer", "make", "load", "parse_spec", "FILE"]
 
 FILE = "tokenizer.json"
@@ -121,14 +123,7 @@ def load(folder: Path):
     path = Path(folder) / FILE
     if not path.exists():
         raise ValueError(f"{path}: no tokenizer saved in the run folder")
-    if not path.is_file():
-        raise ValueError(f"{path}: not a plain file")
-    try:
-        head = json.loads(path.read_bytes())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ValueError(f"{path}: not a tokenizer file ({str(e).splitlines()[0]})") from None
-    if not isinstance(head, dict):
-        raise ValueError(f"{path}: not a tokenizer file (expected a JSON object)")
+    head = read_json(path, "tokenizer file")
     if head.get("smelt_tokenizer") == "bytes":
         return BytesTokenizer()
     tokenizers = _import_tokenizers()

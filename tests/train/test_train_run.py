@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 
 from smelt_model.train import data, tokenizer
 from smelt_model.train.__main__ import main, merge_endpoints
