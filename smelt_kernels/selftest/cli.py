@@ -27,6 +27,7 @@ from .results import FAIL, Result, failed, format_failures, format_table, summar
 __all__ = ["main"]
 
 PROG = "python -m smelt_kernels.selftest"
+_INTERRUPTED = 130  # a worker's exit status after Ctrl-C
 
 
 class _BadOption(Exception):
@@ -47,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
                 "its float64 reference, forward and backward, per dtype. Exit status 0: all "
                 "passed; 1: a failure (or interrupted); 2: bad options.")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--quick", action="store_true", help="a few cases per op (seconds per backend)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few cases per op, float32 and bfloat16 (seconds per backend)")
     p.add_argument("--op", dest="ops", nargs="+", action="extend", metavar="OP",
                    help="only these ops (default: every registered op)")
     p.add_argument("--backend", dest="backends", nargs="+", action="extend", metavar="B",
@@ -122,7 +124,7 @@ def _in_process(args, run: _Run) -> int:
     from . import runner
 
     try:
-        units = runner.plan(args.device, args.ops, args.backends)
+        units = runner.plan(args.device, args.ops, args.backends, args.quick)
     except (ValueError, TypeError) as e:
         return _bad(str(e))
     dev = runner.resolve_device(args.device)
@@ -149,7 +151,7 @@ def _worker(args) -> int:
         out.flush()
 
     try:
-        units = runner.plan(args.device, args.ops, args.backends)
+        units = runner.plan(args.device, args.ops, args.backends, args.quick)
     except (ValueError, TypeError) as e:
         return _bad(str(e))
     dev = runner.resolve_device(args.device)
@@ -215,6 +217,8 @@ def _supervise(args, argv: list[str], run: _Run) -> int:
         done, rc, current, case, partial = _work(run, argv, start)
         if done:
             break
+        if rc in (-signal.SIGTERM, -signal.SIGINT, _INTERRUPTED):  # stopped, not crashed
+            raise _Stopped()
         if run.plan is None:  # it never started: bad options (it said so), or it could not load
             return 2 if rc == 2 else _bad(
                 f"the self-test's worker process ended before it started ({_ended(rc)})")
@@ -247,7 +251,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         return _bad(f"--json: the folder of {args.json!r} does not exist")
     if args.worker_fd is not None:
-        return _worker(args)
+        try:
+            return _worker(args)
+        except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the command reports
+            return _INTERRUPTED
     run = _Run(args.device)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
@@ -255,6 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _in_process(args, run) if args.in_process else _supervise(args, argv, run)
     except (KeyboardInterrupt, _Stopped):
         print("selftest: interrupted", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the table
         return run.finish(args.json) if run.plan is not None else 1
     finally:
         if main_thread:

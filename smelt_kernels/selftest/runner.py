@@ -78,24 +78,23 @@ def _names(what: str, asked: Optional[Sequence[str]], known: Sequence[str]) -> l
 
 
 def plan(device="cpu", ops: Optional[Sequence[str]] = None,
-         backend_names: Optional[Sequence[str]] = None) -> list[Unit]:
+         backend_names: Optional[Sequence[str]] = None, quick: bool = False) -> list[Unit]:
     """Every (op, backend, dtype) the self-test produces a row for on ``device``, in order:
-    the shipped ops, then any registered later; backends in family order; dtypes. An
-    implementation that cannot run on the device is one skipped row; a dtype it refuses,
-    or one the Triton interpreter cannot stand in for, a skipped row of that dtype. Bad
-    names or devices: ValueError / TypeError."""
+    the shipped ops, then any registered later; backends in the order ``"auto"`` tries them
+    (the reference last); dtypes. An implementation that cannot run on the device is one
+    skipped row; a dtype it refuses, or one the Triton interpreter cannot stand in for, a
+    skipped row of that dtype. ``quick`` leaves float16 out (on a GPU every dtype is a
+    kernel compile). Bad names or devices: ValueError / TypeError."""
     dev = resolve_device(device)
     report = backends.report(dev)
     # the shipped ops in the order of their cases, then any registered later
     op_names = _names("ops", ops, [op for op in CASES if op in report]
                       + [op for op in report if op not in CASES])
-    families = [f.name for f in backends.families()]
-    chosen = _names("backends", backend_names, families)
+    chosen = _names("backends", backend_names, [f.name for f in backends.families()])
     units = []
     for op in op_names:
-        present = {impl.backend: impl for impl in backends.implementations(op)}
-        for name in (f for f in families if f in chosen and f in present):
-            impl = present[name]
+        for impl in (i for i in backends.implementations(op) if i.backend in chosen):
+            name = impl.backend
             why = report[op][name]
             if why is None and op not in CASES:
                 why = f"the self-test has no cases for op {op!r}"
@@ -103,7 +102,7 @@ def plan(device="cpu", ops: Optional[Sequence[str]] = None,
                 units.append(Unit(op, name, None, why))
                 continue
             for dtype in DTYPES:
-                if dtype == torch.float16 and impl.dtype_reason(dtype) is not None:
+                if dtype == torch.float16 and (quick or impl.dtype_reason(dtype) is not None):
                     continue  # float16 only where a backend takes it
                 skip = impl.dtype_reason(dtype)
                 if skip is None and name == "triton" and dev.type == "cpu":
@@ -278,6 +277,7 @@ def run_unit(unit: Unit, device, quick: bool = False,
             row.variant = ",".join(variants)
         if on_case is not None:
             on_case(case.name, row)
+        lost = False
         try:
             norm, failures = run_case(case, unit.backend, unit.dtype, dev)
         except Refused as e:
@@ -287,13 +287,13 @@ def run_unit(unit: Unit, device, quick: bool = False,
             continue
         except Exception as e:  # a kernel that raises fails its case; the run goes on
             norm, failures = math.inf, [f"case {case.name!r}: raised {_first_line(e)}"]
-            if device_lost(e):
+            lost = device_lost(e)
+            if lost:
                 failures.append(f"{LOST}: the rest of this row did not run")
-                row.failures.extend(failures)
-                worst = norm
-                break
         worst = max(worst, norm)
         row.failures.extend(failures)
+        if lost:
+            break
     row.seconds = time.perf_counter() - t0
     notes = [f"{n} case{'s' if n > 1 else ''} skipped: {why}" for why, n in skipped.items()]
     row.reason = "; ".join(notes)
@@ -327,7 +327,7 @@ def run(device="cpu", quick: bool = False, ops: Optional[Sequence[str]] = None,
     """Every registered implementation that can run on ``device`` against its op's
     reference; one :class:`~smelt_kernels.selftest.results.Result` per op, backend and
     dtype (see :func:`plan`). ``progress(unit)`` is called before each row runs."""
-    units = plan(device, ops, backends)
+    units = plan(device, ops, backends, quick)
     out = []
     with poisoned():
         for unit in units:
