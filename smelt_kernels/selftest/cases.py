@@ -31,7 +31,9 @@ class Case:
     the op's public entry point on the inputs ``t``, returning its outputs, named by
     ``outputs``; ``differentiable``: the inputs whose gradients are compared (a random
     upstream gradient flows into the first ``grad_outputs`` outputs); ``exact``: outputs
-    that must equal the reference's exactly (expert ids). ``select(t)``: the inputs
+    that must equal the reference's exactly (expert ids); ``float32_outputs``: outputs the
+    op computes in float32 whatever the inputs' dtype (the router's weights), whose
+    tolerance floor is float32's, not the inputs'. ``select(t)``: the inputs
     ``backends.select`` reads. ``plain(t)``: plain PyTorch in the low precision, where the
     op's ``"torch"`` backend computes in a higher one inside (default: that backend).
     """
@@ -44,6 +46,7 @@ class Case:
     select: Callable[[dict], tuple]
     grad_outputs: int = 1
     exact: tuple[str, ...] = ()
+    float32_outputs: tuple[str, ...] = ()
     keep: tuple[str, ...] = ()
     plain: Optional[Callable[[dict], tuple]] = None
     quick: bool = False
@@ -134,6 +137,7 @@ def _route(name, T, E, k, renormalize=True, quick=False, seed=0) -> Case:
         name, dict(logits=logits),
         call=lambda b, t: route(t["logits"], k, renormalize, backend=b),
         outputs=("weights", "ids"), differentiable=("logits",), exact=("ids",),
+        float32_outputs=("weights",),
         select=lambda t: (t["logits"], k, renormalize), quick=quick, seed=seed)
 
 

@@ -27,7 +27,8 @@ class Tolerance:
     ``plain``: what plain PyTorch (the op's ``"torch"`` backend, or the reference computed
     wholly in the low precision where the backend upcasts inside) makes from the same inputs
     in the same precision; ``eps``: the machine epsilon of the dtype the inputs were given
-    in (an fp32 output of a bf16 computation is only as good as bf16); ``scale``:
+    in (an fp32 output of a bf16 computation is only as good as bf16), or float32's for an
+    output the op computes in float32 whatever its inputs (the router's weights); ``scale``:
     ``max(1, max |ref|)``. The floor covers cases where plain PyTorch rounds luckily, and
     fp32, where both errors are rounding noise of different summation orders. An error
     divided by its bound is the *normalised* error: at most 1 passes.

@@ -173,9 +173,12 @@ def _max_abs(a: torch.Tensor) -> float:
 
 
 def compare(name: str, got: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor,
-            dtype: torch.dtype, exact: bool = False) -> tuple[float, Optional[str]]:
+            dtype: torch.dtype, exact: bool = False,
+            floor_dtype: Optional[torch.dtype] = None) -> tuple[float, Optional[str]]:
     """(normalised error, None or what failed) of one output against the reference, by the
-    tolerance table (:class:`~smelt_kernels.selftest.results.Tolerance`)."""
+    tolerance table (:class:`~smelt_kernels.selftest.results.Tolerance`) of ``dtype``, the
+    dtype the inputs were given in; ``floor_dtype``: the precision the floor is counted in,
+    when not ``dtype``'s (an output computed in float32 whatever the inputs)."""
     got = got.detach().cpu()
     if tuple(got.shape) != tuple(ref.shape):
         return math.inf, f"{name}: shape {tuple(got.shape)}, the reference's {tuple(ref.shape)}"
@@ -199,7 +202,8 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor
     err = _max_abs(diff)
     base = _max_abs(torch.where(finite, plain.detach().cpu().double() - r, 0.0))
     tol = TOLERANCES[str(dtype).replace("torch.", "")]
-    floor = max(tol.floor_ulps * torch.finfo(dtype).eps, tol.floor_min) * max(1.0, _max_abs(r[finite]))
+    eps = torch.finfo(floor_dtype or dtype).eps
+    floor = max(tol.floor_ulps * eps, tol.floor_min) * max(1.0, _max_abs(r[finite]))
     bound = tol.factor * base + floor
     norm = err / bound
     if norm <= 1.0:
@@ -233,8 +237,9 @@ def run_case(case: Case, backend: str, dtype: torch.dtype, device: torch.device)
             worst = math.inf
             failures.append(f"case {case.name!r}: {name}: missing from the outputs")
             continue
-        norm, why = compare(name, got[name], r, plain[name], dtype,
-                            exact=name.split(" ")[0] in case.exact)
+        output = name.split(" ")[0]
+        norm, why = compare(name, got[name], r, plain[name], dtype, exact=output in case.exact,
+                            floor_dtype=torch.float32 if output in case.float32_outputs else None)
         worst = max(worst, norm)
         if why is not None:
             failures.append(f"case {case.name!r}: {why}")
