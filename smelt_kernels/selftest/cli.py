@@ -223,8 +223,11 @@ def _supervise(args, argv: list[str], run: _Run) -> int:
             return 2 if rc == 2 else _bad(
                 f"the self-test's worker process ended before it started ({_ended(rc)})")
         if current is None:  # ended between rows
-            start = max(run.rows, default=-1) + 1
-            continue
+            after = max(run.rows, default=-1) + 1
+            if after > start:
+                start = after
+                continue
+            current = start  # it ended before its first row: that row fails
         op, backend, dtype = run.plan[current]
         row = partial or Result(op, backend, dtype, FAIL)
         row.verdict, row.worst = FAIL, float("inf")
@@ -257,13 +260,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _INTERRUPTED
     run = _Run(args.device)
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
+    handlers = {}
+    if main_thread:
+        handlers = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop),
+                    signal.SIGINT: signal.getsignal(signal.SIGINT)}
     try:
         return _in_process(args, run) if args.in_process else _supervise(args, argv, run)
     except (KeyboardInterrupt, _Stopped):
         print("selftest: interrupted", file=sys.stderr, flush=True)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the table
+        if main_thread:  # a second Ctrl-C must not cut the table short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         return run.finish(args.json) if run.plan is not None else 1
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in handlers.items():
+            if handler is not None:  # None: installed outside Python, left as it is
+                signal.signal(signum, handler)
