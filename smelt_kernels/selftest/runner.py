@@ -25,11 +25,13 @@ __all__ = ["Unit", "DTYPES", "LOST", "resolve_device", "plan", "run_unit", "run"
 #: the dtypes every implementation is tried in (float16 where it takes it)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-#: dtypes the Triton interpreter cannot stand in for: its tl.dot mishandles bfloat16, so the
-#: kernels compute bfloat16 in float32 there and a pass would say nothing of the GPU's path
+#: (backend, dtype) rows that TRITON_INTERPRET=1 cannot stand in for: the interpreter's tl.dot
+#: mishandles bfloat16, so the kernels compute bfloat16 in float32 there and a pass would say
+#: nothing of the GPU's path
 INTERPRETER_SKIPS = {
-    torch.bfloat16: "the Triton interpreter has no bfloat16 tl.dot (the kernels compute "
-                    "bfloat16 in float32 there, so a pass would not test the GPU's path)",
+    ("triton", torch.bfloat16): "the Triton interpreter has no bfloat16 tl.dot (the kernels "
+                                "compute bfloat16 in float32 there, so a pass would not test "
+                                "the GPU's path)",
 }
 
 
@@ -105,8 +107,8 @@ def plan(device="cpu", ops: Optional[Sequence[str]] = None,
                 if dtype == torch.float16 and (quick or impl.dtype_reason(dtype) is not None):
                     continue  # float16 only where a backend takes it
                 skip = impl.dtype_reason(dtype)
-                if skip is None and name == "triton" and dev.type == "cpu":
-                    skip = INTERPRETER_SKIPS.get(dtype)
+                if skip is None and backends.triton_interpret():
+                    skip = INTERPRETER_SKIPS.get((name, dtype))
                 units.append(Unit(op, name, dtype, skip))
     return units
 
