@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # One prepared run on a GPU machine (written for one H200): build the CUDA extension, run the
-# GPU tests, the kernel benchmarks, the peers (bench/bench_peers.py) and the main job, and
-# write every result into one folder.
+# self-test, the GPU tests, the kernel benchmarks, the peers (bench/bench_peers.py) and the
+# main job, and write every result into one folder.
 #
-#   bash bench/gpu_check.sh OUT_DIR          # under 8 minutes: the stage limits sum to 470 s
+#   bash bench/gpu_check.sh OUT_DIR          # the stage limits sum to 530 s
+#
+# The self-test runs first, right after the build: `python -m smelt_kernels.selftest --device
+# cuda --quick` (a few cases per op in float32 and bfloat16; --quick because every case shape
+# and dtype is a Triton compile on a fresh machine) under a 60 s limit. Its table goes to
+# OUT_DIR/selftest_cuda.txt (and the log), every row to selftest_cuda.json; stopped by the
+# limit, it still writes the rows that finished and says it was interrupted. The Triton
+# kernels it compiles stay in Triton's cache for the GPU tests after it.
 #
 # It expects torch (with CUDA), triton and nvcc already installed and no network: the package
 # is installed without dependencies. Peers that pip would fetch (sonic-moe, FlashAttention-3's
@@ -50,6 +57,9 @@ else
   echo "| wheels | 0 | skipped: no ./wheels/*.whl |" >>"$SUMMARY"
 fi
 stage build 120 env SMELT_BUILD_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
+stage selftest 60 bash -c 'exec "$0" -m smelt_kernels.selftest --device cuda --quick \
+  --json "$1/selftest_cuda.json" >"$1/selftest_cuda.txt"' "$PY" "$OUT"
+cat "$OUT/selftest_cuda.txt" >>"$LOG" 2>/dev/null
 stage extension 20 "$PY" -c "from smelt_kernels import backends; print(backends.report('cuda')); assert backends.extension('_cuda') is not None, backends.extension_error('_cuda')"
 # GPU tests: the kernels on CUDA against the references, capture, and the rest of the suite's
 # CUDA-marked cases (everything else ran on the CPU in CI).
