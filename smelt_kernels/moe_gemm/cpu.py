@@ -88,6 +88,8 @@ VARIANTS = (
 def variant(x, w1, w2, topk_weights, topk_ids, *_) -> tuple[str, str]:
     """The kernel most of a call's experts run, and why (each expert picks on its own rows)."""
     H, de, E = x.shape[1], w1.shape[1] // 2, w1.shape[0]
+    if x.numel() == 0:
+        return None, "an empty call: no kernel runs"
     kernel = forward_kernel(H, de, x.dtype)
     why = {"rows": "fp32 experts of at most 1 MB on an AVX-512 CPU",
            "panels": "experts over 1 MB, or no AVX-512",
