@@ -179,9 +179,9 @@ def triton_jobs(shapes=None, head_dims=None) -> list[dict]:
 
 
 def attention_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
-    """The GPU launches the static audit compiles: forward, dK/dV and dQ in bf16 at every head
-    dim (segments, sink) and in fp32 at the first split one, from meta tensors shaped like one
-    ``tokens``-long sequence (nothing is allocated)."""
+    """The GPU launches the static audit compiles: forward, dK/dV and dQ in bf16 and in fp32
+    at every head dim (segments, sink), from meta tensors shaped like one ``tokens``-long
+    sequence (nothing is allocated)."""
     import torch
 
     from .attention import triton as at
@@ -189,8 +189,7 @@ def attention_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
     meta, cuda = torch.device("meta"), torch.device("cuda")
     hq, hkv = heads
     jobs = []
-    f32_dim = next((d for d in head_dims if at.head_dim_split(d)[1]), head_dims[0])
-    for dtype, D in [(torch.bfloat16, d) for d in head_dims] + [(torch.float32, f32_dim)]:
+    for dtype, D in [(torch.bfloat16, d) for d in head_dims] + [(torch.float32, d) for d in head_dims]:
         da, dt = at.head_dim_split(D)
         label = f"{'bf16' if dtype == torch.bfloat16 else 'float32'} D{D} (blocks {da}{f'+{dt}' if dt else ''})"
         q = torch.empty((1, tokens, hq, D), dtype=dtype, device=meta)

@@ -534,8 +534,11 @@ def block_config(kind: str, d: int, device: torch.device,
     if device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     width = head_dim_pad(d)
-    if dtype == torch.float32:  # 32-row backward tiles spilled (dK/dV 200 bytes, dQ 16)
-        return dict(BLOCK_M=32 if kind == "fwd" else 16, BLOCK_N=32, num_warps=4, num_stages=2)
+    if dtype == torch.float32:  # exact fp32 products: small tiles, chosen for no spills
+        if kind == "fwd":
+            return dict(BLOCK_M=32, BLOCK_N=32 if d <= 64 else 16, num_warps=8 if d <= 64 else 4, num_stages=2)
+        return dict(BLOCK_M=16, BLOCK_N=16 if kind == "dq" else 32, num_warps=4 if kind == "dq" else 8,
+                    num_stages=2)
     if kind == "fwd":
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     # dq (rows streamed over key tiles) and dkdv (keys streamed over row tiles): 64 x 64
