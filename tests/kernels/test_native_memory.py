@@ -2,11 +2,12 @@
 
 Each test runs the native ops in a subprocess whose address space (RLIMIT_AS) is capped a
 few megabytes above what it already uses, from too little for anything up to enough, with a
-new shape at every step (so the GEMM micro-kernels are compiled afresh: oneDNN used to crash
-in there when that allocation failed). The process must survive every step: each op either
-runs or raises torch.OutOfMemoryError (or another RuntimeError / MemoryError) with the bytes
-it asked for, and the kernels' own errors name the op. One intra-op thread per process, as
-the suite's distributed tests; the thread pool and allocator are warmed up before the cap.
+new shape at every step, so that the GEMM micro-kernels are compiled afresh (a failed
+allocation inside oneDNN's compile crashes the process unless the kernels check first).
+The process must survive every step: each op either runs or raises torch.OutOfMemoryError
+(or another RuntimeError / MemoryError) with the bytes it asked for, and the kernels' own
+errors name the op. One intra-op thread per process; the thread pool and allocator are
+warmed up before the cap.
 """
 
 import os
