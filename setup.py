@@ -16,12 +16,19 @@ Native extensions are optional and built only when they can be:
 failure to build either one an error, unset means "build what this machine can".
 ``SMELT_BUILD_CUDA=0/1`` does the same for the CUDA extension alone.
 Without an extension everything still imports and falls back (to Triton or to torch).
+
+Progress: the native build compiles one translation unit per source file with ninja, which
+prints ``[done/total elapsed] command`` as each one finishes, with a line before and after
+each extension. pip shows a build's output only with ``-v`` (``pip install -v ...``);
+without it, it prints "still running..." until the build ends. ``MAX_JOBS=N`` caps the
+parallel compiles (default: ninja's, the number of cores plus two).
 """
 
 import glob
 import os
 import shutil
 import sys
+import time
 
 from setuptools import find_packages, setup
 
@@ -124,7 +131,24 @@ def native_extensions():
 
     if not exts:
         return [], {}
-    return exts, {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+    return exts, {"build_ext": _with_progress(cpp_extension.BuildExtension.with_options(use_ninja=True))}
+
+
+def _with_progress(build_ext):
+    """``build_ext`` that says what it compiles and how long it took, and has ninja number its
+    steps with the elapsed time (ninja prints them on the build's output as they finish)."""
+    os.environ.setdefault("NINJA_STATUS", "[%f/%t %es] ")
+
+    class BuildWithProgress(build_ext):
+        def build_extension(self, ext):
+            n = len(ext.sources)
+            _note(f"compiling {ext.name} ({n} source files; ninja lists each as "
+                  "[done/to-do elapsed-seconds] when it finishes; several minutes on 2 cores)")
+            start = time.time()
+            super().build_extension(ext)
+            _note(f"built {ext.name} in {time.time() - start:.0f} s")
+
+    return BuildWithProgress
 
 
 ext_modules, cmdclass = native_extensions()

@@ -67,12 +67,29 @@ class BlockPool final : public c10::Allocator {
         ++fresh_;
       }
     }
-    if (p == nullptr) p = c10::alloc_cpu(size);
+    if (p == nullptr) p = fresh_block(size);
     return {p, new Block{p, size}, &BlockPool::give_back, c10::Device(c10::DeviceType::CPU)};
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
+  }
+
+  // A new block of `size` bytes. When memory is short, the unused blocks the pool holds are
+  // freed and the allocation tried once more; then torch.OutOfMemoryError with the bytes.
+  void* fresh_block(size_t size) {
+    try {
+      return c10::alloc_cpu(size);
+    } catch (const c10::Error&) {
+    }
+    if (release() > 0) {
+      try {
+        return c10::alloc_cpu(size);
+      } catch (const c10::Error&) {
+      }
+    }
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory: could not allocate ", size,
+                     " bytes for a pooled output block");
   }
 
   // Frees every block the pool holds; returns the bytes freed.

@@ -171,12 +171,48 @@ class TritonCompiler:
 def triton_jobs(shapes=None, head_dims=None) -> list[dict]:
     """Every shipped GPU configuration of the Triton kernels (or those at the named MoE
     shapes and head dims), as launch descriptions: dict(kernel, config, fn, args, kwargs, hot)."""
-    from .attention import triton as attention_triton
     from .moe_gemm import triton as moe_triton
 
     shapes = {n: MOE_SHAPES[n] for n in (shapes or MOE_SHAPES)}
     return moe_triton.audit_launches(shapes, MOE_TOKENS, TOP_K) + \
-        attention_triton.audit_launches(head_dims or ATTENTION_HEAD_DIMS, ATTENTION_HEADS)
+        attention_launches(head_dims or ATTENTION_HEAD_DIMS, ATTENTION_HEADS)
+
+
+def attention_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
+    """The GPU launches the static audit compiles: forward, dK/dV and dQ in bf16 and in fp32
+    at every head dim (segments, sink), from meta tensors shaped like one ``tokens``-long
+    sequence (nothing is allocated)."""
+    import torch
+
+    from .attention import triton as at
+
+    meta, cuda = torch.device("meta"), torch.device("cuda")
+    hq, hkv = heads
+    jobs = []
+    for dtype, D in [(torch.bfloat16, d) for d in head_dims] + [(torch.float32, d) for d in head_dims]:
+        da, dt = at.head_dim_split(D)
+        label = f"{'bf16' if dtype == torch.bfloat16 else 'float32'} D{D} (blocks {da}{f'+{dt}' if dt else ''})"
+        q = torch.empty((1, tokens, hq, D), dtype=dtype, device=meta)
+        k = torch.empty((1, tokens, hkv, D), dtype=dtype, device=meta)
+        stat = torch.empty((1, hq, tokens), dtype=torch.float32, device=meta)
+        seg = torch.empty((1, tokens), dtype=torch.int32, device=meta)
+        cfgs = {kind: at.block_config(kind, D, cuda, dtype) for kind in ("fwd", "dkdv", "dq")}
+        launches = [(at._fwd_kernel, None) + at._fwd_launch(q, k, k, q, stat, stat, seg, 0.1, True, cfgs["fwd"])[1:]]
+        launches += at._bwd_launches(q, q, k, k, stat, stat, q, k, k, seg, seg, 0.1, cfgs["dkdv"], cfgs["dq"])
+        for kernel, _, args, kw in launches:
+            if dtype == torch.float32:
+                kw = dict(kw, PRECISION="ieee")
+            name = {at._fwd_kernel: "forward", at._bwd_dkdv_kernel: "backward_dkdv"}.get(kernel, "backward_dq")
+            jobs.append(dict(kernel=f"attention.{name}", fn=kernel, args=args, kwargs=kw,
+                             hot=(name, dtype) == ("forward", torch.bfloat16),
+                             config=f"{label} BM{kw['BLOCK_M']} BN{kw['BLOCK_N']} heads {hq}/{hkv}"))
+    bf16 = torch.bfloat16
+    jobs.append(dict(kernel="attention.backward_delta", fn=at._bwd_delta, hot=False,
+                     config="bf16 D88 BLOCK64",
+                     args=(torch.empty(8, dtype=bf16, device=meta),) * 2
+                     + (torch.empty(8, dtype=torch.float32, device=meta), tokens * hq, tokens, hq),
+                     kwargs=dict(D=88, D_PAD=128, BLOCK=64)))
+    return jobs
 
 
 def audit_triton(progress, shapes=None, head_dims=None) -> list[dict]:
@@ -280,6 +316,9 @@ def to_markdown(rows: list[dict], tools: dict) -> str:
         lines.append(f"| {r['kernel']}{' (hot)' if r['hot'] else ''} | {r['config']} | {r['registers']} | "
                      f"{r['spill_bytes']} | {r['shared_bytes']} | {r['mma']} | {r['num_warps'] or ''} | "
                      f"{r['num_stages'] or ''} |")
+    spills = [r for r in rows if r["spill_bytes"]]
+    lines += ["", "Spills: none." if not spills else
+              "Spills: " + "; ".join(f"{r['kernel']} ({r['config']}): {r['spill_bytes']} B" for r in spills) + "."]
     cuda = [r for r in rows if r["source"] == "cuda"]
     if cuda and not any("wgmma" in r["mma"] for r in cuda):
         kinds = sorted({r["mma"] for r in cuda} - {"none"})

@@ -38,9 +38,11 @@
 #include <cstring>
 #include <string>
 
+#include <memory>
+#include <vector>
+
 #include "../cpu_alloc.h"
 #include "../cpu_transpose.h"
-#include <vector>
 
 namespace smelt_att {
 
@@ -63,19 +65,19 @@ struct Problem {
   const float* delta = nullptr; // (B, Tq, Hq)
   const int32_t* start = nullptr;  // (B, Tk)
   const int32_t* end = nullptr;    // (B, Tk)
+  // (B, Hkv, NP) forward: whether each key panel of V holds only finite values (1, 0), or
+  // -1 until a masked tile first asks (see v_tile_finite)
+  std::atomic<int8_t>* v_ok = nullptr;
 };
 
 struct Buffers {
-  std::vector<float> q, o, s, dp, dov, stat1, stat2, acc1, acc2, kp, vp, sink;
+  std::vector<float> q, o, s, dp, dov, stat1, stat2, acc1, acc2, kp, vp, sink, ok;
 };
 Buffers& buffers() {
   thread_local Buffers b;
   return b;
 }
-float* grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
+float* grow(std::vector<float>& v, int64_t n) { return smelt::grow(v, n, "an attention work buffer"); }
 
 // One key panel: rows x[0..n) (row stride ld, n <= kPanel) as (D, kPanel) at dst, zero past n.
 void key_panel(const float* x, int64_t ld, int64_t n, int64_t D, float* dst) {
@@ -208,8 +210,8 @@ void check_out(const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dt, co
 // Segment starts (validated: 0 <= start(p) <= p, one segment per run) and ends, (B, Tk).
 void bounds(const c10::optional<at::Tensor>& start, int64_t B, int64_t Tk, std::vector<int32_t>& st,
             std::vector<int32_t>& en) {
-  st.assign(B * Tk, 0);
-  en.assign(B * Tk, 0);
+  st = smelt::sized<int32_t>(B * Tk, "the segment bounds");
+  en = smelt::sized<int32_t>(B * Tk, "the segment bounds");
   if (start.has_value()) {
     const at::Tensor s = start->contiguous();
     std::memcpy(st.data(), s.data_ptr<int32_t>(), B * Tk * sizeof(int32_t));
@@ -280,7 +282,7 @@ void per_head(const at::Tensor& x, F&& f) {
 at::Tensor key_panels(const at::Tensor& x_, int64_t NP) {
   const at::Tensor x = float_rows(x_);
   const int64_t Tk = x.size(1), D = x.size(3);
-  at::Tensor out = at::empty({x.size(0), x.size(2), NP, D, kPanel}, x.options());
+  at::Tensor out = smelt::empty({x.size(0), x.size(2), NP, D, kPanel}, x.options(), "the key panels");
   float* op = out.data_ptr<float>();
   per_head(x, [&](int64_t i, const float* src, int64_t ld) {
     for (int64_t j = 0; j < NP; ++j)
@@ -299,7 +301,7 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, double scale) {
   P.Hkv = k.size(2);
   P.G = P.Hq / P.Hkv;
   P.NP = (P.Tk + kPanel - 1) / kPanel;
-  P.BQ = std::max<int64_t>(1, 64 / P.G);
+  P.BQ = std::max<int64_t>(1, 64 / std::max<int64_t>(1, P.G));
   P.scale = static_cast<float>(scale);
   P.qscale = static_cast<float>(scale * 1.4426950408889634);
   return P;
@@ -400,7 +402,7 @@ void run_backward(const Problem& P, const std::vector<int32_t>& en, float* dqp, 
       }
       s = e + 1;
     }
-  std::vector<float> extra(scratch);
+  std::vector<float> extra = smelt::sized<float>(scratch, "the backward's dQ shares");
   for (Unit& u : units)
     if (u.at >= 0) u.dst = extra.data() + u.at;
   std::vector<int64_t> cost(units.size());
@@ -437,7 +439,7 @@ at::Tensor kv_major(const at::Tensor& x_) {
   const at::Tensor xt = x.transpose(1, 2);
   if (xt.is_contiguous()) return xt;
   const int64_t Tk = x.size(1), D = x.size(3);
-  at::Tensor out = at::empty({x.size(0), x.size(2), Tk, D}, x.options());
+  at::Tensor out = smelt::empty({x.size(0), x.size(2), Tk, D}, x.options(), "the keys and values in fp32");
   float* op = out.data_ptr<float>();
   per_head(x, [&](int64_t i, const float* src, int64_t ld) {
     float* dst = op + i * Tk * D;
@@ -452,9 +454,8 @@ at::Tensor staging(const at::Tensor& out) {
   return smelt::output(out.sizes(), out.options().dtype(at::kFloat));
 }
 
-void segment_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const c10::optional<at::Tensor>& start, double scale, at::Tensor o,
-                           at::Tensor lse, at::Tensor psink) {
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& start,
+             double scale, at::Tensor o, at::Tensor lse, at::Tensor psink) {
   check_inputs(q, k, v, start);
   Problem P = problem(q, k, scale);
   check_out(o, q.sizes(), q.scalar_type(), "o");
@@ -465,6 +466,10 @@ void segment_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::T
   std::vector<int32_t> st, en;
   bounds(start, P.B, P.Tk, st, en);
   const at::Tensor qf = as_float(q), vf = kv_major(v), kp = key_panels(k, P.NP);
+  const int64_t n_panels = P.B * P.Hkv * P.NP;
+  std::unique_ptr<std::atomic<int8_t>[]> v_ok(new std::atomic<int8_t>[n_panels]);
+  for (int64_t i = 0; i < n_panels; ++i) v_ok[i].store(-1, std::memory_order_relaxed);
+  P.v_ok = v_ok.get();
   P.q = qf.data_ptr<float>();
   P.v = vf.data_ptr<float>();
   P.kp = kp.data_ptr<float>();
@@ -484,6 +489,12 @@ void segment_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::T
   if (!of.is_same(o)) o.copy_(of);
 }
 
+void segment_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const c10::optional<at::Tensor>& start, double scale, at::Tensor o,
+                           at::Tensor lse, at::Tensor psink) {
+  smelt::named_op("segment_attention (cpu forward)", [&] { forward(q, k, v, start, scale, o, lse, psink); });
+}
+
 // The forward with its outputs allocated here, (o, lse): the inference entry point, which
 // calls that need no gradient and no sink statistic take without the Python custom op.
 std::tuple<at::Tensor, at::Tensor> segment_attention_infer(const at::Tensor& q, const at::Tensor& k,
@@ -491,17 +502,18 @@ std::tuple<at::Tensor, at::Tensor> segment_attention_infer(const at::Tensor& q, 
                                                            const c10::optional<at::Tensor>& start,
                                                            double scale) {
   TORCH_CHECK_VALUE(q.dim() == 4, "segment_attention_cpu: q must be (B, Tq, Hq, D), got ", q.sizes());
-  at::Tensor o = smelt::output(q.sizes(), q.options());
-  at::Tensor lse = smelt::output({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  at::Tensor psink = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  segment_attention_fwd(q, k, v, start, scale, o, lse, psink);
-  return {o, lse};
+  return smelt::named_op("segment_attention (cpu forward)", [&]() -> std::tuple<at::Tensor, at::Tensor> {
+    at::Tensor o = smelt::output(q.sizes(), q.options());
+    at::Tensor lse = smelt::output({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+    at::Tensor psink = smelt::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+    forward(q, k, v, start, scale, o, lse, psink);
+    return {o, lse};
+  });
 }
 
-void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                           const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
-                           const c10::optional<at::Tensor>& start, double scale, at::Tensor dq,
-                           at::Tensor dk, at::Tensor dv) {
+void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& o, const at::Tensor& lse, const c10::optional<at::Tensor>& start, double scale,
+              at::Tensor dq, at::Tensor dk, at::Tensor dv) {
   check_inputs(q, k, v, start);
   Problem P = problem(q, k, scale);
   TORCH_CHECK(dout.sizes() == q.sizes() && o.sizes() == q.sizes(), "segment_attention_cpu: do/o shape");
@@ -509,13 +521,17 @@ void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at
   check_out(dq, q.sizes(), q.scalar_type(), "dq");
   check_out(dk, k.sizes(), k.scalar_type(), "dk");
   check_out(dv, v.sizes(), v.scalar_type(), "dv");
-  if (P.B == 0 || P.Hq == 0) return;
+  if (P.B == 0 || P.Hq == 0 || P.Tq == 0) {  // no query: no gradient reaches a key
+    dk.zero_();
+    dv.zero_();
+    return;
+  }
   std::vector<int32_t> st, en;
   bounds(start, P.B, P.Tk, st, en);
   const at::Tensor qf = as_float(q), dof = as_float(dout), of = as_float(o), lsef = lse.contiguous();
   const at::Tensor kf = kv_major(k), vf = kv_major(v);
   // delta = rowsum(dO * O), one row per (b, t, head), summed in order
-  std::vector<float> delta(P.B * P.Tq * P.Hq);
+  std::vector<float> delta = smelt::sized<float>(P.B * P.Tq * P.Hq, "the backward's row sums");
   const float* dp = dof.data_ptr<float>();
   const float* opf = of.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(delta.size()), 256, [&](int64_t r0, int64_t r1) {
@@ -541,6 +557,14 @@ void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at
   if (!dqf.is_same(dq)) dq.copy_(dqf);
   if (!dkf.is_same(dk)) dk.copy_(dkf);
   if (!dvf.is_same(dv)) dv.copy_(dvf);
+}
+
+void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
+                           const c10::optional<at::Tensor>& start, double scale, at::Tensor dq,
+                           at::Tensor dk, at::Tensor dv) {
+  smelt::named_op("segment_attention (cpu backward)",
+                  [&] { backward(dout, q, k, v, o, lse, start, scale, dq, dk, dv); });
 }
 
 }  // namespace

@@ -249,6 +249,49 @@ inline void mask_row(float* S, int64_t ncb, int64_t j0, int64_t s, int64_t p, in
   }
 }
 
+// Sets S[c] = 0 where key j0 + c is outside [s, p] or c >= n: the probabilities and dS of
+// masked pairs are exactly nothing, whatever the row's statistics (a NaN LSE, a NaN dP from
+// a value the row does not see).
+inline void zero_masked(float* S, int64_t ncb, int64_t j0, int64_t s, int64_t p, int64_t n) {
+  vf<W> iota;
+  for (int i = 0; i < W; ++i) iota[i] = static_cast<float>(i);
+  const float lo = static_cast<float>(s - j0), hi = static_cast<float>(std::min(p - j0, n - 1));
+  for (int64_t c = 0; c < ncb * CB; c += W) {
+    const vf<W> col = iota + static_cast<float>(c);
+    const vf<W> x = load<W>(S + c);
+    store<W>(S + c, ((col < lo) | (col > hi)) ? vf<W>{} : x);
+  }
+}
+
+// Whether rows x[0..n) (row stride ld, D a multiple of 8 columns) hold only finite values.
+// A masked pair must add nothing, but in the tiled products it is a zero weight times the
+// other operand, and 0 * inf or 0 * NaN is NaN: tiles whose operands are not all finite
+// take exact per-row sums over the visible pairs instead.
+inline bool rows_finite(const float* x, int64_t ld, int64_t n, int64_t D) {
+  vf<8> acc = vf<8>{};
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; d += 8) acc += load<8>(x + i * ld + d) * 0.0f;  // NaN unless finite
+  for (int i = 0; i < 8; ++i)
+    if (!(acc[i] == 0.0f)) return false;
+  return true;
+}
+
+// Whether keys j0..j0+n-1 of V (that KV head's (Tk, D) rows) hold only finite values, from
+// the per-panel flags of P.v_ok (index base + panel), each computed by the first tile that
+// asks (a race between threads computes the same value twice).
+inline bool v_tile_finite(const Problem& P, const float* V, int64_t base, int64_t j0, int64_t n) {
+  for (int64_t pnl = j0 / CB; pnl * CB < j0 + n; ++pnl) {
+    std::atomic<int8_t>& flag = P.v_ok[base + pnl];
+    int8_t ok = flag.load(std::memory_order_relaxed);
+    if (ok < 0) {
+      ok = rows_finite(V + pnl * CB * P.D, P.D, std::min<int64_t>(CB, P.Tk - pnl * CB), P.D) ? 1 : 0;
+      flag.store(ok, std::memory_order_relaxed);
+    }
+    if (ok == 0) return false;
+  }
+  return true;
+}
+
 inline bool needs_mask(int64_t ncb, int64_t j0, int64_t s, int64_t p, int64_t n) {
   return s > j0 || p < j0 + ncb * CB - 1 || n < ncb * CB;
 }
@@ -346,12 +389,14 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
     // each row's new running max: from the tile's scores (the micro-kernel's maxima, or
     // after masking a pass over the row), then the rescale factors 2^(old - new), W rows
     // at a time (lanes past r1 get 2^0 and are never read)
+    bool masked = false;
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t p = off + t0 + r / G, s = st[p];
       float* Sr = S + r * BK;
       if (s >= j0 && s < j0 + n) first[r] = Sr[s - j0];
       float tmax;
       if (needs_mask(ncb, j0, s, p, n)) {
+        masked = true;
         mask_row(Sr, ncb, j0, s, p, n);
         tmax = row_max(Sr, ncb);
       } else {
@@ -368,7 +413,15 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
       if (alpha[r] != 1.0f) scale_row(O + r * D, D, alpha[r]);
       mx[r] = mnew[r];
     }
-    accumulate(S + r0 * BK, BK, 1, V + j0 * D, D, n, O + r0 * D, D, r1 - r0, D);
+    if (masked && !v_tile_finite(P, V, (b * P.Hkv + h) * P.NP, j0, n)) {
+      // each row sums over the keys it sees only (see rows_finite)
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t p = off + t0 + r / G, lo = std::max<int64_t>(st[p], j0), hi = std::min(p, j0 + n - 1);
+        if (lo <= hi) accumulate(S + r * BK + (lo - j0), BK, 1, V + lo * D, D, hi - lo + 1, O + r * D, D, 1, D);
+      }
+    } else {
+      accumulate(S + r0 * BK, BK, 1, V + j0 * D, D, n, O + r0 * D, D, r1 - r0, D);
+    }
   });
   for (int64_t r = 0; r < M; ++r) {
     const int64_t t = t0 + r / G, g = r % G, p = off + t, s = st[p];
@@ -399,20 +452,29 @@ inline void backward_rows(const Problem& P, int64_t b, int64_t h, int64_t t0, in
 }
 
 // Probabilities (in S) and dS (in dP) of the M rows of queries tq0.. against keys j0..j0+n-1,
-// n <= CB, whose K^T and V^T are the key panels KP and VP ((D, CB) each).
-inline void probs_and_ds(const Problem& P, const int32_t* st, int64_t tq0, int64_t j0, int64_t n,
+// n <= CB, whose K^T and V^T are the key panels KP and VP ((D, CB) each); both exactly 0 at
+// masked pairs. Returns whether any pair was masked.
+inline bool probs_and_ds(const Problem& P, const int32_t* st, int64_t tq0, int64_t j0, int64_t n,
                          int64_t M, const float* Q, const float* dO, const float* lse2,
                          const float* delta, const float* KP, const float* VP, float* S, float* dP) {
   const int64_t G = P.G, D = P.D, BK = P.BK, off = P.Tk - P.Tq, ncb = 1;
   scores(Q, D, KP, CB, D, S, BK, M, ncb);
   scores(dO, D, VP, CB, D, dP, BK, M, ncb);
+  bool masked = false;
   for (int64_t r = 0; r < M; ++r) {
     const int64_t p = off + tq0 + r / G, s = st[p];
     float* Sr = S + r * BK;
-    if (needs_mask(ncb, j0, s, p, n)) mask_row(Sr, ncb, j0, s, p, n);
+    const bool m = needs_mask(ncb, j0, s, p, n);
+    if (m) mask_row(Sr, ncb, j0, s, p, n);
     exp_row(Sr, ncb, lse2[r]);
     ds_row(Sr, dP + r * BK, ncb, delta[r]);
+    if (m) {
+      zero_masked(Sr, ncb, j0, s, p, n);
+      zero_masked(dP + r * BK, ncb, j0, s, p, n);
+      masked = true;
+    }
   }
+  return masked;
 }
 
 // One work unit of the backward, in a single pass: keys kb..ke-1 of the segment that ends at
@@ -451,24 +513,49 @@ inline void backward_unit(const Problem& P, int64_t b, int64_t h, int64_t kb, in
     const int64_t np = (nk + KT - 1) / KT;
     float* KP = grow(buf.kp, np * D * KT);
     float* VP = grow(buf.vp, np * D * KT);
+    float* k_ok = grow(buf.ok, np);  // 1 where the panel's keys are all finite
     for (int64_t i = 0; i < np; ++i) {
       const int64_t n = std::min(KT, nk - i * KT);
       key_panel(K + (kb + i * KT) * D, D, n, D, KP + i * D * KT);
       key_panel(V + (kb + i * KT) * D, D, n, D, VP + i * D * KT);
+      k_ok[i] = rows_finite(K + (kb + i * KT) * D, D, n, D) ? 1.0f : 0.0f;
     }
     const int64_t tlo = plo - off;
     for (int64_t pa = plo; pa <= e; pa += BQ) {
       const int64_t t0 = pa - off, t1 = std::min(e + 1, pa + BQ) - off, M = (t1 - t0) * G;
       backward_rows(P, b, h, t0, t1, Q, dO, lse2, delta);
+      const bool q_ok = rows_finite(Q, D, M, D), do_ok = rows_finite(dO, D, M, D);
       std::fill(dQ, dQ + M * D, 0.0f);
       const int64_t kend = std::min(ke, off + t1);  // keys past the block's last query: none seen
       for (int64_t j0 = kb; j0 < kend; j0 += KT) {
         const int64_t n = std::min(KT, ke - j0);
         const int64_t pi = (j0 - kb) / KT;
-        probs_and_ds(P, st, t0, j0, n, M, Q, dO, lse2, delta, KP + pi * D * KT, VP + pi * D * KT, S, dP);
-        accumulate(S, 1, BK, dO, D, M, dV + (j0 - kb) * D, D, n, D);  // dV += P^T dO
-        accumulate(dP, 1, BK, Q, D, M, dK + (j0 - kb) * D, D, n, D);  // dK += dS^T Q
-        accumulate(dP, BK, 1, K + j0 * D, D, n, dQ, D, M, D);         // dQ += dS K
+        const bool masked =
+            probs_and_ds(P, st, t0, j0, n, M, Q, dO, lse2, delta, KP + pi * D * KT, VP + pi * D * KT, S, dP);
+        // Where a masked pair meets a non-finite operand, exact sums over the visible pairs
+        // (see rows_finite): per key over the rows that see it (a run of rows: positions
+        // from the key on, up to the end of its segment), per row over its keys.
+        if (masked && !(q_ok && do_ok)) {
+          for (int64_t j = j0; j < j0 + n; ++j) {
+            const int64_t ta = std::max(t0, j - off);
+            int64_t tb = t1;
+            while (tb > ta && st[off + tb - 1] > j) --tb;
+            if (ta >= tb) continue;
+            const int64_t ra = (ta - t0) * G, rb = (tb - t0) * G;
+            if (!do_ok) accumulate(S + ra * BK + (j - j0), 1, BK, dO + ra * D, D, rb - ra, dV + (j - kb) * D, D, 1, D);
+            if (!q_ok) accumulate(dP + ra * BK + (j - j0), 1, BK, Q + ra * D, D, rb - ra, dK + (j - kb) * D, D, 1, D);
+          }
+        }
+        if (!masked || do_ok) accumulate(S, 1, BK, dO, D, M, dV + (j0 - kb) * D, D, n, D);  // dV += P^T dO
+        if (!masked || q_ok) accumulate(dP, 1, BK, Q, D, M, dK + (j0 - kb) * D, D, n, D);   // dK += dS^T Q
+        if (masked && k_ok[pi] == 0.0f) {
+          for (int64_t r = 0; r < M; ++r) {
+            const int64_t p = off + t0 + r / G, lo = std::max<int64_t>(st[p], j0), hi = std::min(p, j0 + n - 1);
+            if (lo <= hi) accumulate(dP + r * BK + (lo - j0), BK, 1, K + lo * D, D, hi - lo + 1, dQ + r * D, D, 1, D);
+          }
+        } else {
+          accumulate(dP, BK, 1, K + j0 * D, D, n, dQ, D, M, D);  // dQ += dS K
+        }
       }
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t g = 0; g < G; ++g) {

@@ -10,6 +10,10 @@
 //   segment). The block visits keys start(p_first) .. p_last in BN = 64 tiles and applies
 //   the interval mask only to tiles that are not inside every row's interval.
 // * An empty interval (the host's encoding of a row with decreasing segment ids) gives NaN.
+// * Masked pairs add nothing: their scores are -inf (a NaN or inf key a row does not see
+//   never reaches it), and in tiles with masked pairs the V tile's non-finite entries are
+//   zeroed as they are loaded (0 * NaN would be NaN) and flagged per key, so that a row
+//   which does see one gets NaN in its whole output row.
 //
 // The head dim is padded to DP in {32, 64, 96, 128} in shared memory only. Four warps,
 // sixteen rows each: S = Q K^T and O += P V on WMMA 16x16x16 fragments; the softmax runs
@@ -19,6 +23,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../cuda_common.cuh"
 
@@ -60,22 +65,41 @@ struct Layout {
   static constexpr size_t kS = kV + size_t(BN) * LD * 2;
   static constexpr size_t kP = kS + size_t(BM) * LDS * 4;
   static constexpr size_t kO = kP + size_t(BM) * LDP * 2;
-  static constexpr size_t bytes = kO + size_t(BM) * LDO * 4;
+  static constexpr size_t kBad = kO + size_t(BM) * LDO * 4;  // int[2][BN]: V keys with a NaN or inf
+  static constexpr size_t bytes = kBad + size_t(2) * BN * 4;
 };
 
+// Zeroes the NaN and inf lanes of eight 16-bit values; returns whether there was one.
+template <typename T>
+__device__ __forceinline__ bool zero_non_finite(uint4& v) {
+  constexpr uint32_t exp = std::is_same_v<T, __half> ? 0x7C00u : 0x7F80u;  // all-ones exponent
+  uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+  bool any = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const bool lo = (w[i] & exp) == exp, hi = ((w[i] >> 16) & exp) == exp;
+    w[i] &= (lo ? 0xFFFF0000u : 0xFFFFFFFFu) & (hi ? 0x0000FFFFu : 0xFFFFFFFFu);
+    any |= lo | hi;
+  }
+  return any;
+}
+
 // Copy `rows` rows of D elements (16-byte chunks) from global into shared memory, zero
-// filling columns >= D and rows with index >= n_valid.
+// filling columns >= D and rows with index >= n_valid. With `bad` (zeroed beforehand), NaN
+// and inf values are zeroed too and bad[r] set for their rows.
 template <typename T, int DP>
 __device__ __forceinline__ void load_kv_tile(T* dst, const T* base, int64_t row_stride, int n0,
-                                             int n_valid, int D) {
+                                             int n_valid, int D, int* bad) {
   constexpr int CH = DP / 8;
   constexpr int LD = Layout<DP>::LD;
   for (int i = threadIdx.x; i < BN * CH; i += NTHREADS) {
     const int r = i / CH;
     const int c = (i % CH) * 8;
     uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (n0 + r < n_valid && c < D)
+    if (n0 + r < n_valid && c < D) {
       val = *reinterpret_cast<const uint4*>(base + int64_t(n0 + r) * row_stride + c);
+      if (bad != nullptr && zero_non_finite<T>(val)) bad[r] = 1;
+    }
     *reinterpret_cast<uint4*>(dst + r * LD + c) = val;
   }
 }
@@ -91,6 +115,7 @@ __global__ void __launch_bounds__(NTHREADS) segment_attention_fwd_kernel(const P
   float* sS = reinterpret_cast<float*>(smem + L::kS);
   T* sP = reinterpret_cast<T*>(smem + L::kP);
   float* sO = reinterpret_cast<float*>(smem + L::kO);
+  int* sBad = reinterpret_cast<int*>(smem + L::kBad);
 
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
@@ -133,6 +158,7 @@ __global__ void __launch_bounds__(NTHREADS) segment_attention_fwd_kernel(const P
     *reinterpret_cast<uint4*>(sQ + r * LD + c) = val;
   }
   for (int i = tid; i < BM * LDO; i += NTHREADS) sO[i] = 0.f;
+  for (int i = tid; i < 2 * BN; i += NTHREADS) sBad[i] = 0;
   __syncthreads();  // sQ and sO are read below even when no key tile is visited
 
   const float qk_scale = p.scale * LOG2E;
@@ -144,12 +170,17 @@ __global__ void __launch_bounds__(NTHREADS) segment_attention_fwd_kernel(const P
   const T* vb = v + b * p.svb + int64_t(hkv) * p.svh;
   float m_i = -1.0e30f;
   float l_i = 0.f;
+  bool sees_bad = false;  // a visible value of this row is NaN or inf
 
-  for (int n0 = lo; n0 < hi; n0 += BN) {
+  for (int n0 = lo, it = 0; n0 < hi; n0 += BN, ++it) {
     const bool masked = n0 < mid || n0 >= diag;
+    // flags of masked tiles alternate between two arrays: this tile's was cleared during
+    // the previous one, after every warp had read it two tiles ago
+    int* bad = sBad + (it & 1) * BN;
     __syncthreads();  // every warp is done with the previous K/V tile
-    load_kv_tile<T, DP>(sK, kb, p.skt, n0, p.Tk, p.D);
-    load_kv_tile<T, DP>(sV, vb, p.svt, n0, p.Tk, p.D);
+    if (tid < BN) sBad[((it + 1) & 1) * BN + tid] = 0;
+    load_kv_tile<T, DP>(sK, kb, p.skt, n0, p.Tk, p.D, nullptr);
+    load_kv_tile<T, DP>(sV, vb, p.svt, n0, p.Tk, p.D, masked ? bad : nullptr);
     __syncthreads();
 
     // S = Q K^T for this warp's sixteen rows
@@ -169,17 +200,18 @@ __global__ void __launch_bounds__(NTHREADS) segment_attention_fwd_kernel(const P
     }
     __syncwarp();
 
-    // online softmax: this lane takes 32 of its row's 64 scores
+    // online softmax: this lane takes 32 of its row's 64 scores, its keys c_lo..c_hi of
+    // them visible. The scores are read from shared memory twice (max, then exponentials)
+    // rather than held in 32 registers across both passes (which spilled).
     const float* srow = sS + my_row * LDS + half_idx * 32;
     const int j0 = n0 + half_idx * 32;
-    float sv[32];
+    const int c_lo = masked ? my_start - j0 : 0, c_hi = masked ? my_pos - j0 : 31;
     float mx = -INFINITY;
 #pragma unroll
-    for (int c = 0; c < 32; ++c) {
-      float s = srow[c] * qk_scale;
-      if (masked && (j0 + c < my_start || j0 + c > my_pos)) s = -INFINITY;
-      sv[c] = s;
-      mx = fmaxf(mx, s);
+    for (int c = 0; c < 32; ++c) mx = fmaxf(mx, c >= c_lo && c <= c_hi ? srow[c] * qk_scale : -INFINITY);
+    if (masked) {
+      const int* brow = bad + half_idx * 32;
+      for (int c = max(c_lo, 0); c <= min(c_hi, 31); ++c) sees_bad |= brow[c] != 0;
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     const float m_new = fmaxf(m_i, mx);
@@ -188,7 +220,7 @@ __global__ void __launch_bounds__(NTHREADS) segment_attention_fwd_kernel(const P
     float sum = 0.f;
 #pragma unroll
     for (int c = 0; c < 32; ++c) {
-      const float pv = exp2f(sv[c] - m_new);
+      const float pv = exp2f((c >= c_lo && c <= c_hi ? srow[c] * qk_scale : -INFINITY) - m_new);
       sum += pv;
       prow[c] = from_float<T>(pv);
     }
@@ -220,7 +252,8 @@ __global__ void __launch_bounds__(NTHREADS) segment_attention_fwd_kernel(const P
 
   // epilogue: normalise (an empty interval leaves l = 0: 0 * inf = NaN, on purpose)
   const float lse2 = l_i > 0.f ? m_i + log2f(l_i) : NAN;
-  const float inv = 1.f / l_i;
+  sees_bad |= __shfl_xor_sync(0xffffffffu, int(sees_bad), 1) != 0;
+  const float inv = sees_bad ? NAN : 1.f / l_i;
   {
     float* orow = sO + my_row * LDO + half_idx * (DP / 2);
 #pragma unroll
@@ -284,14 +317,14 @@ cudaError_t dispatch_head_dim(const Params& p, cudaStream_t stream) {
 
 // Launch the forward on `stream`. dtype: 0 = fp16, 1 = bf16. Strides are in elements
 // (batch, time, head); the D stride is 1. Returns a cudaError_t as int (0 = success).
-// The caller guarantees: D % 8 == 0 and D <= 128, Hq % Hkv == 0, 1 <= Tq <= Tk,
+// The caller guarantees: D % 8 == 0 and D <= 128, Hq % Hkv == 0, Tq <= Tk,
 // 16-byte aligned rows, o contiguous, lse/psink (B, Hq, Tq) contiguous.
 int smelt_segment_attention_fwd(const void* q, const void* k, const void* v, const int* start,
                                 void* o, float* lse, float* psink, int64_t sqb, int64_t sqt,
                                 int64_t sqh, int64_t skb, int64_t skt, int64_t skh, int64_t svb,
                                 int64_t svt, int64_t svh, int B, int Tq, int Tk, int Hq, int Hkv,
                                 int D, float scale, bool want_sink, int dtype, void* stream) {
-  if (B == 0 || Tq == 0) return 0;
+  if (B == 0 || Tq == 0 || Hq == 0) return 0;  // no query: nothing to launch
   Params p{q, k, v, start, o, lse, psink, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
            B, Tq, Tk, Hq, Hkv, D, scale, want_sink};
   cudaStream_t s = static_cast<cudaStream_t>(stream);

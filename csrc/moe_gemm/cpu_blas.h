@@ -25,9 +25,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
+#include <unordered_set>
 #include <vector>
 
+#include <sys/mman.h>
+
+#include "../cpu_alloc.h"
 #include "../cpu_transpose.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -89,7 +94,10 @@ class Scratch {
       std::free(ptr_);
       size_t bytes = static_cast<size_t>(round_up(std::max<int64_t>(n, 1) * sizeof(T), 64));
       ptr_ = static_cast<T*>(std::aligned_alloc(64, bytes));
-      TORCH_CHECK(ptr_ != nullptr, "smelt moe: out of memory for a ", bytes, "-byte scratch buffer");
+      if (ptr_ == nullptr) {
+        cap_ = 0;
+        smelt::out_of_memory("a scratch buffer", static_cast<int64_t>(bytes));
+      }
       cap_ = n;
     }
     return ptr_;
@@ -287,27 +295,80 @@ void gather_rows(const ST* src, int64_t lds, const int64_t* rows, int64_t M, int
 }
 
 // ---------------------------------------------------------------------------- GEMM
+// Room for one more micro-kernel. ATen's brgemm compiles a kernel for every new shape (256
+// KiB of code each, and its descriptors) the first time a thread asks for it, and a failed
+// allocation there ends in a crash inside oneDNN rather than an error. So before a shape
+// this thread has not run yet, kKernelRoom bytes of address space must be mappable (checked
+// with a mapping that is released at once), else torch.OutOfMemoryError. Costs two system
+// calls per new shape and thread, next to a compile that takes far longer.
+constexpr size_t kKernelRoom = size_t(4) << 20;
+
+struct KernelKey {
+  int64_t M, N, K, lda, ldb, ldc;
+  bool add, vnni;
+  bool operator==(const KernelKey& o) const {
+    return std::tie(M, N, K, lda, ldb, ldc, add, vnni) == std::tie(o.M, o.N, o.K, o.lda, o.ldb, o.ldc, o.add, o.vnni);
+  }
+};
+struct KernelKeyHash {
+  size_t operator()(const KernelKey& k) const {
+    size_t h = 0;
+    for (int64_t v : {k.M, k.N, k.K, k.lda, k.ldb, k.ldc, int64_t(k.add), int64_t(k.vnni)})
+      h = h * 1000003u ^ std::hash<int64_t>()(v);
+    return h;
+  }
+};
+
+inline void kernel_room(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add,
+                        bool vnni) {
+  thread_local std::unordered_set<KernelKey, KernelKeyHash> seen;
+  thread_local KernelKey last{-1, -1, -1, -1, -1, -1, false, false};  // consecutive calls repeat
+  const KernelKey key{M, N, K, lda, ldb, ldc, add, vnni};
+  if (key == last) return;
+  if (seen.find(key) == seen.end()) {
+    void* room = mmap(nullptr, kKernelRoom, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (room == MAP_FAILED) smelt::out_of_memory("a GEMM micro-kernel", static_cast<int64_t>(kKernelRoom));
+    munmap(room, kKernelRoom);
+    seen.insert(key);
+  }
+  last = key;
+}
+
+// at::native::cpublas::brgemm after kernel_room.
+template <typename CT>
+inline void brgemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add, const CT* A,
+                   const CT* B, float* C, bool vnni) {
+  kernel_room(M, N, K, lda, ldb, ldc, add, vnni);
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, vnni);
+}
+
 // C (M x P.Np, row stride ldc, fp32) = A (M x P.Kp, row stride lda) @ B, or += when add.
-// For VNNI panels C must have room for the padded width P.Np.
+// For VNNI panels C must have room for the padded width P.Np. K = 0 gives C = 0 (or leaves
+// it, with add).
 template <typename CT>
 void gemm(int64_t M, const CT* A, int64_t lda, const Panel<CT>& P, float* C, int64_t ldc, bool add) {
   if (M == 0) return;
+  if (P.Kp == 0) {
+    if (!add)
+      for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + P.Np, 0.0f);
+    return;
+  }
   // Blocked so that the B block in use (about 32 KB) stays in L1 while the M rows of A
   // stream past it; C accumulates over the K blocks.
   if constexpr (!kVnni<CT>) {
     const int64_t nb = std::min<int64_t>(P.N, 64), kb = std::min<int64_t>(P.Kp, 128);
     for (int64_t n0 = 0; n0 < P.N; n0 += nb)
       for (int64_t k0 = 0; k0 < P.Kp; k0 += kb)
-        at::native::cpublas::brgemm(M, std::min(nb, P.N - n0), std::min(kb, P.Kp - k0), lda, P.ld, ldc,
-                                    add || k0 > 0, A + k0, P.data + k0 * P.ld + n0, C + n0, false);
+        brgemm<CT>(M, std::min(nb, P.N - n0), std::min(kb, P.Kp - k0), lda, P.ld, ldc, add || k0 > 0, A + k0,
+                   P.data + k0 * P.ld + n0, C + n0, false);
   } else {
     const int64_t kb = std::min<int64_t>(P.Kp, 256);  // even, so K blocks start on a pair
     for (int64_t n0 = 0; n0 < P.Np; n0 += kPanelBlock) {
       const int64_t width = std::min(kPanelBlock, P.Np - n0);
       const CT* blk = P.data + P.Kp * n0;
       for (int64_t k0 = 0; k0 < P.Kp; k0 += kb)
-        at::native::cpublas::brgemm(M, width, std::min(kb, P.Kp - k0), lda, width, ldc, add || k0 > 0, A + k0,
-                                    blk + k0 * width, C + n0, true);
+        brgemm<CT>(M, width, std::min(kb, P.Kp - k0), lda, width, ldc, add || k0 > 0, A + k0, blk + k0 * width,
+                   C + n0, true);
     }
   }
 }

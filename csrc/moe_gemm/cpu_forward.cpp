@@ -45,7 +45,9 @@ Routing sort_pairs(const at::Tensor& ids, int64_t E) {
   R.E = E;
   R.TK = R.T * R.k;
   const int32_t* id = idc.data_ptr<int32_t>();
-  std::vector<int64_t> seen(E, -1), count(E + 1, 0);
+  std::vector<int64_t> seen = smelt::sized<int64_t>(E, "the routing sort");
+  std::vector<int64_t> count = smelt::sized<int64_t>(E + 1, "the routing sort");
+  std::fill(seen.begin(), seen.end(), -1);
   for (int64_t t = 0; t < R.T; ++t) {
     for (int64_t j = 0; j < R.k; ++j) {
       int64_t e = id[t * R.k + j];
@@ -304,19 +306,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_f
     const at::Tensor& x_, const at::Tensor& w1_, const at::Tensor& w2_, const at::Tensor& tw_,
     const at::Tensor& ids, bool save_preact) {
   check_args(x_, w1_, w2_, tw_, ids);
-  at::Tensor x = x_.contiguous(), w1 = w1_.contiguous(), w2 = w2_.contiguous(), tw = tw_.contiguous();
-  Routing R = sort_pairs(ids, w1.size(0));
-  const int64_t H = x.size(1), de = w1.size(1) / 2;
-  at::Tensor y = smelt::pooled_output({R.T, H}, x.scalar_type());
-  // the pre-activation is stored only when a backward will need it
-  at::Tensor pre = smelt::pooled_output({save_preact ? R.TK : 0, 2 * de}, x.scalar_type());
-  at::Tensor out = workspace(0, R.TK, H, x.scalar_type());
-  dispatch(x.scalar_type(), [&](auto st, auto ct) {
-    using ST = decltype(st);
-    using CT = decltype(ct);
-    forward_impl<ST, CT>(x, w1, w2, tw.data_ptr<float>(), R, y, save_preact ? pre.data_ptr<ST>() : nullptr, out);
+  return smelt::named_op("moe_ffn (cpu forward)", [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
+    at::Tensor x = x_.contiguous(), w1 = w1_.contiguous(), w2 = w2_.contiguous(), tw = tw_.contiguous();
+    Routing R = sort_pairs(ids, w1.size(0));
+    const int64_t H = x.size(1), de = w1.size(1) / 2;
+    at::Tensor y = smelt::pooled_output({R.T, H}, x.scalar_type());
+    // the pre-activation is stored only when a backward will need it
+    at::Tensor pre = smelt::pooled_output({save_preact ? R.TK : 0, 2 * de}, x.scalar_type());
+    if (H == 0 || de == 0) {
+      // an empty sum: the up-projection over H = 0 is zero, and so is a down-projection
+      // from d_e = 0 hidden units
+      y.zero_();
+      pre.zero_();
+      return {y, pre, R.order, R.rev, R.offsets};
+    }
+    at::Tensor out = workspace(0, R.TK, H, x.scalar_type());
+    dispatch(x.scalar_type(), [&](auto st, auto ct) {
+      using ST = decltype(st);
+      using CT = decltype(ct);
+      forward_impl<ST, CT>(x, w1, w2, tw.data_ptr<float>(), R, y, save_preact ? pre.data_ptr<ST>() : nullptr, out);
+    });
+    return {y, pre, R.order, R.rev, R.offsets};
   });
-  return {y, pre, R.order, R.rev, R.offsets};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_bwd(
@@ -332,10 +343,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_ffn_bwd(
   TORCH_CHECK_VALUE(pre.size(0) == T * k && pre.size(1) == 2 * de && order.numel() == T * k &&
                         rev.numel() == T * k && offsets.numel() == E + 1,
                     "moe_ffn backward: saved routing tensors do not match the inputs");
-  at::Tensor dx = smelt::pooled_output_like(x), dw1 = smelt::pooled_output_like(w1), dw2 = smelt::pooled_output_like(w2);
-  at::Tensor dtw = smelt::output({T, k}, tw.options());
-  moe_backward(dy, x, w1, w2, tw, pre, order, rev, offsets, k, dx, dw1, dw2, dtw);
-  return {dx, dw1, dw2, dtw};
+  return smelt::named_op("moe_ffn (cpu backward)", [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
+    at::Tensor dx = smelt::pooled_output_like(x), dw1 = smelt::pooled_output_like(w1);
+    at::Tensor dw2 = smelt::pooled_output_like(w2), dtw = smelt::output({T, k}, tw.options());
+    if (x.size(1) == 0 || de == 0) {
+      // empty sums (see the forward): every gradient is zero or empty
+      return {dx.zero_(), dw1.zero_(), dw2.zero_(), dtw.zero_()};
+    }
+    moe_backward(dy, x, w1, w2, tw, pre, order, rev, offsets, k, dx, dw1, dw2, dtw);
+    return {dx, dw1, dw2, dtw};
+  });
 }
 
 std::string moe_forward_kernel(int64_t hidden, int64_t expert_size, at::ScalarType dtype) {
@@ -349,8 +366,11 @@ int64_t moe_few_rows_limit(int64_t hidden, int64_t expert_size, at::ScalarType d
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort(const at::Tensor& ids, int64_t num_experts) {
-  Routing R = sort_pairs(ids, num_experts);
-  return {R.order, R.rev, R.offsets};
+  TORCH_CHECK_VALUE(num_experts >= 0, "moe_sort: num_experts must be >= 0, got ", num_experts);
+  return smelt::named_op("moe_sort (cpu)", [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
+    Routing R = sort_pairs(ids, num_experts);
+    return {R.order, R.rev, R.offsets};
+  });
 }
 
 }  // namespace

@@ -105,12 +105,16 @@ at::Tensor grouped_mm(const at::Tensor& a_, const at::Tensor& b_, const at::Tens
   const int64_t N = trans_b ? b.size(1) : b.size(2);
   TORCH_CHECK_VALUE(offsets.numel() == E + 1, "grouped_mm: offsets must have E+1 entries");
   TORCH_CHECK_VALUE((trans_b ? b.size(2) : b.size(1)) == a.size(1), "grouped_mm: inner dims differ");
-  at::Tensor c = smelt::output({M, N}, a.options());
-  const int32_t* g = gather.defined() ? gather.data_ptr<int32_t>() : nullptr;
-  dispatch(a.scalar_type(), [&](auto st, auto ct) {
-    grouped_impl<decltype(st), decltype(ct)>(a, b, offsets.data_ptr<int32_t>(), g, trans_b, c);
+  return smelt::named_op("grouped_mm (cpu)", [&]() -> at::Tensor {
+    at::Tensor c = smelt::output({M, N}, a.options());
+    if (M == 0 || N == 0) return c;
+    if (a.size(1) == 0) return c.zero_();  // K = 0: empty sums
+    const int32_t* g = gather.defined() ? gather.data_ptr<int32_t>() : nullptr;
+    dispatch(a.scalar_type(), [&](auto st, auto ct) {
+      grouped_impl<decltype(st), decltype(ct)>(a, b, offsets.data_ptr<int32_t>(), g, trans_b, c);
+    });
+    return c;
   });
-  return c;
 }
 
 at::Tensor grouped_mm_wgrad(const at::Tensor& dc_, const at::Tensor& a_, const at::Tensor& offsets_,
@@ -119,12 +123,16 @@ at::Tensor grouped_mm_wgrad(const at::Tensor& dc_, const at::Tensor& a_, const a
   at::Tensor dc = dc_.to(a_.scalar_type()).contiguous(), a = a_.contiguous(), offsets = offsets_.contiguous();
   at::Tensor gather = gather_.has_value() ? gather_->contiguous() : at::Tensor();
   const int64_t E = offsets.numel() - 1;
-  at::Tensor db = smelt::output({E, dc.size(1), a.size(1)}, a.options());
-  const int32_t* g = gather.defined() ? gather.data_ptr<int32_t>() : nullptr;
-  dispatch(a.scalar_type(), [&](auto st, auto ct) {
-    wgrad_impl<decltype(st), decltype(ct)>(dc, a, offsets.data_ptr<int32_t>(), g, db);
+  TORCH_CHECK_VALUE(E >= 0 && dc.dim() == 2, "grouped_mm_wgrad: offsets must have E+1 entries and dc be 2-D");
+  return smelt::named_op("grouped_mm_wgrad (cpu)", [&]() -> at::Tensor {
+    at::Tensor db = smelt::output({E, dc.size(1), a.size(1)}, a.options());
+    if (db.numel() == 0) return db;
+    const int32_t* g = gather.defined() ? gather.data_ptr<int32_t>() : nullptr;
+    dispatch(a.scalar_type(), [&](auto st, auto ct) {
+      wgrad_impl<decltype(st), decltype(ct)>(dc, a, offsets.data_ptr<int32_t>(), g, db);
+    });
+    return db;
   });
-  return db;
 }
 
 }  // namespace

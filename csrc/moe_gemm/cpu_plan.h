@@ -130,7 +130,10 @@ inline at::Tensor workspace(int slot, int64_t rows, int64_t cols, at::ScalarType
   const int64_t bytes = rows * cols * static_cast<int64_t>(c10::elementSize(dtype));
   if (bytes > kWorkspaceCap) return smelt::output({rows, cols}, at::TensorOptions().dtype(dtype));
   at::Tensor& w = kept[slot];
-  if (!w.defined() || w.numel() < bytes) w = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  if (!w.defined() || w.numel() < bytes) {
+    w = at::Tensor();  // the old buffer goes first, so that a tight memory holds the new one
+    w = smelt::empty({bytes}, at::TensorOptions().dtype(at::kByte), "a workspace");
+  }
   at::Tensor t = w.narrow(0, 0, bytes).view(dtype).view({rows, cols});
   if (smelt::poisoning()) smelt::poison(t);
   return t;

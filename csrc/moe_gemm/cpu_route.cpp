@@ -176,20 +176,35 @@ inline void top_k_row(TopKIsa isa, const float* l, int64_t E, int64_t k, float* 
 constexpr int kLanes = 16;  // fixed lanes of the row reductions: vectorised, order fixed
 
 // log-sum-exp of one row: its max, then the sum of exp(l - max), each over kLanes lanes
-// (fast_exp, so the loops vectorise; libm's expf per element was most of the kernel's time)
+// (fast_exp, so the loops vectorise; libm's expf per element was most of the kernel's time).
+// NaN where the softmax of the row is NaN (a NaN logit anywhere, a +inf one, or all -inf),
+// so that every weight and gradient of such a row comes out NaN as from torch.softmax: the
+// max ignores NaN and fast_exp saturates, so a NaN logit is caught on its own.
 SMELT_MULTIVERSION
 float row_lse(const float* l, int64_t E) {
-  float mx[kLanes], z[kLanes];
+  float mx[kLanes], z[kLanes], nan[kLanes];
   for (int j = 0; j < kLanes; ++j) {
     mx[j] = -std::numeric_limits<float>::infinity();
     z[j] = 0.0f;
+    nan[j] = 0.0f;
   }
   int64_t e = 0;
   for (; e + kLanes <= E; e += kLanes)
-    for (int j = 0; j < kLanes; ++j) mx[j] = mx[j] < l[e + j] ? l[e + j] : mx[j];
-  for (; e < E; ++e) mx[e % kLanes] = mx[e % kLanes] < l[e] ? l[e] : mx[e % kLanes];
-  float m = mx[0];
-  for (int j = 1; j < kLanes; ++j) m = m < mx[j] ? mx[j] : m;
+    for (int j = 0; j < kLanes; ++j) {
+      mx[j] = mx[j] < l[e + j] ? l[e + j] : mx[j];
+      nan[j] = l[e + j] != l[e + j] ? 1.0f : nan[j];
+    }
+  for (; e < E; ++e) {
+    mx[e % kLanes] = mx[e % kLanes] < l[e] ? l[e] : mx[e % kLanes];
+    nan[e % kLanes] = l[e] != l[e] ? 1.0f : nan[e % kLanes];
+  }
+  float m = mx[0], any_nan = nan[0];
+  for (int j = 1; j < kLanes; ++j) {
+    m = m < mx[j] ? mx[j] : m;
+    any_nan += nan[j];
+  }
+  if (any_nan != 0.0f || !(std::abs(m) < std::numeric_limits<float>::infinity()))
+    return std::numeric_limits<float>::quiet_NaN();
   for (e = 0; e + kLanes <= E; e += kLanes)
     for (int j = 0; j < kLanes; ++j) z[j] += fast_exp(l[e + j] - m);
   for (; e < E; ++e) z[e % kLanes] += fast_exp(l[e] - m);
@@ -204,7 +219,7 @@ void scaled_probs(const float* __restrict l, float lse, float c, int64_t E, floa
   for (int64_t e = 0; e < E; ++e) d[e] = -fast_exp(l[e] - lse) * c;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_fwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_forward(
     const at::Tensor& logits_, int64_t top_k, bool renormalize, bool want_sort) {
   TORCH_CHECK_VALUE(logits_.dim() == 2, "route: logits must be (T, E), got shape ", logits_.sizes());
   TORCH_CHECK_TYPE(at::isFloatingType(logits_.scalar_type()), "route: logits must be floating point, got ",
@@ -220,7 +235,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   int32_t* ip = ids.data_ptr<int32_t>();
   float* sp = lse.data_ptr<float>();
   const int64_t nchunk = cdiv(T, kRouteChunk);
-  std::vector<int32_t> counts(want_sort ? nchunk * E : 0, 0);
+  std::vector<int32_t> counts = smelt::sized<int32_t>(want_sort ? nchunk * E : 0, "the routing sort's counts");
   const TopKIsa isa = top_k_isa();
   at::parallel_for(0, nchunk, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> best(k);
@@ -276,8 +291,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {w, ids, lse, order, rev, offsets};
 }
 
-at::Tensor moe_route_bwd(const at::Tensor& grad_w_, const at::Tensor& logits_, const at::Tensor& lse_,
-                         const at::Tensor& w_, const at::Tensor& ids_, bool renormalize) {
+at::Tensor route_backward(const at::Tensor& grad_w_, const at::Tensor& logits_, const at::Tensor& lse_,
+                          const at::Tensor& w_, const at::Tensor& ids_, bool renormalize) {
   TORCH_CHECK_VALUE(logits_.dim() == 2 && grad_w_.dim() == 2 && grad_w_.sizes() == ids_.sizes() &&
                         w_.sizes() == ids_.sizes() && grad_w_.size(0) == logits_.size(0) &&
                         lse_.numel() == logits_.size(0),
@@ -313,6 +328,17 @@ at::Tensor moe_route_bwd(const at::Tensor& grad_w_, const at::Tensor& logits_, c
     }
   });
   return dl;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_fwd(
+    const at::Tensor& logits, int64_t top_k, bool renormalize, bool want_sort) {
+  return smelt::named_op("route (cpu forward)", [&] { return route_forward(logits, top_k, renormalize, want_sort); });
+}
+
+at::Tensor moe_route_bwd(const at::Tensor& grad_w, const at::Tensor& logits, const at::Tensor& lse,
+                         const at::Tensor& w, const at::Tensor& ids, bool renormalize) {
+  return smelt::named_op("route (cpu backward)",
+                         [&] { return route_backward(grad_w, logits, lse, w, ids, renormalize); });
 }
 
 }  // namespace

@@ -99,7 +99,7 @@ void backward(const ST* dy, const ST* x, const ST* w, const float* rstd, int64_t
   std::vector<float> wf(H);
   widen(w, wf.data(), H);
   const int64_t nblk = (N + kBlock - 1) / kBlock;
-  std::vector<float> part(nblk * H);
+  std::vector<float> part = smelt::sized<float>(nblk * H, "the weight gradient's partial sums");
   at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> xb(kF32 ? 0 : H), db(kF32 ? 0 : H), nrm(H), g(H), d(kF32 ? 0 : H), nt(kF32 ? 0 : H);
     std::vector<ST> t16(kF32 ? 0 : H);
@@ -166,18 +166,20 @@ void check(const at::Tensor& x, const at::Tensor& w, const char* name) {
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x_, const at::Tensor& w_, double eps) {
   check(x_, w_, "x");
   TORCH_CHECK_VALUE(eps >= 0, "rms_norm: eps must be >= 0, got ", eps);
-  const at::Tensor x = x_.contiguous(), w = w_.contiguous();
-  const int64_t H = x.size(-1), N = x.numel() / H;
-  at::Tensor y = smelt::output(x.sizes(), x.options());
-  std::vector<int64_t> rows(x.sizes().begin(), x.sizes().end() - 1);
-  at::Tensor rstd = smelt::output(rows, x.options().dtype(at::kFloat));
-  if (N == 0) return {y, rstd};
-  dispatch(x.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    forward<T>(x.data_ptr<T>(), w.data_ptr<T>(), static_cast<float>(eps), N, H, y.data_ptr<T>(),
-               rstd.data_ptr<float>());
+  return smelt::named_op("rms_norm (cpu forward)", [&]() -> std::tuple<at::Tensor, at::Tensor> {
+    const at::Tensor x = x_.contiguous(), w = w_.contiguous();
+    const int64_t H = x.size(-1), N = x.numel() / H;
+    at::Tensor y = smelt::output(x.sizes(), x.options());
+    std::vector<int64_t> rows(x.sizes().begin(), x.sizes().end() - 1);
+    at::Tensor rstd = smelt::output(rows, x.options().dtype(at::kFloat));
+    if (N == 0) return {y, rstd};
+    dispatch(x.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      forward<T>(x.data_ptr<T>(), w.data_ptr<T>(), static_cast<float>(eps), N, H, y.data_ptr<T>(),
+                 rstd.data_ptr<float>());
+    });
+    return {y, rstd};
   });
-  return {y, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy_, const at::Tensor& x_, const at::Tensor& w_,
@@ -188,17 +190,19 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy_, const at:
   TORCH_CHECK_TYPE(dy_.scalar_type() == x_.scalar_type(), "rms_norm: dy must have x's dtype");
   TORCH_CHECK_TYPE(rstd_.scalar_type() == at::kFloat, "rms_norm: rstd must be float32");
   TORCH_CHECK_VALUE(rstd_.numel() * x_.size(-1) == x_.numel(), "rms_norm: rstd must have one value per row");
-  const at::Tensor dy = dy_.contiguous(), x = x_.contiguous(), w = w_.contiguous(), rstd = rstd_.contiguous();
-  const int64_t H = x.size(-1), N = x.numel() / H;
-  at::Tensor dx = smelt::output(x.sizes(), x.options());
-  at::Tensor dw = smelt::output(w.sizes(), w.options());
-  if (N == 0) return {dx, dw.zero_()};
-  dispatch(x.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    backward<T>(dy.data_ptr<T>(), x.data_ptr<T>(), w.data_ptr<T>(), rstd.data_ptr<float>(), N, H,
-                dx.data_ptr<T>(), dw.data_ptr<T>());
+  return smelt::named_op("rms_norm (cpu backward)", [&]() -> std::tuple<at::Tensor, at::Tensor> {
+    const at::Tensor dy = dy_.contiguous(), x = x_.contiguous(), w = w_.contiguous(), rstd = rstd_.contiguous();
+    const int64_t H = x.size(-1), N = x.numel() / H;
+    at::Tensor dx = smelt::output(x.sizes(), x.options());
+    at::Tensor dw = smelt::output(w.sizes(), w.options());
+    if (N == 0) return {dx, dw.zero_()};
+    dispatch(x.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      backward<T>(dy.data_ptr<T>(), x.data_ptr<T>(), w.data_ptr<T>(), rstd.data_ptr<float>(), N, H,
+                  dx.data_ptr<T>(), dw.data_ptr<T>());
+    });
+    return {dx, dw};
   });
-  return {dx, dw};
 }
 
 }  // namespace

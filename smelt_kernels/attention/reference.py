@@ -11,6 +11,13 @@ validate their inputs: the public op does that.
   signatures (segment starts instead of ids; the backward by the explicit softmax-gradient
   formulas). A query whose key interval is empty (the encoding of a row with decreasing
   ids) gets NaN, as from the kernels.
+
+Masked pairs contribute exactly nothing, to the output and to every gradient: each sum over
+keys (or, for dK and dV, over queries) runs over the visible pairs only, so a NaN or inf in
+a key, value, query or output gradient reaches only what sees it. In particular a NaN in one
+document never reaches another document's outputs or gradients. (A plain masked matmul
+would not do that: its masked weights are zeros, and 0 * NaN is NaN.) At visible pairs,
+IEEE arithmetic as usual.
 """
 
 from __future__ import annotations
@@ -39,20 +46,33 @@ def segment_mask(segment_ids: torch.Tensor, q_len: Optional[int] = None) -> torc
     return same & causal[None]
 
 
+def _visible_sum(equation: str, w: torch.Tensor, x: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(equation, w, x)`` over the visible pairs only: ``w`` (B, Hq, Tq, Tk) is
+    zero wherever ``vis`` (broadcastable to it) is False, and there a non-finite ``x`` must
+    add nothing. The products run on x with its non-finite entries zeroed; an output that a
+    visible pair feeds from a non-finite entry is NaN (IEEE would give NaN or inf there)."""
+    finite = torch.isfinite(x)
+    out = torch.einsum(equation, w, torch.where(finite, x, 0))
+    hits = torch.einsum(equation, vis.expand(w.shape).to(x.dtype), (~finite).to(x.dtype))
+    return torch.where(hits > 0, float("nan"), out)
+
+
 def _attend(q, k, v, mask, scale, upcast: bool = True):
     """(o in q's dtype, lse, p) of softmax attention under the boolean (B, Tq, Tk) mask,
     computed in float32 (float64 for float64 inputs; q's dtype without ``upcast``); GQA by
-    repeating the KV heads."""
+    repeating the KV heads. p is exactly 0 at masked pairs (NaN in a row that sees nothing)."""
     group = q.shape[2] // k.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     acc = acc if upcast else q.dtype
     kk = k.to(acc).repeat_interleave(group, dim=2)
     vv = v.to(acc).repeat_interleave(group, dim=2)
+    vis = mask[:, None]
     s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kk) * scale
-    s = s.masked_fill(~mask[:, None], float("-inf"))
+    s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
-    return torch.einsum("bhqk,bkhd->bqhd", p, vv).to(q.dtype), lse, p
+    p = torch.where(vis, torch.exp(s - lse[..., None]), 0.0)
+    p = p.masked_fill(~vis.any(-1, keepdim=True), float("nan"))  # an empty interval: NaN
+    return _visible_sum("bhqk,bkhd->bqhd", p, vv, vis).to(q.dtype), lse, p
 
 
 def _probs_at_start(p: torch.Tensor, q_start: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
@@ -133,12 +153,15 @@ def backward(do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[t
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     qa, ka, va, doa = (x.to(acc) for x in (q, k, v, do))
     kk, vv = ka.repeat_interleave(g, dim=2), va.repeat_interleave(g, dim=2)
-    _, _, p = _attend(qa, ka, va, _interval_mask(start, B, Tq, Tk, q.device), scale)
+    mask = _interval_mask(start, B, Tq, Tk, q.device)
+    vis = mask[:, None]
+    p = torch.where(vis, _attend(qa, ka, va, mask, scale)[2], 0.0)  # (rows that see nothing: 0)
     dp = torch.einsum("bqhd,bkhd->bhqk", doa, vv)
-    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qa).reshape(B, Tk, hkv, g, D).sum(3) * scale
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, doa).reshape(B, Tk, hkv, g, D).sum(3)
+    pdp = torch.where(vis, p * dp, 0.0)
+    ds = torch.where(vis, p * (dp - pdp.sum(-1, keepdim=True)), 0.0)
+    dq = _visible_sum("bhqk,bkhd->bqhd", ds, kk, vis) * scale
+    dk = _visible_sum("bhqk,bqhd->bkhd", ds, qa, vis).reshape(B, Tk, hkv, g, D).sum(3) * scale
+    dv = _visible_sum("bhqk,bqhd->bkhd", p, doa, vis).reshape(B, Tk, hkv, g, D).sum(3)
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
             dv.to(v.dtype).contiguous())
 

@@ -39,6 +39,14 @@ expanding K/V; ``_bwd_dq`` owns a row tile like the forward.
 
 A row whose interval is empty (the caller encodes a segment-id row it found invalid that
 way on CUDA) produces NaN in O and LSE rather than a plausible answer.
+
+Masked pairs add nothing: in tiles with a mask, P and dS are exactly 0 there (whatever the
+row's LSE), and the operand they multiply (V forward, K for dQ, Q and dO for dK/dV) enters
+with its NaN and inf entries zeroed (0 * NaN is NaN); rows that do see such a value get NaN
+in their whole row (forward: through the rescale factor; dK/dV: rows whose LSE or delta is
+not finite are read as zeros with a NaN LSE). Offsets that can pass 2^31 elements (a
+position times its row stride) are int64 (:func:`_rows`, :func:`_key_rows`,
+:func:`_key_ptrs`).
 """
 
 from __future__ import annotations
@@ -110,6 +118,26 @@ def _store_split(rows_ptr, xa, xt, offs_n, n_max, D: tl.constexpr, DA: tl.conste
 
 
 @triton.jit
+def _finite_split(xa, xt, DT: tl.constexpr):
+    """The tile's head-dim blocks with their NaN and inf entries zeroed, and per row (axis 0)
+    1 where the row had one, else 0."""
+    ok_a = tl.abs(xa) < float("inf")  # False for NaN and +-inf
+    bad = tl.max(tl.where(ok_a, 0, 1), 1)
+    xa = tl.where(ok_a, xa, tl.zeros_like(xa))
+    if DT > 0:
+        ok_t = tl.abs(xt) < float("inf")
+        bad = tl.maximum(bad, tl.max(tl.where(ok_t, 0, 1), 1))
+        xt = tl.where(ok_t, xt, tl.zeros_like(xt))
+    return xa, xt, bad
+
+
+@triton.jit
+def _sees(vis, bad):
+    """Per row of ``vis`` (rows, cols): 1 where it sees a column whose ``bad`` flag is set."""
+    return tl.max(tl.where(vis & (bad[None, :] > 0), 1, 0), 1)
+
+
+@triton.jit
 def _dot_split(a_a, a_t, b_a, b_t, DT: tl.constexpr, PRECISION: tl.constexpr):
     """a @ b^T over both head-dim blocks (the tail only when DT > 0)."""
     s = tl.dot(a_a, tl.trans(b_a), input_precision=PRECISION)
@@ -119,10 +147,26 @@ def _dot_split(a_a, a_t, b_a, b_t, DT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _rows(qi, h, st, sh):
-    """Row offsets (rows, 1) of gathered (query, head) rows. The launcher makes every stride
-    a multiple of 8 elements, so rows start 16-byte aligned and loads vectorise."""
-    return tl.multiple_of(qi * st + h * sh, 8)[:, None]
+def _rows(base, qi, qi0, h, st, sh):
+    """Pointers (rows, 1) to gathered (query, head) rows from ``base``: query qi0's offset
+    in int64 (a batch row may hold more than 2^31 elements), the rest relative to it in
+    int32 (qi - qi0 is at most a tile). The launcher makes every stride a multiple of 8
+    elements, so rows start 16-byte aligned and loads vectorise."""
+    return (base + tl.cast(qi0, tl.int64) * st) + tl.multiple_of((qi - qi0) * st + h * sh, 8)[:, None]
+
+
+@triton.jit
+def _key_rows(offs_n, st):
+    """Row offsets (keys, 1) of key positions ``offs_n`` with row stride ``st``, in int64
+    (the forward's form: there it compiles without spills, the other one not)."""
+    return offs_n.to(tl.int64)[:, None] * st
+
+
+@triton.jit
+def _key_ptrs(base, n0, st, BLOCK_N: tl.constexpr):
+    """Pointers (keys, 1) to the rows of keys n0 .. n0 + BLOCK_N - 1 (row stride ``st``):
+    n0's offset in int64, the rest relative to it."""
+    return (base + tl.cast(n0, tl.int64) * st) + (tl.arange(0, BLOCK_N) * st)[:, None]
 
 
 @triton.jit
@@ -175,7 +219,7 @@ def _fwd_inner(acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_b
                WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k_a, k_t = _load_split(k_base + offs_n[:, None] * skt, offs_n, Tk, D, DA, DT, BLOCK_N,
+        k_a, k_t = _load_split(k_base + _key_rows(offs_n, skt), offs_n, Tk, D, DA, DT, BLOCK_N,
                                MASK, UPCAST)
         s = _dot_split(q_a, q_t, k_a, k_t, DT, PRECISION) * qk_scale
         if MASK:
@@ -189,8 +233,11 @@ def _fwd_inner(acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_b
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_a, v_t = _load_split(v_base + offs_n[:, None] * svt, offs_n, Tk, D, DA, DT, BLOCK_N,
+        v_a, v_t = _load_split(v_base + _key_rows(offs_n, svt), offs_n, Tk, D, DA, DT, BLOCK_N,
                                MASK, UPCAST)
+        if MASK:  # masked values add nothing (see the module docstring)
+            v_a, v_t, v_bad = _finite_split(v_a, v_t, DT)
+            alpha = tl.where(_sees(vis, v_bad) > 0, float("nan"), alpha)
         p = p.to(v_a.dtype)
         acc_a = tl.dot(p, v_a, acc_a * alpha[:, None], input_precision=PRECISION)
         if DT > 0:
@@ -215,7 +262,7 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
     rows, row_ok, qi, h, pos, pos_first, pos_last = _row_tile(tile, Tq, Tk, hkv, G, BLOCK_M)
     start, start_first, start_last = _seg_starts(START, b, Tk, pos, pos_first, pos_last, HAS_SEG,
                                                  BLOCK_M)
-    q_a, q_t = _load_split(Q + b * sqb + _rows(qi, h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
+    q_a, q_t = _load_split(_rows(Q + b * sqb, qi, pos_first - (Tk - Tq), h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
                            False, UPCAST)
     k_base = K + b * skb + hkv * skh
     v_base = V + b * svb + hkv * svh
@@ -239,7 +286,7 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
     # an empty interval (invalid segment ids) gives NaN, never a plausible number
     lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("nan"))
     inv_l = 1.0 / l_i
-    _store_split(O + b * sob + _rows(qi, h, sot, soh),
+    _store_split(_rows(O + b * sob, qi, pos_first - (Tk - Tq), h, sot, soh),
                  (acc_a * inv_l[:, None]).to(O.dtype.element_ty),
                  (acc_t * inv_l[:, None]).to(O.dtype.element_ty), rows, Tq * G, D, DA, DT)
     stat = (b * Hq + h) * Tq + qi
@@ -253,17 +300,23 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
 @triton.jit(do_not_specialize=["n_rows", "Tq"])
 def _bwd_delta(O, DO, DELTA, n_rows, Tq, Hq, D: tl.constexpr, D_PAD: tl.constexpr,
                BLOCK: tl.constexpr):
-    """DELTA[b, h, t] = sum_d O[b, t, h, d] * dO[b, t, h, d] (both contiguous)."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    """DELTA[b, h, t] = sum_d O[b, t, h, d] * dO[b, t, h, d] (both contiguous); see below for
+    rows that are not finite."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D_PAD)
     mask = (rows[:, None] < n_rows) & (offs_d[None, :] < D)
-    ptr = rows.to(tl.int64)[:, None] * D + offs_d[None, :]
+    ptr = rows[:, None] * D + offs_d[None, :]
     o = tl.load(O + ptr, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + ptr, mask=mask, other=0.0).to(tl.float32)
     h = rows % Hq
     t = (rows // Hq) % Tq
-    b = (rows // Hq // Tq).to(tl.int64)
-    tl.store(DELTA + (b * Hq + h) * Tq + t, tl.sum(o * do, 1), mask=rows < n_rows)
+    b = rows // Hq // Tq
+    # a row whose dO is not all finite gets NaN, any other non-finite sum inf: the dK/dV
+    # kernel reads the rows marked NaN as zeros where it applies a mask
+    do_ok = tl.max(tl.where(tl.abs(do) < float("inf"), 0, 1), 1) == 0
+    d = tl.sum(o * do, 1)
+    d = tl.where(do_ok, tl.where(tl.abs(d) < float("inf"), d, float("inf")), float("nan"))
+    tl.store(DELTA + (b * Hq + h) * Tq + t, d, mask=rows < n_rows)
 
 
 @triton.jit
@@ -273,17 +326,20 @@ def _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_b
                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k_a, k_t = _load_split(k_base + offs_n[:, None] * skt, offs_n, Tk, D, DA, DT, BLOCK_N,
+        k_a, k_t = _load_split(_key_ptrs(k_base, n0, skt, BLOCK_N), offs_n, Tk, D, DA, DT, BLOCK_N,
                                MASK, UPCAST)
-        v_a, v_t = _load_split(v_base + offs_n[:, None] * svt, offs_n, Tk, D, DA, DT, BLOCK_N,
+        v_a, v_t = _load_split(_key_ptrs(v_base, n0, svt, BLOCK_N), offs_n, Tk, D, DA, DT, BLOCK_N,
                                MASK, UPCAST)
         s = _dot_split(q_a, q_t, k_a, k_t, DT, PRECISION) * qk_scale
-        if MASK:
-            vis = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] <= pos[:, None])
-            s = tl.where(vis, s, float("-inf"))
+        if MASK:  # masked keys add nothing (see the module docstring)
+            k_a, k_t, _ = _finite_split(k_a, k_t, DT)
         p = tl.math.exp2(s - lse2[:, None])
         dp = _dot_split(do_a, do_t, v_a, v_t, DT, PRECISION)
-        ds = (p * (dp - delta[:, None])).to(k_a.dtype)
+        ds = p * (dp - delta[:, None])
+        if MASK:
+            vis = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] <= pos[:, None])
+            ds = tl.where(vis, ds, 0.0)
+        ds = ds.to(k_a.dtype)
         dq_a = tl.dot(ds, k_a, dq_a, input_precision=PRECISION)
         if DT > 0:
             dq_t = tl.dot(ds, k_t, dq_t, input_precision=PRECISION)
@@ -306,9 +362,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
     rows, row_ok, qi, h, pos, pos_first, pos_last = _row_tile(tile, Tq, Tk, hkv, G, BLOCK_M)
     start, start_first, start_last = _seg_starts(START, b, Tk, pos, pos_first, pos_last, HAS_SEG,
                                                  BLOCK_M)
-    q_a, q_t = _load_split(Q + b * sqb + _rows(qi, h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
+    q_a, q_t = _load_split(_rows(Q + b * sqb, qi, pos_first - (Tk - Tq), h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
                            False, UPCAST)
-    do_a, do_t = _load_split(DO + b * sdb + _rows(qi, h, sdt, sdh), rows, 0, D, DA, DT, BLOCK_M,
+    do_a, do_t = _load_split(_rows(DO + b * sdb, qi, pos_first - (Tk - Tq), h, sdt, sdh), rows, 0, D, DA, DT, BLOCK_M,
                              False, UPCAST)
     stat = (b * Hq + h) * Tq + qi
     lse2 = tl.load(LSE + stat) * _LOG2E
@@ -327,7 +383,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
     dq_a, dq_t = _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_base,
                                v_base, skt, svt, diag, hi, Tk, qk_scale, D, DA, DT, BLOCK_N, True,
                                PRECISION, UPCAST)
-    _store_split(DQ + b * sdb + _rows(qi, h, sdt, sdh), (dq_a * sm_scale).to(DQ.dtype.element_ty),
+    _store_split(_rows(DQ + b * sdb, qi, pos_first - (Tk - Tq), h, sdt, sdh), (dq_a * sm_scale).to(DQ.dtype.element_ty),
                  (dq_t * sm_scale).to(DQ.dtype.element_ty), rows, Tq * G, D, DA, DT)
 
 
@@ -346,14 +402,24 @@ def _bwd_dkdv_inner(dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, 
         qi = rows_c // G
         h = hkv * G + rows_c % G
         pos = qi + off
-        q_a, q_t = _load_split(q_base + _rows(qi, h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
-                               False, UPCAST)
-        do_a, do_t = _load_split(do_base + _rows(qi, h, sdt, sdh), rows, 0, D, DA, DT, BLOCK_M,
-                                 False, UPCAST)
-        stat = stat_base + h * Tq + qi
+        stat = stat_base + h.to(tl.int64) * Tq + qi
         lse2 = tl.load(LSE + stat) * _LOG2E
         delta = tl.load(DELTA + stat)
+        q_ptr = _rows(q_base, qi, r0 // G, h, sqt, sqh)
+        do_ptr = _rows(do_base, qi, r0 // G, h, sdt, sdh)
+        if MASK:
+            # Masked rows add nothing (see the module docstring): a row whose q or dO may not
+            # be all finite (its LSE is not finite, or _bwd_delta marked its delta NaN) is
+            # read as zeros, with a NaN LSE, so that the keys it sees get NaN through P.
+            skip = tl.where((tl.abs(lse2) < float("inf")) & (delta == delta), 0, 1)
+            lse2 = tl.where(skip > 0, float("nan"), lse2)
+            q_a, q_t = _load_split(q_ptr, skip, 1, D, DA, DT, BLOCK_M, True, UPCAST)
+            do_a, do_t = _load_split(do_ptr, skip, 1, D, DA, DT, BLOCK_M, True, UPCAST)
+        else:
+            q_a, q_t = _load_split(q_ptr, rows, 0, D, DA, DT, BLOCK_M, False, UPCAST)
+            do_a, do_t = _load_split(do_ptr, rows, 0, D, DA, DT, BLOCK_M, False, UPCAST)
         s_t = _dot_split(k_a, k_t, q_a, q_t, DT, PRECISION) * qk_scale  # (keys, rows)
+        p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASK:
             if HAS_SEG:
                 start = tl.load(seg + pos)
@@ -361,14 +427,16 @@ def _bwd_dkdv_inner(dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, 
                 start = tl.zeros([BLOCK_M], dtype=tl.int32)
             vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= pos[None, :]) \
                 & row_ok[None, :]
-            s_t = tl.where(vis, s_t, float("-inf"))
-        p_t = tl.math.exp2(s_t - lse2[None, :])
+            p_t = tl.where(vis, p_t, 0.0)
         p_lo = p_t.to(do_a.dtype)
         dv_a = tl.dot(p_lo, do_a, dv_a, input_precision=PRECISION)
         if DT > 0:
             dv_t = tl.dot(p_lo, do_t, dv_t, input_precision=PRECISION)
         dp_t = _dot_split(v_a, v_t, do_a, do_t, DT, PRECISION)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q_a.dtype)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if MASK:
+            ds_t = tl.where(vis, ds_t, 0.0)
+        ds_t = ds_t.to(q_a.dtype)
         dk_a = tl.dot(ds_t, q_a, dk_a, input_precision=PRECISION)
         if DT > 0:
             dk_t = tl.dot(ds_t, q_t, dk_t, input_precision=PRECISION)
@@ -390,9 +458,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
     b = (bh // Hkv).to(tl.int64)
     hkv = bh % Hkv
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    k_a, k_t = _load_split(K + b * skb + hkv * skh + offs_n[:, None] * skt, offs_n, Tk, D, DA, DT,
+    k_a, k_t = _load_split(_key_ptrs(K + b * skb + hkv * skh, n0, skt, BLOCK_N), offs_n, Tk, D, DA, DT,
                            BLOCK_N, True, UPCAST)
-    v_a, v_t = _load_split(V + b * svb + hkv * svh + offs_n[:, None] * svt, offs_n, Tk, D, DA, DT,
+    v_a, v_t = _load_split(_key_ptrs(V + b * svb + hkv * svh, n0, svt, BLOCK_N), offs_n, Tk, D, DA, DT,
                            BLOCK_N, True, UPCAST)
     n_last = tl.minimum(n0 + BLOCK_N, Tk) - 1
     seg = START + b * Tk
@@ -430,10 +498,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
         seg, sqt, sqh, sdt, sdh, tail, row_hi, Tq, Tk, hkv, qk_scale, G, D, DA, DT, BLOCK_M, True,
         HAS_SEG, PRECISION, UPCAST)
     out = DK.dtype.element_ty
-    rows_ptr = (b * Tk * Hkv * D + offs_n * (Hkv * D) + hkv * D)[:, None]
-    _store_split(DK + rows_ptr, (dk_a * sm_scale).to(out), (dk_t * sm_scale).to(out), offs_n, Tk,
+    rows = b * Tk * Hkv * D + hkv * D
+    _store_split(_key_ptrs(DK + rows, n0, Hkv * D, BLOCK_N), (dk_a * sm_scale).to(out),
+                 (dk_t * sm_scale).to(out), offs_n, Tk, D, DA, DT)
+    _store_split(_key_ptrs(DV + rows, n0, Hkv * D, BLOCK_N), dv_a.to(out), dv_t.to(out), offs_n, Tk,
                  D, DA, DT)
-    _store_split(DV + rows_ptr, dv_a.to(out), dv_t.to(out), offs_n, Tk, D, DA, DT)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -465,8 +534,11 @@ def block_config(kind: str, d: int, device: torch.device,
     if device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     width = head_dim_pad(d)
-    if dtype == torch.float32:  # 32-row backward tiles spilled (dK/dV 200 bytes, dQ 16)
-        return dict(BLOCK_M=32 if kind == "fwd" else 16, BLOCK_N=32, num_warps=4, num_stages=2)
+    if dtype == torch.float32:  # exact fp32 products: small tiles, chosen for no spills
+        if kind == "fwd":
+            return dict(BLOCK_M=32, BLOCK_N=32 if d <= 64 else 16, num_warps=8 if d <= 64 else 4, num_stages=2)
+        return dict(BLOCK_M=16, BLOCK_N=16 if kind == "dq" else 32, num_warps=4 if kind == "dq" else 8,
+                    num_stages=2)
     if kind == "fwd":
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     # dq (rows streamed over key tiles) and dkdv (keys streamed over row tiles): 64 x 64
@@ -542,6 +614,8 @@ def forward(q, k, v, start, scale: float, want_sink: bool):
     o = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
     psink = _alloc.empty((B, Hq, Tq), torch.float32, q.device) if want_sink else lse
+    if q.numel() == 0:  # no query (Tq, Hq or B is 0): nothing to compute
+        return o, lse, (psink if want_sink else None)
     cfg = block_config("fwd", D, q.device, q.dtype)
     grid, args, kwargs = _fwd_launch(q, k, v, o, lse, psink, start, scale, want_sink, cfg)
     _fwd_kernel[grid](*args, **kwargs)
@@ -556,6 +630,8 @@ def backward(do, q, k, v, o, lse, start, end, scale: float):
     o = o.contiguous()  # _bwd_delta reads both as contiguous rows
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
+    if q.numel() == 0:  # no query: no gradient reaches a key
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     delta = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
     n = B * Tq * Hq
     blk = 16 if q.device.type != "cuda" else 64
@@ -573,34 +649,7 @@ def backward(do, q, k, v, o, lse, start, end, scale: float):
 
 
 def audit_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
-    """The GPU launches the static audit compiles: forward, dK/dV and dQ in bf16 at every head
-    dim (segments, sink) and in fp32 at the first split one, from meta tensors shaped like one
-    ``tokens``-long sequence (nothing is allocated)."""
-    meta, cuda = torch.device("meta"), torch.device("cuda")
-    hq, hkv = heads
-    jobs = []
-    f32_dim = next((d for d in head_dims if head_dim_split(d)[1]), head_dims[0])
-    for dtype, D in [(torch.bfloat16, d) for d in head_dims] + [(torch.float32, f32_dim)]:
-        da, dt = head_dim_split(D)
-        label = f"{'bf16' if dtype == torch.bfloat16 else 'float32'} D{D} (blocks {da}{f'+{dt}' if dt else ''})"
-        q = torch.empty((1, tokens, hq, D), dtype=dtype, device=meta)
-        k = torch.empty((1, tokens, hkv, D), dtype=dtype, device=meta)
-        stat = torch.empty((1, hq, tokens), dtype=torch.float32, device=meta)
-        seg = torch.empty((1, tokens), dtype=torch.int32, device=meta)
-        cfgs = {kind: block_config(kind, D, cuda, dtype) for kind in ("fwd", "dkdv", "dq")}
-        launches = [(_fwd_kernel, None) + _fwd_launch(q, k, k, q, stat, stat, seg, 0.1, True, cfgs["fwd"])[1:]]
-        launches += _bwd_launches(q, q, k, k, stat, stat, q, k, k, seg, seg, 0.1, cfgs["dkdv"], cfgs["dq"])
-        for kernel, _, args, kw in launches:
-            if dtype == torch.float32:
-                kw = dict(kw, PRECISION="ieee")
-            name = {_fwd_kernel: "forward", _bwd_dkdv_kernel: "backward_dkdv"}.get(kernel, "backward_dq")
-            jobs.append(dict(kernel=f"attention.{name}", fn=kernel, args=args, kwargs=kw,
-                             hot=(name, dtype) == ("forward", torch.bfloat16),
-                             config=f"{label} BM{kw['BLOCK_M']} BN{kw['BLOCK_N']} heads {hq}/{hkv}"))
-    bf16 = torch.bfloat16
-    jobs.append(dict(kernel="attention.backward_delta", fn=_bwd_delta, hot=False,
-                     config="bf16 D88 BLOCK64",
-                     args=(torch.empty(8, dtype=bf16, device=meta),) * 2
-                     + (torch.empty(8, dtype=torch.float32, device=meta), tokens * hq, tokens, hq),
-                     kwargs=dict(D=88, D_PAD=128, BLOCK=64)))
-    return jobs
+    """The GPU launches the static audit compiles: :func:`smelt_kernels.audit.attention_launches`."""
+    from ..audit import attention_launches
+
+    return attention_launches(head_dims, heads, tokens)

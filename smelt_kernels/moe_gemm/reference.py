@@ -81,7 +81,7 @@ def _combine(rows: torch.Tensor, rev: torch.Tensor, weights: torch.Tensor, dtype
     """y[t] = sum_j w[t, j] * rows[rev[t*k + j]], skipping pairs with rev < 0."""
     T, k = weights.shape
     valid = (rev >= 0).reshape(T, k, 1)
-    picked = rows[rev.clamp_min(0).long()].reshape(T, k, -1)
+    picked = rows[rev.clamp_min(0).long()].reshape(T, k, rows.shape[1])
     w = torch.where(valid, weights.to(dtype)[:, :, None], 0)
     return (picked * w).sum(1)
 

@@ -26,6 +26,11 @@ Backward (:func:`backward`), all deterministic (fixed reduction orders, no atomi
 
 bf16 operands are upcast to fp32 before ``tl.dot`` under the interpreter only (its bf16
 dot is wrong); fp32 operands use IEEE products unless TF32 is enabled in torch.
+
+Offsets: row offsets (token, sorted and output rows times their stride) and the weight
+offsets of an expert (rows of W times H or d_e, which can pass 2^31 elements in one
+expert's matrix) are computed in int64; the rest (row and column indices themselves,
+T*k < 2^31 by validation) in int32.
 """
 
 from __future__ import annotations
@@ -71,7 +76,9 @@ def _up_kernel(X, W1, TOK, TILE_E, TILE_R0, TILE_R1, PRE, HID,
     cols = nb * BN + tl.arange(0, BN)
     cmask = cols < DE
     a_rows = X + tok * s_x
-    w_base = W1 + e.to(tl.int64) * s_we
+    # weight rows of the gate and up columns (int64: an expert's matrix may pass 2^31 elements)
+    w_gate = W1 + e.to(tl.int64) * s_we + cols.to(tl.int64)[None, :] * s_wn
+    w_up = w_gate + DE * s_wn
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
@@ -79,8 +86,8 @@ def _up_kernel(X, W1, TOK, TILE_E, TILE_R0, TILE_R1, PRE, HID,
         kmask = ks < H
         a = tl.load(a_rows[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         bmask = kmask[:, None] & cmask[None, :]
-        bg = tl.load(w_base + cols[None, :] * s_wn + ks[:, None], mask=bmask, other=0.0)
-        bu = tl.load(w_base + (cols[None, :] + DE) * s_wn + ks[:, None], mask=bmask, other=0.0)
+        bg = tl.load(w_gate + ks[:, None], mask=bmask, other=0.0)
+        bu = tl.load(w_up + ks[:, None], mask=bmask, other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             bg = bg.to(tl.float32)
@@ -119,12 +126,12 @@ def _rows_kernel(A, B, C, IDX, TILE_E, TILE_R0, TILE_R1,
         else:
             src = rows.to(tl.int64)
         a_rows = A + src * s_a
-        b_base = B + e.to(tl.int64) * s_be
+        b_cols = B + e.to(tl.int64) * s_be + cols.to(tl.int64)[None, :] * s_bn
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
             kmask = ks < K
             a = tl.load(a_rows[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_base + ks[:, None] * s_bk + cols[None, :] * s_bn,
+            b = tl.load(b_cols + (ks.to(tl.int64) * s_bk)[:, None],
                         mask=kmask[:, None] & cmask[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
@@ -173,13 +180,13 @@ def _dh_kernel(DY, W2, PRE, TW, ORDER, TOK, TILE_E, TILE_R0, TILE_R1, DP, HW, DT
     cols = nb * BN + tl.arange(0, BN)
     cmask = cols < DE
     a_rows = DY + tok * s_dy
-    w_base = W2 + e.to(tl.int64) * s_we
+    w_cols = W2 + e.to(tl.int64) * s_we + cols[None, :]
     G = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
         ks = k0 + tl.arange(0, BK)
         kmask = ks < H
         a = tl.load(a_rows[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(w_base + ks[:, None] * DE + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
+        b = tl.load(w_cols + (ks.to(tl.int64) * DE)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -236,7 +243,7 @@ def _wgrad_kernel(L, R, OUT, IDX_L, IDX_R, OFF, NI, NC, s_l, s_r, s_oe, s_oi,
             lt = lt.to(tl.float32)
             rt = rt.to(tl.float32)
         acc = tl.dot(lt, rt, acc, input_precision=PREC)
-    out = OUT + e.to(tl.int64) * s_oe + ii[:, None] * s_oi + cc[None, :]
+    out = OUT + e.to(tl.int64) * s_oe + ii.to(tl.int64)[:, None] * s_oi + cc[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=imask[:, None] & cmask[None, :])
 
 
