@@ -10,6 +10,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include "env.h"
 #include <c10/util/Exception.h>
 
 #include "cpu_pool.h"
@@ -80,12 +81,9 @@ inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options,
   }
 }
 
-// Read on every call (getenv is a short scan) so that a test which sets or clears the
-// variable after the extension loaded is honoured.
-inline bool poisoning() {
-  const char* v = std::getenv("SMELT_POISON");
-  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
-}
+// Read on every call so that a test which sets or clears the variable after the extension
+// loaded is honoured.
+inline bool poisoning() { return smelt::env_flag("SMELT_POISON"); }
 
 inline at::Tensor& poison(at::Tensor& t) {
   if (t.numel() == 0) return t;

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include "env.h"
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -44,8 +45,9 @@ class BlockPool final : public c10::Allocator {
 
   // Most bytes kept unused: SMELT_CPU_POOL_MB, default 1024 MiB.
   static size_t cap() {
-    const char* v = std::getenv("SMELT_CPU_POOL_MB");
-    if (v == nullptr || v[0] == '\0') return size_t(1024) << 20;
+    const std::string value = smelt::env("SMELT_CPU_POOL_MB");
+    const char* v = value.c_str();
+    if (v[0] == '\0') return size_t(1024) << 20;
     char* end = nullptr;
     const long long mb = std::strtoll(v, &end, 10);
     return (end == v || mb <= 0) ? 0 : static_cast<size_t>(mb) << 20;

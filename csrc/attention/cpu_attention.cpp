@@ -27,6 +27,7 @@
 //   the baseline, and picked at load time (SMELT_ATTENTION_ISA=avx2|generic forces a lower
 //   one, for tests and comparisons; =avx2-wide runs the AVX-512 variant's code on AVX2).
 #include <ATen/ATen.h>
+#include "../env.h"
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -152,8 +153,7 @@ struct Isa {
 
 const Isa& isa() {
   static const Isa chosen = [] {
-    const char* env = std::getenv("SMELT_ATTENTION_ISA");
-    const std::string want = env ? env : "";
+    const std::string want = smelt::env("SMELT_ATTENTION_ISA");
     const Isa generic_isa{"generic", &generic::forward_block, &generic::backward_unit};
 #ifdef SMELT_ATT_X86
     const Isa avx512_isa{"avx512", &avx512::forward_block, &avx512::backward_unit};

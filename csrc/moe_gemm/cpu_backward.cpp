@@ -13,7 +13,7 @@
 // An expert with more rows than a fair share of a thread is done alone with all threads:
 // phase A split by chunks, phase B by column blocks. Each output element is reduced by one
 // thread in a fixed order, so the gradients are bitwise reproducible.
-#include "cpu_plan.h"
+#include "cpu_work.h"
 
 namespace smelt_moe {
 namespace {

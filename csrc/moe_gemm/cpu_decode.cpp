@@ -8,12 +8,12 @@
 // on one thread and each output is summed in one fixed order, so results are bitwise
 // reproducible and independent of the thread count.
 #include "cpu_decode.h"
+#include "../env.h"
 
 namespace smelt_moe {
 
 bool use_decode_path() {
-  const char* v = std::getenv("SMELT_CPU_DECODE");  // read per call, like SMELT_CPU_GENERIC
-  return !(v && std::strcmp(v, "0") == 0);
+  return smelt::env("SMELT_CPU_DECODE") != "0";
 }
 
 namespace {

@@ -23,7 +23,7 @@
 
 #include "../cpu_alloc.h"
 #include "cpu_decode.h"
-#include "cpu_plan.h"
+#include "cpu_work.h"
 
 namespace smelt_moe {
 namespace {
@@ -51,9 +51,9 @@ Routing sort_pairs(const at::Tensor& ids, int64_t E) {
   for (int64_t t = 0; t < R.T; ++t) {
     for (int64_t j = 0; j < R.k; ++j) {
       int64_t e = id[t * R.k + j];
-      TORCH_CHECK_VALUE(e >= 0 && e < E, "topk_ids must lie in [0, ", E, "): token ", t, " slot ", j,
+      TORCH_CHECK_VALUE(e >= 0 && e < E, "moe_ffn: topk_ids must lie in [0, ", E, "): token ", t, " slot ", j,
                         " has ", e);
-      TORCH_CHECK_VALUE(seen[e] != t, "topk_ids has expert ", e, " twice in token ", t,
+      TORCH_CHECK_VALUE(seen[e] != t, "moe_ffn: topk_ids has expert ", e, " twice in token ", t,
                         "'s slots; each token must pick distinct experts");
       seen[e] = t;
       count[e + 1]++;

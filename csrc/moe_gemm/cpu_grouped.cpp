@@ -11,7 +11,7 @@
 #include <torch/library.h>
 
 #include "../cpu_alloc.h"
-#include "cpu_plan.h"
+#include "cpu_work.h"
 
 namespace smelt_moe {
 namespace {

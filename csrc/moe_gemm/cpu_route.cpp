@@ -16,6 +16,7 @@
 // Rows are independent and chunks of rows fixed, so the results do not depend on the
 // number of threads.
 #include <torch/library.h>
+#include "../env.h"
 
 #include <ATen/Parallel.h>
 
@@ -156,8 +157,7 @@ __attribute__((target("avx2"))) bool top_k_avx2(const float* l, int64_t E, int64
 enum class TopKIsa { kGeneric, kAvx2, kAvx512 };
 
 TopKIsa top_k_isa() {
-  const char* env = std::getenv("SMELT_ROUTE_ISA");
-  const std::string want = env ? env : "";
+  const std::string want = smelt::env("SMELT_ROUTE_ISA");
   TopKIsa isa = cpu_has_avx512() ? TopKIsa::kAvx512 : cpu_has_avx2() ? TopKIsa::kAvx2 : TopKIsa::kGeneric;
   if (want == "generic") return TopKIsa::kGeneric;
   if (want == "avx2" && isa == TopKIsa::kAvx512) return TopKIsa::kAvx2;

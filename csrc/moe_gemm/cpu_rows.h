@@ -13,6 +13,7 @@
 #pragma once
 
 #include "cpu_blas.h"
+#include "../env.h"
 
 namespace smelt_moe {
 
@@ -184,8 +185,7 @@ inline void gemm_rows_nt(int64_t M, const float* const* a, const float* W, int64
 // set (which selects the portable path, e.g. to test it on such a CPU).
 inline bool use_rows_kernel() {
 #ifdef SMELT_HAVE_ROWS_KERNEL
-  const char* generic = std::getenv("SMELT_CPU_GENERIC");
-  return cpu_has_avx512() && !(generic && *generic && std::strcmp(generic, "0") != 0);
+  return cpu_has_avx512() && !smelt::env_flag("SMELT_CPU_GENERIC");
 #else
   return false;
 #endif

@@ -274,13 +274,63 @@ def _flash(q, k, v, mask, scale):
         q, k, v, 0.0, False, attn_mask=mask, scale=scale)
 
 
+def _finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, H): whether each row of x (B, T, H, D) holds only finite values."""
+    return torch.isfinite(x).all(-1)
+
+
+def _seen(bad: torch.Tensor, start: Optional[torch.Tensor], Tq: int) -> torch.Tensor:
+    """(B, Tq, H): whether the interval [start(p), p] of each query position p holds a key
+    flagged in ``bad`` (B, Tk, H)."""
+    B, Tk, H = bad.shape
+    cnt = torch.cat([bad.new_zeros(B, 1, H, dtype=torch.int64), bad.long().cumsum(1)], 1)
+    pos = torch.arange(Tk - Tq, Tk)
+    st = start[:, Tk - Tq:].long() if start is not None else torch.zeros(B, Tq, dtype=torch.long)
+    return (cnt[:, pos + 1] - cnt.gather(1, st[..., None].expand(B, Tq, H))) > 0
+
+
+def _seen_by(rows: torch.Tensor, end: Optional[torch.Tensor], Tk: int) -> torch.Tensor:
+    """(B, Tk, H): whether a query flagged in ``rows`` (B, Tq, H) sees each key: key j is
+    seen by the positions j .. end(j) of its segment."""
+    B, Tq, H = rows.shape
+    at = torch.cat([rows.new_zeros(B, Tk - Tq, H), rows], 1).long()  # by position
+    cnt = torch.cat([at.new_zeros(B, 1, H), at.cumsum(1)], 1)
+    e = end.long() if end is not None else torch.full((B, Tk), Tk - 1, dtype=torch.long)
+    return (cnt.gather(1, (e + 1)[..., None].expand(B, Tk, H)) - cnt[:, :Tk]) > 0
+
+
+def _group(x: torch.Tensor, g: int, to_kv: bool) -> torch.Tensor:
+    """(B, T, Hq) -> (B, T, Hkv), any over each KV head's g query heads; or back, repeated."""
+    if to_kv:
+        return x.reshape(*x.shape[:2], -1, g).any(-1)
+    return x.repeat_interleave(g, dim=2)
+
+
+def _zero_non_finite(*xs):
+    return [torch.where(torch.isfinite(x), x, 0) for x in xs]
+
+
 def chunked_forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: bool):
-    """:func:`forward` on ATen's CPU flash kernel in segment-aware chunks (any float dtype)."""
+    """:func:`forward` on ATen's CPU flash kernel in segment-aware chunks (any float dtype).
+
+    ATen's kernel adds its mask to the scores, and NaN + -inf is NaN: a NaN or inf that a
+    query does not see would reach it. So inputs that are not all finite run with those
+    values zeroed, and the queries that see one (or whose own q is one) get NaN: the output
+    row where they see a non-finite key or value, the LSE where they see a non-finite key."""
     reason = _chunked_missing()
     if reason is not None:
         raise RuntimeError(f"segment_attention cpu: chunked path unavailable: {reason}")
     starts = start.tolist() if start is not None else None
-    o, lse = _chunked_forward(q, k, v, starts, scale)
+    fk, fv, fq = _finite_rows(k), _finite_rows(v), _finite_rows(q)
+    if bool(fk.all()) and bool(fv.all()) and bool(fq.all()):
+        o, lse = _chunked_forward(q, k, v, starts, scale)
+    else:
+        g = q.shape[2] // k.shape[2]
+        lse_bad = _group(_seen(~fk, start, q.shape[1]), g, False) | ~fq
+        o_bad = lse_bad | _group(_seen(~fv, start, q.shape[1]), g, False)
+        o, lse = _chunked_forward(*_zero_non_finite(q, k, v), starts, scale)
+        o = o.masked_fill(o_bad[..., None], float("nan"))
+        lse = lse.masked_fill(lse_bad.transpose(1, 2), float("nan"))
     return o, lse, (reference.start_probs(q, k, lse, start, scale) if want_sink else None)
 
 
@@ -314,7 +364,28 @@ def _chunked_forward(q, k, v, starts: Optional[list[list[int]]], scale: float):
 
 def chunked_backward(do, q, k, v, o, lse, start: Optional[torch.Tensor],
                      end: Optional[torch.Tensor], scale: float):
-    """:func:`backward` on ATen's CPU flash backward kernel, on the same chunks."""
+    """:func:`backward` on ATen's CPU flash backward kernel, on the same chunks. Inputs that
+    are not all finite run zeroed (see :func:`chunked_forward`), then what a query that is not
+    finite feeds is NaN: its dq, the dk of the keys it sees, and their dv where its LSE or dO
+    is the cause."""
+    fin = [_finite_rows(x) for x in (q, k, v, do, o)] + [torch.isfinite(lse).transpose(1, 2)]
+    if all(bool(f.all()) for f in fin):
+        return _chunked_backward(do, q, k, v, o, lse, start, end, scale)
+    g = q.shape[2] // k.shape[2]
+    fq, _, _, fdo, fo, flse = fin
+    row_p = ~flse | ~fdo  # its probabilities or dO are not finite: dq, dk and dv it feeds
+    row_ds = row_p | ~fo  # its dS rows are not finite: dq and dk it feeds
+    do0, q0, k0, v0, o0, lse0 = _zero_non_finite(do, q, k, v, o, lse)
+    dq, dk, dv = _chunked_backward(do0, q0, k0, v0, o0, lse0, start, end, scale)
+    Tk = k.shape[1]
+    dq = dq.masked_fill((row_ds | ~fq)[..., None], float("nan"))
+    dk = dk.masked_fill(_seen_by(_group(row_ds | ~fq, g, True), end, Tk)[..., None], float("nan"))
+    dv = dv.masked_fill(_seen_by(_group(row_p, g, True), end, Tk)[..., None], float("nan"))
+    return dq, dk, dv
+
+
+def _chunked_backward(do, q, k, v, o, lse, start: Optional[torch.Tensor],
+                      end: Optional[torch.Tensor], scale: float):
     starts = start.tolist() if start is not None else None
     B, Tq, Hq, D = q.shape
     Tk, hkv = k.shape[1], k.shape[2]

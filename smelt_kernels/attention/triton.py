@@ -57,6 +57,8 @@ import triton.language as tl
 
 from .. import _alloc
 from ..backends import triton_interpret
+from .triton_tiles import (_dot_split, _finite_split, _key_ptrs, _key_rows, _key_runs, _load_split,
+                           _load_tile, _row_tile, _rows, _sees, _seg_starts, _store_split)
 
 __all__ = ["forward", "backward", "head_dim_split", "head_dim_pad", "block_config", "audit_launches"]
 
@@ -65,150 +67,6 @@ LN2 = 0.6931471805599453
 # the same, as compile-time constants kernels may read
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)
-
-
-# ----------------------------------------------------------------------------- helpers
-@triton.jit
-def _load_tile(ptrs, offs_n, n_max, offs_d, D: tl.constexpr, CHECK_N: tl.constexpr,
-               EVEN_D: tl.constexpr):
-    """Load a (rows, width) tile; rows >= n_max (if CHECK_N) and columns >= D read as 0."""
-    if CHECK_N:
-        if EVEN_D:
-            x = tl.load(ptrs, mask=offs_n[:, None] < n_max, other=0.0)
-        else:
-            x = tl.load(ptrs, mask=(offs_n[:, None] < n_max) & (offs_d[None, :] < D), other=0.0)
-    else:
-        if EVEN_D:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
-    return x
-
-
-@triton.jit
-def _load_split(rows_ptr, offs_n, n_max, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
-                ROWS: tl.constexpr, CHECK_N: tl.constexpr, UPCAST: tl.constexpr):
-    """The head-dim blocks of ``ROWS`` rows (``rows_ptr`` (ROWS, 1) points at column 0):
-    columns [0, DA) and, when DT > 0, the masked tail [DA, DA + DT). Without a tail the
-    second value is an unused (ROWS, 16) placeholder."""
-    offs_a = tl.arange(0, DA)
-    xa = _load_tile(rows_ptr + offs_a[None, :], offs_n, n_max, offs_a, D, CHECK_N, DA <= D)
-    if DT > 0:
-        offs_t = DA + tl.arange(0, DT)
-        xt = _load_tile(rows_ptr + offs_t[None, :], offs_n, n_max, offs_t, D, CHECK_N, DA + DT == D)
-    else:
-        xt = tl.zeros([ROWS, 16], dtype=xa.dtype)
-    if UPCAST:
-        xa = xa.to(tl.float32)
-        xt = xt.to(tl.float32)
-    return xa, xt
-
-
-@triton.jit
-def _store_split(rows_ptr, xa, xt, offs_n, n_max, D: tl.constexpr, DA: tl.constexpr,
-                 DT: tl.constexpr):
-    offs_a = tl.arange(0, DA)
-    if DA <= D:
-        tl.store(rows_ptr + offs_a[None, :], xa, mask=offs_n[:, None] < n_max)
-    else:
-        tl.store(rows_ptr + offs_a[None, :], xa, mask=(offs_n[:, None] < n_max) & (offs_a[None, :] < D))
-    if DT > 0:
-        offs_t = DA + tl.arange(0, DT)
-        tl.store(rows_ptr + offs_t[None, :], xt, mask=(offs_n[:, None] < n_max) & (offs_t[None, :] < D))
-
-
-@triton.jit
-def _finite_split(xa, xt, DT: tl.constexpr):
-    """The tile's head-dim blocks with their NaN and inf entries zeroed, and per row (axis 0)
-    1 where the row had one, else 0."""
-    ok_a = tl.abs(xa) < float("inf")  # False for NaN and +-inf
-    bad = tl.max(tl.where(ok_a, 0, 1), 1)
-    xa = tl.where(ok_a, xa, tl.zeros_like(xa))
-    if DT > 0:
-        ok_t = tl.abs(xt) < float("inf")
-        bad = tl.maximum(bad, tl.max(tl.where(ok_t, 0, 1), 1))
-        xt = tl.where(ok_t, xt, tl.zeros_like(xt))
-    return xa, xt, bad
-
-
-@triton.jit
-def _sees(vis, bad):
-    """Per row of ``vis`` (rows, cols): 1 where it sees a column whose ``bad`` flag is set."""
-    return tl.max(tl.where(vis & (bad[None, :] > 0), 1, 0), 1)
-
-
-@triton.jit
-def _dot_split(a_a, a_t, b_a, b_t, DT: tl.constexpr, PRECISION: tl.constexpr):
-    """a @ b^T over both head-dim blocks (the tail only when DT > 0)."""
-    s = tl.dot(a_a, tl.trans(b_a), input_precision=PRECISION)
-    if DT > 0:
-        s = tl.dot(a_t, tl.trans(b_t), s, input_precision=PRECISION)
-    return s
-
-
-@triton.jit
-def _rows(base, qi, qi0, h, st, sh):
-    """Pointers (rows, 1) to gathered (query, head) rows from ``base``: query qi0's offset
-    in int64 (a batch row may hold more than 2^31 elements), the rest relative to it in
-    int32 (qi - qi0 is at most a tile). The launcher makes every stride a multiple of 8
-    elements, so rows start 16-byte aligned and loads vectorise."""
-    return (base + tl.cast(qi0, tl.int64) * st) + tl.multiple_of((qi - qi0) * st + h * sh, 8)[:, None]
-
-
-@triton.jit
-def _key_rows(offs_n, st):
-    """Row offsets (keys, 1) of key positions ``offs_n`` with row stride ``st``, in int64
-    (the forward's form: there it compiles without spills, the other one not)."""
-    return offs_n.to(tl.int64)[:, None] * st
-
-
-@triton.jit
-def _key_ptrs(base, n0, st, BLOCK_N: tl.constexpr):
-    """Pointers (keys, 1) to the rows of keys n0 .. n0 + BLOCK_N - 1 (row stride ``st``):
-    n0's offset in int64, the rest relative to it."""
-    return (base + tl.cast(n0, tl.int64) * st) + (tl.arange(0, BLOCK_N) * st)[:, None]
-
-
-@triton.jit
-def _row_tile(tile, Tq, Tk, hkv, G: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Rows of a tile: (rows, valid, query index, head, position) and the tile's first and
-    last valid positions. Rows past the end are clamped onto the last row (never stored)."""
-    n_rows = Tq * G
-    r0 = tile * BLOCK_M
-    rows = r0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    rows_c = tl.minimum(rows, n_rows - 1)
-    qi = rows_c // G
-    h = hkv * G + rows_c % G
-    off = Tk - Tq
-    pos_first = r0 // G + off
-    pos_last = (tl.minimum(r0 + BLOCK_M, n_rows) - 1) // G + off
-    return rows, row_ok, qi, h, qi + off, pos_first, pos_last
-
-
-@triton.jit
-def _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N: tl.constexpr):
-    """Bounds of the three key runs of a row tile: [lo, mid) masked, [mid, diag) unmasked,
-    [diag, hi) masked. Tiles start at lo, so the runs never overlap."""
-    lo = start_first
-    mid = lo + tl.cdiv(tl.maximum(start_last - lo, 0), BLOCK_N) * BLOCK_N
-    diag = mid + (tl.maximum(pos_first + 1 - mid, 0) // BLOCK_N) * BLOCK_N
-    return lo, mid, diag, pos_last + 1
-
-
-@triton.jit
-def _seg_starts(START, b, Tk, pos, pos_first, pos_last, HAS_SEG: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    if HAS_SEG:
-        seg = START + b * Tk
-        start = tl.load(seg + pos)
-        start_first = tl.load(seg + pos_first)
-        start_last = tl.load(seg + pos_last)
-    else:
-        start = tl.zeros([BLOCK_M], dtype=tl.int32)
-        start_first = pos_first * 0
-        start_last = pos_first * 0
-    return start, start_first, start_last
 
 
 # ----------------------------------------------------------------------------- forward

@@ -19,13 +19,13 @@ def forward(x, w1, w2, tw, ids):
     T, H = x.shape
     E, two_de, _ = w1.shape
     de, k = two_de // 2, ids.shape[1]
-    plan = moe_routing.plan(ids, E, BLOCK_M, use_triton=True)
+    tiles = moe_routing.tiles(ids, E, BLOCK_M, use_triton=True)
     pre = _alloc.empty((T * k, two_de), x.dtype, x.device)
     hid = _alloc.empty((T * k, de), x.dtype, x.device)
     out = _alloc.empty((T * k, H), x.dtype, x.device)
     y = _alloc.empty((T, H), x.dtype, x.device)
     ops = torch.ops.smelt_cuda
-    ops.moe_up(x, w1, plan.tok, plan.tile_e, plan.tile_r0, plan.tile_r1, pre, hid)
-    ops.moe_down(hid, w2, plan.tile_e, plan.tile_r0, plan.tile_r1, out)
-    ops.moe_combine(out, plan.rev, tw, y)
-    return y, pre, plan.order, plan.rev, plan.offsets
+    ops.moe_up(x, w1, tiles.tok, tiles.tile_e, tiles.tile_r0, tiles.tile_r1, pre, hid)
+    ops.moe_down(hid, w2, tiles.tile_e, tiles.tile_r0, tiles.tile_r1, out)
+    ops.moe_combine(out, tiles.rev, tw, y)
+    return y, pre, tiles.order, tiles.rev, tiles.offsets

@@ -29,11 +29,11 @@ import torch
 from .. import _alloc
 from . import reference
 
-__all__ = ["Plan", "sort_pairs", "tile_table", "plan"]
+__all__ = ["Tiles", "sort_pairs", "tile_table", "tiles"]
 
 
 @dataclass
-class Plan:
+class Tiles:
     order: torch.Tensor    # int32 (TK,)
     rev: torch.Tensor      # int32 (TK,)
     offsets: torch.Tensor  # int32 (E + 1,)
@@ -140,9 +140,9 @@ def tile_table(offsets: torch.Tensor, n_rows: int, block_m: int, extra_group: bo
     return torch.where(used, g, neg), torch.where(used, r0, neg), torch.where(used, r1, neg)
 
 
-def plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_triton: bool = True) -> Plan:
-    """The full routing plan for the Triton/CUDA kernels."""
+def tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_triton: bool = True) -> Tiles:
+    """The routing sort and its tile table, what the Triton/CUDA kernels launch over."""
     sort = sort_pairs if use_triton else reference.sort_pairs
     order, rev, offsets, tok = sort(topk_ids, num_experts)
     te, t0, t1 = tile_table(offsets, order.numel(), block_m)
-    return Plan(order, rev, offsets, tok, te, t0, t1, block_m)
+    return Tiles(order, rev, offsets, tok, te, t0, t1, block_m)

@@ -1,6 +1,6 @@
 """Triton kernels for the grouped top-k expert GEMMs: forward, backward and the plain grouped GEMM.
 
-Rows are the T*k (token, slot) pairs sorted by expert (:mod:`smelt_kernels.moe_routing`);
+Rows are the T*k (token, slot) pairs sorted by expert (:mod:`smelt_kernels.moe_gemm.routing`);
 a tile table lists (expert, first row, end row) per row tile, sized from host-known upper
 bounds, and programs of unused tiles return at once. Programs walk tiles expert-major in
 groups of ``GROUP`` row tiles that sweep all column blocks together, so one expert's
@@ -326,12 +326,12 @@ def _meta(dtype: torch.dtype) -> dict:
     return dict(PREC=_precision(dtype), UPCAST=_upcast(dtype))
 
 
-def _rows(a, b, c, idx, plan, N, K, s_be, s_bk, s_bn, cfg, zero_group=-1):
-    """Launch ``_rows_kernel`` over the plan's tiles (see its comment)."""
-    n_tiles = plan.tile_e.numel()
+def _rows(a, b, c, idx, tiles, N, K, s_be, s_bk, s_bn, cfg, zero_group=-1):
+    """Launch ``_rows_kernel`` over the tile table (see its comment)."""
+    n_tiles = tiles.tile_e.numel()
     grid = (n_tiles * triton.cdiv(N, cfg["BN"]),)
-    _rows_kernel[grid](a, b, c, idx if idx is not None else plan.tile_e, plan.tile_e, plan.tile_r0,
-                       plan.tile_r1, n_tiles, N, K, a.stride(0), s_be, s_bk, s_bn, c.stride(0),
+    _rows_kernel[grid](a, b, c, idx if idx is not None else tiles.tile_e, tiles.tile_e, tiles.tile_r0,
+                       tiles.tile_r1, n_tiles, N, K, a.stride(0), s_be, s_bk, s_bn, c.stride(0),
                        zero_group, GATHER=idx is not None, **cfg, **_meta(a.dtype))
 
 
@@ -356,33 +356,33 @@ def _wgrad(L, R, out, idx_l, idx_r, offsets, NI, NC, s_oe, s_oi):
                         GATHER_L=idx_l is not None, GATHER_R=idx_r is not None, **cfg, **_meta(L.dtype))
 
 
-def make_plan(topk_ids: torch.Tensor, num_experts: int, device: torch.device) -> moe_routing.Plan:
+def make_tiles(topk_ids: torch.Tensor, num_experts: int, device: torch.device) -> moe_routing.Tiles:
     T, k = topk_ids.shape
     cfg = config(device, T * k / max(num_experts, 1))
-    return moe_routing.plan(topk_ids, num_experts, cfg["BM"], use_triton=True)
+    return moe_routing.tiles(topk_ids, num_experts, cfg["BM"], use_triton=True)
 
 
-def forward(x, w1, w2, topk_weights, topk_ids, plan=None):
+def forward(x, w1, w2, topk_weights, topk_ids, tiles=None):
     """(y, pre-activation (T*k, 2 d_e) in sorted-row order, order, rev, offsets)."""
     T, H = x.shape
     E, two_de, _ = w1.shape
     de, k = two_de // 2, topk_ids.shape[1]
     TK = T * k
-    plan = plan or make_plan(topk_ids, E, x.device)
+    tiles = tiles or make_tiles(topk_ids, E, x.device)
     cfg = config(x.device, TK / E, de, H, kind="up")
-    cfg["BM"] = plan.block_m
-    cfg_down = dict(config(x.device, TK / E, H, de, dtype=x.dtype), BM=plan.block_m)
-    n_tiles = plan.tile_e.numel()
+    cfg["BM"] = tiles.block_m
+    cfg_down = dict(config(x.device, TK / E, H, de, dtype=x.dtype), BM=tiles.block_m)
+    n_tiles = tiles.tile_e.numel()
     pre = _alloc.empty((TK, 2 * de), x.dtype, x.device)
     hid = _alloc.empty((TK, de), x.dtype, x.device)
     grid = (n_tiles * triton.cdiv(de, cfg["BN"]),)
-    _up_kernel[grid](x, w1, plan.tok, plan.tile_e, plan.tile_r0, plan.tile_r1, pre, hid,
+    _up_kernel[grid](x, w1, tiles.tok, tiles.tile_e, tiles.tile_r0, tiles.tile_r1, pre, hid,
                      n_tiles, H, de, x.stride(0), w1.stride(0), w1.stride(1), **cfg, **_meta(x.dtype))
     out = _alloc.empty((TK, H), x.dtype, x.device)
     # O = h @ W2[e]^T: B[e][k][n] = w2[e][n][k]
-    _rows(hid, w2, out, None, plan, H, de, w2.stride(0), w2.stride(2), w2.stride(1), cfg_down)
-    y = _combine(out, plan.rev, topk_weights, T, k, x.dtype)
-    return y, pre, plan.order, plan.rev, plan.offsets
+    _rows(hid, w2, out, None, tiles, H, de, w2.stride(0), w2.stride(2), w2.stride(1), cfg_down)
+    y = _combine(out, tiles.rev, topk_weights, T, k, x.dtype)
+    return y, pre, tiles.order, tiles.rev, tiles.offsets
 
 
 def backward(dy, x, w1, w2, topk_weights, pre, order, rev, offsets):
@@ -395,7 +395,7 @@ def backward(dy, x, w1, w2, topk_weights, pre, order, rev, offsets):
     cfg = config(x.device, TK / E, de, H, kind="dgrad")
     te, t0, t1 = moe_routing.tile_table(offsets, TK, cfg["BM"])
     tok = (order // k).to(torch.int32)
-    plan = moe_routing.Plan(order, rev, offsets, tok, te, t0, t1, cfg["BM"])
+    tiles = moe_routing.Tiles(order, rev, offsets, tok, te, t0, t1, cfg["BM"])
     n_tiles = te.numel()
     n_cb = triton.cdiv(de, cfg["BN"])
     dp = _alloc.empty((TK, 2 * de), x.dtype, x.device)
@@ -408,7 +408,7 @@ def backward(dy, x, w1, w2, topk_weights, pre, order, rev, offsets):
     dtw = torch.where(valid, dtw_sorted[rev.clamp_min(0).long()], torch.zeros_like(dtw_sorted[:1]))
     dxs = _alloc.empty((TK, H), x.dtype, x.device)
     # dXs = dP @ W1[e]: B[e][k][n] = w1[e][k][n]
-    _rows(dp, w1, dxs, None, plan, H, 2 * de, w1.stride(0), w1.stride(1), w1.stride(2),
+    _rows(dp, w1, dxs, None, tiles, H, 2 * de, w1.stride(0), w1.stride(1), w1.stride(2),
           config(x.device, TK / E, H, 2 * de, dtype=x.dtype))
     dx = _combine(dxs, rev, None, T, k, x.dtype)
     dw1 = _alloc.empty(w1.shape, w1.dtype, w1.device)
@@ -427,10 +427,10 @@ def grouped_mm(a, b, offsets, gather, trans_b: bool):
     E = b.shape[0]
     cfg = config(a.device, M / max(E, 1), N, K, dtype=a.dtype)
     te, t0, t1 = moe_routing.tile_table(offsets, M, cfg["BM"], extra_group=True)
-    plan = moe_routing.Plan(None, None, offsets, None, te, t0, t1, cfg["BM"])
+    tiles = moe_routing.Tiles(None, None, offsets, None, te, t0, t1, cfg["BM"])
     c = _alloc.empty((M, N), a.dtype, a.device)
     s_bk, s_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
-    _rows(a, b, c, gather, plan, N, K, b.stride(0), s_bk, s_bn, cfg, zero_group=E)
+    _rows(a, b, c, gather, tiles, N, K, b.stride(0), s_bk, s_bn, cfg, zero_group=E)
     return c
 
 

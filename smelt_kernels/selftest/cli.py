@@ -70,17 +70,17 @@ def _bad(message: str) -> int:
 class _Progress:
     """One line on stderr per op and backend, before its first row runs."""
 
-    def __init__(self, plan: Sequence[Sequence[str]]):
-        self.plan = [tuple(u) for u in plan]
-        self.groups = list(dict.fromkeys((op, b) for op, b, _ in self.plan))
+    def __init__(self, units: Sequence[Sequence[str]]):
+        self.units = [tuple(u) for u in units]
+        self.groups = list(dict.fromkeys((op, b) for op, b, _ in self.units))
         self.last: Optional[tuple[str, str]] = None
 
     def unit(self, i: int) -> None:
-        op, backend, _ = self.plan[i]
+        op, backend, _ = self.units[i]
         if (op, backend) == self.last:
             return
         self.last = (op, backend)
-        dtypes = [d for o, b, d in self.plan if (o, b) == (op, backend) and d != "-"]
+        dtypes = [d for o, b, d in self.units if (o, b) == (op, backend) and d != "-"]
         what = ", ".join(dtypes) if dtypes else "cannot run here"
         n = self.groups.index((op, backend)) + 1
         print(f"selftest [{n}/{len(self.groups)}] {op} / {backend}: {what}", file=sys.stderr,
@@ -88,23 +88,23 @@ class _Progress:
 
 
 class _Run:
-    """What a run has so far: the plan, the rows by index, device and environment."""
+    """What a run has so far: the units, the rows by index, device and environment."""
 
     def __init__(self, device: str):
-        self.plan: Optional[list] = None
+        self.units: Optional[list] = None
         self.rows: dict[int, Result] = {}
         self.device, self.environment = device, {}
         self.progress: Optional[_Progress] = None
         self.t0 = time.perf_counter()
 
-    def start(self, plan, device: str, environment: dict) -> None:
-        self.plan, self.device, self.environment = [tuple(u) for u in plan], device, environment
-        self.progress = self.progress or _Progress(self.plan)
+    def start(self, units, device: str, environment: dict) -> None:
+        self.units, self.device, self.environment = [tuple(u) for u in units], device, environment
+        self.progress = self.progress or _Progress(self.units)
 
     def finish(self, json_path: Optional[str]) -> int:
         """Print the table, the failures and the summary; write the JSON; the exit status."""
         results = [self.rows[i] for i in sorted(self.rows)]
-        planned = len(self.plan) if self.plan is not None else 0
+        planned = len(self.units) if self.units is not None else 0
         seconds = time.perf_counter() - self.t0
         print(format_table(results))
         failures = format_failures(results)
@@ -124,7 +124,7 @@ def _in_process(args, run: _Run) -> int:
     from . import runner
 
     try:
-        units = runner.plan(args.device, args.ops, args.backends, args.quick)
+        units = runner.units(args.device, args.ops, args.backends, args.quick)
     except (ValueError, TypeError) as e:
         return _bad(str(e))
     dev = runner.resolve_device(args.device)
@@ -138,7 +138,7 @@ def _in_process(args, run: _Run) -> int:
 
 
 def _worker(args) -> int:
-    """Run rows ``args.start`` on, reporting on the pipe ``args.worker_fd``: ``plan`` first,
+    """Run rows ``args.start`` on, reporting on the pipe ``args.worker_fd``: ``units`` first,
     then ``unit`` (a row starts), ``case`` (a case starts, with the row so far), ``result``
     per row, ``done``."""
     from .. import backends
@@ -151,11 +151,11 @@ def _worker(args) -> int:
         out.flush()
 
     try:
-        units = runner.plan(args.device, args.ops, args.backends, args.quick)
+        units = runner.units(args.device, args.ops, args.backends, args.quick)
     except (ValueError, TypeError) as e:
         return _bad(str(e))
     dev = runner.resolve_device(args.device)
-    send(plan=[(u.op, u.backend, u.dtype_name) for u in units], device=str(dev),
+    send(units=[(u.op, u.backend, u.dtype_name) for u in units], device=str(dev),
          environment=backends.report(dev).environment)
     with runner.poisoned():
         for i in range(args.start, len(units)):
@@ -192,8 +192,8 @@ def _work(run: _Run, argv: list[str], start: int):
         with os.fdopen(read) as pipe:
             for line in pipe:
                 msg = json.loads(line)
-                if "plan" in msg:
-                    run.start(msg["plan"], msg["device"], msg["environment"])
+                if "units" in msg:
+                    run.start(msg["units"], msg["device"], msg["environment"])
                 elif "unit" in msg:
                     current, case, partial = msg["unit"], None, None
                     run.progress.unit(current)
@@ -213,13 +213,13 @@ def _work(run: _Run, argv: list[str], start: int):
 
 def _supervise(args, argv: list[str], run: _Run) -> int:
     start = 0
-    while run.plan is None or start < len(run.plan):
+    while run.units is None or start < len(run.units):
         done, rc, current, case, partial = _work(run, argv, start)
         if done:
             break
         if rc in (-signal.SIGTERM, -signal.SIGINT, _INTERRUPTED):  # stopped, not crashed
             raise _Stopped()
-        if run.plan is None:  # it never started: bad options (it said so), or it could not load
+        if run.units is None:  # it never started: bad options (it said so), or it could not load
             return 2 if rc == 2 else _bad(
                 f"the self-test's worker process ended before it started ({_ended(rc)})")
         if current is None:  # ended between rows
@@ -228,7 +228,7 @@ def _supervise(args, argv: list[str], run: _Run) -> int:
                 start = after
                 continue
             current = start  # it ended before its first row: that row fails
-        op, backend, dtype = run.plan[current]
+        op, backend, dtype = run.units[current]
         row = partial or Result(op, backend, dtype, FAIL)
         row.verdict, row.worst = FAIL, float("inf")
         row.failures.append(f"case {case!r}: the process died ({_ended(rc)})" if case
@@ -270,7 +270,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("selftest: interrupted", file=sys.stderr, flush=True)
         if main_thread:  # a second Ctrl-C must not cut the table short
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        return run.finish(args.json) if run.plan is not None else 1
+        return run.finish(args.json) if run.units is not None else 1
     finally:
         for signum, handler in handlers.items():
             if handler is not None:  # None: installed outside Python, left as it is

@@ -1,4 +1,4 @@
-"""The self-test's runner: which implementations run on a device (:func:`plan`), and one
+"""The self-test's runner: which implementations run on a device (:func:`units`), and one
 implementation in one dtype over its op's cases against the float64 reference
 (:func:`run_unit`). :func:`run` does both; the command line drives the same two steps from
 a worker process.
@@ -19,7 +19,7 @@ from .. import backends
 from .cases import CASES, Case
 from .results import FAIL, PASS, SKIPPED, TOLERANCES, Result
 
-__all__ = ["Unit", "DTYPES", "LOST", "resolve_device", "plan", "run_unit", "run", "device_lost",
+__all__ = ["Unit", "DTYPES", "LOST", "resolve_device", "units", "run_unit", "run", "device_lost",
            "compare", "poisoned"]
 
 #: the dtypes every implementation is tried in (float16 where it takes it)
@@ -79,7 +79,7 @@ def _names(what: str, asked: Optional[Sequence[str]], known: Sequence[str]) -> l
     return [k for k in known if k in asked]
 
 
-def plan(device="cpu", ops: Optional[Sequence[str]] = None,
+def units(device="cpu", ops: Optional[Sequence[str]] = None,
          backend_names: Optional[Sequence[str]] = None, quick: bool = False) -> list[Unit]:
     """Every (op, backend, dtype) the self-test produces a row for on ``device``, in order:
     the shipped ops, then any registered later; backends in the order ``"auto"`` tries them
@@ -333,11 +333,11 @@ def run(device="cpu", quick: bool = False, ops: Optional[Sequence[str]] = None,
         progress: Optional[Callable[[Unit], None]] = None) -> list[Result]:
     """Every registered implementation that can run on ``device`` against its op's
     reference; one :class:`~smelt_kernels.selftest.results.Result` per op, backend and
-    dtype (see :func:`plan`). ``progress(unit)`` is called before each row runs."""
-    units = plan(device, ops, backends, quick)
+    dtype (see :func:`units`). ``progress(unit)`` is called before each row runs."""
+    todo = units(device, ops, backends, quick)
     out = []
     with poisoned():
-        for unit in units:
+        for unit in todo:
             if progress is not None:
                 progress(unit)
             out.append(run_unit(unit, device, quick))

@@ -189,9 +189,6 @@ def test_masked_nan_in_one_column(backend):
     _check_nan_case(backend, dev, (q, k, v, do), seg, exact_columns=backend != "triton")
 
 
-@pytest.mark.xfail(strict=True, reason="the chunked CPU path (smelt_kernels/attention/cpu.py) runs ATen's "
-                   "flash kernel with an additive mask, where NaN + -inf is NaN: it needs its inputs "
-                   "sanitised and the rows that see a non-finite value flagged")
 def test_chunked_cpu_path_masked_nan():
     """The CPU backend's chunked path (float64, or head dims not a multiple of 8): the same
     guarantee for the document boundary."""
