@@ -176,7 +176,7 @@ setup(
     ],
     extras_require={
         # tested versions: constraints.txt (pip install -c constraints.txt -e ".[test]")
-        "test": ["pytest>=8", "pytest-benchmark"],
+        "test": ["pytest>=8", "pytest-benchmark", "ruff"],
         "plot": ["matplotlib"],
         "hf": ["transformers>=5.23,<6"],
         "train": ["tokenizers>=0.23"],

@@ -47,21 +47,56 @@ import torch.nn.functional as F
 from smelt_kernels import backends
 from smelt_kernels.attention import cpu as attention_cpu
 from smelt_kernels.attention import segment_attention, segment_bounds
-from smelt_kernels.timing import (Parser, UsageError, check_device, environment, markdown_table,
-                                  measure, measure_interleaved, run_cli, tflops, write_results)
+from smelt_kernels.timing import (
+    Parser,
+    UsageError,
+    check_device,
+    environment,
+    markdown_table,
+    measure,
+    measure_interleaved,
+    run_cli,
+    tflops,
+    write_results,
+)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # (query heads, KV heads, head dim, default T)
-SHAPES = {"baseline 10/2x128": (10, 2, 128, 4096), "SMELT 12/2x88": (12, 2, 88, 4096),
-          "tiny baseline 4/1x96": (4, 1, 96, 2048), "tiny SMELT 5/1x64": (5, 1, 64, 2048)}
+SHAPES = {
+    "baseline 10/2x128": (10, 2, 128, 4096),
+    "SMELT 12/2x88": (12, 2, 88, 4096),
+    "tiny baseline 4/1x96": (4, 1, 96, 2048),
+    "tiny SMELT 5/1x64": (5, 1, 64, 2048),
+}
 TARGET = ("tiny SMELT 5/1x64", "tiny baseline 4/1x96")  # rate of the first over the second
 TARGET_RATIO = 0.95
 LAYOUTS = ("one", "mixed", "short")
 DTYPES = ("float32", "bfloat16", "float16")
-COLUMNS = ["shape", "T", "layout", "mean doc", "method", "pass", "ms", "p20", "p80", "TFLOP/s",
-           "vs smelt"]
-TARGET_COLUMNS = ["T", "layout", "pass", "d64 5:1 ms", "d96 4:1 ms", "d64 GFLOP/s",
-                  "d96 GFLOP/s", "spread", "rate ratio", "target"]
+COLUMNS = [
+    "shape",
+    "T",
+    "layout",
+    "mean doc",
+    "method",
+    "pass",
+    "ms",
+    "p20",
+    "p80",
+    "TFLOP/s",
+    "vs smelt",
+]
+TARGET_COLUMNS = [
+    "T",
+    "layout",
+    "pass",
+    "d64 5:1 ms",
+    "d96 4:1 ms",
+    "d64 GFLOP/s",
+    "d96 GFLOP/s",
+    "spread",
+    "rate ratio",
+    "target",
+]
 
 
 # ----------------------------------------------------------------------------- workload
@@ -85,7 +120,9 @@ def workload(layout: str, B: int, T: int, device, seed: int = 0):
     """(segment_ids (B, T), per-row document lengths)."""
     gen = torch.Generator().manual_seed(seed)
     rows = [doc_lengths(layout, T, gen) for _ in range(B)]
-    ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
+    ids = torch.stack(
+        [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows]
+    )
     return ids.to(device), rows
 
 
@@ -99,10 +136,14 @@ def _sdpa(q, k, v, ids):
     """Inputs in SDPA's (B, H, T, D) layout and the boolean mask, both prepared once."""
     T = ids.shape[1]
     pos = torch.arange(T, device=ids.device)
-    mask = ((ids[:, :, None] == ids[:, None, :]) & (pos[None, None, :] <= pos[None, :, None]))[:, None]
+    mask = ((ids[:, :, None] == ids[:, None, :]) & (pos[None, None, :] <= pos[None, :, None]))[
+        :, None
+    ]
     qh, kh, vh = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
-    return (lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True),
-            (qh, kh, vh))
+    return (
+        lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True),
+        (qh, kh, vh),
+    )
 
 
 _FLEX: dict[str, Callable] = {}
@@ -130,6 +171,7 @@ def _smelt(name):
     def build(q, k, v, ids):
         leaves = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
         return (lambda: segment_attention(*leaves, ids, backend=name, check_values=False)), leaves
+
     return build
 
 
@@ -157,8 +199,9 @@ def _chunked(q, k, v, ids):
     return (lambda: _Chunked.apply(*leaves, start, end, scale)), leaves
 
 
-def methods_for(device: torch.device, skip_flex: bool,
-                only: Optional[list[str]] = None) -> list[tuple[str, Callable, bool]]:
+def methods_for(
+    device: torch.device, skip_flex: bool, only: Optional[list[str]] = None
+) -> list[tuple[str, Callable, bool]]:
     """(name, builder, time the backward) per method; smelt's first."""
     out = []
     if device.type == "cuda":
@@ -185,14 +228,17 @@ def time_method(build, backward, q, k, v, ids, device, args) -> dict[str, Option
         res["fwd"] = measure(fwd, device=device, warmup=args.warmup, repeats=args.repeats)
     if not backward:
         res["bwd"] = None
-        res["bwd_error"] = ("no backward on CPU" if device.type == "cpu"
-                            else "forward-only kernel")
+        res["bwd_error"] = "no backward on CPU" if device.type == "cpu" else "forward-only kernel"
     elif not args.forward_only:
         out = fwd()
         do = torch.randn_like(out)
         try:
-            res["bwd"] = measure(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True),
-                                 device=device, warmup=args.warmup, repeats=args.repeats)
+            res["bwd"] = measure(
+                lambda: torch.autograd.grad(out, leaves, do, retain_graph=True),
+                device=device,
+                warmup=args.warmup,
+                repeats=args.repeats,
+            )
         except (RuntimeError, NotImplementedError) as e:  # e.g. a forward-only kernel
             res["bwd"] = None
             res["bwd_error"] = f"{type(e).__name__}: {e}"
@@ -222,25 +268,47 @@ def run(args) -> list[dict]:
                     per_pass[name] = time_method(build, backward, q, k, v, ids, device, args)
                 except Exception as e:  # a baseline that cannot run here is reported, not fatal
                     per_pass[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                print(f"{shape:18s} {layout:6s} {name:16s} " + "  ".join(
-                    f"{p} {t.median_ms:9.1f} ms" for p, t in per_pass[name].items()
-                    if hasattr(t, "median_ms")), flush=True)
+                print(
+                    f"{shape:18s} {layout:6s} {name:16s} "
+                    + "  ".join(
+                        f"{p} {t.median_ms:9.1f} ms"
+                        for p, t in per_pass[name].items()
+                        if hasattr(t, "median_ms")
+                    ),
+                    flush=True,
+                )
             ours = next(iter(per_pass.values()))
             for name, res in per_pass.items():
                 for p, mult in (("fwd", 1.0), ("bwd", 2.5)):
                     t = res.get(p)
-                    row = {"shape": shape, "T": T, "layout": layout, "mean doc": round(mean_doc),
-                           "method": name, "pass": p, "useful_gflop": flops * mult / 1e9}
+                    row = {
+                        "shape": shape,
+                        "T": T,
+                        "layout": layout,
+                        "mean doc": round(mean_doc),
+                        "method": name,
+                        "pass": p,
+                        "useful_gflop": flops * mult / 1e9,
+                    }
                     if t is None or not hasattr(t, "median_ms"):
                         row["ms"] = None
                         row["note"] = res.get("error") or res.get("bwd_error") or "not supported"
                     else:
                         base = ours.get(p)
-                        row.update({"ms": t.median_ms, "p20": t.p20_ms, "p80": t.p80_ms,
-                                    "TFLOP/s": tflops(flops * mult, t.median_ms),
-                                    "vs smelt": (t.median_ms / base.median_ms
-                                                 if hasattr(base, "median_ms") else None),
-                                    "timing": t.to_dict()})
+                        row.update(
+                            {
+                                "ms": t.median_ms,
+                                "p20": t.p20_ms,
+                                "p80": t.p80_ms,
+                                "TFLOP/s": tflops(flops * mult, t.median_ms),
+                                "vs smelt": (
+                                    t.median_ms / base.median_ms
+                                    if hasattr(base, "median_ms")
+                                    else None
+                                ),
+                                "timing": t.to_dict(),
+                            }
+                        )
                     rows.append(row)
     return rows
 
@@ -263,12 +331,13 @@ def target_rows(args) -> list[dict]:
             do = torch.randn_like(q)
             ids, docs = workload(layout, args.batch, T, "cpu", seed=2)
             start, end = segment_bounds(ids)
-            scale = d_h ** -0.5
+            scale = d_h**-0.5
             o, lse, _ = attention_cpu.native_forward(q, k, v, start, scale, False)
-            fns[(shape, "fwd")] = (lambda q=q, k=k, v=v, s=start, c=scale:
-                                   attention_cpu.native_forward(q, k, v, s, c, False))
-            fns[(shape, "bwd")] = (lambda q=q, k=k, v=v, o=o, l=lse, s=start, e=end, c=scale, do=do:
-                                   attention_cpu.native_backward(do, q, k, v, o, l, s, e, c))
+            fns[(shape, "fwd")] = lambda q=q, k=k, v=v, s=start, c=scale: (
+                attention_cpu.native_forward(q, k, v, s, c, False)
+            )
+            args = (do, q, k, v, o, lse, start, end, scale)
+            fns[(shape, "bwd")] = lambda args=args: attention_cpu.native_backward(*args)
             flops[(shape, "fwd")] = useful_flops(docs, n_q, d_h)
             flops[(shape, "bwd")] = 2.5 * flops[(shape, "fwd")]
         t = measure_interleaved(fns, warmup=args.warmup, repeats=args.repeats)
@@ -277,43 +346,75 @@ def target_rows(args) -> list[dict]:
             ra = flops[(a, p)] / (ta.median_ms * 1e-3) / 1e9
             rb = flops[(b, p)] / (tb.median_ms * 1e-3) / 1e9
             ratio = ra / rb
-            out.append({"kind": "target", "T": args.seq or SHAPES[a][3], "layout": layout,
-                        "pass": p, "d64 5:1 ms": ta.median_ms, "d96 4:1 ms": tb.median_ms,
-                        "d64 GFLOP/s": ra, "d96 GFLOP/s": rb,
-                        "spread": f"{ta.spread:.0%} / {tb.spread:.0%}", "rate ratio": ratio,
-                        "target": ("met" if ratio >= TARGET_RATIO else
-                                   f"missed by {TARGET_RATIO - ratio:.2f}"),
-                        "timing": {"d64": ta.to_dict(), "d96": tb.to_dict()}})
-            print(f"target {layout:6s} {p}: d64 5:1 {ra:7.1f} GFLOP/s, d96 4:1 {rb:7.1f} GFLOP/s, "
-                  f"ratio {ratio:.3f} ({out[-1]['target']})", flush=True)
+            out.append(
+                {
+                    "kind": "target",
+                    "T": args.seq or SHAPES[a][3],
+                    "layout": layout,
+                    "pass": p,
+                    "d64 5:1 ms": ta.median_ms,
+                    "d96 4:1 ms": tb.median_ms,
+                    "d64 GFLOP/s": ra,
+                    "d96 GFLOP/s": rb,
+                    "spread": f"{ta.spread:.0%} / {tb.spread:.0%}",
+                    "rate ratio": ratio,
+                    "target": (
+                        "met" if ratio >= TARGET_RATIO else f"missed by {TARGET_RATIO - ratio:.2f}"
+                    ),
+                    "timing": {"d64": ta.to_dict(), "d96": tb.to_dict()},
+                }
+            )
+            print(
+                f"target {layout:6s} {p}: d64 5:1 {ra:7.1f} GFLOP/s, d96 4:1 {rb:7.1f} GFLOP/s, "
+                f"ratio {ratio:.3f} ({out[-1]['target']})",
+                flush=True,
+            )
     return out
 
 
 def main(argv=None):
     ap = Parser(prog="bench_attention.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    ap.add_argument("--dtype", default=None, choices=DTYPES,
-                    help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument(
+        "--dtype", default=None, choices=DTYPES, help="default: float32 on CPU, bfloat16 on CUDA"
+    )
     ap.add_argument("--batch", type=int, default=None, help="default: 1 on CPU, 8 on CUDA")
-    ap.add_argument("--seq", type=int, default=None,
-                    help="sequence length for every shape (default: 4096 paper, 2048 tiny)")
+    ap.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="sequence length for every shape (default: 4096 paper, 2048 tiny)",
+    )
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
-    ap.add_argument("--methods", nargs="+", default=None,
-                    help="only these comparison methods (smelt's always runs): cpu-chunked, "
-                         "sdpa-mask, flex")
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="only these comparison methods (smelt's always runs): cpu-chunked, sdpa-mask, flex",
+    )
     ap.add_argument("--skip-target", action="store_true", help="skip the CPU head-dim target")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--skip-flex", action="store_true", help="skip FlexAttention (compiles)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: torch's); 1 gives stable numbers on a "
-                         "machine whose cores other jobs share")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's); 1 gives stable numbers on a "
+        "machine whose cores other jobs share",
+    )
     ap.add_argument("--note", default="", help="a line added to the results' notes")
-    ap.add_argument("--out", nargs="?", const=RESULTS, default=None, metavar="DIR",
-                    help="write attention_<device>.{json,md} into DIR (default bench/results); "
-                         "without --out nothing is written")
+    ap.add_argument(
+        "--out",
+        nargs="?",
+        const=RESULTS,
+        default=None,
+        metavar="DIR",
+        help="write attention_<device>.{json,md} into DIR (default bench/results); "
+        "without --out nothing is written",
+    )
     args = ap.parse_args(argv)
     for name in ("seq", "batch", "repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -324,8 +425,10 @@ def main(argv=None):
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
     known = {"cpu-chunked", "sdpa-mask", "flex"}
     if args.methods and not set(args.methods) <= known:
-        raise UsageError(f"--methods: unknown {sorted(set(args.methods) - known)}; choose from "
-                         f"{', '.join(sorted(known))}")
+        raise UsageError(
+            f"--methods: unknown {sorted(set(args.methods) - known)}; choose from "
+            f"{', '.join(sorted(known))}"
+        )
     check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -339,8 +442,11 @@ def main(argv=None):
     if dev.type == "cpu":
         ran = attention_cpu.implementation(getattr(torch, args.dtype), 64)
         isa = attention_cpu.native_isa()
-        impl = (f"smelt-cpu ran the native kernel ({isa})" if ran == "native" else
-                f"smelt-cpu ran the chunked path (native kernel: {attention_cpu.native_missing()})")
+        impl = (
+            f"smelt-cpu ran the native kernel ({isa})"
+            if ran == "native"
+            else f"smelt-cpu ran the chunked path (native kernel: {attention_cpu.native_missing()})"
+        )
         print(impl, flush=True)
     rows = run(args)
     targets = []
@@ -348,13 +454,17 @@ def main(argv=None):
         targets = target_rows(args)
     env = environment(dev)
     env.update(dtype=args.dtype, batch=args.batch, seq=args.seq)
-    notes = (f"B={args.batch}, {args.dtype}, {torch.get_num_threads()} CPU "
-             f"thread(s); median of {args.repeats} after "
-             f"{args.warmup} warm-up. TFLOP/s counts useful FLOPs only (backward 2.5x forward). "
-             "'vs smelt' = method time / smelt time for the same pass (> 1: smelt faster).")
+    notes = (
+        f"B={args.batch}, {args.dtype}, {torch.get_num_threads()} CPU "
+        f"thread(s); median of {args.repeats} after "
+        f"{args.warmup} warm-up. TFLOP/s counts useful FLOPs only (backward 2.5x forward). "
+        "'vs smelt' = method time / smelt time for the same pass (> 1: smelt faster)."
+    )
     if dev.type == "cpu":
-        notes += (" CPU: measured on a 2-core machine shared with other jobs, so absolute "
-                  "times are noisy; FlexAttention has no CPU backward.")
+        notes += (
+            " CPU: measured on a 2-core machine shared with other jobs, so absolute "
+            "times are noisy; FlexAttention has no CPU backward."
+        )
         notes += f" {impl}."
     if args.note:
         notes += f" {args.note}"
@@ -365,17 +475,20 @@ def main(argv=None):
             seen.add(key)
             notes += f"\n- {r['method']} {r['pass']}: {r['note']}"
     if targets:
-        notes += (f"\n\n## Head-dim target (native kernel)\n\nFLOP rate at d_h 64 with 5:1 GQA "
-                  f"over the rate at d_h 96 with 4:1, same T and documents; the four calls "
-                  f"timed interleaved, {args.repeats} rounds; spread = (p80 - p20) / median "
-                  f"(d64 / d96). Target: ratio >= {TARGET_RATIO}.\n\n"
-                  + markdown_table(targets, TARGET_COLUMNS))
+        notes += (
+            f"\n\n## Head-dim target (native kernel)\n\nFLOP rate at d_h 64 with 5:1 GQA "
+            f"over the rate at d_h 96 with 4:1, same T and documents; the four calls "
+            f"timed interleaved, {args.repeats} rounds; spread = (p80 - p20) / median "
+            f"(d64 / d96). Target: ratio >= {TARGET_RATIO}.\n\n"
+            + markdown_table(targets, TARGET_COLUMNS)
+        )
     title = f"Segment attention on {dev.type}"
     if args.out is None:
         print(markdown_table(rows, COLUMNS) + "\n\n" + notes)
         return
-    j, m = write_results(f"attention_{dev.type}", rows, COLUMNS, args.out, env, title=title,
-                         notes=notes)
+    j, m = write_results(
+        f"attention_{dev.type}", rows, COLUMNS, args.out, env, title=title, notes=notes
+    )
     if targets:  # the target rows go beside the table's rows in the JSON
         data = json.loads(j.read_text())
         data["target"] = targets

@@ -47,8 +47,18 @@ import torch
 import torch.nn.functional as F
 
 from smelt_kernels import backends, moe_gemm
-from smelt_kernels.timing import (Parser, Timing, UsageError, check_device, environment,
-                                  markdown_table, measure, run_cli, tflops, write_results)
+from smelt_kernels.timing import (
+    Parser,
+    Timing,
+    UsageError,
+    check_device,
+    environment,
+    markdown_table,
+    measure,
+    run_cli,
+    tflops,
+    write_results,
+)
 
 # name: (H, d_e, E, k, tokens on CPU, tokens on GPU)
 SHAPES = {
@@ -63,11 +73,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def make_inputs(H, de, E, k, T, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(device, dtype)
-    w1 = (torch.randn(E, 2 * de, H, generator=g) * H ** -0.5).to(device, dtype)
-    w2 = (torch.randn(E, H, de, generator=g) * de ** -0.5).to(device, dtype)
+    w1 = (torch.randn(E, 2 * de, H, generator=g) * H**-0.5).to(device, dtype)
+    w2 = (torch.randn(E, H, de, generator=g) * de**-0.5).to(device, dtype)
     logits = torch.randn(T, E, generator=g).to(device)
     tw, ids = moe_gemm.route(logits, k)
-    dense_w1 = (torch.randn(2 * k * de, H, generator=g) * H ** -0.5).to(device, dtype)
+    dense_w1 = (torch.randn(2 * k * de, H, generator=g) * H**-0.5).to(device, dtype)
     dense_w2 = (torch.randn(H, k * de, generator=g) * (k * de) ** -0.5).to(device, dtype)
     return dict(x=x, w1=w1, w2=w2, tw=tw, ids=ids, dense_w1=dense_w1, dense_w2=dense_w2)
 
@@ -122,6 +132,7 @@ def make_step(impl, inp, mode):
 
     dy = torch.randn_like(inp["x"])
     if mode == "fwd":
+
         def fn():
             with torch.no_grad():
                 fwd()
@@ -131,8 +142,10 @@ def make_step(impl, inp, mode):
         def fn():
             torch.autograd.grad(y, leaves, dy, retain_graph=True)
     else:
+
         def fn():
             torch.autograd.grad(fwd(), leaves, dy)
+
     return fn
 
 
@@ -162,6 +175,7 @@ def time_interleaved(steps, device, repeats, min_time_s):
 
 def _decode_off(fn):
     """fn with the CPU forward's few-rows path turned off (the packed-panel kernels)."""
+
     def run():
         before = os.environ.get("SMELT_CPU_DECODE")
         os.environ["SMELT_CPU_DECODE"] = "0"
@@ -172,6 +186,7 @@ def _decode_off(fn):
                 os.environ.pop("SMELT_CPU_DECODE", None)
             else:
                 os.environ["SMELT_CPU_DECODE"] = before
+
     return run
 
 
@@ -204,9 +219,22 @@ def decode_rows(shape, dtype_name, tokens, args, device):
     rows = []
     for T in tokens:
         s = t[f"smelt@{T}"]
-        row = dict(shape=shape, T=T, H=H, d_e=de, E=E, k=k, dtype=dtype_name, mode="decode",
-                   smelt_ms=s.median_ms, smelt_p20=s.p20_ms, smelt_p80=s.p80_ms, spread=s.spread,
-                   smelt_ms_per_token=s.median_ms / T, gb_per_s=meta[T] / (s.median_ms * 1e-3) / 1e9)
+        row = dict(
+            shape=shape,
+            T=T,
+            H=H,
+            d_e=de,
+            E=E,
+            k=k,
+            dtype=dtype_name,
+            mode="decode",
+            smelt_ms=s.median_ms,
+            smelt_p20=s.p20_ms,
+            smelt_p80=s.p80_ms,
+            spread=s.spread,
+            smelt_ms_per_token=s.median_ms / T,
+            gb_per_s=meta[T] / (s.median_ms * 1e-3) / 1e9,
+        )
         for name in ("panels", "dense"):
             if f"{name}@{T}" in t:
                 o = t[f"{name}@{T}"]
@@ -214,8 +242,12 @@ def decode_rows(shape, dtype_name, tokens, args, device):
                 row[f"{name}_spread"] = o.spread
                 row[f"vs_{name}"] = o.median_ms / s.median_ms
         rows.append(row)
-        print(" ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()),
-              flush=True)
+        print(
+            " ".join(
+                f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()
+            ),
+            flush=True,
+        )
     return rows
 
 
@@ -242,8 +274,9 @@ def _check(args) -> torch.device:
     try:
         decode_tokens = [int(v) for v in args.decode_tokens.split(",") if v]
     except ValueError:
-        raise UsageError("--decode-tokens must be a comma list of positive ints, got "
-                         f"{args.decode_tokens!r}") from None
+        raise UsageError(
+            f"--decode-tokens must be a comma list of positive ints, got {args.decode_tokens!r}"
+        ) from None
     if any(v <= 0 for v in decode_tokens):
         raise UsageError(f"--decode-tokens must be positive, got {args.decode_tokens!r}")
     for name in filter(None, args.shapes.split(",") + args.decode_shapes.split(",")):
@@ -275,15 +308,26 @@ def main(argv=None):
     p.add_argument("--backend", default=None, help="smelt backend (default: auto)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per row")
-    p.add_argument("--reference-bwd-params", type=float, default=20e6,
-                   help="time the reference backward only up to this many expert parameters")
+    p.add_argument(
+        "--reference-bwd-params",
+        type=float,
+        default=20e6,
+        help="time the reference backward only up to this many expert parameters",
+    )
     p.add_argument("--skip", default="", help="comma list of reference,grouped_mm,dense to skip")
-    p.add_argument("--decode-shapes", default="cpu-target,100M-smelt",
-                   help="shapes of the decode rows ('' for none; CPU only)")
+    p.add_argument(
+        "--decode-shapes",
+        default="cpu-target,100M-smelt",
+        help="shapes of the decode rows ('' for none; CPU only)",
+    )
     p.add_argument("--decode-tokens", default="1,8,64", help="batch sizes of the decode rows")
-    p.add_argument("--out", nargs="?", default=None,
-                   const=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                   help="write the results (default folder bench/results); without it, print only")
+    p.add_argument(
+        "--out",
+        nargs="?",
+        default=None,
+        const=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+        help="write the results (default folder bench/results); without it, print only",
+    )
     p.add_argument("--name", default=None, help="results file stem (default moe_gemm_<device>)")
     args = p.parse_args(argv)
     device = _check(args)
@@ -299,8 +343,12 @@ def main(argv=None):
             dtype = DTYPES[dname]
             inp = make_inputs(H, de, E, k, T, dtype, device)
             # ids come from route(): the timed call skips the (device-synchronising) id check
-            impls = [Impl("smelt", lambda *a: moe_gemm.moe_ffn(*a, backend=args.backend,
-                                                               check_values=False))]
+            impls = [
+                Impl(
+                    "smelt",
+                    lambda *a: moe_gemm.moe_ffn(*a, backend=args.backend, check_values=False),
+                )
+            ]
             if "reference" not in skip:
                 impls.append(Impl("reference", lambda *a: moe_gemm.moe_ffn(*a, backend="torch")))
             if "grouped_mm" not in skip and grouped_mm_available(device, dtype):
@@ -311,7 +359,11 @@ def main(argv=None):
                 flops = fl_fwd * {"fwd": 1, "bwd": 2, "fwd+bwd": 3}[mode]
                 steps = {}
                 for impl in impls:
-                    if impl.name == "reference" and mode != "fwd" and 3 * E * H * de > args.reference_bwd_params:
+                    if (
+                        impl.name == "reference"
+                        and mode != "fwd"
+                        and 3 * E * H * de > args.reference_bwd_params
+                    ):
                         continue
                     try:
                         steps[impl.name] = make_step(impl, inp, mode)
@@ -321,9 +373,21 @@ def main(argv=None):
                         print(f"  {impl.name} {mode}: {type(e).__name__}: {e}", file=sys.stderr)
                 t = time_interleaved(steps, device, args.repeats, args.min_time)
                 s = t["smelt"]
-                row = dict(shape=shape, T=T, H=H, d_e=de, E=E, k=k, dtype=dname, mode=mode,
-                           backend=_backend_label(backend_used, H, de, dtype), smelt_ms=s.median_ms, smelt_p20=s.p20_ms,
-                           smelt_p80=s.p80_ms, smelt_tflops=tflops(flops, s.median_ms))
+                row = dict(
+                    shape=shape,
+                    T=T,
+                    H=H,
+                    d_e=de,
+                    E=E,
+                    k=k,
+                    dtype=dname,
+                    mode=mode,
+                    backend=_backend_label(backend_used, H, de, dtype),
+                    smelt_ms=s.median_ms,
+                    smelt_p20=s.p20_ms,
+                    smelt_p80=s.p80_ms,
+                    smelt_tflops=tflops(flops, s.median_ms),
+                )
                 for name in ("reference", "grouped_mm", "dense"):
                     if name in t:
                         row[f"{name}_ms"] = t[name].median_ms
@@ -331,8 +395,13 @@ def main(argv=None):
                 if "dense" in t:
                     row["dense_tflops"] = tflops(flops, t["dense"].median_ms)
                 rows.append(row)
-                print(" ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()),
-                      flush=True)
+                print(
+                    " ".join(
+                        f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}"
+                        for k_, v in row.items()
+                    ),
+                    flush=True,
+                )
     decode = []
     if device.type == "cpu":
         for shape in filter(None, args.decode_shapes.split(",")):
@@ -341,32 +410,72 @@ def main(argv=None):
     if args.out is None:
         print("(not written: pass --out to write bench/results/)")
         return
-    cols = ["shape", "T", "dtype", "mode", "backend", "smelt_ms", "smelt_tflops", "reference_ms", "vs_reference",
-            "grouped_mm_ms", "vs_grouped_mm", "dense_ms", "dense_tflops", "vs_dense"]
-    notes = ("vs_X = X time / smelt time (> 1: smelt is faster); vs_dense is smelt's FLOP rate as a "
-             "fraction of a dense SwiGLU FFN doing the same FLOPs (target >= 0.8 on the CPU). "
-             "fwd: no_grad forward; bwd: backward of a retained graph; fwd+bwd: one training step. "
-             f"Threads: {torch.get_num_threads()}. Shared CPU machines are noisy: compare ratios "
-             "within a row (its implementations are timed round-robin); p20/p80 are in the JSON.")
-    command = "python bench/bench_moe_gemm.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    cols = [
+        "shape",
+        "T",
+        "dtype",
+        "mode",
+        "backend",
+        "smelt_ms",
+        "smelt_tflops",
+        "reference_ms",
+        "vs_reference",
+        "grouped_mm_ms",
+        "vs_grouped_mm",
+        "dense_ms",
+        "dense_tflops",
+        "vs_dense",
+    ]
+    notes = (
+        "vs_X = X time / smelt time (> 1: smelt is faster); vs_dense is smelt's FLOP rate as a "
+        "fraction of a dense SwiGLU FFN doing the same FLOPs (target >= 0.8 on the CPU). "
+        "fwd: no_grad forward; bwd: backward of a retained graph; fwd+bwd: one training step. "
+        f"Threads: {torch.get_num_threads()}. Shared CPU machines are noisy: compare ratios "
+        "within a row (its implementations are timed round-robin); p20/p80 are in the JSON."
+    )
+    command = "python bench/bench_moe_gemm.py " + " ".join(
+        shlex.quote(a) for a in (argv or sys.argv[1:])
+    )
     notes += f"\n\nCommand: `{command.strip()}`"
     name = args.name or f"moe_gemm_{device.type}"
-    jpath, mpath = write_results(name, rows, cols, args.out, env=environment(device),
-                                 title=f"Grouped top-k MoE GEMMs ({device.type})", notes=notes)
+    jpath, mpath = write_results(
+        name,
+        rows,
+        cols,
+        args.out,
+        env=environment(device),
+        title=f"Grouped top-k MoE GEMMs ({device.type})",
+        notes=notes,
+    )
     if decode:
         data = json.loads(jpath.read_text())
         data["decode_rows"] = decode
         data["command"] = command.strip()
         jpath.write_text(json.dumps(data, indent=2, default=str) + "\n")
-        dcols = ["shape", "T", "dtype", "smelt_ms", "spread", "smelt_ms_per_token", "gb_per_s",
-                 "panels_ms_per_token", "vs_panels", "dense_ms_per_token", "vs_dense"]
+        dcols = [
+            "shape",
+            "T",
+            "dtype",
+            "smelt_ms",
+            "spread",
+            "smelt_ms_per_token",
+            "gb_per_s",
+            "panels_ms_per_token",
+            "vs_panels",
+            "dense_ms_per_token",
+            "vs_dense",
+        ]
         with open(mpath, "a") as f:
-            f.write("\n## Decode: inference forward per token by batch size\n\n"
-                    + markdown_table(decode, dcols) + "\n\n"
-                    "smelt: experts with at most 6-48 rows (by expert size and CPU) take the few-rows path; panels: the same "
-                    "op with it off (SMELT_CPU_DECODE=0); dense: a SwiGLU FFN of the same FLOPs. "
-                    "vs_X = X time / smelt time. gb_per_s: bytes of the distinct selected experts' "
-                    "weights / smelt time. spread = (p80 - p20) / median of the samples.\n")
+            f.write(
+                "\n## Decode: inference forward per token by batch size\n\n"
+                + markdown_table(decode, dcols)
+                + "\n\n"
+                "smelt: experts with at most 6-48 rows (by expert size and CPU) take the "
+                "few-rows path; panels: the same "
+                "op with it off (SMELT_CPU_DECODE=0); dense: a SwiGLU FFN of the same FLOPs. "
+                "vs_X = X time / smelt time. gb_per_s: bytes of the distinct selected experts' "
+                "weights / smelt time. spread = (p80 - p20) / median of the samples.\n"
+            )
     print(f"wrote {jpath} and {mpath}")
 
 

@@ -38,8 +38,8 @@ def _moe_cases(T, dev):
     E, H, de, k = 288, 1056, 352, 8
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(T, H, device=dev, generator=g, dtype=torch.bfloat16)
-    w1 = (torch.randn(E, 2 * de, H, device=dev, generator=g) * H ** -0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, de, device=dev, generator=g) * de ** -0.5).to(torch.bfloat16)
+    w1 = (torch.randn(E, 2 * de, H, device=dev, generator=g) * H**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, de, device=dev, generator=g) * de**-0.5).to(torch.bfloat16)
     tw, ids = route(torch.randn(T, E, device=dev, generator=g), k)
     dy = torch.randn_like(x)
     flops = 6.0 * T * k * H * de  # forward: 2 T k (H 2de + de H)
@@ -67,14 +67,18 @@ def _moe_cases(T, dev):
     def composite_fwd_bwd():
         torch.autograd.grad(composite(*leaves), leaves, dy)
 
-    cases = [("moe fwd", "smelt triton", smelt_fwd, flops),
-             ("moe fwd", "torch._grouped_mm composite", lambda: composite(x, w1, w2, tw), flops),
-             ("moe fwd+bwd", "smelt triton", smelt_fwd_bwd, 3 * flops),
-             ("moe fwd+bwd", "torch._grouped_mm composite", composite_fwd_bwd, 3 * flops)]
+    cases = [
+        ("moe fwd", "smelt triton", smelt_fwd, flops),
+        ("moe fwd", "torch._grouped_mm composite", lambda: composite(x, w1, w2, tw), flops),
+        ("moe fwd+bwd", "smelt triton", smelt_fwd_bwd, 3 * flops),
+        ("moe fwd+bwd", "torch._grouped_mm composite", composite_fwd_bwd, 3 * flops),
+    ]
     try:
         import sonicmoe  # noqa: F401
 
-        cases.append(("moe fwd", "sonic-moe", None, "installed; no adapter for its API in this script yet"))
+        cases.append(
+            ("moe fwd", "sonic-moe", None, "installed; no adapter for its API in this script yet")
+        )
     except Exception as e:  # noqa: BLE001
         cases.append(("moe fwd", "sonic-moe", None, f"not importable ({type(e).__name__})"))
     return cases
@@ -108,9 +112,16 @@ def _attention_cases(T, dev):
         q = torch.randn(1, T, hq, D, device=dev, dtype=torch.bfloat16)
         kv = [torch.randn(1, T, hkv, D, device=dev, dtype=torch.bfloat16) for _ in range(2)]
         flops = 4.0 * D * hq * pairs
-        cases.append((f"attention fwd d{D}", "smelt triton",
-                      lambda q=q, kv=kv: segment_attention(q, *kv, seg, backend="triton",
-                                                           check_values=False), flops))
+        cases.append(
+            (
+                f"attention fwd d{D}",
+                "smelt triton",
+                lambda q=q, kv=kv: segment_attention(
+                    q, *kv, seg, backend="triton", check_values=False
+                ),
+                flops,
+            )
+        )
         if D != 88:
             continue
         qt, kt, vt = (t.transpose(1, 2) for t in (q, *kv))  # (B, H, T, D)
@@ -124,8 +135,14 @@ def _attention_cases(T, dev):
 
             bm = create_block_mask(mask, 1, None, T, T, device=dev)
             flex = torch.compile(flex_attention)
-            cases.append((f"attention fwd d{D}", "FlexAttention (document block mask)",
-                          lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True), flops))
+            cases.append(
+                (
+                    f"attention fwd d{D}",
+                    "FlexAttention (document block mask)",
+                    lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True),
+                    flops,
+                )
+            )
         except Exception as e:  # noqa: BLE001
             cases.append((f"attention fwd d{D}", "FlexAttention", None, f"unavailable ({e!s:.80})"))
         try:
@@ -133,16 +150,24 @@ def _attention_cases(T, dev):
 
             L = 800
             nb = T // L
-            qd, kd, vd = (t[:, :, :nb * L].reshape(t.shape[1], nb, L, D).transpose(0, 1)
-                          for t in (qt, kt, vt))
+            qd, kd, vd = (
+                t[:, :, : nb * L].reshape(t.shape[1], nb, L, D).transpose(0, 1)
+                for t in (qt, kt, vt)
+            )
             kd, vd = (t.repeat_interleave(hq // hkv, dim=1) for t in (kd, vd))
 
             def cudnn():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
 
-            cases.append((f"attention fwd d{D}", f"cuDNN SDPA ({nb} equal documents of {L})", cudnn,
-                          4.0 * D * hq * nb * L * (L + 1) / 2))
+            cases.append(
+                (
+                    f"attention fwd d{D}",
+                    f"cuDNN SDPA ({nb} equal documents of {L})",
+                    cudnn,
+                    4.0 * D * hq * nb * L * (L + 1) / 2,
+                )
+            )
         except Exception as e:  # noqa: BLE001
             cases.append((f"attention fwd d{D}", "cuDNN SDPA", None, f"unavailable ({e!s:.80})"))
         try:
@@ -150,11 +175,25 @@ def _attention_cases(T, dev):
 
             cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
             q3, k3, v3 = (t[0] for t in (q, *kv))
-            cases.append((f"attention fwd d{D}", "FlashAttention-3 varlen",
-                          lambda: flash_attn_varlen_func(q3, k3, v3, cu, cu, max(lens), max(lens),
-                                                         causal=True), flops))
+            cases.append(
+                (
+                    f"attention fwd d{D}",
+                    "FlashAttention-3 varlen",
+                    lambda: flash_attn_varlen_func(
+                        q3, k3, v3, cu, cu, max(lens), max(lens), causal=True
+                    ),
+                    flops,
+                )
+            )
         except Exception as e:  # noqa: BLE001
-            cases.append((f"attention fwd d{D}", "FlashAttention-3", None, f"not importable ({type(e).__name__})"))
+            cases.append(
+                (
+                    f"attention fwd d{D}",
+                    "FlashAttention-3",
+                    None,
+                    f"not importable ({type(e).__name__})",
+                )
+            )
     return cases
 
 
@@ -187,12 +226,18 @@ def main(argv=None) -> int:
         for i in list(times):
             name = f"{cases[i][0]} / {cases[i][1]}"
             try:
-                times[i].append(triton.testing.do_bench(cases[i][2], warmup=25, rep=100, return_mode="median"))
+                times[i].append(
+                    triton.testing.do_bench(cases[i][2], warmup=25, rep=100, return_mode="median")
+                )
             except Exception as e:  # noqa: BLE001
                 notes[i] = f"failed ({type(e).__name__}: {e!s:.100})"
                 del times[i]
                 continue
-            print(f"[round {r + 1}/{rounds}] {name}: {times[i][-1]:.3f} ms", file=sys.stderr, flush=True)
+            print(
+                f"[round {r + 1}/{rounds}] {name}: {times[i][-1]:.3f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
     rows = []
     for i, (task, impl, _, work) in enumerate(cases):
         row = dict(task=task, implementation=impl)
@@ -202,16 +247,28 @@ def main(argv=None) -> int:
         else:
             row.update(note=notes.get(i, "not run"))
         rows.append(row)
-    info = dict(date=time.strftime("%Y-%m-%d", time.gmtime()), device=torch.cuda.get_device_name(),
-                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                tokens=T, rounds=rounds)
-    lines = [f"# smelt vs peers on {info['device']} ({info['date']}, torch {info['torch']}, "
-             f"triton {info['triton']}, {T} tokens, median of {rounds} interleaved rounds)", "",
-             "| task | implementation | ms | spread ms | TFLOP/s |", "|---|---|---|---|---|"]
+    info = dict(
+        date=time.strftime("%Y-%m-%d", time.gmtime()),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        tokens=T,
+        rounds=rounds,
+    )
+    lines = [
+        f"# smelt vs peers on {info['device']} ({info['date']}, torch {info['torch']}, "
+        f"triton {info['triton']}, {T} tokens, median of {rounds} interleaved rounds)",
+        "",
+        "| task | implementation | ms | spread ms | TFLOP/s |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         if "ms" in r:
-            lines.append(f"| {r['task']} | {r['implementation']} | {r['ms']:.3f} | {r['spread_ms']:.3f} | "
-                         f"{r['tflops']:.0f} |")
+            lines.append(
+                f"| {r['task']} | {r['implementation']} | {r['ms']:.3f} | {r['spread_ms']:.3f} | "
+                f"{r['tflops']:.0f} |"
+            )
         else:
             lines.append(f"| {r['task']} | {r['implementation']} | - | - | {r['note']} |")
     md = "\n".join(lines) + "\n"

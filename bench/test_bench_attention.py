@@ -11,7 +11,6 @@ ATen-chunked path beside it.
 import pytest
 import torch
 import torch.nn.functional as F
-
 from bench_attention import _chunked, workload
 
 from smelt_kernels.attention import segment_attention
@@ -58,7 +57,9 @@ def test_sdpa_mask_forward_backward(benchmark, inputs):
     """The baseline the CPU path is measured against, at the same shapes."""
     q, k, v, ids = inputs
     pos = torch.arange(T)
-    mask = ((ids[:, :, None] == ids[:, None, :]) & (pos[None, None, :] <= pos[None, :, None]))[:, None]
+    mask = ((ids[:, :, None] == ids[:, None, :]) & (pos[None, None, :] <= pos[None, :, None]))[
+        :, None
+    ]
     leaves = [x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
     do = torch.randn(1, HQ, T, D)
 

@@ -1,6 +1,6 @@
 """pytest-benchmark wrappers for the model's CPU paths (not part of the test suite).
 
-    pytest bench/ --benchmark-only                 # compare runs with --benchmark-compare
+pytest bench/ --benchmark-only                 # compare runs with --benchmark-compare
 """
 
 import pytest

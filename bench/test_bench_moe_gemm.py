@@ -8,7 +8,6 @@ The shape is the CPU target shape (T = 4096, H = 256, d_e = 64, E = 288, k = 8);
 
 import pytest
 import torch
-
 from bench_moe_gemm import SHAPES, dense_ffn, make_inputs
 
 from smelt_kernels.moe_gemm import moe_ffn, select_backend

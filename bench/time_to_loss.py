@@ -50,7 +50,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     from smelt_model import presets
 
     ap = Parser(prog="time_to_loss.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="tiny", help=f"a matched pair: {', '.join(presets.pairs())}")
+    ap.add_argument(
+        "--preset", default="tiny", help=f"a matched pair: {', '.join(presets.pairs())}"
+    )
     ap.add_argument("--data", default="python-stdlib")
     ap.add_argument("--budget-flops", type=float, default=1e12)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -59,23 +61,32 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--evals", type=int, default=6, help="evaluations per run")
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="CPU threads (default 1: steady timing on a shared machine)")
-    ap.add_argument("--out", default=None,
-                    help="output path without suffix (default: in the temporary folder the "
-                         "runs train in, printed at the end)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads (default 1: steady timing on a shared machine)",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="output path without suffix (default: in the temporary folder the "
+        "runs train in, printed at the end)",
+    )
     args = ap.parse_args(argv)
     if args.preset not in presets.pairs():
-        raise UsageError(f"--preset {args.preset!r} is not a pair; choose from "
-                         f"{', '.join(presets.pairs())}")
+        raise UsageError(
+            f"--preset {args.preset!r} is not a pair; choose from {', '.join(presets.pairs())}"
+        )
     for name in ("budget_flops", "lr"):
         v = getattr(args, name)
         if not (v > 0 and math.isfinite(v)):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
     for name in ("tokens_per_step", "evals", "eval_tokens", "threads"):
         if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got "
-                             f"{getattr(args, name)}")
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}"
+            )
     if args.seq_len < 2:
         raise UsageError(f"--seq-len must be at least 2, got {args.seq_len}")
     if args.out is not None and (not args.out or Path(args.out).is_dir()):
@@ -83,8 +94,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     try:
         import matplotlib  # noqa: F401  (the loss plot)
     except ImportError:
-        raise UsageError("the loss plot needs matplotlib (pip install matplotlib, or the [plot]"
-                         " extra)") from None
+        raise UsageError(
+            "the loss plot needs matplotlib (pip install matplotlib, or the [plot] extra)"
+        ) from None
     return args
 
 
@@ -94,16 +106,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     from smelt_model.train import plot as plot_mod
-    from smelt_model.train.__main__ import build_parser, build_trainers, train_loop, _Progress
+    from smelt_model.train.__main__ import _Progress, build_parser, build_trainers, train_loop
     from smelt_model.train.plot import read_log
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="time_to_loss_"))
-    targs = build_parser().parse_args([
-        "--preset", args.preset, "--arch", "both", "--data", args.data, "--seq-len",
-        str(args.seq_len), "--tokens-per-step", str(args.tokens_per_step), "--lr", str(args.lr),
-        "--budget-flops", str(args.budget_flops), "--eval-tokens", str(args.eval_tokens),
-        "--seed", str(args.seed), "--out", str(work), "--device", "cpu"])
+    targs = build_parser().parse_args(
+        [
+            "--preset",
+            args.preset,
+            "--arch",
+            "both",
+            "--data",
+            args.data,
+            "--seq-len",
+            str(args.seq_len),
+            "--tokens-per-step",
+            str(args.tokens_per_step),
+            "--lr",
+            str(args.lr),
+            "--budget-flops",
+            str(args.budget_flops),
+            "--eval-tokens",
+            str(args.eval_tokens),
+            "--seed",
+            str(args.seed),
+            "--out",
+            str(work),
+            "--device",
+            "cpu",
+        ]
+    )
     # eval-every is set per run below from its step count, so both get the same evaluations
     try:
         dirs = {a: work / a for a in ("baseline", "smelt")}
@@ -113,9 +146,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise UsageError(str(e)) from None
     for t in trainers:
         t.spec.eval_every = t.spec.save_every = max(1, t.spec.steps // args.evals)
-    print(f"data: {corpus.n_train_docs} train / {corpus.n_val_docs} val documents, "
-          f"{len(corpus.train)} contexts of {args.seq_len} tokens; steps: "
-          + ", ".join(f"{t.spec.arch} {t.spec.steps}" for t in trainers), file=sys.stderr)
+    print(
+        f"data: {corpus.n_train_docs} train / {corpus.n_val_docs} val documents, "
+        f"{len(corpus.train)} contexts of {args.seq_len} tokens; steps: "
+        + ", ".join(f"{t.spec.arch} {t.spec.steps}" for t in trainers),
+        file=sys.stderr,
+    )
     t0 = time.time()
     train_loop(trainers, _Progress(enabled=True))
     wall = time.time() - t0
@@ -123,10 +159,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs = {}
     for t in trainers:
         steps, evals = read_log(t.out)
-        runs[t.spec.arch] = {"steps": t.spec.steps, "flops_per_token": t.flops_per_token,
-                             "tokens": t.tokens, "flops": t.flops, "seconds": t.seconds,
-                             "final_val_loss": evals[-1]["val_loss"], "evals": evals,
-                             "train_loss": [r["loss"] for r in steps]}
+        runs[t.spec.arch] = {
+            "steps": t.spec.steps,
+            "flops_per_token": t.flops_per_token,
+            "tokens": t.tokens,
+            "flops": t.flops,
+            "seconds": t.seconds,
+            "final_val_loss": evals[-1]["val_loss"],
+            "evals": evals,
+            "train_loss": [r["loss"] for r in steps],
+        }
     target = runs["baseline"]["final_val_loss"]
     for r in runs.values():
         r["to_target"] = reach(r["evals"], target)
@@ -134,32 +176,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ratios = None
     if s is not None:
         ratios = {"flops": s["flops"] / b["flops"], "seconds": s["seconds"] / b["seconds"]}
-        ratios.update({"flops_saved": 1 - ratios["flops"],
-                       "seconds_saved": 1 - ratios["seconds"]})
+        ratios.update({"flops_saved": 1 - ratios["flops"], "seconds_saved": 1 - ratios["seconds"]})
     command = "python bench/time_to_loss.py " + " ".join(
-        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
     out = Path(args.out) if args.out is not None else work / "time_to_loss_cpu"
     opts = dict(vars(args))
     try:  # record the output inside the repository relative to it, never a machine's path
         opts["out"] = str(out.resolve().relative_to(REPO))
     except ValueError:
         opts["out"] = out.name
-    result = {"command": command.strip(), "args": opts, "target_loss": target,
-              "runs": runs, "ratios": ratios, "wall_seconds": wall,
-              "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                          "processor": cpu_name() or platform.machine(),
-                          "threads": args.threads},
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result = {
+        "command": command.strip(),
+        "args": opts,
+        "target_loss": target,
+        "runs": runs,
+        "ratios": ratios,
+        "wall_seconds": wall,
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "processor": cpu_name() or platform.machine(),
+            "threads": args.threads,
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    plot_mod.plot_runs([dirs["baseline"], dirs["smelt"]], out.with_suffix(".png"),
-                       title=f"{args.preset} pair, {args.data}, {args.budget_flops:.2g} FLOPs")
+    plot_mod.plot_runs(
+        [dirs["baseline"], dirs["smelt"]],
+        out.with_suffix(".png"),
+        title=f"{args.preset} pair, {args.data}, {args.budget_flops:.2g} FLOPs",
+    )
     md = markdown(result, out.with_suffix(".png").name)
     out.with_suffix(".md").write_text(md)
     print(md)
-    print(f"wrote {out.with_suffix('.json')}, .md and .png"
-          + ("" if args.out else " (a temporary folder: --out chooses the place)"),
-          file=sys.stderr)
+    print(
+        f"wrote {out.with_suffix('.json')}, .md and .png"
+        + ("" if args.out else " (a temporary folder: --out chooses the place)"),
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -167,28 +223,41 @@ def markdown(r: dict, image: str) -> str:
     def fmt(x, f):
         return "not reached" if x is None else format(x, f)
 
-    lines = [f"# Time to loss: {r['args']['preset']} pair on {r['args']['data']} (CPU)", "",
-             f"Command: `{r['command']}`  ", f"Date: {r['date']}, torch {r['machine']['torch']}, "
-             f"{r['machine']['threads']} thread(s), total wall-clock {r['wall_seconds']:.0f} s",
-             "", f"Both models trained to {r['args']['budget_flops']:.3g} ledger FLOPs on the same "
-             f"data order; target = the baseline's final validation loss "
-             f"({r['target_loss']:.4f}). Seconds count training steps only.", "",
-             "| arch | steps | tokens | FLOPs | seconds | final val loss | FLOPs to target "
-             "| seconds to target |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Time to loss: {r['args']['preset']} pair on {r['args']['data']} (CPU)",
+        "",
+        f"Command: `{r['command']}`  ",
+        f"Date: {r['date']}, torch {r['machine']['torch']}, "
+        f"{r['machine']['threads']} thread(s), total wall-clock {r['wall_seconds']:.0f} s",
+        "",
+        f"Both models trained to {r['args']['budget_flops']:.3g} ledger FLOPs on the same "
+        f"data order; target = the baseline's final validation loss "
+        f"({r['target_loss']:.4f}). Seconds count training steps only.",
+        "",
+        "| arch | steps | tokens | FLOPs | seconds | final val loss | FLOPs to target "
+        "| seconds to target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for arch, x in r["runs"].items():
         t = x["to_target"]
-        lines.append(f"| {arch} | {x['steps']} | {x['tokens']} | {x['flops']:.3e} | "
-                     f"{x['seconds']:.1f} | {x['final_val_loss']:.4f} | "
-                     f"{fmt(t and t['flops'], '.3e')} | {fmt(t and t['seconds'], '.1f')} |")
+        lines.append(
+            f"| {arch} | {x['steps']} | {x['tokens']} | {x['flops']:.3e} | "
+            f"{x['seconds']:.1f} | {x['final_val_loss']:.4f} | "
+            f"{fmt(t and t['flops'], '.3e')} | {fmt(t and t['seconds'], '.1f')} |"
+        )
     q = r["ratios"]
     lines.append("")
     if q is None:
-        lines.append("SMELT did not reach the baseline's final validation loss within the "
-                     "budget: no compute saving to report.")
+        lines.append(
+            "SMELT did not reach the baseline's final validation loss within the "
+            "budget: no compute saving to report."
+        )
     else:
-        lines.append(f"SMELT / baseline to reach the target: FLOPs {q['flops']:.3f} "
-                     f"(compute saved {100 * q['flops_saved']:+.1f}%), seconds "
-                     f"{q['seconds']:.3f} (saved {100 * q['seconds_saved']:+.1f}%).")
+        lines.append(
+            f"SMELT / baseline to reach the target: FLOPs {q['flops']:.3f} "
+            f"(compute saved {100 * q['flops_saved']:+.1f}%), seconds "
+            f"{q['seconds']:.3f} (saved {100 * q['seconds_saved']:+.1f}%)."
+        )
     lines += ["", f"![validation loss]({image})", ""]
     return "\n".join(lines)
 

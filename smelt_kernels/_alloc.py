@@ -7,7 +7,6 @@ an element the kernel forgets to write fails the comparison instead of passing b
 
 from __future__ import annotations
 
-
 import torch
 
 __all__ = ["cpu_pool_stats", "empty", "poisoning", "release_cpu_pool"]

@@ -76,8 +76,9 @@ def parse_ptxas(log: str) -> dict[str, dict]:
     for line in log.splitlines():
         m = _FUNC.search(line)
         if m:
-            cur = out.setdefault(m.group(1), dict(registers=0, stack=0, spill_stores=0,
-                                                  spill_loads=0, static_smem=0))
+            cur = out.setdefault(
+                m.group(1), dict(registers=0, stack=0, spill_stores=0, spill_loads=0, static_smem=0)
+            )
             continue
         if cur is None:
             continue
@@ -93,7 +94,11 @@ def parse_ptxas(log: str) -> dict[str, dict]:
 def mma_kind(ptx: str) -> str:
     """The matrix instructions in a PTX text: 'wgmma', 'mma.sync', 'wmma' (joined with '+'
     when mixed) or 'none'."""
-    pats = (("wgmma", r"wgmma\.mma_async"), ("mma.sync", r"(?<![\w.])mma\.sync"), ("wmma", r"wmma\.mma"))
+    pats = (
+        ("wgmma", r"wgmma\.mma_async"),
+        ("mma.sync", r"(?<![\w.])mma\.sync"),
+        ("wmma", r"wmma\.mma"),
+    )
     kinds = [name for name, pat in pats if re.search(pat, ptx)]
     return "+".join(kinds) or "none"
 
@@ -127,9 +132,16 @@ class TritonCompiler:
 
         binder = self._binder(fn.signature, fn.params, self.backend)
         bound, spec, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, spec, options)
-        key = (fn.__name__, repr(signature), repr(sorted(constexprs.items(), key=repr)),
-               repr(sorted(attrs.items(), key=repr)), repr(sorted(options.__dict__.items(), key=repr)))
+        options, signature, constexprs, attrs = fn._pack_args(
+            self.backend, kwargs, bound, spec, options
+        )
+        key = (
+            fn.__name__,
+            repr(signature),
+            repr(sorted(constexprs.items(), key=repr)),
+            repr(sorted(attrs.items(), key=repr)),
+            repr(sorted(options.__dict__.items(), key=repr)),
+        )
         if key in self._seen:
             return dict(self._seen[key], reused=True)
         src = self._ast(fn, signature, constexprs, attrs)
@@ -147,11 +159,16 @@ class TritonCompiler:
         stats = next(iter(parse_ptxas(log).values()), None)
         if stats is None:
             raise RuntimeError(f"no ptxas report for {fn.__name__}")
-        row = dict(registers=stats["registers"], spill_stores=stats["spill_stores"],
-                   spill_loads=stats["spill_loads"], stack_bytes=stats["stack"],
-                   shared_bytes=int(kernel.metadata.shared) + stats["static_smem"],
-                   mma=mma_kind(kernel.asm["ptx"]), num_warps=kernel.metadata.num_warps,
-                   num_stages=kernel.metadata.num_stages)
+        row = dict(
+            registers=stats["registers"],
+            spill_stores=stats["spill_stores"],
+            spill_loads=stats["spill_loads"],
+            stack_bytes=stats["stack"],
+            shared_bytes=int(kernel.metadata.shared) + stats["static_smem"],
+            mma=mma_kind(kernel.asm["ptx"]),
+            num_warps=kernel.metadata.num_warps,
+            num_stages=kernel.metadata.num_stages,
+        )
         self._seen[key] = row
         return row
 
@@ -161,8 +178,18 @@ class TritonCompiler:
             path = os.path.join(tmp, "k.ptx")
             with open(path, "w") as f:
                 f.write(ptx)
-            out = subprocess.run([triton_ptxas(), "-v", "--gpu-name=sm_90a", path, "-o",
-                                  os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+            out = subprocess.run(
+                [
+                    triton_ptxas(),
+                    "-v",
+                    "--gpu-name=sm_90a",
+                    path,
+                    "-o",
+                    os.path.join(tmp, "k.cubin"),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode != 0:
                 raise RuntimeError(out.stderr[-2000:])
             return out.stderr + out.stdout
@@ -174,8 +201,9 @@ def triton_jobs(shapes=None, head_dims=None) -> list[dict]:
     from .moe_gemm import triton as moe_triton
 
     shapes = {n: MOE_SHAPES[n] for n in (shapes or MOE_SHAPES)}
-    return moe_triton.audit_launches(shapes, MOE_TOKENS, TOP_K) + \
-        attention_launches(head_dims or ATTENTION_HEAD_DIMS, ATTENTION_HEADS)
+    return moe_triton.audit_launches(shapes, MOE_TOKENS, TOP_K) + attention_launches(
+        head_dims or ATTENTION_HEAD_DIMS, ATTENTION_HEADS
+    )
 
 
 def attention_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
@@ -189,29 +217,52 @@ def attention_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
     meta, cuda = torch.device("meta"), torch.device("cuda")
     hq, hkv = heads
     jobs = []
-    for dtype, D in [(torch.bfloat16, d) for d in head_dims] + [(torch.float32, d) for d in head_dims]:
+    for dtype, D in [(torch.bfloat16, d) for d in head_dims] + [
+        (torch.float32, d) for d in head_dims
+    ]:
         da, dt = at.head_dim_split(D)
-        label = f"{'bf16' if dtype == torch.bfloat16 else 'float32'} D{D} (blocks {da}{f'+{dt}' if dt else ''})"
+        name = "bf16" if dtype == torch.bfloat16 else "float32"
+        label = f"{name} D{D} (blocks {da}{f'+{dt}' if dt else ''})"
         q = torch.empty((1, tokens, hq, D), dtype=dtype, device=meta)
         k = torch.empty((1, tokens, hkv, D), dtype=dtype, device=meta)
         stat = torch.empty((1, hq, tokens), dtype=torch.float32, device=meta)
         seg = torch.empty((1, tokens), dtype=torch.int32, device=meta)
         cfgs = {kind: at.block_config(kind, D, cuda, dtype) for kind in ("fwd", "dkdv", "dq")}
-        launches = [(at._fwd_kernel, None) + at._fwd_launch(q, k, k, q, stat, stat, seg, 0.1, True, cfgs["fwd"])[1:]]
-        launches += at._bwd_launches(q, q, k, k, stat, stat, q, k, k, seg, seg, 0.1, cfgs["dkdv"], cfgs["dq"])
+        launches = [
+            (at._fwd_kernel, None)
+            + at._fwd_launch(q, k, k, q, stat, stat, seg, 0.1, True, cfgs["fwd"])[1:]
+        ]
+        launches += at._bwd_launches(
+            q, q, k, k, stat, stat, q, k, k, seg, seg, 0.1, cfgs["dkdv"], cfgs["dq"]
+        )
         for kernel, _, args, kw in launches:
             if dtype == torch.float32:
                 kw = dict(kw, PRECISION="ieee")
-            name = {at._fwd_kernel: "forward", at._bwd_dkdv_kernel: "backward_dkdv"}.get(kernel, "backward_dq")
-            jobs.append(dict(kernel=f"attention.{name}", fn=kernel, args=args, kwargs=kw,
-                             hot=(name, dtype) == ("forward", torch.bfloat16),
-                             config=f"{label} BM{kw['BLOCK_M']} BN{kw['BLOCK_N']} heads {hq}/{hkv}"))
+            name = {at._fwd_kernel: "forward", at._bwd_dkdv_kernel: "backward_dkdv"}.get(
+                kernel, "backward_dq"
+            )
+            jobs.append(
+                dict(
+                    kernel=f"attention.{name}",
+                    fn=kernel,
+                    args=args,
+                    kwargs=kw,
+                    hot=(name, dtype) == ("forward", torch.bfloat16),
+                    config=f"{label} BM{kw['BLOCK_M']} BN{kw['BLOCK_N']} heads {hq}/{hkv}",
+                )
+            )
     bf16 = torch.bfloat16
-    jobs.append(dict(kernel="attention.backward_delta", fn=at._bwd_delta, hot=False,
-                     config="bf16 D88 BLOCK64",
-                     args=(torch.empty(8, dtype=bf16, device=meta),) * 2
-                     + (torch.empty(8, dtype=torch.float32, device=meta), tokens * hq, tokens, hq),
-                     kwargs=dict(D=88, D_PAD=128, BLOCK=64)))
+    jobs.append(
+        dict(
+            kernel="attention.backward_delta",
+            fn=at._bwd_delta,
+            hot=False,
+            config="bf16 D88 BLOCK64",
+            args=(torch.empty(8, dtype=bf16, device=meta),) * 2
+            + (torch.empty(8, dtype=torch.float32, device=meta), tokens * hq, tokens, hq),
+            kwargs=dict(D=88, D_PAD=128, BLOCK=64),
+        )
+    )
     return jobs
 
 
@@ -222,15 +273,27 @@ def audit_triton(progress, shapes=None, head_dims=None) -> list[dict]:
     for i, job in enumerate(jobs, 1):
         t0 = time.time()
         stats = compiler.compile(job["fn"], job["args"], job["kwargs"])
-        row = dict(kernel=job["kernel"], config=job["config"], source="triton", hot=job["hot"],
-                   registers=stats["registers"], spill_bytes=stats["spill_stores"] + stats["spill_loads"],
-                   spill_stores=stats["spill_stores"], spill_loads=stats["spill_loads"],
-                   stack_bytes=stats["stack_bytes"], shared_bytes=stats["shared_bytes"], mma=stats["mma"],
-                   num_warps=stats["num_warps"], num_stages=stats["num_stages"])
+        row = dict(
+            kernel=job["kernel"],
+            config=job["config"],
+            source="triton",
+            hot=job["hot"],
+            registers=stats["registers"],
+            spill_bytes=stats["spill_stores"] + stats["spill_loads"],
+            spill_stores=stats["spill_stores"],
+            spill_loads=stats["spill_loads"],
+            stack_bytes=stats["stack_bytes"],
+            shared_bytes=stats["shared_bytes"],
+            mma=stats["mma"],
+            num_warps=stats["num_warps"],
+            num_stages=stats["num_stages"],
+        )
         rows.append(row)
         how = "same code as above" if stats.get("reused") else f"{time.time() - t0:.1f} s"
-        progress(f"[{i}/{len(jobs)}] {row['kernel']} {row['config']}: {row['registers']} regs, "
-                 f"{row['spill_bytes']} B spilled, {row['shared_bytes']} B smem, {row['mma']} ({how})")
+        progress(
+            f"[{i}/{len(jobs)}] {row['kernel']} {row['config']}: {row['registers']} regs, "
+            f"{row['spill_bytes']} B spilled, {row['shared_bytes']} B smem, {row['mma']} ({how})"
+        )
     return rows
 
 
@@ -240,9 +303,22 @@ def audit_cuda(progress, nvcc_path: str) -> list[dict]:
     for i, rel in enumerate(CUDA_SOURCES, 1):
         t0 = time.time()
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [nvcc_path, "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "--expt-relaxed-constexpr",
-                   "-I", os.path.join(ROOT, "csrc"), "--keep", "--keep-dir", tmp,
-                   os.path.join(ROOT, rel), "-o", os.path.join(tmp, "k.cubin")]
+            cmd = [
+                nvcc_path,
+                "-cubin",
+                "-arch=sm_90a",
+                "-Xptxas",
+                "-v",
+                "--expt-relaxed-constexpr",
+                "-I",
+                os.path.join(ROOT, "csrc"),
+                "--keep",
+                "--keep-dir",
+                tmp,
+                os.path.join(ROOT, rel),
+                "-o",
+                os.path.join(tmp, "k.cubin"),
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
             if out.returncode != 0:
                 raise RuntimeError(f"nvcc failed on {rel}:\n{out.stderr[-3000:]}")
@@ -253,12 +329,27 @@ def audit_cuda(progress, nvcc_path: str) -> list[dict]:
                         ptx += f.read()
         entries = ptx_entries(ptx)
         for func, st in parse_ptxas(out.stderr + out.stdout).items():
-            rows.append(dict(kernel=_demangle(func), config=f"{rel} sm_90a", source="cuda", hot=False,
-                             registers=st["registers"], spill_bytes=st["spill_stores"] + st["spill_loads"],
-                             spill_stores=st["spill_stores"], spill_loads=st["spill_loads"],
-                             stack_bytes=st["stack"], shared_bytes=st["static_smem"],
-                             mma=mma_kind(entries.get(func, "")), num_warps=None, num_stages=None))
-        progress(f"[cuda {i}/{len(CUDA_SOURCES)}] {rel}: {len(entries)} kernels ({time.time() - t0:.1f} s)")
+            rows.append(
+                dict(
+                    kernel=_demangle(func),
+                    config=f"{rel} sm_90a",
+                    source="cuda",
+                    hot=False,
+                    registers=st["registers"],
+                    spill_bytes=st["spill_stores"] + st["spill_loads"],
+                    spill_stores=st["spill_stores"],
+                    spill_loads=st["spill_loads"],
+                    stack_bytes=st["stack"],
+                    shared_bytes=st["static_smem"],
+                    mma=mma_kind(entries.get(func, "")),
+                    num_warps=None,
+                    num_stages=None,
+                )
+            )
+        progress(
+            f"[cuda {i}/{len(CUDA_SOURCES)}] {rel}: {len(entries)} kernels "
+            f"({time.time() - t0:.1f} s)"
+        )
     return rows
 
 
@@ -273,12 +364,14 @@ def _demangle(name: str) -> str:
         m = re.match(r"\d+", name[pos:])
         n = int(m.group())
         pos += len(m.group())
-        ident = name[pos:pos + n]
+        ident = name[pos : pos + n]
         pos += n
     if pos >= len(name) or name[pos] != "I":
         return ident
     args = []
-    for tok in re.finditer(r"(\d+)(__nv_bfloat16|__half)|6__half|Lb([01])E|Li(\d+)E|(?<=[IE])f", name[pos:]):
+    for tok in re.finditer(
+        r"(\d+)(__nv_bfloat16|__half)|6__half|Lb([01])E|Li(\d+)E|(?<=[IE])f", name[pos:]
+    ):
         text = tok.group(0)
         if tok.group(2) or text == "6__half":
             args.append(tok.group(2) or "__half")
@@ -305,73 +398,112 @@ GPU_ONLY_BF16 = (
 
 
 def to_markdown(rows: list[dict], tools: dict) -> str:
-    lines = ["# Kernel audit for sm_90a (Hopper)", "",
-             f"Compiled ahead of time, no GPU: Triton {tools.get('triton', '?')} with its bundled "
-             f"ptxas; CUDA with {tools.get('nvcc', '?')}. Registers per thread, spills (stores + "
-             "loads, bytes), shared memory per block (Triton: dynamic, what the launch asks for; "
-             "CUDA: static) and the matrix instructions in the PTX. Limit: 227 KB shared memory.", "",
-             "| kernel | config | regs | spill B | smem B | mma | warps | stages |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Kernel audit for sm_90a (Hopper)",
+        "",
+        f"Compiled ahead of time, no GPU: Triton {tools.get('triton', '?')} with its bundled "
+        f"ptxas; CUDA with {tools.get('nvcc', '?')}. Registers per thread, spills (stores + "
+        "loads, bytes), shared memory per block (Triton: dynamic, what the launch asks for; "
+        "CUDA: static) and the matrix instructions in the PTX. Limit: 227 KB shared memory.",
+        "",
+        "| kernel | config | regs | spill B | smem B | mma | warps | stages |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['kernel']}{' (hot)' if r['hot'] else ''} | {r['config']} | {r['registers']} | "
-                     f"{r['spill_bytes']} | {r['shared_bytes']} | {r['mma']} | {r['num_warps'] or ''} | "
-                     f"{r['num_stages'] or ''} |")
+        lines.append(
+            f"| {r['kernel']}{' (hot)' if r['hot'] else ''} | {r['config']} | {r['registers']} | "
+            f"{r['spill_bytes']} | {r['shared_bytes']} | {r['mma']} | {r['num_warps'] or ''} | "
+            f"{r['num_stages'] or ''} |"
+        )
     spills = [r for r in rows if r["spill_bytes"]]
-    lines += ["", "Spills: none." if not spills else
-              "Spills: " + "; ".join(f"{r['kernel']} ({r['config']}): {r['spill_bytes']} B" for r in spills) + "."]
+    lines += [
+        "",
+        "Spills: none."
+        if not spills
+        else "Spills: "
+        + "; ".join(f"{r['kernel']} ({r['config']}): {r['spill_bytes']} B" for r in spills)
+        + ".",
+    ]
     cuda = [r for r in rows if r["source"] == "cuda"]
     if cuda and not any("wgmma" in r["mma"] for r in cuda):
         kinds = sorted({r["mma"] for r in cuda} - {"none"})
-        lines += ["", f"The CUDA kernels use {', '.join(kinds) or 'no matrix instructions'} only (no "
-                  "wgmma, no TMA; 'none' rows are gather/sum kernels): they run on "
-                  "Hopper at Ampere-style tensor-core rates. A Hopper-grade CUDA path (wgmma + TMA, "
-                  "for example on CUTLASS's grouped GEMM from the `nvidia-cutlass` package) is the "
-                  "next step there."]
+        lines += [
+            "",
+            f"The CUDA kernels use {', '.join(kinds) or 'no matrix instructions'} only (no "
+            "wgmma, no TMA; 'none' rows are gather/sum kernels): they run on "
+            "Hopper at Ampere-style tensor-core rates. A Hopper-grade CUDA path (wgmma + TMA, "
+            "for example on CUTLASS's grouped GEMM from the `nvidia-cutlass` package) is the "
+            "next step there.",
+        ]
     lines += ["", "## bf16 paths only a GPU can verify", ""] + [f"- {s}" for s in GPU_ONLY_BF16]
-    lines += ["", "Checked without a GPU: the bf16 Triton MoE forward and attention forward and "
-              "backward run in the interpreter on bf16 inputs with fp32 dots (UPCAST) and match an "
-              "emulated reference (exact products of the bf16 inputs, outputs and stored "
-              "intermediates rounded as the kernel rounds them) to one bf16 step; the MoE backward "
-              "in bf16 is checked against the fp64 reference at bf16 tolerance."]
+    lines += [
+        "",
+        "Checked without a GPU: the bf16 Triton MoE forward and attention forward and "
+        "backward run in the interpreter on bf16 inputs with fp32 dots (UPCAST) and match an "
+        "emulated reference (exact products of the bf16 inputs, outputs and stored "
+        "intermediates rounded as the kernel rounds them) to one bf16 step; the MoE backward "
+        "in bf16 is checked against the fp64 reference at bf16 tolerance.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- command line
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m smelt_kernels.audit", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m smelt_kernels.audit", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--json", help="write the rows as a JSON list here")
     ap.add_argument("--markdown", help="write a Markdown table here")
     ap.add_argument("--only", choices=("triton", "cuda"), help="audit one kind of kernel")
-    ap.add_argument("--shapes", help=f"comma-separated MoE shapes (default all: {','.join(MOE_SHAPES)})")
-    ap.add_argument("--head-dims", help="comma-separated attention head dims (default "
-                    f"{','.join(map(str, ATTENTION_HEAD_DIMS))})")
+    ap.add_argument(
+        "--shapes", help=f"comma-separated MoE shapes (default all: {','.join(MOE_SHAPES)})"
+    )
+    ap.add_argument(
+        "--head-dims",
+        help="comma-separated attention head dims (default "
+        f"{','.join(map(str, ATTENTION_HEAD_DIMS))})",
+    )
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",") if args.shapes else None
     if shapes and any(s not in MOE_SHAPES for s in shapes):
-        print(f"audit: --shapes must name shapes from {', '.join(MOE_SHAPES)}; got {args.shapes}",
-              file=sys.stderr)
+        print(
+            f"audit: --shapes must name shapes from {', '.join(MOE_SHAPES)}; got {args.shapes}",
+            file=sys.stderr,
+        )
         return 2
     try:
         head_dims = [int(d) for d in args.head_dims.split(",")] if args.head_dims else None
     except ValueError:
         head_dims = []
     if head_dims is not None and not all(8 <= d <= 128 and d % 8 == 0 for d in head_dims):
-        print(f"audit: --head-dims must be multiples of 8 from 8 to 128; got {args.head_dims}",
-              file=sys.stderr)
+        print(
+            f"audit: --head-dims must be multiples of 8 from 8 to 128; got {args.head_dims}",
+            file=sys.stderr,
+        )
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         # kernels defined under the interpreter cannot be compiled: rerun without it
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        return subprocess.call([sys.executable, "-m", "smelt_kernels.audit", *sys.argv[1:]]
-                               if argv is None else [sys.executable, "-m", "smelt_kernels.audit", *argv], env=env)
+        return subprocess.call(
+            [sys.executable, "-m", "smelt_kernels.audit", *sys.argv[1:]]
+            if argv is None
+            else [sys.executable, "-m", "smelt_kernels.audit", *argv],
+            env=env,
+        )
     need_triton, need_cuda = args.only in (None, "triton"), args.only in (None, "cuda")
     ptxas, nv = triton_ptxas(), nvcc()
     if need_triton and ptxas is None:
-        print("audit: Triton with its bundled ptxas is required (pip install triton); not found", file=sys.stderr)
+        print(
+            "audit: Triton with its bundled ptxas is required (pip install triton); not found",
+            file=sys.stderr,
+        )
         return 2
     if need_cuda and nv is None:
-        print("audit: nvcc is required for the CUDA kernels (put it on PATH or set CUDA_HOME; "
-              "--only triton skips them); not found", file=sys.stderr)
+        print(
+            "audit: nvcc is required for the CUDA kernels (put it on PATH or set CUDA_HOME; "
+            "--only triton skips them); not found",
+            file=sys.stderr,
+        )
         return 2
 
     def progress(msg):
@@ -380,15 +512,22 @@ def main(argv=None) -> int:
     tools = {}
     if need_triton:
         import triton
+
         tools["triton"] = triton.__version__
         progress(f"triton {triton.__version__}, ptxas {ptxas}")
     if need_cuda:
-        ver = subprocess.run([nv, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        ver = (
+            subprocess.run([nv, "--version"], capture_output=True, text=True)
+            .stdout.strip()
+            .splitlines()
+        )
         tools["nvcc"] = "nvcc " + (ver[-1] if ver else "?")
         progress(f"{tools['nvcc']} at {nv}")
     t0 = time.time()
     try:
-        rows = (audit_triton(progress, shapes, head_dims) if need_triton else []) + (audit_cuda(progress, nv) if need_cuda else [])
+        rows = (audit_triton(progress, shapes, head_dims) if need_triton else []) + (
+            audit_cuda(progress, nv) if need_cuda else []
+        )
     except RuntimeError as e:
         print(f"audit: compile failed: {str(e).splitlines()[0] if str(e) else e}", file=sys.stderr)
         return 1
@@ -405,8 +544,10 @@ def main(argv=None) -> int:
         print(md)
     bad = [r for r in rows if r["spill_bytes"] or r["shared_bytes"] > SM90_SHARED_LIMIT]
     for r in bad:
-        progress(f"over budget: {r['kernel']} {r['config']} ({r['spill_bytes']} B spilled, "
-                 f"{r['shared_bytes']} B smem)")
+        progress(
+            f"over budget: {r['kernel']} {r['config']} ({r['spill_bytes']} B spilled, "
+            f"{r['shared_bytes']} B smem)"
+        )
     return 0
 
 

@@ -27,13 +27,73 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+# the argument checks every op shares (checks.py), and the backend families, extensions and
+# environment variables (families.py): the ops reach them through here
+from .checks import (
+    can_read_values,
+    check_values_flag,
+    needs_grad,
+    require_device,
+    require_floating,
+    require_tensor,
+)
+from .families import (
+    _EXT_CACHE,
+    _FAMILIES,
+    BACKENDS,
+    ENVIRONMENT,
+    Family,
+    _device,
+    choices,
+    env,
+    env_flag,
+    extension,
+    extension_error,
+    extension_op_missing,
+    families,
+    lazy,
+    register_family,
+    register_native_fake,
+    triton_interpret,
+    unavailable_reason,
+)
+from .families import _EXT_ERRORS as _EXT_ERRORS  # what a test or a user may patch
+
 __all__ = [
-    "BACKENDS", "BackendUnavailableError", "Family", "Variant", "Implementation", "Choice",
-    "Report", "ENVIRONMENT", "register_family", "families", "choices", "define", "register",
-    "implementation", "implementations", "select", "backward_of", "backward_impl", "lazy",
-    "put", "report", "env", "env_flag", "extension", "extension_error", "extension_op_missing",
-    "register_native_fake", "needs_grad", "triton_interpret", "unavailable_reason",
-    "can_read_values", "require_tensor", "require_floating", "require_device",
+    "BACKENDS",
+    "BackendUnavailableError",
+    "Family",
+    "Variant",
+    "Implementation",
+    "Choice",
+    "Report",
+    "ENVIRONMENT",
+    "register_family",
+    "families",
+    "choices",
+    "define",
+    "register",
+    "implementation",
+    "implementations",
+    "select",
+    "backward_of",
+    "backward_impl",
+    "lazy",
+    "put",
+    "report",
+    "env",
+    "env_flag",
+    "extension",
+    "extension_error",
+    "extension_op_missing",
+    "register_native_fake",
+    "needs_grad",
+    "triton_interpret",
+    "unavailable_reason",
+    "can_read_values",
+    "require_tensor",
+    "require_floating",
+    "require_device",
     "check_values_flag",
 ]
 
@@ -45,205 +105,6 @@ OP_MODULES = ("smelt_kernels.moe_gemm", "smelt_kernels.attention", "smelt_kernel
 
 class BackendUnavailableError(RuntimeError):
     """A requested backend cannot run here (not built, wrong device, no Triton...)."""
-
-
-# ----------------------------------------------------------------------------- environment
-#: every environment variable smelt reads at run time, and what it changes
-ENVIRONMENT: dict[str, str] = {
-    "TRITON_INTERPRET": "1 runs Triton kernels on CPU tensors in the interpreter",
-    "SMELT_CPU_GENERIC": "1: the CPU MoE forward uses the packed-panel kernels, never the "
-                         "AVX-512 rows kernel",
-    "SMELT_CPU_DECODE": "0: the CPU MoE forward never takes the few-rows (decode) path",
-    "SMELT_ATTENTION_ISA": "avx2, avx2-wide or generic: the CPU attention kernel's vector form "
-                           "(read once, when the extension loads)",
-    "SMELT_ROUTE_ISA": "avx2 or generic: the CPU router's top-k form",
-    "SMELT_CPU_POOL_MB": "what the CPU kernels' block pool keeps unused, in MB (default 1024; "
-                         "0 turns it off)",
-    "SMELT_POISON": "1 fills every kernel output with NaN before the kernel writes it (tests)",
-    "SMELT_HF_STRICT": "1: the transformers experts integration raises instead of falling back",
-    "SMELT_TRAIN_CRASH": "step:N or checkpoint:N kills the trainer there (fault injection, tests)",
-}
-
-
-def env(name: str) -> Optional[str]:
-    """The value of environment variable ``name`` (one of :data:`ENVIRONMENT`), or None."""
-    if name not in ENVIRONMENT:
-        raise KeyError(f"{name} is not one of smelt's environment variables ({', '.join(ENVIRONMENT)})")
-    return os.environ.get(name)
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    """Whether ``name`` is set to something other than empty, "0", "false" or "no"."""
-    value = env(name)
-    if value is None or value == "":
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
-
-
-def triton_interpret() -> bool:
-    return env_flag("TRITON_INTERPRET")
-
-
-# ----------------------------------------------------------------------------- extensions
-_EXT_CACHE: dict[str, object] = {}
-_EXT_ERRORS: dict[str, str] = {}
-
-
-def extension(name: str):
-    """The native extension ``smelt_kernels.<name>`` (``"_cpu"`` or ``"_cuda"``), or None."""
-    if name in _EXT_CACHE:
-        return _EXT_CACHE[name]
-    try:
-        mod = importlib.import_module(f"smelt_kernels.{name}")
-    except Exception as e:  # ImportError, or an undefined symbol from a stale build
-        mod = None
-        _EXT_ERRORS[name] = (
-            f"smelt_kernels.{name} is not built or failed to load ({type(e).__name__}: {e}); "
-            "reinstall with `pip install --no-build-isolation -e .` on a machine that can build it"
-        )
-    _EXT_CACHE[name] = mod
-    return mod
-
-
-def extension_error(name: str) -> Optional[str]:
-    """Why :func:`extension` returned None, or None if it loaded."""
-    extension(name)
-    return _EXT_ERRORS.get(name)
-
-
-def _library(ext: str) -> str:
-    for fam in _FAMILIES.values():
-        if fam.extension == ext:
-            return fam.library
-    raise ValueError(f"no backend family builds the extension {ext!r}")
-
-
-def extension_op_missing(name: str, op: str, source: str) -> Optional[str]:
-    """None if extension ``name`` loaded and registered ``torch.ops.<lib>.<op>``, else why not.
-    ``source`` names the file that defines the op (for the message)."""
-    if extension(name) is None:
-        return extension_error(name)
-    lib = _library(name)
-    if not hasattr(getattr(torch.ops, lib), op):
-        return f"smelt_kernels.{name} was built without {source} (no {lib}.{op})"
-    return None
-
-
-def register_native_fake(name: str, op: str, fake) -> bool:
-    """Register ``fake`` as the fake (meta) kernel of native op ``torch.ops.<lib>.<op>`` of
-    extension ``name`` when it is built, so that ``torch.compile`` can trace a direct call
-    to it (what the no-autograd entry points make). True if registered."""
-    if extension_op_missing(name, op, "") is not None:
-        return False
-    torch.library.register_fake(f"{_library(name)}::{op}", fake)
-    return True
-
-
-# ----------------------------------------------------------------------------- families
-def _device(device) -> torch.device:
-    return device if isinstance(device, torch.device) else torch.device(device)
-
-
-@dataclass(frozen=True)
-class Family:
-    """A backend family: ``devices`` it can run on (None: any), the native ``extension`` it
-    builds (with its ``torch.ops`` ``library``) and whether every implementation needs it
-    (``needs_extension``), and ``check(device)`` for anything else (None or the reason)."""
-
-    name: str
-    doc: str
-    devices: Optional[tuple[str, ...]] = None
-    extension: Optional[str] = None
-    library: Optional[str] = None
-    needs_extension: bool = False
-    check: Optional[Callable[[torch.device], Optional[str]]] = None
-
-    def unavailable(self, device) -> Optional[str]:
-        dev = _device(device)
-        if self.devices is not None and dev.type not in self.devices:
-            kind = "/".join(self.devices)
-            return f"the {self.name!r} backend runs on {kind} tensors, got device {dev}"
-        if self.needs_extension and extension(self.extension) is None:
-            return extension_error(self.extension)
-        return None if self.check is None else self.check(dev)
-
-
-_FAMILIES: dict[str, Family] = {}
-
-
-def register_family(family: Family) -> Family:
-    """Add a backend family (a new kind of kernel: its implementations then register under
-    its name). Registering a name twice is an error."""
-    if family.name in _FAMILIES or family.name == "auto":
-        raise ValueError(f"register_family: {family.name!r} is already a backend name")
-    _FAMILIES[family.name] = family
-    return family
-
-
-def families() -> tuple[Family, ...]:
-    return tuple(_FAMILIES.values())
-
-
-def choices() -> tuple[str, ...]:
-    """What a ``--backend`` option takes: ``"auto"`` and every family."""
-    return ("auto",) + tuple(_FAMILIES)
-
-
-_TRITON_ERROR: list[Optional[str]] = []
-
-
-def _triton_import_error() -> Optional[str]:
-    if not _TRITON_ERROR:
-        try:
-            import triton  # noqa: F401
-            import triton.language  # noqa: F401  (the interpreter and compiler live there)
-
-            _TRITON_ERROR.append(None)
-        except Exception as e:
-            _TRITON_ERROR.append(f"triton is not importable ({type(e).__name__}: {e})")
-    return _TRITON_ERROR[0]
-
-
-def _triton_check(dev: torch.device) -> Optional[str]:
-    reason = _triton_import_error()
-    if reason is None and dev.type == "cpu" and not triton_interpret():
-        return "Triton on CPU tensors needs TRITON_INTERPRET=1 (the interpreter)"
-    return reason
-
-
-register_family(Family("torch", "the pure-torch reference of every op (any device)"))
-register_family(Family("cpu", "native C++ kernels (smelt_kernels._cpu) and ATen fast paths",
-                       devices=("cpu",), extension="_cpu", library="smelt_cpu"))
-register_family(Family("triton", "Triton kernels (CUDA; CPU under TRITON_INTERPRET=1)",
-                       devices=("cpu", "cuda"), check=_triton_check))
-register_family(Family("cuda", "hand-written CUDA kernels (smelt_kernels._cuda)",
-                       devices=("cuda",), extension="_cuda", library="smelt_cuda",
-                       needs_extension=True))
-
-#: the shipped backend families (:func:`choices` adds ``"auto"`` and any registered later)
-BACKENDS = tuple(_FAMILIES)
-
-
-def unavailable_reason(backend: str, device) -> Optional[str]:
-    """None if the backend family ``backend`` can run on ``device`` at all; otherwise why
-    not (what an op's implementation needs beyond it is its ``requires`` check)."""
-    if backend not in _FAMILIES:
-        return f"unknown backend {backend!r}; choose one of {tuple(_FAMILIES)} or None"
-    return _FAMILIES[backend].unavailable(device)
-
-
-def lazy(module: str, attr: str) -> Callable[..., Any]:
-    """A callable that imports ``module`` on first use and calls its ``attr``: lets an op
-    register a Triton implementation without importing Triton."""
-    target: list[Callable[..., Any]] = []
-
-    def call(*args, **kwargs):
-        if not target:
-            target.append(getattr(importlib.import_module(module), attr))
-        return target[0](*args, **kwargs)
-
-    call.__name__ = call.__qualname__ = f"{module}.{attr}"
-    return call
 
 
 # ----------------------------------------------------------------------------- the registry
@@ -298,8 +159,10 @@ class Implementation:
         """None if this implementation can run on ``device``, else why not."""
         dev = _device(device)
         if self.devices is not None and dev.type not in self.devices:
-            return (f"{self.op}: backend {self.backend!r} runs on {'/'.join(self.devices)} "
-                    f"tensors, got device {dev}")
+            return (
+                f"{self.op}: backend {self.backend!r} runs on {'/'.join(self.devices)} "
+                f"tensors, got device {dev}"
+            )
         reason = unavailable_reason(self.backend, dev)
         if reason is None and self.requires is not None:
             reason = self.requires(dev)
@@ -371,17 +234,28 @@ def define(op: str, describe: Callable[..., tuple], *, missing_runs_auto: bool =
     _OPS[op] = _OpInfo(describe, missing_runs_auto)
 
 
-def register(op: str, backend: str, forward: Callable[..., Any],
-             backward: Optional[Callable[..., Any]] = None, *,
-             backward_via: Sequence[str] = (), devices: Optional[Sequence[str]] = ("cpu", "cuda"),
-             auto: Optional[Sequence[str]] = None, priority: int = 0,
-             dtypes: Optional[Sequence[torch.dtype]] = None,
-             requires: Optional[Callable[[torch.device], Optional[str]]] = None,
-             supports: Optional[Callable[..., Optional[str]]] = None,
-             infer: Optional[Callable[..., Any]] = None, variants: Sequence[Variant] = (),
-             variant: Optional[Callable[..., tuple[str, str]]] = None, traced: bool = True,
-             direct: bool = False, checks_values: bool = False, replace: bool = False,
-             **info: Any) -> Implementation:
+def register(
+    op: str,
+    backend: str,
+    forward: Callable[..., Any],
+    backward: Optional[Callable[..., Any]] = None,
+    *,
+    backward_via: Sequence[str] = (),
+    devices: Optional[Sequence[str]] = ("cpu", "cuda"),
+    auto: Optional[Sequence[str]] = None,
+    priority: int = 0,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    requires: Optional[Callable[[torch.device], Optional[str]]] = None,
+    supports: Optional[Callable[..., Optional[str]]] = None,
+    infer: Optional[Callable[..., Any]] = None,
+    variants: Sequence[Variant] = (),
+    variant: Optional[Callable[..., tuple[str, str]]] = None,
+    traced: bool = True,
+    direct: bool = False,
+    checks_values: bool = False,
+    replace: bool = False,
+    **info: Any,
+) -> Implementation:
     """Register ``backend``'s implementation of ``op`` (see :class:`Implementation`).
     Registering the same (op, backend) twice is an error unless ``replace=True`` (for
     experiments: a user's own kernel under an existing name)."""
@@ -392,12 +266,26 @@ def register(op: str, backend: str, forward: Callable[..., Any],
     impls = _REGISTRY.setdefault(op, {})
     if backend in impls and not replace:
         raise ValueError(f"register: {op!r} already has a {backend!r} implementation")
-    impl = Implementation(op, backend, forward, backward, tuple(backward_via),
-                          None if devices is None else tuple(devices),
-                          None if auto is None else tuple(auto), priority,
-                          None if dtypes is None else tuple(dtypes), requires, supports,
-                          dict(info), infer, tuple(variants), variant, traced, direct,
-                          checks_values)
+    impl = Implementation(
+        op,
+        backend,
+        forward,
+        backward,
+        tuple(backward_via),
+        None if devices is None else tuple(devices),
+        None if auto is None else tuple(auto),
+        priority,
+        None if dtypes is None else tuple(dtypes),
+        requires,
+        supports,
+        dict(info),
+        infer,
+        tuple(variants),
+        variant,
+        traced,
+        direct,
+        checks_values,
+    )
     impls[backend] = impl
     _CACHE.clear()
     return impl
@@ -452,24 +340,37 @@ def _auto(op, dev, dtype, features) -> tuple[Implementation, str]:
         if compiling and not impl.traced:
             reason = "not while torch.compile traces (its generated code fuses the reference)"
         else:
-            reason = (impl.unavailable(dev) or impl.dtype_reason(dtype)
-                      or impl.feature_reason(features))
+            reason = (
+                impl.unavailable(dev) or impl.dtype_reason(dtype) or impl.feature_reason(features)
+            )
         if reason is None:
             return impl, "; ".join(skipped)
         skipped.append(f"{impl.backend}: {reason}")
     raise BackendUnavailableError(
-        f"{op}: no backend can run these inputs on {dev} ({'; '.join(skipped) or 'none registered'})")
+        f"{op}: no backend can run these inputs on {dev} "
+        f"({'; '.join(skipped) or 'none registered'})"
+    )
 
 
 def _state() -> tuple:
     # what availability depends on besides the registry: tests and users may load, replace
     # or drop an extension, or switch the Triton interpreter, in a running process
-    return (os.environ.get("TRITON_INTERPRET"), id(_EXT_CACHE.get("_cpu")),
-            id(_EXT_CACHE.get("_cuda")), len(_EXT_CACHE))
+    return (
+        os.environ.get("TRITON_INTERPRET"),
+        id(_EXT_CACHE.get("_cpu")),
+        id(_EXT_CACHE.get("_cuda")),
+        len(_EXT_CACHE),
+    )
 
 
-def select(op: str, *inputs: Any, backend: Optional[str] = None, device=None,
-           dtype: Optional[torch.dtype] = None, **features: Any) -> Choice:
+def select(
+    op: str,
+    *inputs: Any,
+    backend: Optional[str] = None,
+    device=None,
+    dtype: Optional[torch.dtype] = None,
+    **features: Any,
+) -> Choice:
     """The implementation of ``op`` to run, as a :class:`Choice` (``.backend``,
     ``.reason``, ``.variant``, ``.variant_reason``).
 
@@ -489,9 +390,12 @@ def select(op: str, *inputs: Any, backend: Optional[str] = None, device=None,
         if inputs:
             backend = inputs[0]
         dev, inputs = _device(device), ()
-    if backend is not None and not (isinstance(backend, str)
-                                    and (backend in _FAMILIES or backend == "auto")):
-        raise ValueError(f"backend must be one of {tuple(_FAMILIES)}, 'auto' or None; got {backend!r}")
+    if backend is not None and not (
+        isinstance(backend, str) and (backend in _FAMILIES or backend == "auto")
+    ):
+        raise ValueError(
+            f"backend must be one of {tuple(_FAMILIES)}, 'auto' or None; got {backend!r}"
+        )
     why = None
     if backend is not None and backend != "auto":
         info = _OPS.get(op)
@@ -504,25 +408,41 @@ def select(op: str, *inputs: Any, backend: Optional[str] = None, device=None,
         if explicit:
             return Choice(_explicit(op, backend, dev, dtype, features), "asked for", inputs)
         return Choice(_auto(op, dev, dtype, features)[0], "traced by torch.compile", inputs)
-    key = (op, backend, dev.type, dtype, tuple(sorted(features.items())) if features else (),
-           _state())
+    key = (
+        op,
+        backend,
+        dev.type,
+        dtype,
+        tuple(sorted(features.items())) if features else (),
+        _state(),
+    )
     hit = _CACHE.get(key)
     # a hit stands while the registry still holds that implementation
     if hit is None or _REGISTRY.get(op, {}).get(hit[0].backend) is not hit[0]:
-        hit = (_explicit(op, backend, dev, dtype, features), "") if explicit else \
-            _auto(op, dev, dtype, features)
+        hit = (
+            (_explicit(op, backend, dev, dtype, features), "")
+            if explicit
+            else _auto(op, dev, dtype, features)
+        )
         _CACHE[key] = hit
     if explicit:
         return Choice(hit[0], "asked for", inputs)
     impl, skipped = hit
-    reason = "; ".join(r for r in (why, skipped and f"fell back past {skipped}") if r) or \
-        "the highest-priority backend that can run these inputs"
+    reason = (
+        "; ".join(r for r in (why, skipped and f"fell back past {skipped}") if r)
+        or "the highest-priority backend that can run these inputs"
+    )
     if why or skipped:
         log_key = (op, dev.type, impl.backend)
         if log_key not in _REPORTED:
             _REPORTED.add(log_key)
-            logger.info("%s on %s uses backend %r (%s)", op, dev.type, impl.backend,
-                        "; ".join(r for r in (why, skipped) if r))
+            logger.info(
+                "%s on %s uses backend %r (%s)",
+                op,
+                dev.type,
+                impl.backend,
+                "; ".join(r for r in (why, skipped) if r),
+            )
     return Choice(impl, reason, inputs)
 
 
@@ -541,7 +461,9 @@ def backward_impl(impl: Implementation, device) -> Implementation:
             return backward_impl(other, device)
         reasons.append(f"{name}: {reason}")
     raise BackendUnavailableError(
-        f"{impl.op}: backend {impl.backend!r} has no backward here ({'; '.join(reasons) or 'none registered'})")
+        f"{impl.op}: backend {impl.backend!r} has no backward here "
+        f"({'; '.join(reasons) or 'none registered'})"
+    )
 
 
 def backward_of(impl: Implementation, device) -> Callable[..., Any]:
@@ -566,8 +488,13 @@ class Report(dict):
                 lines.append(f"  {backend:<7} {'available' if reason is None else reason}")
                 for name, doc in self.variants.get(op, {}).get(backend, {}).items():
                     lines.append(f"    variant {name}: {doc}")
-        lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in self.environment.items())
-                                        or "no smelt variable set"))
+        lines.append(
+            "environment: "
+            + (
+                ", ".join(f"{k}={v}" for k, v in self.environment.items())
+                or "no smelt variable set"
+            )
+        )
         return "\n".join(lines)
 
 
@@ -577,22 +504,17 @@ def report(device="cpu") -> Report:
     first, so their registrations count."""
     for mod in OP_MODULES:
         importlib.import_module(mod)
-    rows = {op: {impl.backend: impl.unavailable(device) for impl in implementations(op)}
-            for op in _REGISTRY}
-    variants = {op: {impl.backend: {v.name: v.doc for v in impl.variants}
-                     for impl in implementations(op) if impl.variants}
-                for op in _REGISTRY}
+    rows = {
+        op: {impl.backend: impl.unavailable(device) for impl in implementations(op)}
+        for op in _REGISTRY
+    }
+    variants = {
+        op: {
+            impl.backend: {v.name: v.doc for v in impl.variants}
+            for impl in implementations(op)
+            if impl.variants
+        }
+        for op in _REGISTRY
+    }
     environment = {name: os.environ[name] for name in ENVIRONMENT if name in os.environ}
     return Report(str(device), rows, variants, environment)
-
-
-# the argument checks every op shares live in checks.py; ops reach them through here
-from .checks import (can_read_values, check_values_flag, needs_grad,  # noqa: E402
-                     require_device, require_floating, require_tensor)
-
-
-# Probe the optional pieces once, at import, so that backend selection inside a
-# torch.compile'd region is a plain lookup (dynamo does not trace imports).
-for _name in ("_cpu", "_cuda"):
-    extension(_name)
-_triton_import_error()

@@ -8,8 +8,14 @@ from typing import Optional
 
 import torch
 
-__all__ = ["needs_grad", "can_read_values", "require_tensor", "require_floating",
-           "require_device", "check_values_flag"]
+__all__ = [
+    "needs_grad",
+    "can_read_values",
+    "require_tensor",
+    "require_floating",
+    "require_device",
+    "check_values_flag",
+]
 
 
 def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
@@ -43,7 +49,9 @@ def require_floating(op: str, first: str, tensor: torch.Tensor, **same: torch.Te
             raise TypeError(f"{op}: {name} must have {first}'s dtype {tensor.dtype}, got {t.dtype}")
 
 
-def require_device(op: str, first: str, tensor: torch.Tensor, **same: Optional[torch.Tensor]) -> None:
+def require_device(
+    op: str, first: str, tensor: torch.Tensor, **same: Optional[torch.Tensor]
+) -> None:
     """Every ``same`` (None skipped) on ``tensor``'s device, else a ``ValueError``."""
     for name, t in same.items():
         if t is not None and t.device != tensor.device:
@@ -53,4 +61,6 @@ def require_device(op: str, first: str, tensor: torch.Tensor, **same: Optional[t
 def check_values_flag(op: str, check_values) -> None:
     """``check_values`` must be None (check where the values can be read) or a bool."""
     if check_values is not None and not isinstance(check_values, bool):
-        raise TypeError(f"{op}: check_values must be None or a bool, got {type(check_values).__name__}")
+        raise TypeError(
+            f"{op}: check_values must be None or a bool, got {type(check_values).__name__}"
+        )

@@ -21,7 +21,8 @@ stack of blocks along it:
 
 A block is any module called as ``block(x, ctx, step) -> (x, extra)``: ``ctx`` is the
 per-forward context the model passes through (rotary tables, segment ids, KV cache...),
-``extra`` a scalar tensor to sum over executed layers (e.g. a router loss) or None. Returning it, rather than stashing it in ``ctx``, keeps the step a pure function, as
+``extra`` a scalar tensor to sum over executed layers (e.g. a router loss) or None.
+Returning it, rather than stashing it in ``ctx``, keeps the step a pure function, as
 activation checkpointing and torch.compile need.
 """
 
@@ -77,15 +78,21 @@ class Executor:
             return step.in_span and step.visit == 0 and self.plan.count > 1
         return False
 
-    def run_step(self, block: nn.Module, x: torch.Tensor, ctx: Any,
-                 step: Step) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def run_step(
+        self, block: nn.Module, x: torch.Tensor, ctx: Any, step: Step
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if torch.is_grad_enabled() and self.should_recompute(step):
             return checkpoint(block, x, ctx, step, use_reentrant=False)
         return block(x, ctx, step)
 
-    def run(self, blocks: Callable[[int], nn.Module], x: torch.Tensor, ctx: Any,
-            steps: Optional[Iterable[Step]] = None,
-            extra: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def run(
+        self,
+        blocks: Callable[[int], nn.Module],
+        x: torch.Tensor,
+        ctx: Any,
+        steps: Optional[Iterable[Step]] = None,
+        extra: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Run ``steps`` (default: the whole plan); ``blocks(layer)`` gives a physical layer.
 
         Returns the final ``x`` and the sum of the blocks' extras (added to ``extra``).
@@ -104,15 +111,18 @@ class LoopedSpan(nn.Module):
         super().__init__()
         if len(layers) != executor.plan.length:
             raise ValueError(
-                f"the span has {executor.plan.length} layers in the plan, got {len(layers)}")
+                f"the span has {executor.plan.length} layers in the plan, got {len(layers)}"
+            )
         self.layers = nn.ModuleList(layers)
         self.executor = executor
 
-    def forward(self, x: torch.Tensor, ctx: Any,
-                extra: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, x: torch.Tensor, ctx: Any, extra: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         start = self.executor.plan.start
-        return self.executor.run(lambda layer: self.layers[layer - start], x, ctx,
-                                 self.executor.plan.span, extra)
+        return self.executor.run(
+            lambda layer: self.layers[layer - start], x, ctx, self.executor.plan.span, extra
+        )
 
 
 # ----------------------------------------------------------------------------- memory
@@ -125,12 +135,18 @@ class ActivationMemory:
     peak_allocated_bytes: Optional[int]
 
     def to_dict(self) -> dict[str, Optional[int]]:
-        return {"saved_bytes": self.saved_bytes, "saved_tensors": self.saved_tensors,
-                "peak_allocated_bytes": self.peak_allocated_bytes}
+        return {
+            "saved_bytes": self.saved_bytes,
+            "saved_tensors": self.saved_tensors,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+        }
 
 
-def activation_memory(fn: Callable[[], Any], device: Optional[torch.device] = None,
-                      exclude: Iterable[torch.Tensor] = ()) -> tuple[Any, ActivationMemory]:
+def activation_memory(
+    fn: Callable[[], Any],
+    device: Optional[torch.device] = None,
+    exclude: Iterable[torch.Tensor] = (),
+) -> tuple[Any, ActivationMemory]:
     """Run ``fn()`` (a forward) and measure the activation memory it keeps for backward.
 
     Saved tensors are counted once per storage (views share it); tensors in ``exclude``
@@ -179,8 +195,13 @@ class CapturedCall:
     outputs (overwritten by the next replay: clone them to keep them).
     """
 
-    def __init__(self, fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor],
-                 warmup: int = 3, pool: Any = None):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        example_inputs: Sequence[torch.Tensor],
+        warmup: int = 3,
+        pool: Any = None,
+    ):
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA graph capture needs a CUDA device")
         if any(not isinstance(t, torch.Tensor) or t.device.type != "cuda" for t in example_inputs):
@@ -205,7 +226,8 @@ class CapturedCall:
             if t.shape != buf.shape or t.dtype != buf.dtype:
                 raise ValueError(
                     f"captured with input {tuple(buf.shape)} {buf.dtype}, got "
-                    f"{tuple(t.shape)} {t.dtype}: capture again for new shapes")
+                    f"{tuple(t.shape)} {t.dtype}: capture again for new shapes"
+                )
             buf.copy_(t, non_blocking=True)
         self.graph.replay()
         return self.static_outputs
@@ -221,8 +243,12 @@ class _Eager:
         return self.fn(*inputs)
 
 
-def maybe_capture(fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor],
-                  capture: bool = True, warmup: int = 3) -> Callable[..., Any]:
+def maybe_capture(
+    fn: Callable[..., Any],
+    example_inputs: Sequence[torch.Tensor],
+    capture: bool = True,
+    warmup: int = 3,
+) -> Callable[..., Any]:
     """:class:`CapturedCall` when ``capture`` and possible, else ``fn`` run eagerly.
 
     Falling back emits a ``RuntimeWarning`` that says why; the returned object's ``graph``

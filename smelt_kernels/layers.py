@@ -49,12 +49,15 @@ def _input(layer: str, x, hidden_size: int, weight: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{layer}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.shape[-1] != hidden_size:
-        raise ValueError(f"{layer}: x must end in hidden_size={hidden_size}, got shape "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"{layer}: x must end in hidden_size={hidden_size}, got shape {tuple(x.shape)}"
+        )
     if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-        raise TypeError(f"{layer}: x is {x.dtype} but the layer's weights are {weight.dtype}; "
-                        f"convert one to the other (e.g. layer.to({x.dtype})) or run under "
-                        "torch.autocast")
+        raise TypeError(
+            f"{layer}: x is {x.dtype} but the layer's weights are {weight.dtype}; "
+            f"convert one to the other (e.g. layer.to({x.dtype})) or run under "
+            "torch.autocast"
+        )
 
 
 class RMSNorm(nn.Module):
@@ -122,11 +125,19 @@ class _Attend(nn.Module):
 
     def forward(self, q, k, v, segment_ids, check_values):
         if self.keep_sink:
-            out, sink = segment_attention(q, k, v, segment_ids, return_sink=True,
-                                          backend=self.backend, check_values=check_values)
+            out, sink = segment_attention(
+                q,
+                k,
+                v,
+                segment_ids,
+                return_sink=True,
+                backend=self.backend,
+                check_values=check_values,
+            )
             return out, sink
-        out = segment_attention(q, k, v, segment_ids, backend=self.backend,
-                                check_values=check_values)
+        out = segment_attention(
+            q, k, v, segment_ids, backend=self.backend, check_values=check_values
+        )
         return out, None
 
 
@@ -149,11 +160,23 @@ class SegmentAttention(nn.Module):
       callers that checked them once already).
     """
 
-    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 rope_theta: float = 10000.0, backend: Optional[str] = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        rope_theta: float = 10000.0,
+        backend: Optional[str] = None,
+    ):
         super().__init__()
-        _sizes("SegmentAttention", hidden_size=hidden_size, n_heads=n_heads,
-               n_kv_heads=n_kv_heads, head_dim=head_dim)
+        _sizes(
+            "SegmentAttention",
+            hidden_size=hidden_size,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+        )
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -172,10 +195,16 @@ class SegmentAttention(nn.Module):
     def backend(self, name: Optional[str]) -> None:
         self.core.backend = name
 
-    def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None, *,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                kv_cache: Any = None, check_values: Optional[bool] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        segment_ids: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+        *,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        kv_cache: Any = None,
+        check_values: Optional[bool] = None,
+    ) -> torch.Tensor:
         _input("SegmentAttention", x, self.q_proj.in_features, self.q_proj.weight)
         if x.dim() != 3:
             raise ValueError(f"x must be (batch, seq, hidden), got shape {tuple(x.shape)}")
@@ -206,8 +235,7 @@ class _TopK(nn.Module):
         self.backend: Optional[str] = None
 
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(logits, top_k=self.top_k, renormalize=self.renormalize,
-                     backend=self.backend)
+        return route(logits, top_k=self.top_k, renormalize=self.renormalize, backend=self.backend)
 
 
 class MoE(nn.Module):
@@ -220,12 +248,25 @@ class MoE(nn.Module):
     weights are 0 and in eval mode.
     """
 
-    def __init__(self, hidden_size: int, n_experts: int, expert_size: int, top_k: int = 8,
-                 renormalize: bool = True, aux_loss_weight: float = 0.0,
-                 z_loss_weight: float = 0.0, backend: Optional[str] = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        n_experts: int,
+        expert_size: int,
+        top_k: int = 8,
+        renormalize: bool = True,
+        aux_loss_weight: float = 0.0,
+        z_loss_weight: float = 0.0,
+        backend: Optional[str] = None,
+    ):
         super().__init__()
-        _sizes("MoE", hidden_size=hidden_size, n_experts=n_experts, expert_size=expert_size,
-               top_k=top_k)
+        _sizes(
+            "MoE",
+            hidden_size=hidden_size,
+            n_experts=n_experts,
+            expert_size=expert_size,
+            top_k=top_k,
+        )
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
         if aux_loss_weight < 0 or z_loss_weight < 0:
@@ -268,8 +309,15 @@ class MoE(nn.Module):
         flat = x.reshape(-1, self.hidden_size)
         logits = self.router(flat).float()
         weights, ids = self.topk(logits)
-        y = moe_ffn(flat, self.gate_up_proj, self.down_proj, weights, ids, backend=self.backend,
-                    check_values=False)  # route() made the ids
+        y = moe_ffn(
+            flat,
+            self.gate_up_proj,
+            self.down_proj,
+            weights,
+            ids,
+            backend=self.backend,
+            check_values=False,
+        )  # route() made the ids
         aux = None
         if self.training and (self.aux_loss_weight > 0 or self.z_loss_weight > 0):
             aux = self.router_loss(logits, ids)
@@ -290,8 +338,9 @@ class MoE(nn.Module):
         if self.aux_loss_weight > 0:
             probs = torch.exp(logits - lse)
             counts = torch.zeros(E, device=logits.device, dtype=torch.float32)
-            counts = counts.scatter_add(0, ids.reshape(-1).long(),
-                                        torch.ones(ids.numel(), device=logits.device))
+            counts = counts.scatter_add(
+                0, ids.reshape(-1).long(), torch.ones(ids.numel(), device=logits.device)
+            )
             frac = counts / ids.numel()
             # E * sum_e frac_e * mean_t P_te, summed per token first
             loss = loss + self.aux_loss_weight * E * (probs * frac).sum(-1).mean()
@@ -300,5 +349,7 @@ class MoE(nn.Module):
         return loss
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, n_experts={self.n_experts}, "
-                f"expert_size={self.expert_size}, top_k={self.top_k}")
+        return (
+            f"hidden_size={self.hidden_size}, n_experts={self.n_experts}, "
+            f"expert_size={self.expert_size}, top_k={self.top_k}"
+        )

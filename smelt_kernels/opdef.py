@@ -32,9 +32,15 @@ __all__ = ["LIB", "define", "KernelOp"]
 LIB = torch.library.Library("smelt", "FRAGMENT")
 
 
-def define(name: str, schema: str, impl: Callable[..., Any], fake: Callable[..., Any], *,
-           backward: Optional[Callable[..., Any]] = None,
-           setup_context: Optional[Callable[..., Any]] = None):
+def define(
+    name: str,
+    schema: str,
+    impl: Callable[..., Any],
+    fake: Callable[..., Any],
+    *,
+    backward: Optional[Callable[..., Any]] = None,
+    setup_context: Optional[Callable[..., Any]] = None,
+):
     """Register ``smelt::<name><schema>`` with ``impl`` (for every device), its ``fake`` and,
     when given, its autograd (``backward``, ``setup_context``: as
     ``torch.library.register_autograd`` takes them). Returns ``torch.ops.smelt.<name>``."""
@@ -42,8 +48,9 @@ def define(name: str, schema: str, impl: Callable[..., Any], fake: Callable[...,
     LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"smelt::{name}", fake, lib=LIB)
     if backward is not None:
-        torch.library.register_autograd(f"smelt::{name}", backward, setup_context=setup_context,
-                                        lib=LIB)
+        torch.library.register_autograd(
+            f"smelt::{name}", backward, setup_context=setup_context, lib=LIB
+        )
     return getattr(torch.ops.smelt, name)
 
 
@@ -90,17 +97,28 @@ class KernelOp:
     the operators' names (default ``<op>_fwd`` / ``<op>_bwd``).
     """
 
-    def __init__(self, op: str, *, inputs: str, outputs: Sequence[str],
-                 differentiable: Sequence[str], saves: Sequence[str],
-                 fake: Callable[..., Any], public: int = 1, grads: Optional[Sequence[str]] = None,
-                 forward: Optional[Callable[..., Any]] = None,
-                 backward: Optional[Callable[..., Any]] = None,
-                 backward_fake: Optional[Callable[..., Any]] = None,
-                 composite_backward: Optional[Callable[..., Any]] = None,
-                 check: Optional[Callable[..., None]] = None, check_cpu: bool = True,
-                 grad_input: Optional[str] = None,
-                 backward_attrs: Sequence[str] = (), fwd_name: Optional[str] = None,
-                 bwd_name: Optional[str] = None):
+    def __init__(
+        self,
+        op: str,
+        *,
+        inputs: str,
+        outputs: Sequence[str],
+        differentiable: Sequence[str],
+        saves: Sequence[str],
+        fake: Callable[..., Any],
+        public: int = 1,
+        grads: Optional[Sequence[str]] = None,
+        forward: Optional[Callable[..., Any]] = None,
+        backward: Optional[Callable[..., Any]] = None,
+        backward_fake: Optional[Callable[..., Any]] = None,
+        composite_backward: Optional[Callable[..., Any]] = None,
+        check: Optional[Callable[..., None]] = None,
+        check_cpu: bool = True,
+        grad_input: Optional[str] = None,
+        backward_attrs: Sequence[str] = (),
+        fwd_name: Optional[str] = None,
+        bwd_name: Optional[str] = None,
+    ):
         self.op = op
         args, self._defaults = _parse(inputs)
         self._all_names = [n for _, n in args]
@@ -121,20 +139,30 @@ class KernelOp:
         self._backward = backward
         self._composite = composite_backward
         fwd_name = fwd_name or f"{op}_fwd"
-        self.forward_op = define(fwd_name, f"({inputs}) -> {_returns(len(outputs))}",
-                                 self._run_forward, lambda *a, **kw: fake(*self._split(a, kw)[0]),
-                                 backward=self._autograd, setup_context=self._setup)
+        self.forward_op = define(
+            fwd_name,
+            f"({inputs}) -> {_returns(len(outputs))}",
+            self._run_forward,
+            lambda *a, **kw: fake(*self._split(a, kw)[0]),
+            backward=self._autograd,
+            setup_context=self._setup,
+        )
         self.backward_op = None
         if composite_backward is None:
             saved_schema = [self._kind(n) for n in self.saves]
             attrs = [f"{k} {n}" for k, n in self.args if n in self.attrs]
-            schema = ", ".join([f"Tensor grad_{g}" for g in self.grads]
-                               + [f"{k} {n}" for k, n in zip(saved_schema, self.saves)]
-                               + attrs + ["str backend"])
-            self.backward_op = define(bwd_name or f"{op}_bwd",
-                                      f"({schema}) -> {_returns(len(self.differentiable))}",
-                                      self._run_backward,
-                                      lambda *a: (backward_fake or self._backward_fake)(*a[:-1]))
+            schema = ", ".join(
+                [f"Tensor grad_{g}" for g in self.grads]
+                + [f"{k} {n}" for k, n in zip(saved_schema, self.saves)]
+                + attrs
+                + ["str backend"]
+            )
+            self.backward_op = define(
+                bwd_name or f"{op}_bwd",
+                f"({schema}) -> {_returns(len(self.differentiable))}",
+                self._run_backward,
+                lambda *a: (backward_fake or self._backward_fake)(*a[:-1]),
+            )
 
     # ------------------------------------------------------------------ operators
     def _kind(self, name: str) -> str:
@@ -147,11 +175,12 @@ class KernelOp:
         """The forward operator's arguments -> (the op's inputs, the backend's name). The
         dispatcher leaves out trailing arguments that equal their defaults: put them back."""
         if len(args) < len(self._all_names):
-            rest = [(kwargs or {}).get(n, self._defaults.get(n))
-                    for n in self._all_names[len(args):]]
+            rest = [
+                (kwargs or {}).get(n, self._defaults.get(n)) for n in self._all_names[len(args) :]
+            ]
             args = tuple(args) + tuple(rest)
         at = self._backend_at
-        return tuple(args[:at]) + tuple(args[at + 1:]), args[at]
+        return tuple(args[:at]) + tuple(args[at + 1 :]), args[at]
 
     def _join(self, inputs, backend: str) -> tuple:
         at = self._backend_at
@@ -160,8 +189,7 @@ class KernelOp:
     def _run_forward(self, *args, **kwargs):
         inputs, backend = self._split(args, kwargs)
         impl = backends.implementation(self.op, backend)
-        if (self.check_cpu and not impl.checks_values
-                and _first_tensor(inputs).device.type == "cpu"):
+        if self.check_cpu and not impl.checks_values and _first_tensor(inputs).device.type == "cpu":
             self.check(*inputs)
         out = self._forward(impl, *inputs) if self._forward else impl.forward(*inputs)
         return out
@@ -175,7 +203,7 @@ class KernelOp:
         return impl.backward(*rest[:n])
 
     def _backward_fake(self, *args):
-        saved = dict(zip(self.saves, args[len(self.grads):]))
+        saved = dict(zip(self.saves, args[len(self.grads) :]))
         out = tuple(saved[n].new_empty(saved[n].shape) for n in self.differentiable)
         return out[0] if len(out) == 1 else out
 
@@ -211,8 +239,7 @@ class KernelOp:
         return self._join(result, None)
 
     # ------------------------------------------------------------------ the call path
-    def __call__(self, *inputs, backend: Optional[str] = None,
-                 check_values: Optional[bool] = None):
+    def __call__(self, *inputs, backend: Optional[str] = None, check_values: Optional[bool] = None):
         """Run the op on validated ``inputs`` (all forward arguments but ``grad_input``):
         returns its ``public`` outputs (one tensor when ``public`` is 1)."""
         if self.grad_input is not None:
@@ -221,8 +248,12 @@ class KernelOp:
         impl = backends.select(self.op, *inputs, backend=backend).implementation
         first = _first_tensor(inputs)
         cpu = first.device.type == "cpu"
-        if (self.check is not None and not cpu and check_values is not False
-                and backends.can_read_values(first)):
+        if (
+            self.check is not None
+            and not cpu
+            and check_values is not False
+            and backends.can_read_values(first)
+        ):
             self.check(*inputs)
         if impl.direct:  # plain differentiable torch code: autograd records its own ops
             if self.check_cpu and cpu:
@@ -230,7 +261,7 @@ class KernelOp:
             return impl.forward(*inputs)
         grad = backends.needs_grad(*(inputs[i] for i in self._diff_pos))
         if self.grad_input is not None:
-            inputs = inputs[:at] + (grad,) + inputs[at + 1:]
+            inputs = inputs[:at] + (grad,) + inputs[at + 1 :]
         if not grad and impl.infer is not None:
             if self.check_cpu and cpu and not impl.checks_values:
                 self.check(*inputs)
@@ -240,7 +271,7 @@ class KernelOp:
         out = self.forward_op(*self._join(inputs, impl.backend))
         if self.public == 1:
             return out[0] if isinstance(out, tuple) else out
-        return out[:self.public]
+        return out[: self.public]
 
 
 def _first_tensor(values) -> torch.Tensor:

@@ -106,5 +106,7 @@ class LoopPlan:
     def __repr__(self) -> str:
         if not self.length:
             return f"LoopPlan({self.n_layers} layers, no loop)"
-        return (f"LoopPlan({self.n_layers} layers: prelude {self.start}, span "
-                f"{self.start}..{self.end - 1} x{self.count}, coda {self.n_layers - self.end})")
+        return (
+            f"LoopPlan({self.n_layers} layers: prelude {self.start}, span "
+            f"{self.start}..{self.end - 1} x{self.count}, coda {self.n_layers - self.end})"
+        )

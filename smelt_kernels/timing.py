@@ -32,9 +32,25 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["Timing", "PartsTiming", "measure", "measure_interleaved", "measure_parts", "merge",
-           "quantile", "release_memory", "environment", "cpu_name", "write_results",
-           "markdown_table", "tflops", "UsageError", "Parser", "run_cli", "check_device"]
+__all__ = [
+    "Timing",
+    "PartsTiming",
+    "measure",
+    "measure_interleaved",
+    "measure_parts",
+    "merge",
+    "quantile",
+    "release_memory",
+    "environment",
+    "cpu_name",
+    "write_results",
+    "markdown_table",
+    "tflops",
+    "UsageError",
+    "Parser",
+    "run_cli",
+    "check_device",
+]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -60,8 +76,14 @@ class Timing:
         if not samples:
             raise ValueError("a timing needs at least one sample")
         xs = list(samples)
-        return cls(median_ms=statistics.median(xs), p20_ms=quantile(xs, 0.2),
-                   p80_ms=quantile(xs, 0.8), min_ms=min(xs), repeats=len(xs), samples_ms=xs)
+        return cls(
+            median_ms=statistics.median(xs),
+            p20_ms=quantile(xs, 0.2),
+            p80_ms=quantile(xs, 0.8),
+            min_ms=min(xs),
+            repeats=len(xs),
+            samples_ms=xs,
+        )
 
     def to_dict(self, samples: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -199,9 +221,11 @@ class PartsTiming:
     def note(self) -> Optional[str]:
         if self.adds_up:
             return None
-        return (f"components sum to {100 * self.parts_fraction:.0f}% of the step (tolerance "
-                f"{100 * self.tolerance:.0f}%) after {self.tries} tries: a shared or throttled "
-                f"machine; treat this row's components as unreliable")
+        return (
+            f"components sum to {100 * self.parts_fraction:.0f}% of the step (tolerance "
+            f"{100 * self.tolerance:.0f}%) after {self.tries} tries: a shared or throttled "
+            f"machine; treat this row's components as unreliable"
+        )
 
 
 def measure_parts(
@@ -230,12 +254,14 @@ def measure_parts(
     fns = {"__step__": step, **{k: fn for k, (fn, _) in parts.items()}}
     counts = {k: n for k, (_, n) in parts.items()}
     for tries in range(1, max_tries + 1):
-        t = measure_interleaved(fns, device=device, warmup=warmup if tries == 1 else 0,
-                                repeats=repeats)
+        t = measure_interleaved(
+            fns, device=device, warmup=warmup if tries == 1 else 0, repeats=repeats
+        )
         st = t.pop("__step__")
         total = sum(t[k].median_ms * counts[k] for k in t)
-        res = PartsTiming(st, t, counts, total / st.median_ms if st.median_ms > 0 else 0.0,
-                          tolerance, tries)
+        res = PartsTiming(
+            st, t, counts, total / st.median_ms if st.median_ms > 0 else 0.0, tolerance, tries
+        )
         if res.adds_up:
             break
     return res
@@ -310,7 +336,9 @@ def environment(device: Optional[torch.device | str] = None) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- results
-def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], floatfmt: str = ".3g") -> str:
+def markdown_table(
+    rows: Sequence[dict[str, Any]], columns: Sequence[str], floatfmt: str = ".3g"
+) -> str:
     """A Markdown table of ``rows`` (dicts) with the given ``columns``."""
 
     def fmt(v: Any) -> str:
@@ -338,10 +366,16 @@ def write_results(
     out.mkdir(parents=True, exist_ok=True)
     env = env or environment()
     jpath, mpath = out / f"{name}.json", out / f"{name}.md"
-    jpath.write_text(json.dumps({"environment": env, "rows": list(rows)}, indent=2, default=str) + "\n")
-    head = f"# {title or name}\n\n{env.get('date', '')} · {env.get('device_name', '')} · " \
-           f"torch {env.get('torch')} · triton {env.get('triton')}\n\n"
-    mpath.write_text(head + markdown_table(rows, columns) + "\n" + (f"\n{notes}\n" if notes else ""))
+    jpath.write_text(
+        json.dumps({"environment": env, "rows": list(rows)}, indent=2, default=str) + "\n"
+    )
+    head = (
+        f"# {title or name}\n\n{env.get('date', '')} · {env.get('device_name', '')} · "
+        f"torch {env.get('torch')} · triton {env.get('triton')}\n\n"
+    )
+    mpath.write_text(
+        head + markdown_table(rows, columns) + "\n" + (f"\n{notes}\n" if notes else "")
+    )
     return jpath, mpath
 
 
@@ -372,8 +406,11 @@ def check_device(name: str, option: str = "--device") -> torch.device:
     return dev
 
 
-def run_cli(prog: str, main: Callable[[Optional[Sequence[str]]], Optional[int]],
-            argv: Optional[Sequence[str]] = None) -> int:
+def run_cli(
+    prog: str,
+    main: Callable[[Optional[Sequence[str]]], Optional[int]],
+    argv: Optional[Sequence[str]] = None,
+) -> int:
     """Run ``main(argv)``; a :class:`UsageError` becomes ``"<prog>: error: <message>"`` on
     stderr and exit status 2. Returns the exit status (``main``'s, 0 when it returns None)."""
     try:

@@ -12,18 +12,38 @@ import importlib
 from . import presets
 from .config import LoopSpec, ModelConfig, middle_loop
 
-_SCALING = ("Surface", "fit_surface", "frontier", "gamma", "compute_for_loss",
-            "ce_gain", "tpp", "bootstrap", "calibrate", "Endpoints", "read_csv",
-            "PAPER_BASELINE", "PAPER_SMELT")
+_SCALING = (
+    "Surface",
+    "fit_surface",
+    "frontier",
+    "gamma",
+    "compute_for_loss",
+    "ce_gain",
+    "tpp",
+    "bootstrap",
+    "calibrate",
+    "Endpoints",
+    "read_csv",
+    "PAPER_BASELINE",
+    "PAPER_SMELT",
+)
 
 
 _LAZY = {
-    "Ledger": "budget", "Ratios": "budget", "compare": "budget", "ledger": "budget",
+    "Ledger": "budget",
+    "Ratios": "budget",
+    "compare": "budget",
+    "ledger": "budget",
     "match": "budget",
-    "SmeltLM": "model", "SmeltOutput": "model",
-    "generate": "generation", "KVCache": "generation", "DecodeStep": "generation",
-    "capture": "probes", "Recorder": "probes",
-    "from_hf": "convert", "to_hf": "convert",
+    "SmeltLM": "model",
+    "SmeltOutput": "model",
+    "generate": "generation",
+    "KVCache": "generation",
+    "DecodeStep": "generation",
+    "capture": "probes",
+    "Recorder": "probes",
+    "from_hf": "convert",
+    "to_hf": "convert",
     **{name: "scaling" for name in _SCALING},
 }
 

@@ -87,8 +87,13 @@ def mean_norm(x: torch.Tensor) -> float:
     return _per_token(x).norm(dim=-1).mean().item()
 
 
-def top_attended(q: torch.Tensor, k: torch.Tensor, segment_ids: Optional[torch.Tensor],
-                 n: int = 8, scale: Optional[float] = None):
+def top_attended(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    segment_ids: Optional[torch.Tensor],
+    n: int = 8,
+    scale: Optional[float] = None,
+):
     """Indices of the ``n`` keys each query attends to most, per head.
 
     q: (B, T, Hq, D), k: (B, T, Hkv, D). Returns (idx (B, Hq, T, n), valid (B, T)) where
@@ -100,7 +105,7 @@ def top_attended(q: torch.Tensor, k: torch.Tensor, segment_ids: Optional[torch.T
     group = Hq // k.shape[2]
     if segment_ids is None:
         segment_ids = torch.zeros(B, T, dtype=torch.long, device=q.device)
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     kk = k.double().repeat_interleave(group, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
     mask = segment_mask(segment_ids)
@@ -164,13 +169,13 @@ class ProbeReport:
     visits: list[VisitComparison] = field(default_factory=list)
 
 
-_PROBES = ["x", "x_out", "attn_write", "moe_write", "q", "k", "v", "pv", "o", "sink",
-           "router_ids"]
+_PROBES = ["x", "x_out", "attn_write", "moe_write", "q", "k", "v", "pv", "o", "sink", "router_ids"]
 
 
 @torch.no_grad()
-def analyze(model, input_ids: torch.Tensor, segment_ids: Optional[torch.Tensor] = None,
-            top_n: int = 8) -> ProbeReport:
+def analyze(
+    model, input_ids: torch.Tensor, segment_ids: Optional[torch.Tensor] = None, top_n: int = 8
+) -> ProbeReport:
     """Run ``model`` once on ``input_ids`` under capture and compute every probe statistic."""
     was_training = model.training
     model.eval()
@@ -180,16 +185,22 @@ def analyze(model, input_ids: torch.Tensor, segment_ids: Optional[torch.Tensor] 
     finally:
         model.train(was_training)
     cfg = model.cfg
-    report = ProbeReport(arch="smelt" if cfg.is_looped else "baseline",
-                         n_experts=cfg.n_experts, top_k=cfg.top_k)
+    report = ProbeReport(
+        arch="smelt" if cfg.is_looped else "baseline", n_experts=cfg.n_experts, top_k=cfg.top_k
+    )
     for i, key in enumerate(rec.keys()):
         r = rec[key]
-        report.layers.append(LayerStats(
-            layer=key[0], visit=key[1], exec_index=i,
-            attn_norm=mean_norm(r["attn_write"]), moe_norm=mean_norm(r["moe_write"]),
-            layer_norm=mean_norm(r["x_out"] - r["x"]),
-            sink=r["sink"].double().mean(0).tolist(),
-        ))
+        report.layers.append(
+            LayerStats(
+                layer=key[0],
+                visit=key[1],
+                exec_index=i,
+                attn_norm=mean_norm(r["attn_write"]),
+                moe_norm=mean_norm(r["moe_write"]),
+                layer_norm=mean_norm(r["x_out"] - r["x"]),
+                sink=r["sink"].double().mean(0).tolist(),
+            )
+        )
     if not cfg.is_looped:
         return report
 
@@ -207,19 +218,25 @@ def analyze(model, input_ids: torch.Tensor, segment_ids: Optional[torch.Tensor] 
             upd_b = {"attn": b["attn_write"], "moe": b["moe_write"], "layer": b["x_out"] - b["x"]}
             (ia, valid), (ib, _) = tops[visit - 1], tops[visit]
             if half > 0:
-                control = attended_overlap(ib[:, :half], ib[:, half:2 * half], valid).tolist()
+                control = attended_overlap(ib[:, :half], ib[:, half : 2 * half], valid).tolist()
             else:
                 control = []
-            report.visits.append(VisitComparison(
-                layer=layer, visit=visit,
-                expert_overlap=expert_overlap(a["router_ids"], b["router_ids"]).double().mean().item(),
-                expert_overlap_random=random_overlap(cfg.top_k, cfg.n_experts),
-                norm_ratio={n: mean_norm(upd_b[n]) / mean_norm(upd_a[n]) for n in upd_a},
-                update_cosine={n: token_cosine(upd_a[n], upd_b[n]) for n in upd_a},
-                cosine={n: token_cosine(a[n], b[n]) for n in ("x", "q", "k", "v", "pv", "o")},
-                attended_overlap=attended_overlap(ia, ib, valid).tolist(),
-                attended_overlap_control=control,
-            ))
+            report.visits.append(
+                VisitComparison(
+                    layer=layer,
+                    visit=visit,
+                    expert_overlap=expert_overlap(a["router_ids"], b["router_ids"])
+                    .double()
+                    .mean()
+                    .item(),
+                    expert_overlap_random=random_overlap(cfg.top_k, cfg.n_experts),
+                    norm_ratio={n: mean_norm(upd_b[n]) / mean_norm(upd_a[n]) for n in upd_a},
+                    update_cosine={n: token_cosine(upd_a[n], upd_b[n]) for n in upd_a},
+                    cosine={n: token_cosine(a[n], b[n]) for n in ("x", "q", "k", "v", "pv", "o")},
+                    attended_overlap=attended_overlap(ia, ib, valid).tolist(),
+                    attended_overlap_control=control,
+                )
+            )
     return report
 
 
@@ -235,18 +252,24 @@ def _mean(xs: Sequence[float]) -> float:
 
 def format_report(report: ProbeReport) -> str:
     out = [f"== {report.arch}: per executed layer =="]
-    out.append(f"{'exec':>4} {'layer':>5} {'visit':>5} {'|attn Δx|':>10} {'|moe Δx|':>10} "
-               f"{'|layer Δx|':>10} {'sink':>7}")
+    out.append(
+        f"{'exec':>4} {'layer':>5} {'visit':>5} {'|attn Δx|':>10} {'|moe Δx|':>10} "
+        f"{'|layer Δx|':>10} {'sink':>7}"
+    )
     for s in report.layers:
-        out.append(f"{s.exec_index:>4} {s.layer + 1:>5} {s.visit + 1:>5} {s.attn_norm:>10.4f} "
-                   f"{s.moe_norm:>10.4f} {s.layer_norm:>10.4f} {s.mean_sink:>7.4f}")
+        out.append(
+            f"{s.exec_index:>4} {s.layer + 1:>5} {s.visit + 1:>5} {s.attn_norm:>10.4f} "
+            f"{s.moe_norm:>10.4f} {s.layer_norm:>10.4f} {s.mean_sink:>7.4f}"
+        )
     if report.visits:
         rnd = report.visits[0].expert_overlap_random
         out.append("")
         out.append(f"== span layers: visit v-1 -> v (expert overlap; random = {rnd:.3f}) ==")
-        out.append(f"{'layer':>5} {'v':>2} {'overlap':>8} {'ratio attn':>10} {'ratio moe':>9} "
-                   f"{'ratio layer':>11} {'cos Δx':>7} {'cos X':>6} {'cos Q':>6} {'cos K':>6} "
-                   f"{'cos V':>6} {'cos PV':>6} {'cos O':>6} {'top8':>6} {'ctrl':>6}")
+        out.append(
+            f"{'layer':>5} {'v':>2} {'overlap':>8} {'ratio attn':>10} {'ratio moe':>9} "
+            f"{'ratio layer':>11} {'cos Δx':>7} {'cos X':>6} {'cos Q':>6} {'cos K':>6} "
+            f"{'cos V':>6} {'cos PV':>6} {'cos O':>6} {'top8':>6} {'ctrl':>6}"
+        )
         for c in report.visits:
             out.append(
                 f"{c.layer + 1:>5} {c.visit + 1:>2} {c.expert_overlap:>8.3f} "
@@ -281,8 +304,10 @@ def _read_ids(p: Path) -> torch.Tensor:
         if len(found) != 1:
             raise ValueError(f"expected one tensor or one named input_ids, got {len(found)}")
         return next(iter(found.values()))
-    raise ValueError(f"{p.suffix or 'a file without a suffix'} is not read (a .pt file is a "
-                     "pickle, which can run code); save the ids with numpy.save or safetensors")
+    raise ValueError(
+        f"{p.suffix or 'a file without a suffix'} is not read (a .pt file is a "
+        "pickle, which can run code); save the ids with numpy.save or safetensors"
+    )
 
 
 def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tensor:
@@ -295,13 +320,15 @@ def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tenso
             raise ValueError(f"expected integer token ids, got {ids.dtype}")
         ids = ids.long()
     except Exception as e:  # whatever the reader says: the file is not an array of token ids
-        raise ValueError(f"--tokens {path}: cannot read token ids (.npy or .safetensors): "
-                         f"{_first_line(e)}") from None
+        raise ValueError(
+            f"--tokens {path}: cannot read token ids (.npy or .safetensors): {_first_line(e)}"
+        ) from None
     ids = ids.reshape(-1)
     need = seq_len * batch
     if ids.numel() < need:
-        raise ValueError(f"--tokens {path} has {ids.numel()} tokens; need {need} (--seq-len x "
-                         "--batch)")
+        raise ValueError(
+            f"--tokens {path} has {ids.numel()} tokens; need {need} (--seq-len x --batch)"
+        )
     ids = ids[:need].view(batch, seq_len)
     if ids.min() < 0 or ids.max() >= vocab:
         raise ValueError(f"--tokens {path}: token ids fall outside the vocabulary [0, {vocab})")
@@ -336,23 +363,27 @@ def _held_out(run: Optional[Path], where: str, seq_len: Optional[int], batch: in
     from .train.runspec import read_run_file
 
     if run is None:
-        raise ValueError(f"{where} is not a trainer's run (no run.json beside its checkpoints): "
-                         "pass held-out token ids with --tokens")
+        raise ValueError(
+            f"{where} is not a trainer's run (no run.json beside its checkpoints): "
+            "pass held-out token ids with --tokens"
+        )
     spec = read_run_file(run / "run.json")
     tok = tokenizer.load(run)
     try:
         val = data.held_out(spec.data, spec.val_fraction, tok, seq_len or spec.seq_len)
     except ValueError as e:
-        raise ValueError(f"{run / 'run.json'}: the run's data cannot be read here ({e}); pass "
-                         "--tokens") from None
+        raise ValueError(
+            f"{run / 'run.json'}: the run's data cannot be read here ({e}); pass --tokens"
+        ) from None
     if val is None:
-        raise ValueError(f"{run}: the run has no validation split (--val-fraction "
-                         f"{spec.val_fraction}); pass --tokens")
+        raise ValueError(
+            f"{run}: the run has no validation split (--val-fraction "
+            f"{spec.val_fraction}); pass --tokens"
+        )
     n = min(batch, len(val))
     ids = torch.from_numpy(val.input_ids[:n]).long()
     seg = torch.from_numpy(val.segment_ids[:n]).long()
-    print(f"held-out tokens: {n} x {ids.shape[1]} from the validation split of {spec.data} "
-          f"({run})")
+    print(f"held-out tokens: {n} x {ids.shape[1]} from the validation split of {spec.data} ({run})")
     return ids, seg
 
 
@@ -374,15 +405,23 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from smelt_kernels import backends
 
-    ap = _Parser(prog="python -m smelt_model.analysis",
-                                 description="Mechanism probes for a SMELT (and baseline) checkpoint.")
-    ap.add_argument("checkpoint", help="a save_pretrained folder, a run folder, "
-                                       "RUN/checkpoints/latest or RUN/checkpoints/step_N")
+    ap = _Parser(
+        prog="python -m smelt_model.analysis",
+        description="Mechanism probes for a SMELT (and baseline) checkpoint.",
+    )
+    ap.add_argument(
+        "checkpoint",
+        help="a save_pretrained folder, a run folder, "
+        "RUN/checkpoints/latest or RUN/checkpoints/step_N",
+    )
     ap.add_argument("--baseline", help="a baseline model (same forms) to compare sink by depth")
-    ap.add_argument("--tokens", help="held-out token ids (.npy or .safetensors; default: the "
-                                     "run's validation split)")
-    ap.add_argument("--seq-len", type=int,
-                    help="tokens per context (default: the run's, or 512 with --tokens)")
+    ap.add_argument(
+        "--tokens",
+        help="held-out token ids (.npy or .safetensors; default: the run's validation split)",
+    )
+    ap.add_argument(
+        "--seq-len", type=int, help="tokens per context (default: the run's, or 512 with --tokens)"
+    )
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--backend", default="auto", choices=backends.choices())
     ap.add_argument("--plot", help="write the sink-by-depth plot here (needs matplotlib)")
@@ -404,8 +443,10 @@ def _run(args) -> int:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise ValueError("--plot needs matplotlib (pip install matplotlib, or install smelt "
-                             "with the [plot] extra)") from None
+            raise ValueError(
+                "--plot needs matplotlib (pip install matplotlib, or install smelt "
+                "with the [plot] extra)"
+            ) from None
     main_path, base_path = args.checkpoint, args.baseline
     pair = _pair(main_path) if base_path is None else None
     if pair is not None:
@@ -426,17 +467,23 @@ def _run(args) -> int:
         else:
             x, s = ids, seg
             if int(x.max()) >= vocab:
-                raise ValueError(f"{ckpt}: the held-out tokens fall outside its vocabulary "
-                                 f"[0, {vocab}): pass --tokens")
+                raise ValueError(
+                    f"{ckpt}: the held-out tokens fall outside its vocabulary "
+                    f"[0, {vocab}): pass --tokens"
+                )
         reports[name] = analyze(model, x, s)
         print(format_report(reports[name]))
         print()
     if args.plot:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for name, rep in reports.items():
+        for _name, rep in reports.items():
             xs, ys = zip(*sink_by_depth(rep))
-            ax.plot([x + 1 for x in xs], ys, marker="o",
-                    label=f"{rep.arch} ({'execution' if rep.arch == 'smelt' else 'physical'} layers)")
+            ax.plot(
+                [x + 1 for x in xs],
+                ys,
+                marker="o",
+                label=f"{rep.arch} ({'execution' if rep.arch == 'smelt' else 'physical'} layers)",
+            )
         ax.set_xlabel("layer (baseline: physical; SMELT: execution order)")
         ax.set_ylabel("attention-sink mass")
         ax.legend()

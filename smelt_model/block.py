@@ -20,8 +20,15 @@ from smelt_kernels.layers import MoE, RMSNorm, Rotary, SegmentAttention
 
 from .config import ModelConfig
 
-__all__ = ["RMSNorm", "Rotary", "SegmentAttention", "MoE", "Block", "ForwardContext",
-           "init_weights"]
+__all__ = [
+    "RMSNorm",
+    "Rotary",
+    "SegmentAttention",
+    "MoE",
+    "Block",
+    "ForwardContext",
+    "init_weights",
+]
 
 
 @dataclass
@@ -48,24 +55,38 @@ class Block(nn.Module):
         super().__init__()
         H = cfg.hidden_size
         self.attn_norm = RMSNorm(H, cfg.norm_eps)
-        self.attn = SegmentAttention(H, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                     cfg.rope_theta, backend=backend)
+        self.attn = SegmentAttention(
+            H, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, backend=backend
+        )
         self.moe_norm = RMSNorm(H, cfg.norm_eps)
         # SmeltLM.reset_parameters draws every weight afterwards; the MoE's own initial draw
         # of its experts is kept off the global RNG (only its router's default Linear draw
         # advances it), so a seed gives the same model as when the experts started empty
         with torch.random.fork_rng(devices=[]):
-            self.moe = MoE(H, cfg.n_experts, cfg.expert_size, cfg.top_k,
-                           cfg.router_renormalize, cfg.aux_loss_weight, cfg.z_loss_weight,
-                           backend=backend)
+            self.moe = MoE(
+                H,
+                cfg.n_experts,
+                cfg.expert_size,
+                cfg.top_k,
+                cfg.router_renormalize,
+                cfg.aux_loss_weight,
+                cfg.z_loss_weight,
+                backend=backend,
+            )
         nn.init.kaiming_uniform_(self.moe.router.weight, a=math.sqrt(5))  # nn.Linear's draw
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext,
-                step: Step) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, x: torch.Tensor, ctx: ForwardContext, step: Step
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         kv = None if ctx.cache is None else ctx.cache.slot(step.slot, ctx.cache_pos)
         # the model checked segment_ids once for the whole forward (SmeltLM._check_inputs)
-        a = self.attn(self.attn_norm(x), ctx.segment_ids, rope=(ctx.cos, ctx.sin),
-                      kv_cache=kv, check_values=False)
+        a = self.attn(
+            self.attn_norm(x),
+            ctx.segment_ids,
+            rope=(ctx.cos, ctx.sin),
+            kv_cache=kv,
+            check_values=False,
+        )
         # x + scale * update in one pass (a looped layer's updates are scaled by 1/r)
         x = torch.add(x, a, alpha=step.scale)
         m, aux = self.moe(self.moe_norm(x), return_aux=True)

@@ -212,8 +212,10 @@ class ModelConfig:
         loop = d.get("loop")
         if loop is not None:
             if not isinstance(loop, dict):
-                raise TypeError(f"loop must be an object with start, length, count or null, "
-                                f"got {type(loop).__name__}")
+                raise TypeError(
+                    f"loop must be an object with start, length, count or null, "
+                    f"got {type(loop).__name__}"
+                )
             loop_fields = {f.name for f in dataclasses.fields(LoopSpec)}
             bad = sorted(set(loop) - loop_fields)
             if bad:
@@ -252,4 +254,3 @@ class ModelConfig:
             f"x{self.head_dim} experts={self.n_experts} top-{self.top_k} d_e={self.expert_size}"
             f" loop={loop}"
         )
-

@@ -11,8 +11,9 @@ therefore a renaming of tensors, each copied bit for bit in its dtype:
     hf = to_hf(smelt)                    # a MixtralForCausalLM
 
 The names come from one table (:data:`LAYER_KEYS`, :data:`TOP_KEYS`): a Mixtral name on the
-left, the smelt name on the right, so a renamed smelt module changes one entry, not code. Every tensor on both sides must be
-matched exactly once, or the conversion stops with the names it could not place.
+left, the smelt name on the right, so a renamed smelt module changes one entry, not code.
+Every tensor on both sides must be matched exactly once, or the conversion stops with the
+names it could not place.
 
 Refused with a ``ValueError`` that says why: a looped SMELT model in :func:`to_hf` (its span
 layers run r times with shared weights and 1/r residual scales, which no Mixtral config can
@@ -71,19 +72,29 @@ def config_from_hf(hcfg) -> ModelConfig:
     """A :class:`ModelConfig` for a ``MixtralConfig``; refuses what smelt does not compute."""
     mt = getattr(hcfg, "model_type", None)
     if mt != "mixtral":
-        raise ValueError(f"from_hf converts Mixtral-layout models, got model_type={mt!r}; other "
-                         "families run smelt's kernels in place with "
-                         "experts_implementation='smelt' (import smelt_kernels.hf)")
+        raise ValueError(
+            f"from_hf converts Mixtral-layout models, got model_type={mt!r}; other "
+            "families run smelt's kernels in place with "
+            "experts_implementation='smelt' (import smelt_kernels.hf)"
+        )
     checks = (
-        (getattr(hcfg, "hidden_act", "silu") not in ("silu", "swish"),
-         f"hidden_act={getattr(hcfg, 'hidden_act', None)!r} (smelt experts are SwiGLU)"),
-        (getattr(hcfg, "sliding_window", None) is not None,
-         f"sliding_window={getattr(hcfg, 'sliding_window', None)} (smelt attends to the whole "
-         "document)"),
-        (float(getattr(hcfg, "router_jitter_noise", 0.0) or 0.0) != 0.0,
-         f"router_jitter_noise={getattr(hcfg, 'router_jitter_noise', None)}"),
-        (float(getattr(hcfg, "attention_dropout", 0.0) or 0.0) != 0.0,
-         f"attention_dropout={getattr(hcfg, 'attention_dropout', None)}"),
+        (
+            getattr(hcfg, "hidden_act", "silu") not in ("silu", "swish"),
+            f"hidden_act={getattr(hcfg, 'hidden_act', None)!r} (smelt experts are SwiGLU)",
+        ),
+        (
+            getattr(hcfg, "sliding_window", None) is not None,
+            f"sliding_window={getattr(hcfg, 'sliding_window', None)} (smelt attends to the whole "
+            "document)",
+        ),
+        (
+            float(getattr(hcfg, "router_jitter_noise", 0.0) or 0.0) != 0.0,
+            f"router_jitter_noise={getattr(hcfg, 'router_jitter_noise', None)}",
+        ),
+        (
+            float(getattr(hcfg, "attention_dropout", 0.0) or 0.0) != 0.0,
+            f"attention_dropout={getattr(hcfg, 'attention_dropout', None)}",
+        ),
     )
     for bad, what in checks:
         if bad:
@@ -91,12 +102,19 @@ def config_from_hf(hcfg) -> ModelConfig:
     n_heads = hcfg.num_attention_heads
     head_dim = getattr(hcfg, "head_dim", None) or hcfg.hidden_size // n_heads
     return ModelConfig(
-        vocab_size=hcfg.vocab_size, hidden_size=hcfg.hidden_size,
-        n_layers=hcfg.num_hidden_layers, n_heads=n_heads,
-        n_kv_heads=hcfg.num_key_value_heads or n_heads, head_dim=head_dim,
-        n_experts=hcfg.num_local_experts, expert_size=hcfg.intermediate_size,
-        top_k=hcfg.num_experts_per_tok, loop=None, rope_theta=_rope_theta(hcfg),
-        norm_eps=float(hcfg.rms_norm_eps), router_renormalize=True,
+        vocab_size=hcfg.vocab_size,
+        hidden_size=hcfg.hidden_size,
+        n_layers=hcfg.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=hcfg.num_key_value_heads or n_heads,
+        head_dim=head_dim,
+        n_experts=hcfg.num_local_experts,
+        expert_size=hcfg.intermediate_size,
+        top_k=hcfg.num_experts_per_tok,
+        loop=None,
+        rope_theta=_rope_theta(hcfg),
+        norm_eps=float(hcfg.rms_norm_eps),
+        router_renormalize=True,
         aux_loss_weight=float(getattr(hcfg, "router_aux_loss_coef", 0.0) or 0.0),
         z_loss_weight=0.0,
     )
@@ -111,21 +129,33 @@ def config_to_hf(cfg: ModelConfig, max_position_embeddings: int = 32768, **overr
         raise ValueError(
             f"to_hf: a looped SMELT model (layers {a}-{b} run {cfg.loop.count} times with shared "
             "weights and 1/r residual scales) has no MixtralForCausalLM equivalent; keep it in "
-            "smelt's format (SmeltLM.save_pretrained)")
+            "smelt's format (SmeltLM.save_pretrained)"
+        )
     if not cfg.router_renormalize:
-        raise ValueError("to_hf: Mixtral always renormalises the top-k router weights; this "
-                         "model has router_renormalize=False")
+        raise ValueError(
+            "to_hf: Mixtral always renormalises the top-k router weights; this "
+            "model has router_renormalize=False"
+        )
     if cfg.z_loss_weight > 0:
         raise ValueError(f"to_hf: Mixtral has no router z-loss (z_loss_weight={cfg.z_loss_weight})")
     kw = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.expert_size,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
-        num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
-        rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default",
-                                                    "rope_theta": cfg.rope_theta},
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
-        sliding_window=None, attention_dropout=0.0, router_jitter_noise=0.0,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.expert_size,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        num_local_experts=cfg.n_experts,
+        num_experts_per_tok=cfg.top_k,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        attention_dropout=0.0,
+        router_jitter_noise=0.0,
         router_aux_loss_coef=cfg.aux_loss_weight,
     )
     kw.update(overrides)
@@ -146,8 +176,10 @@ def key_map(model) -> dict[str, str]:
 
     def place(hf_name: str, name: str) -> None:
         if name not in sd:
-            raise ValueError(f"convert: no SmeltLM tensor {name} for {hf_name}; the "
-                             "conversion table needs updating")
+            raise ValueError(
+                f"convert: no SmeltLM tensor {name} for {hf_name}; the "
+                "conversion table needs updating"
+            )
         mapping[hf_name] = name
 
     for hf_name, name in TOP_KEYS.items():
@@ -169,8 +201,9 @@ def _copy(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], pairs) -> 
                 raise ValueError(f"convert: the source model has no tensor {s}")
             a, b = dst[d], src[s]
             if a.shape != b.shape:
-                raise ValueError(f"convert: {s} has shape {tuple(b.shape)}, {d} expects "
-                                 f"{tuple(a.shape)}")
+                raise ValueError(
+                    f"convert: {s} has shape {tuple(b.shape)}, {d} expects {tuple(a.shape)}"
+                )
             a.copy_(b)
 
 
@@ -193,8 +226,10 @@ def _load_hf(path: Union[str, Path]):
 
     src = Path(path)
     if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"from_hf: {src / 'config.json'} not found (expected a folder "
-                                "written by save_pretrained)")
+        raise FileNotFoundError(
+            f"from_hf: {src / 'config.json'} not found (expected a folder "
+            "written by save_pretrained)"
+        )
     hcfg = AutoConfig.from_pretrained(str(src), local_files_only=True)
     config_from_hf(hcfg)  # refuse before reading any weights
     return AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True, dtype="auto")
@@ -208,14 +243,17 @@ def from_hf(model_or_path, **kwargs) -> "SmeltLM":  # noqa: F821
 
     hf = _load_hf(model_or_path) if isinstance(model_or_path, (str, Path)) else model_or_path
     if not isinstance(hf, torch.nn.Module) or not hasattr(hf, "config"):
-        raise TypeError(f"from_hf: expected a transformers model or a folder, got "
-                        f"{type(model_or_path).__name__}")
+        raise TypeError(
+            f"from_hf: expected a transformers model or a folder, got "
+            f"{type(model_or_path).__name__}"
+        )
     cfg = config_from_hf(hf.config)
     src = _state(hf, hf=True)
     w = src["model.embed_tokens.weight"] if "model.embed_tokens.weight" in src else None
     if w is None:
-        raise ValueError("from_hf: the model has no model.embed_tokens.weight (is it a "
-                         "MixtralForCausalLM?)")
+        raise ValueError(
+            "from_hf: the model has no model.embed_tokens.weight (is it a MixtralForCausalLM?)"
+        )
     model = SmeltLM(cfg, **kwargs).to(device=w.device, dtype=w.dtype)
     names = key_map(model)
     _check_covered(src, names, "the source model")

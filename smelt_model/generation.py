@@ -19,6 +19,7 @@ import warnings
 from typing import Optional
 
 import torch
+
 from smelt_kernels import opdef
 
 __all__ = ["KVCache", "CacheSlot", "DecodeStep", "generate", "compile_unavailable"]
@@ -45,17 +46,32 @@ _KV_CACHE_WRITE = opdef.define(
     "kv_cache_write",
     "(Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor(c!) cache_seg, Tensor k, Tensor v, "
     "Tensor? segment_ids, SymInt slot, SymInt pos) -> ()",
-    _write, lambda cache_k, cache_v, cache_seg, k, v, segment_ids, slot, pos: None)
+    _write,
+    lambda cache_k, cache_v, cache_seg, k, v, segment_ids, slot, pos: None,
+)
 
 
 class KVCache:
     """Static K/V buffers: ``k``, ``v`` of shape (slots, B, max_len, n_kv_heads, head_dim),
     and the segment ids of the cached positions, (B, max_len)."""
 
-    def __init__(self, slots: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device=None):
-        for name, v in (("slots", slots), ("batch", batch), ("max_len", max_len),
-                        ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
+    def __init__(
+        self,
+        slots: int,
+        batch: int,
+        max_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        for name, v in (
+            ("slots", slots),
+            ("batch", batch),
+            ("max_len", max_len),
+            ("n_kv_heads", n_kv_heads),
+            ("head_dim", head_dim),
+        ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         shape = (slots, batch, max_len, n_kv_heads, head_dim)
@@ -65,15 +81,24 @@ class KVCache:
         self.max_len = max_len
 
     @classmethod
-    def for_config(cls, cfg, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
-                   device=None) -> "KVCache":
+    def for_config(
+        cls, cfg, batch: int, max_len: int, dtype: torch.dtype = torch.float32, device=None
+    ) -> "KVCache":
         """A cache with one slot per executed layer of ``cfg``."""
-        return cls(cfg.executed_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim,
-                   dtype=dtype, device=device)
+        return cls(
+            cfg.executed_layers,
+            batch,
+            max_len,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
+        )
 
     @classmethod
-    def for_model(cls, model, batch: int, max_len: int,
-                  dtype: Optional[torch.dtype] = None) -> "KVCache":
+    def for_model(
+        cls, model, batch: int, max_len: int, dtype: Optional[torch.dtype] = None
+    ) -> "KVCache":
         w = model.embed.weight
         return cls.for_config(model.cfg, batch, max_len, dtype=dtype or w.dtype, device=w.device)
 
@@ -85,8 +110,14 @@ class KVCache:
     def bytes_per_token(self) -> float:
         return self.nbytes / (self.k.shape[1] * self.max_len)
 
-    def update(self, slot: int, pos: int, k: torch.Tensor, v: torch.Tensor,
-               segment_ids: Optional[torch.Tensor]):
+    def update(
+        self,
+        slot: int,
+        pos: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segment_ids: Optional[torch.Tensor],
+    ):
         """Write this call's K/V at ``pos`` of ``slot``; return all K/V/segments so far."""
         T = k.shape[1]
         end = pos + T
@@ -121,8 +152,12 @@ class CacheSlot:
         return self.cache.update(self.index, self.pos, k, v, segment_ids)
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-            generator: Optional[torch.Generator]) -> torch.Tensor:
+def _sample(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: Optional[int],
+    generator: Optional[torch.Generator],
+) -> torch.Tensor:
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
@@ -160,8 +195,9 @@ def _compiled(compiler):
     # parameters are graph inputs), so a new model of the same shapes reuses the graph, and
     # ``dynamic=True`` makes the cache position symbolic from the first call.
     if compiler not in _COMPILED:
-        _COMPILED[compiler] = torch.compile(_decode_call, fullgraph=True, dynamic=True,
-                                            backend=compiler)
+        _COMPILED[compiler] = torch.compile(
+            _decode_call, fullgraph=True, dynamic=True, backend=compiler
+        )
     return _COMPILED[compiler]
 
 
@@ -180,8 +216,11 @@ class DecodeStep:
         if backend is not None:
             if compiler is not None:
                 raise TypeError("DecodeStep: give compiler= (backend= is its old name), not both")
-            warnings.warn("DecodeStep(backend=) is now DecodeStep(compiler=)", DeprecationWarning,
-                          stacklevel=2)
+            warnings.warn(
+                "DecodeStep(backend=) is now DecodeStep(compiler=)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             compiler = backend
         self.model = model
         self.compiler = DEFAULT_COMPILER if compiler is None else compiler
@@ -270,7 +309,7 @@ def generate(
             n = T + i
             out[:, n] = _sample(logits, temperature, top_k, generator)
             if i + 1 < max_new_tokens:
-                logits = step(out[:, n:n + 1], seg[:, n:n + 1], cache, n)
+                logits = step(out[:, n : n + 1], seg[:, n : n + 1], cache, n)
         return out
     finally:
         model.train(was_training)

@@ -22,8 +22,16 @@ from typing import Mapping, Optional
 from .budget.ledger import embedding_params, layer_params
 from .config import ModelConfig
 
-__all__ = ["GiB", "RUNTIME_BYTES", "MARGIN", "MemoryRefusal", "estimate", "available", "check",
-           "peak_rss"]
+__all__ = [
+    "GiB",
+    "RUNTIME_BYTES",
+    "MARGIN",
+    "MemoryRefusal",
+    "estimate",
+    "available",
+    "check",
+    "peak_rss",
+]
 
 GiB = 2**30
 #: torch, its libraries and smelt's extensions, resident before any model exists
@@ -38,9 +46,19 @@ class MemoryRefusal(ValueError):
     """A run that would not fit: raised before anything is built."""
 
 
-def estimate(cfg: ModelConfig, *, tokens: int, seq_len: int, train: bool, forward: bool = True,
-             decode_batch: int = 0, decode_len: int = 0, param_bytes: int = 4,
-             act_bytes: Optional[int] = None, optimizer_states: int = 2) -> dict[str, int]:
+def estimate(
+    cfg: ModelConfig,
+    *,
+    tokens: int,
+    seq_len: int,
+    train: bool,
+    forward: bool = True,
+    decode_batch: int = 0,
+    decode_len: int = 0,
+    param_bytes: int = 4,
+    act_bytes: Optional[int] = None,
+    optimizer_states: int = 2,
+) -> dict[str, int]:
     """Bytes one model of ``cfg`` needs at its peak, by part (an estimate).
 
     ``tokens``: tokens of one forward (a micro-batch); ``train``: with gradients, optimizer
@@ -55,10 +73,14 @@ def estimate(cfg: ModelConfig, *, tokens: int, seq_len: int, train: bool, forwar
     act = param_bytes if act_bytes is None else act_bytes
     p = layer_params(cfg)
     H, k = cfg.hidden_size, cfg.top_k
-    n = (cfg.n_layers * (p["attention"] + p["router"] + p["norms"] + p["experts_total"]) + H
-         + embedding_params(cfg))
-    per_layer = (4 * H + 2 * cfg.q_dim + 4 * cfg.kv_dim + 2 * cfg.n_experts
-                 + k * (H + 2 * cfg.expert_size))
+    n = (
+        cfg.n_layers * (p["attention"] + p["router"] + p["norms"] + p["experts_total"])
+        + H
+        + embedding_params(cfg)
+    )
+    per_layer = (
+        4 * H + 2 * cfg.q_dim + 4 * cfg.kv_dim + 2 * cfg.n_experts + k * (H + 2 * cfg.expert_size)
+    )
     live = tokens if train or forward else 0
     layers = cfg.executed_layers if train else 1
     logits = live * cfg.vocab_size * (act + (12 if train else 4))
@@ -153,13 +175,20 @@ def available(device=None) -> Optional[int]:
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free)
-    found = [x for x in (_proc_kib("/proc/meminfo", "MemAvailable"), _cgroup_headroom())
-             if x is not None]
+    found = [
+        x for x in (_proc_kib("/proc/meminfo", "MemAvailable"), _cgroup_headroom()) if x is not None
+    ]
     return min(found) if found else None
 
 
-def check(estimates: Mapping[str, Mapping[str, int]], available_bytes: Optional[int], *,
-          what: str, where: str = "this machine", hint: str = "") -> str:
+def check(
+    estimates: Mapping[str, Mapping[str, int]],
+    available_bytes: Optional[int],
+    *,
+    what: str,
+    where: str = "this machine",
+    hint: str = "",
+) -> str:
     """The name of the largest of ``estimates`` (name -> parts); :class:`MemoryRefusal` when
     it, with :data:`MARGIN` on top, exceeds ``available_bytes`` (None: the platform does not
     say, so nothing is refused). ``what`` names the request in the message, ``hint`` says
@@ -171,7 +200,8 @@ def check(estimates: Mapping[str, Mapping[str, int]], available_bytes: Optional[
         raise MemoryRefusal(
             f"{what} needs an estimated {need / GiB:.1f} GiB for its {worst} model ({parts} "
             f"GiB; {MARGIN:.0%} more with the margin) but {available_bytes / GiB:.1f} GiB are "
-            f"available on {where}" + (f": {hint}" if hint else ""))
+            f"available on {where}" + (f": {hint}" if hint else "")
+        )
     return worst
 
 

@@ -29,9 +29,14 @@ __all__ = ["SmeltLM", "SmeltOutput", "IGNORE_INDEX", "valid_targets"]
 
 #: parameter names of checkpoints written before the layers took Hugging Face's names,
 #: mapped to today's (what :meth:`SmeltLM.from_pretrained` reads)
-_OLD_NAMES = {".attn.wq.": ".attn.q_proj.", ".attn.wk.": ".attn.k_proj.",
-              ".attn.wv.": ".attn.v_proj.", ".attn.wo.": ".attn.o_proj.",
-              ".moe.w1": ".moe.gate_up_proj", ".moe.w2": ".moe.down_proj"}
+_OLD_NAMES = {
+    ".attn.wq.": ".attn.q_proj.",
+    ".attn.wk.": ".attn.k_proj.",
+    ".attn.wv.": ".attn.v_proj.",
+    ".attn.wo.": ".attn.o_proj.",
+    ".moe.w1": ".moe.gate_up_proj",
+    ".moe.w2": ".moe.down_proj",
+}
 
 
 def _renamed(state: dict) -> dict:
@@ -43,7 +48,6 @@ def _renamed(state: dict) -> dict:
                 key = key.replace(old, new)
         out[key] = value
     return out
-
 
 
 def valid_targets(labels: torch.Tensor, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -87,8 +91,8 @@ class SmeltLM(nn.Module):
         blocks = [Block(cfg) for _ in range(cfg.n_layers)]
         p = self.plan
         self.prelude = nn.ModuleList(blocks[: p.start])
-        self.span = LoopedSpan(blocks[p.start: p.end], self.executor) if p.length else None
-        self.coda = nn.ModuleList(blocks[p.end:])
+        self.span = LoopedSpan(blocks[p.start : p.end], self.executor) if p.length else None
+        self.coda = nn.ModuleList(blocks[p.end :])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
@@ -170,8 +174,9 @@ class SmeltLM(nn.Module):
         B, T = input_ids.shape
         x = self.embed(input_ids)
         cos, sin = self.rotary.tables(cache_pos, T, x.device)
-        ctx = ForwardContext(cos=cos, sin=sin, segment_ids=segment_ids, cache=cache,
-                             cache_pos=cache_pos)
+        ctx = ForwardContext(
+            cos=cos, sin=sin, segment_ids=segment_ids, cache=cache, cache_pos=cache_pos
+        )
         ex, p = self.executor, self.plan
         x, aux = ex.run(lambda i: self.prelude[i], x, ctx, p.prelude)
         if self.span is not None:
@@ -185,8 +190,9 @@ class SmeltLM(nn.Module):
         return SmeltOutput(logits=logits, loss=loss, aux_loss=aux)
 
     @staticmethod
-    def lm_loss(logits: torch.Tensor, labels: torch.Tensor,
-                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def lm_loss(
+        logits: torch.Tensor, labels: torch.Tensor, segment_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Mean next-token cross-entropy; targets in another segment or -100 are ignored."""
         V = logits.shape[-1]
         pred = logits[:, :-1].reshape(-1, V).float()
@@ -200,8 +206,7 @@ class SmeltLM(nn.Module):
     def _check_inputs(self, input_ids, segment_ids, labels) -> None:
         V = self.cfg.vocab_size
         dev = self.embed.weight.device
-        for name, t in (("input_ids", input_ids), ("segment_ids", segment_ids),
-                        ("labels", labels)):
+        for name, t in (("input_ids", input_ids), ("segment_ids", segment_ids), ("labels", labels)):
             if t is None:
                 continue
             if not isinstance(t, torch.Tensor):
@@ -211,8 +216,9 @@ class SmeltLM(nn.Module):
             if t.dim() != 2:
                 raise ValueError(f"{name} must be (batch, seq), got shape {tuple(t.shape)}")
             if t.shape != input_ids.shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, input_ids "
-                                 f"{tuple(input_ids.shape)}")
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}, input_ids {tuple(input_ids.shape)}"
+                )
             if t.device != dev:
                 raise ValueError(f"{name} is on {t.device}, the model on {dev}")
         if input_ids.shape[1] == 0:
@@ -234,8 +240,10 @@ class SmeltLM(nn.Module):
                 torch._assert_async(~decreasing.any(), "segment_ids must be non-decreasing")
             return
         if bad_ids.any():
-            raise ValueError(f"input_ids must lie in [0, {V}); got values "
-                             f"{input_ids.min().item()}..{input_ids.max().item()}")
+            raise ValueError(
+                f"input_ids must lie in [0, {V}); got values "
+                f"{input_ids.min().item()}..{input_ids.max().item()}"
+            )
         if bad_labels is not None and bad_labels.any():
             raise ValueError(f"labels must lie in [0, {V}) or be {IGNORE_INDEX}")
         if decreasing is not None and decreasing.any():
@@ -254,8 +262,9 @@ class SmeltLM(nn.Module):
         return out
 
     @classmethod
-    def from_pretrained(cls, path: Union[str, Path], device=None, dtype=None,
-                        **kwargs) -> "SmeltLM":
+    def from_pretrained(
+        cls, path: Union[str, Path], device=None, dtype=None, **kwargs
+    ) -> "SmeltLM":
         """Load a folder written by :meth:`save_pretrained`."""
         from safetensors.torch import load_file
 

@@ -39,8 +39,10 @@ def shard(model: nn.Module, mesh: Any = None, **fsdp_kwargs: Any) -> nn.Module:
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if mesh is None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("shard() needs an initialised process group (torch.distributed."
-                             "init_process_group) or an explicit mesh")
+            raise ValueError(
+                "shard() needs an initialised process group (torch.distributed."
+                "init_process_group) or an explicit mesh"
+            )
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = next(model.parameters()).device.type

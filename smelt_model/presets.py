@@ -69,12 +69,26 @@ def _tiny(arch: str) -> ModelConfig:
     # stack looped twice, a narrower hidden size and smaller heads for the looped model.
     if arch == "baseline":
         return ModelConfig(
-            vocab_size=512, hidden_size=384, n_layers=4, n_heads=4, n_kv_heads=1,
-            head_dim=96, n_experts=64, expert_size=128, top_k=8,
+            vocab_size=512,
+            hidden_size=384,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=1,
+            head_dim=96,
+            n_experts=64,
+            expert_size=128,
+            top_k=8,
         )
     return ModelConfig(
-        vocab_size=512, hidden_size=320, n_layers=4, n_heads=5, n_kv_heads=1,
-        head_dim=64, n_experts=TINY_SMELT_EXPERTS, expert_size=TINY_SMELT_EXPERT_SIZE, top_k=8,
+        vocab_size=512,
+        hidden_size=320,
+        n_layers=4,
+        n_heads=5,
+        n_kv_heads=1,
+        head_dim=64,
+        n_experts=TINY_SMELT_EXPERTS,
+        expert_size=TINY_SMELT_EXPERT_SIZE,
+        top_k=8,
         loop=middle_loop(4),
     )
 
@@ -87,9 +101,7 @@ _REGISTRY: dict[str, Callable[[], ModelConfig]] = {}
 for _scale in _BASE:
     for _s in SPARSITIES:
         for _arch in ("baseline", "smelt"):
-            _REGISTRY[f"{_scale}-S{_s}-{_arch}"] = (
-                lambda sc=_scale, s=_s, a=_arch: _paper(sc, s, a)
-            )
+            _REGISTRY[f"{_scale}-S{_s}-{_arch}"] = lambda sc=_scale, s=_s, a=_arch: _paper(sc, s, a)
 for _arch in ("baseline", "smelt"):
     _REGISTRY[f"tiny-{_arch}"] = lambda a=_arch: _tiny(a)
 

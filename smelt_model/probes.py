@@ -32,8 +32,20 @@ import torch
 
 __all__ = ["PROBES", "Recorder", "capture"]
 
-PROBES = ("x", "x_out", "attn_write", "moe_write", "q", "k", "v", "pv", "o", "sink",
-          "router_ids", "router_weights")
+PROBES = (
+    "x",
+    "x_out",
+    "attn_write",
+    "moe_write",
+    "q",
+    "k",
+    "v",
+    "pv",
+    "o",
+    "sink",
+    "router_ids",
+    "router_weights",
+)
 
 
 class Recorder:
@@ -97,24 +109,32 @@ def _attach(block, rec: Recorder) -> list:
 
     handles.append(block.register_forward_pre_hook(block_pre))
     if w("x_out"):
-        handles.append(block.register_forward_hook(
-            lambda _, args, out: rec.record(state["step"], "x_out", out[0])))
+        handles.append(
+            block.register_forward_hook(
+                lambda _, args, out: rec.record(state["step"], "x_out", out[0])
+            )
+        )
 
     def write(name):
         def hook(_, args, out):
             step = state["step"]
             out = out[0] if isinstance(out, tuple) else out  # MoE(..., return_aux=True)
             rec.record(step, name, out * step.scale if step.scale != 1.0 else out)
+
         return hook
 
     if w("attn_write"):
         handles.append(block.attn.register_forward_hook(write("attn_write")))
     if w("o"):
-        handles.append(block.attn.register_forward_hook(
-            lambda _, args, out: rec.record(state["step"], "o", out)))
+        handles.append(
+            block.attn.register_forward_hook(
+                lambda _, args, out: rec.record(state["step"], "o", out)
+            )
+        )
     if w("moe_write"):
         handles.append(block.moe.register_forward_hook(write("moe_write")))
     if any(w(n) for n in ("q", "k", "v", "pv", "sink")):
+
         def attend(_, args, out):
             q, k, v = args[:3]
             step, T = state["step"], q.shape[1]
@@ -122,19 +142,24 @@ def _attach(block, rec: Recorder) -> list:
                 rec.record(step, name, t)
             if out[1] is not None:
                 rec.record(step, "sink", out[1])
+
         handles.append(block.attn.core.register_forward_hook(attend))
     if w("router_ids") or w("router_weights"):
+
         def route(_, args, out):
             weights, ids = out
             lead = tuple(state["shape"])
             rec.record(state["step"], "router_ids", ids.view(*lead, -1))
             rec.record(state["step"], "router_weights", weights.view(*lead, -1))
+
         handles.append(block.moe.topk.register_forward_hook(route))
     return handles
 
 
 @contextlib.contextmanager
-def capture(model, what: Optional[Iterable[str]] = None, to_cpu: bool = False) -> Iterator[Recorder]:
+def capture(
+    model, what: Optional[Iterable[str]] = None, to_cpu: bool = False
+) -> Iterator[Recorder]:
     """Record probes from every forward of ``model`` inside the ``with`` block.
 
     ``model`` is a :class:`smelt_model.SmeltLM` (any module whose blocks are
@@ -147,8 +172,9 @@ def capture(model, what: Optional[Iterable[str]] = None, to_cpu: bool = False) -
     rec = Recorder(what, to_cpu=to_cpu)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     if not blocks:
-        raise ValueError(f"capture needs a model built of smelt_model.block.Block, got "
-                         f"{type(model).__name__}")
+        raise ValueError(
+            f"capture needs a model built of smelt_model.block.Block, got {type(model).__name__}"
+        )
     handles, sinks = [], []
     _ACTIVE.add(model)
     try:

@@ -16,10 +16,9 @@ if "TRITON_INTERPRET" not in os.environ:
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TESTS, os.path.join(os.path.dirname(_TESTS), "bench")]
 
+import helpers  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-import helpers  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

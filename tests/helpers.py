@@ -51,8 +51,9 @@ def device_for(backend: str) -> torch.device:
     return torch.device("cuda" if backend == "cuda" else "cpu")
 
 
-def run_with_grads(fn: Callable, leaves: Sequence[torch.Tensor], grad_out: torch.Tensor, *rest,
-                   dtype=None) -> tuple:
+def run_with_grads(
+    fn: Callable, leaves: Sequence[torch.Tensor], grad_out: torch.Tensor, *rest, dtype=None
+) -> tuple:
     """fn(*leaves, *rest) on CPU copies of the leaves (cast to ``dtype`` if given), and the
     gradients of its (first) output against ``grad_out``: (outputs..., grads...)."""
     xs = [t.detach().cpu().to(dtype or t.dtype).requires_grad_() for t in leaves]
@@ -63,7 +64,9 @@ def run_with_grads(fn: Callable, leaves: Sequence[torch.Tensor], grad_out: torch
     return tuple(o.detach() for o in outs) + tuple(grads)
 
 
-def fp64_oracle(fn: Callable, leaves: Sequence[torch.Tensor], grad_out: torch.Tensor, *rest) -> tuple:
+def fp64_oracle(
+    fn: Callable, leaves: Sequence[torch.Tensor], grad_out: torch.Tensor, *rest
+) -> tuple:
     """:func:`run_with_grads` in float64: the oracle every kernel is measured against."""
     return run_with_grads(fn, leaves, grad_out, *rest, dtype=torch.float64)
 
@@ -74,11 +77,16 @@ def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got.detach().cpu().double() - ref.detach().cpu().double()).abs().max().item()
 
 
-def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, base: torch.Tensor,
-                 dtype: Optional[torch.dtype] = None) -> None:
+def assert_close(
+    name: str,
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    base: torch.Tensor,
+    dtype: Optional[torch.dtype] = None,
+) -> None:
     """The one tolerance rule: max |got - ref| <= 2 max |base - ref| + max(FLOOR_ULPS * eps,
-    FLOOR_MIN) * max(1, max |ref|), with ``ref`` the float64 oracle, ``base`` plain PyTorch in the low
-    precision and eps that of ``dtype``, the precision the inputs were computed in (default:
+    FLOOR_MIN) * max(1, max |ref|), with ``ref`` the float64 oracle, ``base`` plain PyTorch in
+    the low precision and eps that of ``dtype``, the precision the inputs were computed in (default:
     got's dtype; an fp32 gradient of a bf16 computation is only as good as bf16)."""
     assert got.shape == ref.shape, (name, tuple(got.shape), tuple(ref.shape))
     assert torch.isfinite(got.detach()).all(), f"{name}: non-finite values"
@@ -87,11 +95,18 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, base: torch.Te
     err, base_err = max_err(got, ref), max_err(base, ref)
     floor = max(FLOOR_ULPS * eps, FLOOR_MIN) * scale
     bound = 2 * base_err + floor
-    assert err <= bound, (f"{name}: max error {err:.3e} > 2 x {base_err:.3e} (plain torch in "
-                          f"{base.dtype}) + {floor:.3g}")
+    assert err <= bound, (
+        f"{name}: max error {err:.3e} > 2 x {base_err:.3e} (plain torch in "
+        f"{base.dtype}) + {floor:.3g}"
+    )
 
 
-def assert_all_close(names: Sequence[str], got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor],
-                     base: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> None:
+def assert_all_close(
+    names: Sequence[str],
+    got: Sequence[torch.Tensor],
+    ref: Sequence[torch.Tensor],
+    base: Sequence[torch.Tensor],
+    dtype: Optional[torch.dtype] = None,
+) -> None:
     for name, a, r, b in zip(names, got, ref, base):
         assert_close(name, a, r, b, dtype)

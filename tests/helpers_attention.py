@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from helpers import assert_close, fp64_oracle, run_with_grads
+
 from smelt_kernels import reference
 from smelt_kernels.attention import segment_attention
 
@@ -66,6 +66,7 @@ def make_inputs(B, Tq, Tk, hq, hkv, D, dtype, device, seed=0):
 def _reference(upcast):
     def fn(q, k, v, seg, scale):
         return reference.segment_attention(q, k, v, seg, scale, upcast=upcast)
+
     return fn
 
 
@@ -104,8 +105,9 @@ def run_and_compare(name, dev, B, Tq, Tk, heads, D, dtype, seg, scale=None, seed
     q, k, v, do = make_inputs(B, Tq, Tk, *heads, D, dtype, dev, seed)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     seg_dev = seg.to(dev) if seg is not None else None
-    o, lse, sink = segment_attention(q, k, v, seg_dev, scale=scale, return_lse=True,
-                                     return_sink=True, backend=name)
+    o, lse, sink = segment_attention(
+        q, k, v, seg_dev, scale=scale, return_lse=True, return_sink=True, backend=name
+    )
     grads = torch.autograd.grad(o, (q, k, v), do)
     assert o.dtype == dtype and lse.dtype == torch.float32 and sink.dtype == torch.float32
     check(("o", "lse", "sink", "dq", "dk", "dv"), (o, lse, sink, *grads), q, k, v, seg, do, scale)

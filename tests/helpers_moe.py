@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from helpers import assert_all_close, fp64_oracle, run_with_grads
+
 from smelt_kernels import reference
 from smelt_kernels.moe_gemm import moe_ffn
 from smelt_kernels.moe_gemm import ops as moe_ops
@@ -29,8 +29,8 @@ def cpu_has_avx512() -> bool:
 def make_case(T, H, de, E, k, dtype, device="cpu", ids=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)
-    w1 = torch.randn(E, 2 * de, H, generator=g) * H ** -0.5
-    w2 = torch.randn(E, H, de, generator=g) * de ** -0.5
+    w1 = torch.randn(E, 2 * de, H, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, de, generator=g) * de**-0.5
     logits = torch.randn(T, E, generator=g)
     if ids is None:
         tw, ids = reference.route(logits, k)
@@ -38,7 +38,9 @@ def make_case(T, H, de, E, k, dtype, device="cpu", ids=None, seed=0):
         tw = torch.softmax(torch.randn(T, k, generator=g), -1)
     dy = torch.randn(T, H, generator=g)
     cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-    return dict(x=cast(x), w1=cast(w1), w2=cast(w2), tw=tw.to(device), ids=ids.to(device), dy=cast(dy))
+    return dict(
+        x=cast(x), w1=cast(w1), w2=cast(w2), tw=tw.to(device), ids=ids.to(device), dy=cast(dy)
+    )
 
 
 def leaves(case):
@@ -90,8 +92,10 @@ def grouped_case(dtype, device, gather):
     g = torch.Generator().manual_seed(1)
     E, N, K, Ma = 5, 19, 23, 37
     a = torch.randn(Ma, K, generator=g).to(device, dtype)
-    b = (torch.randn(E, N, K, generator=g) * K ** -0.5).to(device, dtype)
-    ends = torch.tensor([4, 4, 15, 30, 33], dtype=torch.int32, device=device)  # empty group, tail rows
+    b = (torch.randn(E, N, K, generator=g) * K**-0.5).to(device, dtype)
+    ends = torch.tensor(
+        [4, 4, 15, 30, 33], dtype=torch.int32, device=device
+    )  # empty group, tail rows
     idx = torch.randint(0, Ma, (36,), generator=g).to(device) if gather else None
     dc = torch.randn(36 if gather else Ma, N, generator=g).to(device, dtype)
     return a, b, ends, idx, dc
@@ -103,5 +107,5 @@ def grouped_loop(a, b, ends, idx):
     starts = [0] + ends.tolist()
     out = torch.zeros(rows.shape[0], b.shape[1], dtype=a.dtype)
     for e in range(b.shape[0]):
-        out[starts[e]:starts[e + 1]] = rows[starts[e]:starts[e + 1]] @ b[e].t()
+        out[starts[e] : starts[e + 1]] = rows[starts[e] : starts[e + 1]] @ b[e].t()
     return out

@@ -14,8 +14,7 @@ from smelt_model.config import ModelConfig
 
 from .workload import Workload
 
-__all__ = ["COMPONENT_PARTS", "flops_for", "component_flops", "distinct_experts",
-           "decode_bytes"]
+__all__ = ["COMPONENT_PARTS", "flops_for", "component_flops", "distinct_experts", "decode_bytes"]
 
 #: the ledger's FLOP parts each timed component covers (``embed_head`` and ``optimizer``:
 #: the ledger counts none)
@@ -28,8 +27,9 @@ COMPONENT_PARTS = {
 }
 
 
-def flops_for(mode: str, led: budget.Ledger, cfg: ModelConfig, wl: Workload, ctx: int = 0,
-              batch: int = 1) -> float:
+def flops_for(
+    mode: str, led: budget.Ledger, cfg: ModelConfig, wl: Workload, ctx: int = 0, batch: int = 1
+) -> float:
     """Useful FLOPs of one measured call (the ledger's convention, non-embedding): a
     training step or a prefill of the workload's tokens, or one decode step of ``batch``
     tokens against ``ctx`` cached positions."""
@@ -48,8 +48,10 @@ def component_flops(led: budget.Ledger, tokens: int, train: bool) -> dict[str, f
     final norm's."""
     share = 1.0 if train else led.forward_flops_per_token / led.flops_per_token
     by_part = led.flops_by_part
-    out = {name: tokens * share * sum(by_part[p] for p in parts)
-           for name, parts in COMPONENT_PARTS.items()}
+    out = {
+        name: tokens * share * sum(by_part[p] for p in parts)
+        for name, parts in COMPONENT_PARTS.items()
+    }
     if train:
         out["optimizer"] = 0.0
     return out
@@ -61,8 +63,9 @@ def distinct_experts(n_experts: int, top_k: int, batch: int) -> float:
     return n_experts * (1.0 - (1.0 - top_k / n_experts) ** batch)
 
 
-def decode_bytes(cfg: ModelConfig, led: budget.Ledger, batch: int, context: int,
-                 dtype_bytes: int) -> float:
+def decode_bytes(
+    cfg: ModelConfig, led: budget.Ledger, batch: int, context: int, dtype_bytes: int
+) -> float:
     """Bytes one decode step reads: per executed layer its attention, router and norm
     weights and the experts the batch selects (:func:`distinct_experts`); the final norm,
     the head and the batch's embedding rows; the KV cache up to ``context`` (the ledger's
@@ -72,6 +75,5 @@ def decode_bytes(cfg: ModelConfig, led: budget.Ledger, batch: int, context: int,
     per_expert = parts["experts"] / (L * cfg.n_experts)
     per_layer = shared + distinct_experts(cfg.n_experts, cfg.top_k, batch) * per_expert
     H = cfg.hidden_size
-    weights = (led.executed_layers * per_layer + parts["final_norm"] + cfg.vocab_size * H
-               + batch * H)
+    weights = led.executed_layers * per_layer + parts["final_norm"] + cfg.vocab_size * H + batch * H
     return weights * dtype_bytes + batch * context * led.kv_bytes_per_token

@@ -22,8 +22,7 @@ from smelt_model.memory import available as available_memory
 
 from . import runners, verdict
 from .accounting import component_flops, decode_bytes, flops_for
-from .workload import (ARCHS, Workload, check_memory, make_workload, modes_of,
-                       steps_per_block)
+from .workload import ARCHS, Workload, check_memory, make_workload, modes_of, steps_per_block
 
 __all__ = ["DTYPES", "run_pair", "round_ratios", "summarize"]
 
@@ -39,8 +38,13 @@ def _merge_parts(blocks: list[dict[str, Any]]) -> dict[str, Any]:
     frac = sum(parts[k].median_ms * counts[k] for k in parts) / step.median_ms
     pooled = PartsTiming(step, parts, counts, frac, pts[0].tolerance, max(p.tries for p in pts))
     out = {k: v for k, v in blocks[0].items() if k != "parts"}
-    out.update(timing=step, components_ms=pooled.parts_ms, components_fraction=frac,
-               components_tries=[p.tries for p in pts], components_note=pooled.note)
+    out.update(
+        timing=step,
+        components_ms=pooled.parts_ms,
+        components_fraction=frac,
+        components_tries=[p.tries for p in pts],
+        components_note=pooled.note,
+    )
     return out
 
 
@@ -53,46 +57,62 @@ def run_pair(args) -> dict[str, Any]:
     cfgs = dict(zip(ARCHS, presets.pair(args.preset)))
     wl = make_workload(args)
     est = check_memory(cfgs, wl, args, dtype.itemsize, available_memory(device))
-    leds = {a: budget.ledger(c, wl.mean_doc_len, wl.seq_len, kv_dtype_bytes=dtype.itemsize)
-            for a, c in cfgs.items()}
+    leds = {
+        a: budget.ledger(c, wl.mean_doc_len, wl.seq_len, kv_dtype_bytes=dtype.itemsize)
+        for a, c in cfgs.items()
+    }
     ratios = budget.compare(cfgs["baseline"], cfgs["smelt"], wl.mean_doc_len, wl.seq_len)
     modes = modes_of(args)
     per_block = sum(len(wl.decode_batches) if m == "decode" else 1 for m in modes)
     bar = _progress(2 * args.rounds * per_block, args.quiet)
     blocks: dict[str, list[dict[str, Any]]] = {a: [] for a in ARCHS}
     for r in range(args.rounds):
-        for a in (ARCHS if r % 2 == 0 else ARCHS[::-1]):
+        for a in ARCHS if r % 2 == 0 else ARCHS[::-1]:
             bar.set_postfix_str(f"round {r + 1}/{args.rounds}: {a}")
-            blocks[a].append(runners.measure_block(cfgs[a], wl, args, device, dtype, modes,
-                                                   first=r == 0, bar=bar))
+            blocks[a].append(
+                runners.measure_block(
+                    cfgs[a], wl, args, device, dtype, modes, first=r == 0, bar=bar
+                )
+            )
     bar.close()
     results: dict[str, Any] = {"arch": {}}
     for a in ARCHS:
         first = blocks[a][0]
-        res = {"config": cfgs[a].to_dict(), "ledger": leds[a].__dict__,
-               "params_total": first["params_total"], "params_active": first["params_active"],
-               "memory_estimate_bytes": est[a], "backend_requested": args.backend,
-               "peak_rss_bytes": [b["peak_rss_bytes"] for b in blocks[a]],
-               "backends_available": bk.report(device)}
+        res = {
+            "config": cfgs[a].to_dict(),
+            "ledger": leds[a].__dict__,
+            "params_total": first["params_total"],
+            "params_active": first["params_active"],
+            "memory_estimate_bytes": est[a],
+            "backend_requested": args.backend,
+            "peak_rss_bytes": [b["peak_rss_bytes"] for b in blocks[a]],
+            "backends_available": bk.report(device),
+        }
         for mode in ("train", "prefill"):
             if mode in modes:
                 res[mode] = _merge_parts([b[mode] for b in blocks[a]])
-                res[mode]["components_flops"] = component_flops(leds[a], wl.tokens,
-                                                                mode == "train")
+                res[mode]["components_flops"] = component_flops(leds[a], wl.tokens, mode == "train")
         if "decode" in modes:
             res["decode"] = {}
             for key, d in first["decode"].items():
                 t = merge([b["decode"][key]["timing"] for b in blocks[a]])
                 nbytes = decode_bytes(cfgs[a], leds[a], d["batch"], d["context"], dtype.itemsize)
-                res["decode"][key] = dict(d, timing=t, bytes_per_step=nbytes,
-                                          bytes_per_token=nbytes / d["batch"],
-                                          gb_per_s=nbytes / (t.median_ms / 1e3) / 1e9)
+                res["decode"][key] = dict(
+                    d,
+                    timing=t,
+                    bytes_per_step=nbytes,
+                    bytes_per_token=nbytes / d["batch"],
+                    gb_per_s=nbytes / (t.median_ms / 1e3) / 1e9,
+                )
         results["arch"][a] = res
     results["round_ratios"] = round_ratios(blocks, modes)
     results["ratios"] = {"flops": ratios.flops, "params": ratios.params, "kv": ratios.kv}
     results["workload"] = wl.__dict__
-    results["schedule"] = {"rounds": args.rounds, "order": "ABBA blocks, one model in memory",
-                           "repeats_per_block": steps_per_block(args.repeats, args)}
+    results["schedule"] = {
+        "rounds": args.rounds,
+        "order": "ABBA blocks, one model in memory",
+        "repeats_per_block": steps_per_block(args.repeats, args),
+    }
     return summarize(results, leds, wl, modes, args.device)
 
 
@@ -113,7 +133,9 @@ def round_ratios(blocks: dict[str, list[dict[str, Any]]], modes) -> dict[str, li
         keys = list(pairs[0][0]["decode"]) if mode == "decode" else [None]
         for key in keys:
             name = mode if key is None else f"{mode} ({key})"
-            out[name] = [_block_median(s, mode, key) / _block_median(b, mode, key) for b, s in pairs]
+            out[name] = [
+                _block_median(s, mode, key) / _block_median(b, mode, key) for b, s in pairs
+            ]
     return out
 
 
@@ -138,8 +160,13 @@ def _progress(total: int, quiet: bool):
     return tqdm(total=total, desc="measuring", unit="task", file=sys.stderr)
 
 
-def summarize(results: dict[str, Any], leds: dict[str, budget.Ledger], wl: Workload, modes,
-              device: str = "cpu") -> dict[str, Any]:
+def summarize(
+    results: dict[str, Any],
+    leds: dict[str, budget.Ledger],
+    wl: Workload,
+    modes,
+    device: str = "cpu",
+) -> dict[str, Any]:
     """Add ``summary``: per mode, one row per measured call (per decode batch) with both
     architectures' medians, spreads, rates and FLOPs, the wall-clock and FLOPs ratios, the
     gap, the gap of each round and the row's verdict against its target on ``device``;
@@ -159,26 +186,40 @@ def summarize(results: dict[str, Any], leds: dict[str, budget.Ledger], wl: Workl
                 batch = m.get("batch", 1)
                 fl = flops_for(mode, leds[arch], cfg, wl, m.get("context", 0), batch)
                 tokens = m.get("tokens", batch)
-                per[arch] = {"median_ms": t.median_ms, "spread": t.spread,
-                             "tokens_per_s": tokens / (t.median_ms / 1e3),
-                             "flops": fl, "achieved_flops_per_s": fl / (t.median_ms / 1e3)}
+                per[arch] = {
+                    "median_ms": t.median_ms,
+                    "spread": t.spread,
+                    "tokens_per_s": tokens / (t.median_ms / 1e3),
+                    "flops": fl,
+                    "achieved_flops_per_s": fl / (t.median_ms / 1e3),
+                }
                 m["timing"] = t.to_dict()
             wall = per["smelt"]["median_ms"] / per["baseline"]["median_ms"]
-            row = {"mode": mode if key is None else f"{mode} ({key})", "flops_ratio": F,
-                   "wall_ratio": wall, "gap": wall / F, "baseline": per["baseline"],
-                   "smelt": per["smelt"]}
+            row = {
+                "mode": mode if key is None else f"{mode} ({key})",
+                "flops_ratio": F,
+                "wall_ratio": wall,
+                "gap": wall / F,
+                "baseline": per["baseline"],
+                "smelt": per["smelt"],
+            }
             if mode == "decode":
                 # decode FLOPs differ from the training ratio: report its own FLOP ratio too
                 row["decode_flops_ratio"] = per["smelt"]["flops"] / per["baseline"]["flops"]
                 row["gap"] = wall / row["decode_flops_ratio"]
             f_row = row.get("decode_flops_ratio", F)
-            row["round_gaps"] = [x / f_row for x in results.get("round_ratios", {}).get(row["mode"], [])]
+            row["round_gaps"] = [
+                x / f_row for x in results.get("round_ratios", {}).get(row["mode"], [])
+            ]
             row["verdict"] = verdict.judge_row(row, device)
             rows.append(row)
         summary[mode] = rows
     results["summary"] = summary
     dev = str(device).split(":")[0]
-    results["targets"] = {"device": dev, "gap": verdict.TARGETS.get(dev, {}),
-                          "scope": verdict.TARGET_SCOPE.get(dev, "no targets on this device"),
-                          "spread_limit": verdict.SPREAD_LIMIT}
+    results["targets"] = {
+        "device": dev,
+        "gap": verdict.TARGETS.get(dev, {}),
+        "scope": verdict.TARGET_SCOPE.get(dev, "no targets on this device"),
+        "spread_limit": verdict.SPREAD_LIMIT,
+    }
     return results

@@ -57,49 +57,63 @@ def _component_lines(arch: dict[str, Any], mode: str, row: dict[str, Any]) -> li
     for name in list(cb) + ["other"]:
         if name == "other":
             if not ok:
-                lines.append(f"    {'other':14} {'n/a':>10}        {'n/a':>10}         "
-                             "(components exceed the step: see the note)")
+                lines.append(
+                    f"    {'other':14} {'n/a':>10}        {'n/a':>10}         "
+                    "(components exceed the step: see the note)"
+                )
                 continue
             vb, vs = tb - sum(cb.values()), ts - sum(cs.values())
         else:
             vb, vs = cb[name], cs[name]
         ratio = f"{vs / vb:.3f}" if vb > 0 and vs > 0 else "-"
         f_ratio = f"{fs[name] / fb[name]:.3f}" if fb.get(name, 0) > 0 else "-"
-        lines.append(f"    {name:14} {vb:>10.2f} ({100 * vb / tb:5.1f}%) {vs:>10.2f} "
-                     f"({100 * vs / ts:5.1f}%) {ratio:>8}   F {f_ratio}")
+        lines.append(
+            f"    {name:14} {vb:>10.2f} ({100 * vb / tb:5.1f}%) {vs:>10.2f} "
+            f"({100 * vs / ts:5.1f}%) {ratio:>8}   F {f_ratio}"
+        )
     for a in ARCHS:
         m = arch[a][mode]
         tries = m["components_tries"]
         if m["components_note"]:
             lines.append(f"  note ({a}): {m['components_note']}")
         elif max(tries) > 1:
-            lines.append(f"  note ({a}): components remeasured (tries per round {tries}) "
-                         f"until they added up; now {100 * m['components_fraction']:.0f}% of "
-                         "the step")
+            lines.append(
+                f"  note ({a}): components remeasured (tries per round {tries}) "
+                f"until they added up; now {100 * m['components_fraction']:.0f}% of "
+                "the step"
+            )
     return lines
 
 
 def _row_lines(row: dict[str, Any], mode: str, arch: dict[str, Any]) -> list[str]:
     b, s = row["baseline"], row["smelt"]
-    lines = [f"{row['mode']:18} {b['median_ms']:>10.2f}ms {s['median_ms']:>10.2f}ms "
-             f"{row['wall_ratio']:>8.3f}   (spread {b['spread']:.2f} / {s['spread']:.2f})",
-             f"{'  tokens/s':18} {b['tokens_per_s']:>12.0f} {s['tokens_per_s']:>12.0f}",
-             f"{'  GFLOP/s':18} {b['achieved_flops_per_s'] / 1e9:>12.1f} "
-             f"{s['achieved_flops_per_s'] / 1e9:>12.1f}"]
+    lines = [
+        f"{row['mode']:18} {b['median_ms']:>10.2f}ms {s['median_ms']:>10.2f}ms "
+        f"{row['wall_ratio']:>8.3f}   (spread {b['spread']:.2f} / {s['spread']:.2f})",
+        f"{'  tokens/s':18} {b['tokens_per_s']:>12.0f} {s['tokens_per_s']:>12.0f}",
+        f"{'  GFLOP/s':18} {b['achieved_flops_per_s'] / 1e9:>12.1f} "
+        f"{s['achieved_flops_per_s'] / 1e9:>12.1f}",
+    ]
     if mode == "decode":
         key = row["mode"].split("(")[1].rstrip(")")
         db, ds = arch["baseline"]["decode"][key], arch["smelt"]["decode"][key]
-        lines += [f"{'  MiB/token':18} {db['bytes_per_token'] / 2**20:>12.2f} "
-                  f"{ds['bytes_per_token'] / 2**20:>12.2f} "
-                  f"{ds['bytes_per_token'] / db['bytes_per_token']:>8.3f}",
-                  f"{'  GB/s':18} {db['gb_per_s']:>12.1f} {ds['gb_per_s']:>12.1f}"]
+        lines += [
+            f"{'  MiB/token':18} {db['bytes_per_token'] / 2**20:>12.2f} "
+            f"{ds['bytes_per_token'] / 2**20:>12.2f} "
+            f"{ds['bytes_per_token'] / db['bytes_per_token']:>8.3f}",
+            f"{'  GB/s':18} {db['gb_per_s']:>12.1f} {ds['gb_per_s']:>12.1f}",
+        ]
     fr = row.get("decode_flops_ratio", row["flops_ratio"])
-    lines += [f"{'  F ratio':18} {'':>12} {'':>12} {fr:>8.3f}",
-              f"{'  gap (wall / F)':18} {'':>12} {'':>12} {row['gap']:>8.3f}"]
+    lines += [
+        f"{'  F ratio':18} {'':>12} {'':>12} {fr:>8.3f}",
+        f"{'  gap (wall / F)':18} {'':>12} {'':>12} {row['gap']:>8.3f}",
+    ]
     g = sorted(row.get("round_gaps", []))
     if len(g) > 1:
-        lines.append(f"{'  gap by round':18} {'':>12} {'':>12} {statistics.median(g):>8.3f}   "
-                     f"(min {g[0]:.3f}, max {g[-1]:.3f} over {len(g)} rounds)")
+        lines.append(
+            f"{'  gap by round':18} {'':>12} {'':>12} {statistics.median(g):>8.3f}   "
+            f"(min {g[0]:.3f}, max {g[-1]:.3f} over {len(g)} rounds)"
+        )
     if "verdict" in row:
         lines.append(f"{'  verdict':18} {describe(row['verdict'])}")
     return lines
@@ -112,8 +126,9 @@ def _memory_line(arch: dict[str, Any], mode: str) -> str:
         if mode == "decode":
             first = next(iter(m.values()))
             how = "compiled" if first["compiled"] else f"eager ({first['eager_reason']})"
-            mem.append(f"KV cache {_fmt_bytes(first['cache_bytes'])} (batch "
-                       f"{first['batch']}), step {how}")
+            mem.append(
+                f"KV cache {_fmt_bytes(first['cache_bytes'])} (batch {first['batch']}), step {how}"
+            )
         else:
             peak = m.get("peak_bytes")
             txt = f"peak {_fmt_bytes(peak)}" if peak is not None else "peak n/a (CUDA only)"
@@ -126,9 +141,11 @@ def _memory_line(arch: dict[str, Any], mode: str) -> str:
 def _verdict_lines(res: dict[str, Any]) -> list[str]:
     t = res.get("targets", {})
     limit = t.get("spread_limit", SPREAD_LIMIT)
-    lines = [f"verdicts on {t.get('device', res['device'])} (uncertain: the gaps by round "
-             f"straddle the target, or a spread above {limit:.2f})",
-             f"  {'targets':18} {t.get('scope', 'none on this device')}"]
+    lines = [
+        f"verdicts on {t.get('device', res['device'])} (uncertain: the gaps by round "
+        f"straddle the target, or a spread above {limit:.2f})",
+        f"  {'targets':18} {t.get('scope', 'none on this device')}",
+    ]
     for rows in res["summary"].values():
         for row in rows:
             if "verdict" in row:
@@ -141,17 +158,25 @@ def format_tables(res: dict[str, Any]) -> str:
     the legend."""
     lines: list[str] = []
     r, wl, sch, arch = res["ratios"], res["workload"], res["schedule"], res["arch"]
-    lines.append(f"pair {res['preset']}  device {res['device']}  dtype {res['dtype']}  backend "
-                 f"{res['backend']}  tokens/step {wl['batch'] * wl['seq_len']} "
-                 f"({wl['batch']} x {wl['seq_len']}, docs of {wl['mean_doc_len']:g})")
-    lines.append(f"ledger ratios (smelt / baseline): F {r['flops']:.4f}   params "
-                 f"{r['params']:.4f}   KV {r['kv']:.4f}")
-    lines.append(f"schedule: {sch['rounds']} rounds of {sch['order']}, "
-                 f"{sch['repeats_per_block']} timed repeats per block")
+    lines.append(
+        f"pair {res['preset']}  device {res['device']}  dtype {res['dtype']}  backend "
+        f"{res['backend']}  tokens/step {wl['batch'] * wl['seq_len']} "
+        f"({wl['batch']} x {wl['seq_len']}, docs of {wl['mean_doc_len']:g})"
+    )
+    lines.append(
+        f"ledger ratios (smelt / baseline): F {r['flops']:.4f}   params "
+        f"{r['params']:.4f}   KV {r['kv']:.4f}"
+    )
+    lines.append(
+        f"schedule: {sch['rounds']} rounds of {sch['order']}, "
+        f"{sch['repeats_per_block']} timed repeats per block"
+    )
     est = [sum(arch[a]["memory_estimate_bytes"].values()) / GiB for a in ARCHS]
     rss = [max((x or 0) for x in arch[a].get("peak_rss_bytes", [0])) / GiB for a in ARCHS]
-    lines.append(f"memory estimate: baseline {est[0]:.2f} GiB, smelt {est[1]:.2f} GiB; process "
-                 f"peak RSS after their blocks {rss[0]:.2f} / {rss[1]:.2f} GiB")
+    lines.append(
+        f"memory estimate: baseline {est[0]:.2f} GiB, smelt {est[1]:.2f} GiB; process "
+        f"peak RSS after their blocks {rss[0]:.2f} / {rss[1]:.2f} GiB"
+    )
     for mode, rows in res["summary"].items():
         lines += ["", f"== {mode} ==", f"{'':18} {'baseline':>12} {'smelt':>12} {'ratio':>8}"]
         for row in rows:
@@ -160,19 +185,25 @@ def format_tables(res: dict[str, Any]) -> str:
             lines += _component_lines(arch, mode, rows[0])
         lines.append(_memory_line(arch, mode))
     lines += [""] + _verdict_lines(res)
-    lines += ["", LEGEND.format(tol=res["tolerance"],
-                                limit=res.get("targets", {}).get("spread_limit", SPREAD_LIMIT))]
+    lines += [
+        "",
+        LEGEND.format(
+            tol=res["tolerance"], limit=res.get("targets", {}).get("spread_limit", SPREAD_LIMIT)
+        ),
+    ]
     return "\n".join(lines)
 
 
 def markdown(res: dict[str, Any], text: str, argv: Sequence[str]) -> str:
     """The ``--markdown`` file: a title, the environment, the command and the tables."""
     env = res["environment"]
-    return (f"# looped vs baseline: {res['preset']} on {res['device']}\n\n"
-            f"{env['date']} · {env['device_name']} · {env['cpu_count']} CPUs · torch "
-            f"{env['torch']} · triton {env['triton']}\n\n"
-            f"Command: `python bench/looped_vs_baseline.py {' '.join(argv)}`\n\n"
-            f"```\n{text}\n```\n")
+    return (
+        f"# looped vs baseline: {res['preset']} on {res['device']}\n\n"
+        f"{env['date']} · {env['device_name']} · {env['cpu_count']} CPUs · torch "
+        f"{env['torch']} · triton {env['triton']}\n\n"
+        f"Command: `python bench/looped_vs_baseline.py {' '.join(argv)}`\n\n"
+        f"```\n{text}\n```\n"
+    )
 
 
 def plot(res: dict[str, Any], path: str) -> None:
@@ -191,11 +222,21 @@ def plot(res: dict[str, Any], path: str) -> None:
         for row in rows:
             for arch in ARCHS:
                 p = row[arch]
-                ax.scatter(p["flops"], p["median_ms"], marker=markers[arch], s=40,
-                           color=colors[arch], label=arch if mode == first_mode else None)
-                ax.annotate(f"{arch} {row['mode']}", (p["flops"], p["median_ms"]), fontsize=7,
-                            xytext=(6, 3) if arch == "smelt" else (6, -9),
-                            textcoords="offset points")
+                ax.scatter(
+                    p["flops"],
+                    p["median_ms"],
+                    marker=markers[arch],
+                    s=40,
+                    color=colors[arch],
+                    label=arch if mode == first_mode else None,
+                )
+                ax.annotate(
+                    f"{arch} {row['mode']}",
+                    (p["flops"], p["median_ms"]),
+                    fontsize=7,
+                    xytext=(6, 3) if arch == "smelt" else (6, -9),
+                    textcoords="offset points",
+                )
             b = row["baseline"]
             xs = [b["flops"] * 0.8, b["flops"] * 1.4]
             ax.plot(xs, [b["median_ms"] * x / b["flops"] for x in xs], lw=0.6, color="gray")

@@ -17,11 +17,16 @@ from smelt_kernels.timing import measure, measure_parts, release_memory
 from smelt_model.config import ModelConfig
 from smelt_model.memory import peak_rss
 
-from .workload import (Workload, decode_cache_len, decode_warmup, packed_segments,
-                       steps_per_block)
+from .workload import Workload, decode_cache_len, decode_warmup, packed_segments, steps_per_block
 
-__all__ = ["build", "train_runner", "prefill_runner", "decode_runner", "component_runners",
-           "measure_block"]
+__all__ = [
+    "build",
+    "train_runner",
+    "prefill_runner",
+    "decode_runner",
+    "component_runners",
+    "measure_block",
+]
 
 
 def build(cfg: ModelConfig, device, dtype, backend, recompute):
@@ -63,8 +68,11 @@ def train_runner(model, wl: Workload, device, args):
         return out.loss.detach()
 
     runner = maybe_capture(step, [ids, seg], capture=args.capture and cuda)
-    info = {"tokens": wl.tokens, "captured": runner.graph is not None,
-            "capture_note": getattr(runner, "reason", None)}
+    info = {
+        "tokens": wl.tokens,
+        "captured": runner.graph is not None,
+        "capture_note": getattr(runner, "reason", None),
+    }
     return (lambda: runner(ids, seg)), info, (ids, seg), opt
 
 
@@ -103,13 +111,17 @@ def decode_runner(model, wl: Workload, B: int, device, args):
         state["tok"] = lg.argmax(-1, keepdim=True)
         state["pos"] += 1
 
-    info = {"batch": B, "context": P + decode_warmup(args) + wl.decode_steps // 2,
-            "cache_bytes": cache.nbytes}
+    info = {
+        "batch": B,
+        "context": P + decode_warmup(args) + wl.decode_steps // 2,
+        "cache_bytes": cache.nbytes,
+    }
     return one, info, step
 
 
-def component_runners(model, wl: Workload, device, train: bool,
-                      opt=None) -> dict[str, tuple[Callable, int]]:
+def component_runners(
+    model, wl: Workload, device, train: bool, opt=None
+) -> dict[str, tuple[Callable, int]]:
     """Per component: a callable running it once at the step's shapes (forward, plus backward
     when ``train``), and how many times a step runs it."""
     from smelt_kernels.moe_gemm import moe_ffn, route
@@ -135,14 +147,17 @@ def component_runners(model, wl: Workload, device, train: bool,
 
     def run(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
         if not train:
+
             def f():
                 with torch.no_grad():
                     fn()
+
             return f
 
         def fb():
             y = fn()
             y.backward(torch.ones_like(y))
+
         return fb
 
     def head():
@@ -152,10 +167,24 @@ def component_runners(model, wl: Workload, device, train: bool,
 
     parts = {
         "attention": (run(lambda: blk.attn(h, seg, rope=(cos, sin), check_values=False)), L_exec),
-        "moe_gemm": (run(lambda: moe_ffn(x2, blk.moe.gate_up_proj, blk.moe.down_proj, weights, ids,
-                                         backend=backend, check_values=False)), L_exec),
-        "routing": (run(lambda: route(blk.moe.router(x2).float(), cfg.top_k,
-                                      cfg.router_renormalize)[0]), L_exec),
+        "moe_gemm": (
+            run(
+                lambda: moe_ffn(
+                    x2,
+                    blk.moe.gate_up_proj,
+                    blk.moe.down_proj,
+                    weights,
+                    ids,
+                    backend=backend,
+                    check_values=False,
+                )
+            ),
+            L_exec,
+        ),
+        "routing": (
+            run(lambda: route(blk.moe.router(x2).float(), cfg.top_k, cfg.router_renormalize)[0]),
+            L_exec,
+        ),
         "norms": (run(lambda: blk.attn_norm(h)), 2 * L_exec),
         "embed_head": (run(head), 1),
     }
@@ -164,47 +193,65 @@ def component_runners(model, wl: Workload, device, train: bool,
     return parts
 
 
-def measure_block(cfg: ModelConfig, wl: Workload, args, device, dtype, modes, first: bool,
-                  bar) -> dict[str, Any]:
+def measure_block(
+    cfg: ModelConfig, wl: Workload, args, device, dtype, modes, first: bool, bar
+) -> dict[str, Any]:
     """One architecture's block of one round: build it, measure every mode, free it.
 
     Train and prefill time the step and its components round-robin
     (:func:`smelt_kernels.timing.measure_parts`); the first block of a run also records the
     activations a step saves and, on CUDA, its peak allocation."""
     model = build(cfg, device, dtype, args.backend, args.recompute)
-    timed = dict(device=device, warmup=args.warmup, repeats=steps_per_block(args.repeats, args),
-                 tolerance=args.tolerance, max_tries=args.max_tries)
-    out: dict[str, Any] = {"params_total": model.num_params("total"),
-                           "params_active": model.num_params("active")}
+    timed = dict(
+        device=device,
+        warmup=args.warmup,
+        repeats=steps_per_block(args.repeats, args),
+        tolerance=args.tolerance,
+        max_tries=args.max_tries,
+    )
+    out: dict[str, Any] = {
+        "params_total": model.num_params("total"),
+        "params_active": model.num_params("active"),
+    }
     if "train" in modes:
         fn, info, (ids, seg), opt = train_runner(model, wl, device, args)
         parts = component_runners(model, wl, device, True, opt)
         out["train"] = dict(info, parts=measure_parts(fn, parts, **timed))
         if first:
             params = list(model.parameters())
-            act = activation_memory(lambda: model(ids, seg, labels=ids).loss,
-                                    device=device, exclude=params)[1]  # graph freed here
+            act = activation_memory(
+                lambda: model(ids, seg, labels=ids).loss,  # noqa: F821 (model is deleted later)
+                device=device,
+                exclude=params,
+            )[1]  # graph freed here
             del params
-            out["train"].update(activation_bytes=act.saved_bytes,
-                                peak_bytes=_cuda_peak(fn, device))
+            out["train"].update(activation_bytes=act.saved_bytes, peak_bytes=_cuda_peak(fn, device))
         del fn, parts, opt
         model.zero_grad(set_to_none=True)
         bar.update(1)
     if "prefill" in modes:
         fn, info = prefill_runner(model, wl, device, args)
         parts = component_runners(model, wl, device, False)
-        out["prefill"] = dict(info, parts=measure_parts(fn, parts, **timed),
-                              peak_bytes=_cuda_peak(fn, device) if first else None)
+        out["prefill"] = dict(
+            info,
+            parts=measure_parts(fn, parts, **timed),
+            peak_bytes=_cuda_peak(fn, device) if first else None,
+        )
         del fn, parts
         bar.update(1)
     if "decode" in modes:
         out["decode"] = {}
         for B in wl.decode_batches:
             fn, info, step = decode_runner(model, wl, B, device, args)
-            t = measure(fn, device=device, warmup=decode_warmup(args),
-                        repeats=steps_per_block(wl.decode_steps, args))
-            out["decode"][f"batch{B}"] = dict(info, timing=t, compiled=step.compiled,
-                                              eager_reason=step.reason)
+            t = measure(
+                fn,
+                device=device,
+                warmup=decode_warmup(args),
+                repeats=steps_per_block(wl.decode_steps, args),
+            )
+            out["decode"][f"batch{B}"] = dict(
+                info, timing=t, compiled=step.compiled, eager_reason=step.reason
+            )
             del fn, step
             bar.update(1)
     del model

@@ -15,8 +15,16 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
-__all__ = ["TARGETS", "TARGET_SCOPE", "SPREAD_LIMIT", "VERDICTS", "target_for", "judge",
-           "judge_row", "describe"]
+__all__ = [
+    "TARGETS",
+    "TARGET_SCOPE",
+    "SPREAD_LIMIT",
+    "VERDICTS",
+    "target_for",
+    "judge",
+    "judge_row",
+    "describe",
+]
 
 #: the largest gap (wall-clock ratio / FLOPs ratio) each row may show, by device and row
 TARGETS: dict[str, dict[str, float]] = {
@@ -26,8 +34,7 @@ TARGETS: dict[str, dict[str, float]] = {
 #: what each device's targets were set for; rows without an entry in TARGETS have none
 TARGET_SCOPE: dict[str, str] = {
     "cpu": "set for the tiny pair: train, prefill <= 1.03; decode at batch 1, 8 <= 1.05",
-    "cuda": "set for 200M-S95 at 32k tokens, bf16, one H200: train <= 1.00; prefill, decode:"
-            " none",
+    "cuda": "set for 200M-S95 at 32k tokens, bf16, one H200: train <= 1.00; prefill, decode: none",
 }
 #: a spread (p80 - p20) / median above this, on either architecture, makes a verdict uncertain
 SPREAD_LIMIT = 0.10
@@ -40,16 +47,24 @@ def target_for(device: str, row: str) -> Optional[float]:
     return TARGETS.get(str(device).split(":")[0], {}).get(row)
 
 
-def judge(gap: float, target: Optional[float], round_gaps: Sequence[float] = (),
-          spreads: Optional[dict[str, float]] = None,
-          spread_limit: float = SPREAD_LIMIT) -> dict[str, Any]:
+def judge(
+    gap: float,
+    target: Optional[float],
+    round_gaps: Sequence[float] = (),
+    spreads: Optional[dict[str, float]] = None,
+    spread_limit: float = SPREAD_LIMIT,
+) -> dict[str, Any]:
     """The verdict of one row: ``verdict`` (one of :data:`VERDICTS`), ``on_median`` (meets or
     misses, from the gap alone), the ``target``, the ``round_gap_min`` / ``round_gap_max``
     and the ``reasons`` an uncertain row is uncertain."""
-    out: dict[str, Any] = {"target": target, "gap": gap, "spread_limit": spread_limit,
-                           "round_gap_min": min(round_gaps) if round_gaps else None,
-                           "round_gap_max": max(round_gaps) if round_gaps else None,
-                           "reasons": []}
+    out: dict[str, Any] = {
+        "target": target,
+        "gap": gap,
+        "spread_limit": spread_limit,
+        "round_gap_min": min(round_gaps) if round_gaps else None,
+        "round_gap_max": max(round_gaps) if round_gaps else None,
+        "reasons": [],
+    }
     if target is None:
         out.update(verdict="no target", on_median=None)
         return out
@@ -60,12 +75,12 @@ def judge(gap: float, target: Optional[float], round_gaps: Sequence[float] = (),
     reasons = []
     if len(round_gaps) > 1 and min(round_gaps) <= target < max(round_gaps):
         reasons.append(f"gaps by round {min(round_gaps):.3f}-{max(round_gaps):.3f} straddle it")
-    wide = [f"{arch} {s:.2f}" for arch, s in (spreads or {}).items()
-            if not s <= spread_limit]  # NaN counts as too wide
+    wide = [
+        f"{arch} {s:.2f}" for arch, s in (spreads or {}).items() if not s <= spread_limit
+    ]  # NaN counts as too wide
     if wide:
         reasons.append(f"spread above {spread_limit:.2f} ({', '.join(wide)})")
-    out.update(verdict="uncertain" if reasons else on_median, on_median=on_median,
-               reasons=reasons)
+    out.update(verdict="uncertain" if reasons else on_median, on_median=on_median, reasons=reasons)
     return out
 
 
@@ -73,8 +88,7 @@ def judge_row(row: dict[str, Any], device: str) -> dict[str, Any]:
     """:func:`judge` of one summary row (its ``mode``, ``gap``, ``round_gaps`` and each
     architecture's ``spread``) against its target on ``device``."""
     spreads = {a: row[a]["spread"] for a in ("baseline", "smelt") if a in row}
-    return judge(row["gap"], target_for(device, row["mode"]), row.get("round_gaps", ()),
-                 spreads)
+    return judge(row["gap"], target_for(device, row["mode"]), row.get("round_gaps", ()), spreads)
 
 
 def describe(v: dict[str, Any]) -> str:

@@ -8,8 +8,8 @@ built; :func:`check_memory` refuses a run whose larger architecture, with
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -18,9 +18,21 @@ from smelt_kernels.timing import UsageError
 from smelt_model import memory
 from smelt_model.config import ModelConfig
 
-__all__ = ["MODES", "ARCHS", "UsageError", "Workload", "packed_segments", "make_workload",
-           "check_environment", "modes_of", "decode_warmup", "steps_per_block",
-           "decode_cache_len", "estimate_memory", "check_memory"]
+__all__ = [
+    "MODES",
+    "ARCHS",
+    "UsageError",
+    "Workload",
+    "packed_segments",
+    "make_workload",
+    "check_environment",
+    "modes_of",
+    "decode_warmup",
+    "steps_per_block",
+    "decode_cache_len",
+    "estimate_memory",
+    "check_memory",
+]
 
 MODES = ("train", "prefill", "decode")
 ARCHS = ("baseline", "smelt")
@@ -50,8 +62,15 @@ def packed_segments(batch: int, seq_len: int, mean_doc_len: float, device) -> to
 
 def make_workload(args) -> Workload:
     """Check every numeric option (one :class:`UsageError` naming it) and build the workload."""
-    positive = ("tokens", "seq_len", "repeats", "rounds", "decode_prompt", "decode_steps",
-                "max_tries")
+    positive = (
+        "tokens",
+        "seq_len",
+        "repeats",
+        "rounds",
+        "decode_prompt",
+        "decode_steps",
+        "max_tries",
+    )
     for name in positive:
         v = getattr(args, name)
         if not isinstance(v, int) or v < 1:
@@ -67,14 +86,21 @@ def make_workload(args) -> Workload:
     if any(b < 1 for b in args.decode_batch):
         raise UsageError(f"--decode-batch sizes must be positive, got {args.decode_batch}")
     if args.repeats < args.rounds:
-        raise UsageError(f"--repeats ({args.repeats}) must be at least --rounds ({args.rounds}):"
-                         " every round times at least one repeat")
+        raise UsageError(
+            f"--repeats ({args.repeats}) must be at least --rounds ({args.rounds}):"
+            " every round times at least one repeat"
+        )
     seq = min(args.seq_len, args.tokens)
     if args.tokens % seq:
         raise UsageError(f"--tokens ({args.tokens}) must be a multiple of --seq-len ({seq})")
-    return Workload(batch=args.tokens // seq, seq_len=seq, mean_doc_len=args.mean_doc_len,
-                    decode_prompt=args.decode_prompt, decode_steps=args.decode_steps,
-                    decode_batches=tuple(args.decode_batch))
+    return Workload(
+        batch=args.tokens // seq,
+        seq_len=seq,
+        mean_doc_len=args.mean_doc_len,
+        decode_prompt=args.decode_prompt,
+        decode_steps=args.decode_steps,
+        decode_batches=tuple(args.decode_batch),
+    )
 
 
 def check_environment(args) -> None:
@@ -95,8 +121,9 @@ def check_environment(args) -> None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise UsageError("--plot needs matplotlib (pip install matplotlib, or the [plot]"
-                             " extra)") from None
+            raise UsageError(
+                "--plot needs matplotlib (pip install matplotlib, or the [plot] extra)"
+            ) from None
 
 
 def modes_of(args) -> tuple[str, ...]:
@@ -126,21 +153,32 @@ def estimate_memory(cfg: ModelConfig, wl: Workload, args, dtype_bytes: int) -> d
     the check's margin covers."""
     modes = modes_of(args)
     decode = "decode" in modes
-    return memory.estimate(cfg, tokens=wl.tokens, seq_len=wl.seq_len, train="train" in modes,
-                           forward="prefill" in modes,
-                           decode_batch=max(wl.decode_batches) if decode else 0,
-                           decode_len=decode_cache_len(wl, args) if decode else 0,
-                           param_bytes=dtype_bytes)
+    return memory.estimate(
+        cfg,
+        tokens=wl.tokens,
+        seq_len=wl.seq_len,
+        train="train" in modes,
+        forward="prefill" in modes,
+        decode_batch=max(wl.decode_batches) if decode else 0,
+        decode_len=decode_cache_len(wl, args) if decode else 0,
+        param_bytes=dtype_bytes,
+    )
 
 
-def check_memory(cfgs: dict[str, ModelConfig], wl: Workload, args, dtype_bytes: int,
-                 available: Optional[int]) -> dict[str, dict[str, int]]:
+def check_memory(
+    cfgs: dict[str, ModelConfig], wl: Workload, args, dtype_bytes: int, available: Optional[int]
+) -> dict[str, dict[str, int]]:
     """The estimate per architecture; a :class:`UsageError` naming the larger one when it
     (with the margin) exceeds ``available`` bytes (only one architecture is ever in memory)."""
     est = {a: estimate_memory(c, wl, args, dtype_bytes) for a, c in cfgs.items()}
     try:
-        memory.check(est, available, what=f"--preset {args.preset}", where=str(args.device),
-                     hint="lower --tokens, pick a --mode, or a smaller --preset")
+        memory.check(
+            est,
+            available,
+            what=f"--preset {args.preset}",
+            where=str(args.device),
+            hint="lower --tokens, pick a --mode, or a smaller --preset",
+        )
     except memory.MemoryRefusal as e:
         raise UsageError(str(e)) from None
     return est

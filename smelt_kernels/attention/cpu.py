@@ -49,9 +49,26 @@ import torch
 from .. import _alloc, backends
 from . import reference
 
-__all__ = ["VARIANTS", "variant", "variant_for", "available", "forward", "backward", "implementation", "native_missing", "native_isa",
-           "starts_missing", "native_starts", "inference_missing", "infer",
-           "native_forward", "native_backward", "chunked_forward", "chunked_backward", "CHUNK"]
+__all__ = [
+    "VARIANTS",
+    "variant",
+    "variant_for",
+    "available",
+    "forward",
+    "backward",
+    "implementation",
+    "native_missing",
+    "native_isa",
+    "starts_missing",
+    "native_starts",
+    "inference_missing",
+    "infer",
+    "native_forward",
+    "native_backward",
+    "chunked_forward",
+    "chunked_backward",
+    "CHUNK",
+]
 
 CHUNK = 128
 _SOURCE = "csrc/attention/cpu_attention.cpp"
@@ -60,8 +77,10 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _chunked_missing() -> Optional[str]:
     ops = torch.ops.aten
-    for name in ("_scaled_dot_product_flash_attention_for_cpu",
-                 "_scaled_dot_product_flash_attention_for_cpu_backward"):
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    ):
         if not hasattr(ops, name):
             return f"this torch build lacks aten.{name}"
     return None
@@ -69,8 +88,9 @@ def _chunked_missing() -> Optional[str]:
 
 def native_missing() -> Optional[str]:
     """None if the native kernel is built and registered, else why not."""
-    return (backends.extension_op_missing("_cpu", "segment_attention_fwd", _SOURCE)
-            or backends.extension_op_missing("_cpu", "segment_attention_bwd", _SOURCE))
+    return backends.extension_op_missing(
+        "_cpu", "segment_attention_fwd", _SOURCE
+    ) or backends.extension_op_missing("_cpu", "segment_attention_bwd", _SOURCE)
 
 
 def starts_missing() -> Optional[str]:
@@ -93,7 +113,10 @@ def inference_missing(dtype: torch.dtype, head_dim: int) -> Optional[str]:
     (``smelt_cpu.segment_attention_infer`` with the native segment-starts pass), else why not."""
     if implementation(dtype, head_dim) != "native":
         return f"{dtype} / head dim {head_dim} run the chunked path"
-    return backends.extension_op_missing("_cpu", "segment_attention_infer", _SOURCE) or starts_missing()
+    return (
+        backends.extension_op_missing("_cpu", "segment_attention_infer", _SOURCE)
+        or starts_missing()
+    )
 
 
 def infer(q, k, v, segment_ids: Optional[torch.Tensor], scale: float):
@@ -102,7 +125,9 @@ def infer(q, k, v, segment_ids: Optional[torch.Tensor], scale: float):
     ``segment_ids`` are checked (ValueError if they decrease) by the native starts pass."""
     if inference_missing(q.dtype, q.shape[-1]) is not None:
         return None
-    return torch.ops.smelt_cpu.segment_attention_infer(q, k, v, native_starts(segment_ids), float(scale))
+    return torch.ops.smelt_cpu.segment_attention_infer(
+        q, k, v, native_starts(segment_ids), float(scale)
+    )
 
 
 def native_isa() -> Optional[str]:
@@ -120,10 +145,16 @@ def available() -> Optional[str]:
 
 
 VARIANTS = (
-    backends.Variant("native", "the fused kernel of csrc/attention/cpu_attention.cpp: float32, "
-                               "bfloat16 and float16, head dims that are multiples of 8"),
-    backends.Variant("chunked", "ATen's CPU flash kernel on segment-aware chunks: float64, other "
-                                "head dims, or a build without the extension"),
+    backends.Variant(
+        "native",
+        "the fused kernel of csrc/attention/cpu_attention.cpp: float32, "
+        "bfloat16 and float16, head dims that are multiples of 8",
+    ),
+    backends.Variant(
+        "chunked",
+        "ATen's CPU flash kernel on segment-aware chunks: float64, other "
+        "head dims, or a build without the extension",
+    ),
 )
 
 
@@ -165,8 +196,9 @@ def forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: boo
     return chunked_forward(q, k, v, start, scale, want_sink)
 
 
-def backward(do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor],
-             scale: float):
+def backward(
+    do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor], scale: float
+):
     """(dq, dk, dv) for :func:`forward`, from its o and lse (``end``, the last position of
     each segment, is not needed here)."""
     if implementation(q.dtype, q.shape[-1]) == "native":
@@ -188,8 +220,9 @@ def native_forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_si
     return o, lse, (psink if want_sink else None)
 
 
-def native_backward(do, q, k, v, o, lse, start: Optional[torch.Tensor],
-                    end: Optional[torch.Tensor], scale: float):
+def native_backward(
+    do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor], scale: float
+):
     """:func:`backward` on the native kernel (the segment ends are derived from ``start``)."""
     reason = native_missing()
     if reason is not None:
@@ -197,9 +230,19 @@ def native_backward(do, q, k, v, o, lse, start: Optional[torch.Tensor],
     dq = _alloc.empty(q.shape, q.dtype, q.device)
     dk = _alloc.empty(k.shape, k.dtype, k.device)
     dv = _alloc.empty(v.shape, v.dtype, v.device)
-    torch.ops.smelt_cpu.segment_attention_bwd(do.to(q.dtype), q, k, v, o.to(q.dtype),
-                                              lse.to(torch.float32), start, float(scale),
-                                              dq, dk, dv)
+    torch.ops.smelt_cpu.segment_attention_bwd(
+        do.to(q.dtype),
+        q,
+        k,
+        v,
+        o.to(q.dtype),
+        lse.to(torch.float32),
+        start,
+        float(scale),
+        dq,
+        dk,
+        dv,
+    )
     return dq, dk, dv
 
 
@@ -228,8 +271,9 @@ def _unpack_lse(lse: torch.Tensor, g: int) -> torch.Tensor:
     return lse.reshape(B, hkv, TG // g, g).transpose(2, 3).reshape(B, hkv * g, TG // g)
 
 
-def _block_mask(starts: list[int], c0: int, c1: int, k0: int, g: int,
-                dtype: torch.dtype) -> torch.Tensor:
+def _block_mask(
+    starts: list[int], c0: int, c1: int, k0: int, g: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Additive (1, 1, (c1-c0)*G, c1-k0) mask for queries c0..c1-1 against keys k0..c1-1:
     packed row t*G + g sees key j iff start(t) <= j <= t."""
     st = torch.tensor(starts[c0:c1])
@@ -271,7 +315,8 @@ def _chunks(starts: list[int], Tq: int, Tk: int, g: int, dtype: torch.dtype):
 
 def _flash(q, k, v, mask, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+    )
 
 
 def _finite_rows(x: torch.Tensor) -> torch.Tensor:
@@ -285,7 +330,7 @@ def _seen(bad: torch.Tensor, start: Optional[torch.Tensor], Tq: int) -> torch.Te
     B, Tk, H = bad.shape
     cnt = torch.cat([bad.new_zeros(B, 1, H, dtype=torch.int64), bad.long().cumsum(1)], 1)
     pos = torch.arange(Tk - Tq, Tk)
-    st = start[:, Tk - Tq:].long() if start is not None else torch.zeros(B, Tq, dtype=torch.long)
+    st = start[:, Tk - Tq :].long() if start is not None else torch.zeros(B, Tq, dtype=torch.long)
     return (cnt[:, pos + 1] - cnt.gather(1, st[..., None].expand(B, Tq, H))) > 0
 
 
@@ -346,24 +391,27 @@ def _chunked_forward(q, k, v, starts: Optional[list[list[int]]], scale: float):
     for b in range(B):
         st = starts[b] if starts is not None else [0] * Tk
         for rows, k0, c0, c1, mask, prefix in _chunks(st, Tq, Tk, g, q.dtype):
-            qc = qp[b:b + 1, :, rows]
-            od, ld = _flash(qc, kp[b:b + 1, :, k0:c1], vp[b:b + 1, :, k0:c1], mask, scale)
+            qc = qp[b : b + 1, :, rows]
+            od, ld = _flash(qc, kp[b : b + 1, :, k0:c1], vp[b : b + 1, :, k0:c1], mask, scale)
             if prefix is not None:
                 s0, n = prefix
                 oa, la = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    qc[:, :, :n], kp[b:b + 1, :, s0:c0], vp[b:b + 1, :, s0:c0], scale=scale)
+                    qc[:, :, :n], kp[b : b + 1, :, s0:c0], vp[b : b + 1, :, s0:c0], scale=scale
+                )
                 lm = torch.logaddexp(la, ld[:, :, :n])
-                od[:, :, :n] = (oa.to(lse_dtype) * torch.exp(la - lm)[..., None]
-                                + od[:, :, :n].to(lse_dtype) * torch.exp(ld[:, :, :n] - lm)[..., None]
-                                ).to(q.dtype)
+                od[:, :, :n] = (
+                    oa.to(lse_dtype) * torch.exp(la - lm)[..., None]
+                    + od[:, :, :n].to(lse_dtype) * torch.exp(ld[:, :, :n] - lm)[..., None]
+                ).to(q.dtype)
                 ld[:, :, :n] = lm
-            op[b:b + 1, :, rows] = od
-            lsep[b:b + 1, :, rows] = ld
+            op[b : b + 1, :, rows] = od
+            lsep[b : b + 1, :, rows] = ld
     return _unpack(op, g), _unpack_lse(lsep, g)
 
 
-def chunked_backward(do, q, k, v, o, lse, start: Optional[torch.Tensor],
-                     end: Optional[torch.Tensor], scale: float):
+def chunked_backward(
+    do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor], scale: float
+):
     """:func:`backward` on ATen's CPU flash backward kernel, on the same chunks. Inputs that
     are not all finite run zeroed (see :func:`chunked_forward`), then what a query that is not
     finite feeds is NaN: its dq, the dk of the keys it sees, and their dv where its LSE or dO
@@ -384,8 +432,9 @@ def chunked_backward(do, q, k, v, o, lse, start: Optional[torch.Tensor],
     return dq, dk, dv
 
 
-def _chunked_backward(do, q, k, v, o, lse, start: Optional[torch.Tensor],
-                      end: Optional[torch.Tensor], scale: float):
+def _chunked_backward(
+    do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor], scale: float
+):
     starts = start.tolist() if start is not None else None
     B, Tq, Hq, D = q.shape
     Tk, hkv = k.shape[1], k.shape[2]
@@ -401,23 +450,43 @@ def _chunked_backward(do, q, k, v, o, lse, start: Optional[torch.Tensor],
     for b in range(B):
         st = starts[b] if starts is not None else [0] * Tk
         for rows, k0, c0, c1, mask, prefix in _chunks(st, Tq, Tk, g, q.dtype):
-            qc, doc, oc, lc = (x[b:b + 1, :, rows] for x in (qp, dop, op, lsep))
-            gq, gk, gv = bwd(doc, qc, kp[b:b + 1, :, k0:c1], vp[b:b + 1, :, k0:c1], oc, lc, 0.0,
-                             False, attn_mask=mask, scale=scale)
-            dq[b:b + 1, :, rows] += gq
-            dk[b:b + 1, :, k0:c1] += gk
-            dv[b:b + 1, :, k0:c1] += gv
+            qc, doc, oc, lc = (x[b : b + 1, :, rows] for x in (qp, dop, op, lsep))
+            gq, gk, gv = bwd(
+                doc,
+                qc,
+                kp[b : b + 1, :, k0:c1],
+                vp[b : b + 1, :, k0:c1],
+                oc,
+                lc,
+                0.0,
+                False,
+                attn_mask=mask,
+                scale=scale,
+            )
+            dq[b : b + 1, :, rows] += gq
+            dk[b : b + 1, :, k0:c1] += gk
+            dv[b : b + 1, :, k0:c1] += gv
             if prefix is not None:
                 s0, n = prefix
-                gq, gk, gv = bwd(doc[:, :, :n], qc[:, :, :n], kp[b:b + 1, :, s0:c0],
-                                 vp[b:b + 1, :, s0:c0], oc[:, :, :n], lc[:, :, :n], 0.0, False,
-                                 scale=scale)
-                dq[b:b + 1, :, rows][:, :, :n] += gq
-                dk[b:b + 1, :, s0:c0] += gk
-                dv[b:b + 1, :, s0:c0] += gv
-    return (_unpack(dq, g).to(q.dtype),
-            dk.transpose(1, 2).contiguous().to(k.dtype),
-            dv.transpose(1, 2).contiguous().to(v.dtype))
+                gq, gk, gv = bwd(
+                    doc[:, :, :n],
+                    qc[:, :, :n],
+                    kp[b : b + 1, :, s0:c0],
+                    vp[b : b + 1, :, s0:c0],
+                    oc[:, :, :n],
+                    lc[:, :, :n],
+                    0.0,
+                    False,
+                    scale=scale,
+                )
+                dq[b : b + 1, :, rows][:, :, :n] += gq
+                dk[b : b + 1, :, s0:c0] += gk
+                dv[b : b + 1, :, s0:c0] += gv
+    return (
+        _unpack(dq, g).to(q.dtype),
+        dk.transpose(1, 2).contiguous().to(k.dtype),
+        dv.transpose(1, 2).contiguous().to(v.dtype),
+    )
 
 
 # ----------------------------------------------------------------------------- fakes

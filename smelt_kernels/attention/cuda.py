@@ -13,8 +13,7 @@ __all__ = ["forward"]
 
 def _rows_aligned(x: torch.Tensor) -> bool:
     """Unit stride over D and 16-byte aligned rows: what the CUDA kernel's vector loads need."""
-    return (x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:3])
-            and x.data_ptr() % 16 == 0)
+    return x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:3]) and x.data_ptr() % 16 == 0
 
 
 def forward(q, k, v, start, scale, want_sink):

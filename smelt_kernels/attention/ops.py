@@ -57,7 +57,8 @@ def _check_segment_values(segment_ids: Optional[torch.Tensor], any_device: bool 
         b, t = (int(i) for i in torch.nonzero(drop)[0])
         raise ValueError(
             f"segment_ids must be non-decreasing along T; row {b} goes from "
-            f"{int(segment_ids[b, t])} at position {t} to {int(segment_ids[b, t + 1])} at {t + 1}")
+            f"{int(segment_ids[b, t])} at position {t} to {int(segment_ids[b, t + 1])} at {t + 1}"
+        )
 
 
 # ----------------------------------------------------------------------------- implementations
@@ -80,24 +81,55 @@ def _cpu_infer(q, k, v, segment_ids, scale, want_sink):
     return attention_cpu.infer(q, k, v, segment_ids, scale)
 
 
-backends.define(_OP, lambda q, k, v, segment_ids=None, scale=None, want_sink=False:
-                (q.device, q.dtype, {"head_dim": q.shape[-1]}))
+backends.define(
+    _OP,
+    lambda q, k, v, segment_ids=None, scale=None, want_sink=False: (
+        q.device,
+        q.dtype,
+        {"head_dim": q.shape[-1]},
+    ),
+)
 backends.register(_OP, "torch", reference.forward, reference.backward, devices=None)
-backends.register(_OP, "cpu", attention_cpu.forward, attention_cpu.backward, devices=("cpu",),
-                  priority=10, requires=lambda d: attention_cpu.available(), infer=_cpu_infer,
-                  variants=attention_cpu.VARIANTS, variant=attention_cpu.variant)
-backends.register(_OP, "triton", backends.lazy(_TRITON, "forward"), backends.lazy(_TRITON, "backward"),
-                  auto=("cuda",), priority=30,
-                  dtypes=(torch.float16, torch.bfloat16, torch.float32), supports=_kernel_head_dim)
-backends.register(_OP, "cuda", attention_cuda.forward, backward_via=("triton", "torch"),
-                  devices=("cuda",), priority=20, dtypes=(torch.float16, torch.bfloat16),
-                  requires=_cuda_requires, supports=_kernel_head_dim)
+backends.register(
+    _OP,
+    "cpu",
+    attention_cpu.forward,
+    attention_cpu.backward,
+    devices=("cpu",),
+    priority=10,
+    requires=lambda d: attention_cpu.available(),
+    infer=_cpu_infer,
+    variants=attention_cpu.VARIANTS,
+    variant=attention_cpu.variant,
+)
+backends.register(
+    _OP,
+    "triton",
+    backends.lazy(_TRITON, "forward"),
+    backends.lazy(_TRITON, "backward"),
+    auto=("cuda",),
+    priority=30,
+    dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    supports=_kernel_head_dim,
+)
+backends.register(
+    _OP,
+    "cuda",
+    attention_cuda.forward,
+    backward_via=("triton", "torch"),
+    devices=("cuda",),
+    priority=20,
+    dtypes=(torch.float16, torch.bfloat16),
+    requires=_cuda_requires,
+    supports=_kernel_head_dim,
+)
 
 
 def select_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
     """The backend :func:`segment_attention` uses for ``q`` (same rules, same errors)."""
-    return backends.select(_OP, backend, device=q.device, dtype=q.dtype,
-                           head_dim=q.shape[-1]).backend
+    return backends.select(
+        _OP, backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1]
+    ).backend
 
 
 # ----------------------------------------------------------------------------- operators
@@ -113,8 +145,11 @@ def _forward(impl, q, k, v, segment_ids, scale, want_sink):
     Tk = k.shape[1]
     stat = _stat_dtype(q)
     if q.numel() == 0:
-        return (q.new_zeros(B, Tq, Hq, D), q.new_zeros(B, Hq, Tq, dtype=stat),
-                q.new_zeros((B, Hq) if want_sink else (0,), dtype=stat))
+        return (
+            q.new_zeros(B, Tq, Hq, D),
+            q.new_zeros(B, Hq, Tq, dtype=stat),
+            q.new_zeros((B, Hq) if want_sink else (0,), dtype=stat),
+        )
     if start is None and segment_ids is not None:
         start = segment_bounds(segment_ids)[0]
     o, lse, psink = impl.forward(q, k, v, start, scale, want_sink)
@@ -127,8 +162,11 @@ def _forward(impl, q, k, v, segment_ids, scale, want_sink):
 def _fake(q, k, v, segment_ids, scale, want_sink):
     B, Tq, Hq, D = q.shape
     stat = _stat_dtype(q)
-    return (q.new_empty(B, Tq, Hq, D), q.new_empty(B, Hq, Tq, dtype=stat),
-            q.new_empty((B, Hq) if want_sink else (0,), dtype=stat))
+    return (
+        q.new_empty(B, Tq, Hq, D),
+        q.new_empty(B, Hq, Tq, dtype=stat),
+        q.new_empty((B, Hq) if want_sink else (0,), dtype=stat),
+    )
 
 
 def _backward(impl, do, q, k, v, o, lse, segment_ids, scale):
@@ -141,10 +179,15 @@ def _backward(impl, do, q, k, v, o, lse, segment_ids, scale):
 _ATTENTION = KernelOp(
     _OP,
     inputs="Tensor q, Tensor k, Tensor v, Tensor? segment_ids, float scale, str backend, "
-           "bool want_sink",
-    outputs=("o", "lse", "sink"), public=3, differentiable=("q", "k", "v"),
-    saves=("q", "k", "v", "o", "lse", "segment_ids"), backward_attrs=("scale",),
-    forward=_forward, backward=_backward, fake=_fake,
+    "bool want_sink",
+    outputs=("o", "lse", "sink"),
+    public=3,
+    differentiable=("q", "k", "v"),
+    saves=("q", "k", "v", "o", "lse", "segment_ids"),
+    backward_attrs=("scale",),
+    forward=_forward,
+    backward=_backward,
+    fake=_fake,
     check=lambda q, k, v, segment_ids, *_: _check_segment_values(segment_ids, any_device=True),
     check_cpu=False,
 )
@@ -152,43 +195,78 @@ _ATTENTION = KernelOp(
 
 # ----------------------------------------------------------------------------- entry point
 def _validate(q, k, v, segment_ids, scale) -> None:
-    for name, x, layout in (("q", q, "(B, Tq, Hq, D)"), ("k", k, "(B, Tk, Hkv, D)"),
-                            ("v", v, "(B, Tk, Hkv, D)")):
+    for name, x, layout in (
+        ("q", q, "(B, Tq, Hq, D)"),
+        ("k", k, "(B, Tk, Hkv, D)"),
+        ("v", v, "(B, Tk, Hkv, D)"),
+    ):
         backends.require_tensor(_OP, name, x)
         if x.dim() != 4:
-            raise ValueError(f"segment_attention: {name} must be 4-D {layout}, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"segment_attention: {name} must be 4-D {layout}, got shape {tuple(x.shape)}"
+            )
     backends.require_floating(_OP, "q", q, k=k, v=v)
     backends.require_device(_OP, "q", q, k=k, v=v)
     B, Tq, Hq, D = q.shape
     if k.shape != v.shape:
-        raise ValueError(f"segment_attention: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"segment_attention: k and v must have one shape, got {tuple(k.shape)} and "
+            f"{tuple(v.shape)}"
+        )
     Bk, Tk, Hkv, Dk = k.shape
     if Bk != B:
         raise ValueError(f"segment_attention: k has batch {Bk} but q has {B}")
     if Dk != D or D < 1:
-        raise ValueError(f"segment_attention: head dim D must agree and be >= 1: q has {D}, k/v {Dk}")
+        raise ValueError(
+            f"segment_attention: head dim D must agree and be >= 1: q has {D}, k/v {Dk}"
+        )
     if Hkv < 1 or Hq % Hkv != 0:
-        raise ValueError(f"segment_attention: q heads Hq={Hq} must be a multiple of k/v heads Hkv={Hkv}")
+        raise ValueError(
+            f"segment_attention: q heads Hq={Hq} must be a multiple of k/v heads Hkv={Hkv}"
+        )
     if Tq > Tk:
-        raise ValueError(f"segment_attention: q length Tq={Tq} exceeds k/v length Tk={Tk} "
-                         "(queries are the last Tq positions)")
+        raise ValueError(
+            f"segment_attention: q length Tq={Tq} exceeds k/v length Tk={Tk} "
+            "(queries are the last Tq positions)"
+        )
     if segment_ids is not None:
         backends.require_tensor(_OP, "segment_ids", segment_ids, "a torch.Tensor or None")
-        if segment_ids.dtype.is_floating_point or segment_ids.dtype.is_complex or segment_ids.dtype == torch.bool:
-            raise TypeError(f"segment_attention: segment_ids must be an integer tensor, got {segment_ids.dtype}")
+        if (
+            segment_ids.dtype.is_floating_point
+            or segment_ids.dtype.is_complex
+            or segment_ids.dtype == torch.bool
+        ):
+            raise TypeError(
+                f"segment_attention: segment_ids must be an integer tensor, got {segment_ids.dtype}"
+            )
         if tuple(segment_ids.shape) != (B, Tk):
-            raise ValueError(f"segment_attention: segment_ids must have shape (B, Tk) = {(B, Tk)}, "
-                             f"got {tuple(segment_ids.shape)}")
+            raise ValueError(
+                f"segment_attention: segment_ids must have shape (B, Tk) = {(B, Tk)}, "
+                f"got {tuple(segment_ids.shape)}"
+            )
         backends.require_device(_OP, "q", q, segment_ids=segment_ids)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"segment_attention: scale must be a Python number or None, got {type(scale).__name__}")
+            raise TypeError(
+                "segment_attention: scale must be a Python number or None, got "
+                f"{type(scale).__name__}"
+            )
         if not (abs(float(scale)) < float("inf")):
             raise ValueError(f"segment_attention: scale must be finite, got {scale}")
 
 
-def segment_attention(q, k, v, segment_ids=None, *, scale=None, return_lse=False,
-                      return_sink=False, backend=None, check_values=None):
+def segment_attention(
+    q,
+    k,
+    v,
+    segment_ids=None,
+    *,
+    scale=None,
+    return_lse=False,
+    return_sink=False,
+    backend=None,
+    check_values=None,
+):
     """Causal attention inside packed segments, with GQA.
 
     q (B, Tq, Hq, D); k, v (B, Tk, Hkv, D), one floating dtype and device, Hq a multiple of
@@ -210,8 +288,9 @@ def segment_attention(q, k, v, segment_ids=None, *, scale=None, return_lse=False
     _validate(q, k, v, segment_ids, scale)
     backends.check_values_flag(_OP, check_values)
     sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out = _ATTENTION(q, k, v, segment_ids, sc, bool(return_sink), backend=backend,
-                     check_values=check_values)
+    out = _ATTENTION(
+        q, k, v, segment_ids, sc, bool(return_sink), backend=backend, check_values=check_values
+    )
     if not return_lse and not return_sink:
         return out[0]
     return (out[0],) + ((out[1],) if return_lse else ()) + ((out[2],) if return_sink else ())

@@ -26,8 +26,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["segment_mask", "segment_attention", "forward", "backward", "query_starts",
-           "start_probs", "sink_mean"]
+__all__ = [
+    "segment_mask",
+    "segment_attention",
+    "forward",
+    "backward",
+    "query_starts",
+    "start_probs",
+    "sink_mean",
+]
 
 
 def segment_mask(segment_ids: torch.Tensor, q_len: Optional[int] = None) -> torch.Tensor:
@@ -40,13 +47,15 @@ def segment_mask(segment_ids: torch.Tensor, q_len: Optional[int] = None) -> torc
     Tq = Tk if q_len is None else q_len
     pos_q = torch.arange(Tk - Tq, Tk, device=segment_ids.device)
     pos_k = torch.arange(Tk, device=segment_ids.device)
-    seg_q = segment_ids[:, Tk - Tq:]
+    seg_q = segment_ids[:, Tk - Tq :]
     same = seg_q[:, :, None] == segment_ids[:, None, :]
     causal = pos_k[None, :] <= pos_q[:, None]
     return same & causal[None]
 
 
-def _visible_sum(equation: str, w: torch.Tensor, x: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+def _visible_sum(
+    equation: str, w: torch.Tensor, x: torch.Tensor, vis: torch.Tensor
+) -> torch.Tensor:
     """``torch.einsum(equation, w, x)`` over the visible pairs only: ``w`` (B, Hq, Tq, Tk) is
     zero wherever ``vis`` (broadcastable to it) is False, and there a non-finite ``x`` must
     add nothing. The products run on x with its non-finite entries zeroed; an output that a
@@ -112,15 +121,15 @@ def segment_attention(
     Tk = k.shape[1]
     if segment_ids is None:
         segment_ids = torch.zeros(B, Tk, dtype=torch.long, device=q.device)
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     o, lse, p = _attend(q, k, v, segment_mask(segment_ids, Tq), scale, upcast)
     # first key of each query's segment, and whether the query is that key itself
     pos_k = torch.arange(Tk, device=q.device)
     is_start = torch.ones_like(segment_ids, dtype=torch.bool)
     is_start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
     start_idx = torch.cummax(torch.where(is_start, pos_k, torch.zeros_like(pos_k)), dim=1).values
-    q_start = start_idx[:, Tk - Tq:]
-    counted = q_start != pos_k[None, Tk - Tq:]
+    q_start = start_idx[:, Tk - Tq :]
+    counted = q_start != pos_k[None, Tk - Tq :]
     return o, lse, sink_mean(_probs_at_start(p, q_start, counted), counted)
 
 
@@ -129,7 +138,9 @@ def _interval_mask(start: Optional[torch.Tensor], B: int, Tq: int, Tk: int, devi
     q_start, _ = query_starts(start, B, Tq, Tk, device)
     pos_k = torch.arange(Tk, device=device)
     pos_q = torch.arange(Tk - Tq, Tk, device=device)
-    return (pos_k[None, None, :] >= q_start[:, :, None]) & (pos_k[None, None, :] <= pos_q[None, :, None])
+    return (pos_k[None, None, :] >= q_start[:, :, None]) & (
+        pos_k[None, None, :] <= pos_q[None, :, None]
+    )
 
 
 def forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: bool):
@@ -144,8 +155,9 @@ def forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: boo
     return o.contiguous(), lse.contiguous(), psink
 
 
-def backward(do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor],
-             scale: float):
+def backward(
+    do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor], scale: float
+):
     """(dq, dk, dv) of :func:`forward` by the explicit softmax-gradient formulas."""
     B, Tq, Hq, D = q.shape
     Tk, hkv = k.shape[1], k.shape[2]
@@ -162,8 +174,7 @@ def backward(do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[t
     dq = _visible_sum("bhqk,bkhd->bqhd", ds, kk, vis) * scale
     dk = _visible_sum("bhqk,bqhd->bkhd", ds, qa, vis).reshape(B, Tk, hkv, g, D).sum(3) * scale
     dv = _visible_sum("bhqk,bqhd->bkhd", p, doa, vis).reshape(B, Tk, hkv, g, D).sum(3)
-    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
-            dv.to(v.dtype).contiguous())
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous())
 
 
 def query_starts(start: Optional[torch.Tensor], B: int, Tq: int, Tk: int, device):
@@ -171,13 +182,17 @@ def query_starts(start: Optional[torch.Tensor], B: int, Tq: int, Tk: int, device
     towards the sink statistic unless it is itself its segment's first token. ``start``:
     int32 (B, Tk) segment start of every position, or None (one segment per row)."""
     q_pos = torch.arange(Tk - Tq, Tk, device=device)
-    s = start[:, Tk - Tq:].long() if start is not None else \
-        torch.zeros(B, Tq, dtype=torch.long, device=device)
+    s = (
+        start[:, Tk - Tq :].long()
+        if start is not None
+        else torch.zeros(B, Tq, dtype=torch.long, device=device)
+    )
     return s, s != q_pos[None, :]
 
 
-def start_probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
-                start: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+def start_probs(
+    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, start: Optional[torch.Tensor], scale: float
+) -> torch.Tensor:
     """(B, Hq, Tq) probability each query puts on its segment's first key, from the score
     against that key and the query's LSE; 0 for queries that do not count (see
     :func:`query_starts`). What a kernel that does not pick the sink out of its score tiles
@@ -186,6 +201,8 @@ def start_probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
     Tk, hkv = k.shape[1], k.shape[2]
     s_q, counted = query_starts(start, B, Tq, Tk, q.device)
     k0 = torch.gather(k, 1, s_q[:, :, None, None].expand(B, Tq, hkv, D))
-    s0 = (q.to(lse.dtype).reshape(B, Tq, hkv, Hq // hkv, D) * k0.to(lse.dtype)[:, :, :, None]).sum(-1)
+    s0 = (q.to(lse.dtype).reshape(B, Tq, hkv, Hq // hkv, D) * k0.to(lse.dtype)[:, :, :, None]).sum(
+        -1
+    )
     p0 = torch.exp(s0.reshape(B, Tq, Hq).transpose(1, 2) * scale - lse)
     return torch.where(counted[:, None, :], p0, 0.0)

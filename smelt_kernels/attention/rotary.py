@@ -54,20 +54,40 @@ def _native(x, cos, sin, inverse: bool):
     return torch.ops.smelt_cpu.rotary(x, cos, sin, inverse)
 
 
-backends.define(_OP, lambda x, cos, sin: (x.device, x.dtype, {
-    "tables_fp32": cos.dtype == sin.dtype == torch.float32,
-    "tables_grad": cos.requires_grad or sin.requires_grad}))
+backends.define(
+    _OP,
+    lambda x, cos, sin: (
+        x.device,
+        x.dtype,
+        {
+            "tables_fp32": cos.dtype == sin.dtype == torch.float32,
+            "tables_grad": cos.requires_grad or sin.requires_grad,
+        },
+    ),
+)
 backends.register(_OP, "torch", rotary_reference, devices=None, direct=True)
-backends.register(_OP, "cpu", lambda x, cos, sin: _native(x, cos, sin, False),
-                  lambda dy, cos, sin: _native(dy, cos, sin, True), devices=("cpu",), priority=10,
-                  dtypes=_NATIVE_DTYPES, requires=lambda d: native_missing(),
-                  supports=_cpu_supports, infer=lambda x, cos, sin: _native(x, cos, sin, False),
-                  traced=False)
+backends.register(
+    _OP,
+    "cpu",
+    lambda x, cos, sin: _native(x, cos, sin, False),
+    lambda dy, cos, sin: _native(dy, cos, sin, True),
+    devices=("cpu",),
+    priority=10,
+    dtypes=_NATIVE_DTYPES,
+    requires=lambda d: native_missing(),
+    supports=_cpu_supports,
+    infer=lambda x, cos, sin: _native(x, cos, sin, False),
+    traced=False,
+)
 
 # the backward is the same kernel rotating back
 _ROTARY = KernelOp(
-    _OP, inputs="Tensor x, Tensor cos, Tensor sin, str backend", outputs=("y",),
-    differentiable=("x",), saves=("cos", "sin"), fake=lambda x, cos, sin: x.new_empty(x.shape),
+    _OP,
+    inputs="Tensor x, Tensor cos, Tensor sin, str backend",
+    outputs=("y",),
+    differentiable=("x",),
+    saves=("cos", "sin"),
+    fake=lambda x, cos, sin: x.new_empty(x.shape),
     backward_fake=lambda dy, cos, sin: dy.new_empty(dy.shape),
 )
 
@@ -84,19 +104,26 @@ def _validate(x, cos, sin) -> None:
         if not t.is_floating_point():
             raise TypeError(f"apply_rotary: {name} must be floating point, got {t.dtype}")
     if x.dim() != 4 or x.shape[-1] % 2:
-        raise ValueError(f"apply_rotary: x must be (B, T, heads, head_dim) with an even head_dim, "
-                         f"got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"apply_rotary: x must be (B, T, heads, head_dim) with an even head_dim, "
+            f"got shape {tuple(x.shape)}"
+        )
     B, T, _, D = x.shape
     if cos.shape != sin.shape or tuple(cos.shape) not in ((T, D // 2), (B, T, D // 2)):
-        raise ValueError(f"apply_rotary: cos and sin must both be {(T, D // 2)} or {(B, T, D // 2)} "
-                         f"for x of shape {tuple(x.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        raise ValueError(
+            f"apply_rotary: cos and sin must both be {(T, D // 2)} or {(B, T, D // 2)} "
+            f"for x of shape {tuple(x.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     if not x.device == cos.device == sin.device:
-        raise ValueError(f"apply_rotary: x, cos and sin must be on one device, got {x.device}, "
-                         f"{cos.device}, {sin.device}")
+        raise ValueError(
+            f"apply_rotary: x, cos and sin must be on one device, got {x.device}, "
+            f"{cos.device}, {sin.device}"
+        )
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                 backend: Optional[str] = None) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: Optional[str] = None
+) -> torch.Tensor:
     """``x`` (B, T, heads, head_dim) rotated by the angles whose cos/sin are given per position
     (T, head_dim / 2) or per batch row and position (B, T, head_dim / 2):
     :func:`rotary_reference`'s semantics. Differentiable in ``x``."""

@@ -57,8 +57,19 @@ import triton.language as tl
 
 from .. import _alloc
 from ..backends import triton_interpret
-from .triton_tiles import (_dot_split, _finite_split, _key_ptrs, _key_rows, _key_runs, _load_split,
-                           _load_tile, _row_tile, _rows, _sees, _seg_starts, _store_split)
+from .triton_tiles import (
+    _dot_split,
+    _finite_split,
+    _key_ptrs,
+    _key_rows,
+    _key_runs,
+    _load_split,
+    _row_tile,
+    _rows,
+    _sees,
+    _seg_starts,
+    _store_split,
+)
 
 __all__ = ["forward", "backward", "head_dim_split", "head_dim_pad", "block_config", "audit_launches"]
 

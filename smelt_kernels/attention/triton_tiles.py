@@ -6,9 +6,11 @@ and key offsets in 64-bit, and the key runs a row tile visits. See that module f
 import triton
 import triton.language as tl
 
+
 @triton.jit
-def _load_tile(ptrs, offs_n, n_max, offs_d, D: tl.constexpr, CHECK_N: tl.constexpr,
-               EVEN_D: tl.constexpr):
+def _load_tile(
+    ptrs, offs_n, n_max, offs_d, D: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr
+):
     """Load a (rows, width) tile; rows >= n_max (if CHECK_N) and columns >= D read as 0."""
     if CHECK_N:
         if EVEN_D:
@@ -24,8 +26,17 @@ def _load_tile(ptrs, offs_n, n_max, offs_d, D: tl.constexpr, CHECK_N: tl.constex
 
 
 @triton.jit
-def _load_split(rows_ptr, offs_n, n_max, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
-                ROWS: tl.constexpr, CHECK_N: tl.constexpr, UPCAST: tl.constexpr):
+def _load_split(
+    rows_ptr,
+    offs_n,
+    n_max,
+    D: tl.constexpr,
+    DA: tl.constexpr,
+    DT: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHECK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """The head-dim blocks of ``ROWS`` rows (``rows_ptr`` (ROWS, 1) points at column 0):
     columns [0, DA) and, when DT > 0, the masked tail [DA, DA + DT). Without a tail the
     second value is an unused (ROWS, 16) placeholder."""
@@ -43,16 +54,21 @@ def _load_split(rows_ptr, offs_n, n_max, D: tl.constexpr, DA: tl.constexpr, DT: 
 
 
 @triton.jit
-def _store_split(rows_ptr, xa, xt, offs_n, n_max, D: tl.constexpr, DA: tl.constexpr,
-                 DT: tl.constexpr):
+def _store_split(
+    rows_ptr, xa, xt, offs_n, n_max, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr
+):
     offs_a = tl.arange(0, DA)
     if DA <= D:
         tl.store(rows_ptr + offs_a[None, :], xa, mask=offs_n[:, None] < n_max)
     else:
-        tl.store(rows_ptr + offs_a[None, :], xa, mask=(offs_n[:, None] < n_max) & (offs_a[None, :] < D))
+        tl.store(
+            rows_ptr + offs_a[None, :], xa, mask=(offs_n[:, None] < n_max) & (offs_a[None, :] < D)
+        )
     if DT > 0:
         offs_t = DA + tl.arange(0, DT)
-        tl.store(rows_ptr + offs_t[None, :], xt, mask=(offs_n[:, None] < n_max) & (offs_t[None, :] < D))
+        tl.store(
+            rows_ptr + offs_t[None, :], xt, mask=(offs_n[:, None] < n_max) & (offs_t[None, :] < D)
+        )
 
 
 @triton.jit
@@ -90,7 +106,9 @@ def _rows(base, qi, qi0, h, st, sh):
     in int64 (a batch row may hold more than 2^31 elements), the rest relative to it in
     int32 (qi - qi0 is at most a tile). The launcher makes every stride a multiple of 8
     elements, so rows start 16-byte aligned and loads vectorise."""
-    return (base + tl.cast(qi0, tl.int64) * st) + tl.multiple_of((qi - qi0) * st + h * sh, 8)[:, None]
+    return (base + tl.cast(qi0, tl.int64) * st) + tl.multiple_of((qi - qi0) * st + h * sh, 8)[
+        :, None
+    ]
 
 
 @triton.jit
@@ -135,8 +153,9 @@ def _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _seg_starts(START, b, Tk, pos, pos_first, pos_last, HAS_SEG: tl.constexpr,
-                BLOCK_M: tl.constexpr):
+def _seg_starts(
+    START, b, Tk, pos, pos_first, pos_last, HAS_SEG: tl.constexpr, BLOCK_M: tl.constexpr
+):
     if HAS_SEG:
         seg = START + b * Tk
         start = tl.load(seg + pos)

@@ -23,15 +23,30 @@ from __future__ import annotations
 try:
     import transformers as _transformers
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("smelt_kernels.hf needs transformers 5.x: pip install -e \".[hf]\"") from e
+    raise ImportError('smelt_kernels.hf needs transformers 5.x: pip install -e ".[hf]"') from e
 
 from .attention import smelt_attention_forward, smelt_attention_mask
-from .experts import (SUPPORTED_FAMILIES, UnsupportedExperts, is_strict, set_strict,
-                      smelt_experts_forward, unsupported_reason)
+from .experts import (
+    SUPPORTED_FAMILIES,
+    UnsupportedExperts,
+    is_strict,
+    set_strict,
+    smelt_experts_forward,
+    unsupported_reason,
+)
 
-__all__ = ["NAME", "register", "set_strict", "is_strict", "unsupported_reason",
-           "UnsupportedExperts", "SUPPORTED_FAMILIES", "smelt_experts_forward",
-           "smelt_attention_forward", "smelt_attention_mask"]
+__all__ = [
+    "NAME",
+    "register",
+    "set_strict",
+    "is_strict",
+    "unsupported_reason",
+    "UnsupportedExperts",
+    "SUPPORTED_FAMILIES",
+    "smelt_experts_forward",
+    "smelt_attention_forward",
+    "smelt_attention_mask",
+]
 
 NAME = "smelt"
 
@@ -39,8 +54,9 @@ NAME = "smelt"
 def _check_version() -> None:
     major = int(_transformers.__version__.split(".")[0])
     if major != 5:
-        raise ImportError(f"smelt_kernels.hf supports transformers 5.x, found "
-                          f"{_transformers.__version__}")
+        raise ImportError(
+            f"smelt_kernels.hf supports transformers 5.x, found {_transformers.__version__}"
+        )
 
 
 def register(name: str = NAME) -> str:

@@ -30,8 +30,13 @@ import torch
 
 from ..attention import segment_attention
 
-__all__ = ["smelt_attention_forward", "smelt_attention_mask", "segments_from_mask",
-           "segments_from_positions", "segments_from_cu_seqlens"]
+__all__ = [
+    "smelt_attention_forward",
+    "smelt_attention_mask",
+    "segments_from_mask",
+    "segments_from_positions",
+    "segments_from_cu_seqlens",
+]
 
 
 def _refuse(feature: str, hint: str = "") -> None:
@@ -54,8 +59,10 @@ def segments_from_mask(mask: torch.Tensor) -> torch.Tensor:
     m = mask.to(torch.bool)
     rises = m & ~torch.cat([torch.zeros_like(m[:, :1]), m[:, :-1]], dim=1)
     holes = rises.sum(-1) > 1
-    msg = ("smelt attention: attention_mask rows must keep one contiguous run of tokens "
-           "(left or right padding), not several")
+    msg = (
+        "smelt attention: attention_mask rows must keep one contiguous run of tokens "
+        "(left or right padding), not several"
+    )
     if m.device.type == "cuda":
         torch._assert_async(~holes.any(), msg)
     elif bool(holes.any()):
@@ -107,31 +114,51 @@ def _mask_parts(fn) -> list[str]:
     return [owner]
 
 
-def smelt_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
-                         kv_offset: int = 0, mask_function=None,
-                         attention_mask: Optional[torch.Tensor] = None, **kwargs):
+def smelt_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: Optional[torch.Tensor] = None,
+    **kwargs,
+):
     """``AttentionMaskInterface`` entry: hand the 2-D padding mask through (or None)."""
     if isinstance(q_offset, torch.Tensor) or (isinstance(kv_offset, torch.Tensor)):
         _refuse("caches with tensor offsets (e.g. StaticCache)", "use DynamicCache")
     if kv_offset != 0 or q_offset + q_length != kv_length:
-        _refuse(f"a cache whose keys do not end at the last query (q_offset={q_offset}, "
-                f"q_length={q_length}, kv_length={kv_length}, kv_offset={kv_offset}; "
-                "StaticCache or a sliding-window cache)", "use DynamicCache")
+        _refuse(
+            f"a cache whose keys do not end at the last query (q_offset={q_offset}, "
+            f"q_length={q_length}, kv_length={kv_length}, kv_offset={kv_offset}; "
+            "StaticCache or a sliding-window cache)",
+            "use DynamicCache",
+        )
     for part in _mask_parts(mask_function):
         if part not in _SERVED_PARTS:
-            _refuse(f"the mask function {part} (custom or_mask_function / and_mask_function, "
-                    "chunked or block masks)")
+            _refuse(
+                f"the mask function {part} (custom or_mask_function / and_mask_function, "
+                "chunked or block masks)"
+            )
     if attention_mask is None:
         return None
     return attention_mask[:, -kv_length:]
 
 
 # ---------------------------------------------------------------------- attention
-def smelt_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                            dropout: float = 0.0, scaling: Optional[float] = None,
-                            sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                            is_causal: Optional[bool] = None, **kwargs):
+def smelt_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+):
     """The ``AttentionInterface`` entry (see the module docstring)."""
     B, Hq, Tq, D = query.shape
     Tk = key.shape[2]
@@ -157,11 +184,15 @@ def smelt_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     seg = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
-            _refuse(f"a {attention_mask.dim()}-D attention mask (only 2-D padding masks)",
-                    "pass a 2-D attention_mask, position_ids or cu_seq_lens")
+            _refuse(
+                f"a {attention_mask.dim()}-D attention mask (only 2-D padding masks)",
+                "pass a 2-D attention_mask, position_ids or cu_seq_lens",
+            )
         if tuple(attention_mask.shape) != (B, Tk):
-            raise ValueError(f"smelt attention: attention_mask has shape "
-                             f"{tuple(attention_mask.shape)}, keys need ({B}, {Tk})")
+            raise ValueError(
+                f"smelt attention: attention_mask has shape "
+                f"{tuple(attention_mask.shape)}, keys need ({B}, {Tk})"
+            )
         seg = segments_from_mask(attention_mask)
     cu = kwargs.get("cu_seq_lens_k")
     if cu is not None:

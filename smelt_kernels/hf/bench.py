@@ -35,16 +35,44 @@ BASELINE = ("grouped_mm", "sdpa")
 
 #: model and workload per device: Mixtral geometry, scaled down
 SHAPES = {
-    "cpu": dict(model=dict(vocab_size=2048, hidden_size=256, intermediate_size=384,
-                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                           head_dim=32, num_local_experts=8, num_experts_per_tok=2),
-                batch=2, seq=128, prompt=32, new_tokens=8, dtype=torch.float32),
-    "cuda": dict(model=dict(vocab_size=32000, hidden_size=1024, intermediate_size=1408,
-                            num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-                            head_dim=64, num_local_experts=16, num_experts_per_tok=2),
-                 batch=8, seq=2048, prompt=256, new_tokens=64, dtype=torch.bfloat16),
+    "cpu": dict(
+        model=dict(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=384,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+        batch=2,
+        seq=128,
+        prompt=32,
+        new_tokens=8,
+        dtype=torch.float32,
+    ),
+    "cuda": dict(
+        model=dict(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=1408,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=64,
+            num_local_experts=16,
+            num_experts_per_tok=2,
+        ),
+        batch=8,
+        seq=2048,
+        prompt=256,
+        new_tokens=64,
+        dtype=torch.bfloat16,
+    ),
 }
-MEMORY_LIMIT_BYTES = 8 * 2 ** 30
+MEMORY_LIMIT_BYTES = 8 * 2**30
 
 
 def _fail(msg: str) -> "None":
@@ -56,12 +84,13 @@ def _fail(msg: str) -> "None":
 def build_model(shape: dict, device: torch.device, seed: int = 0):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    cfg = MixtralConfig(**shape["model"], max_position_embeddings=8192,
-                        tie_word_embeddings=False, pad_token_id=0)
+    cfg = MixtralConfig(
+        **shape["model"], max_position_embeddings=8192, tie_word_embeddings=False, pad_token_id=0
+    )
     torch.manual_seed(seed)
     model = MixtralForCausalLM(cfg)
     with torch.no_grad():  # O(1)-scale weights: routing that is not near uniform
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
             else:
@@ -71,8 +100,13 @@ def build_model(shape: dict, device: torch.device, seed: int = 0):
 
 def estimate_bytes(shape: dict) -> int:
     m = shape["model"]
-    H, L, E, de, V = (m["hidden_size"], m["num_hidden_layers"], m["num_local_experts"],
-                      m["intermediate_size"], m["vocab_size"])
+    H, L, E, de, V = (
+        m["hidden_size"],
+        m["num_hidden_layers"],
+        m["num_local_experts"],
+        m["intermediate_size"],
+        m["vocab_size"],
+    )
     qkv = H * m["head_dim"] * (2 * m["num_attention_heads"] + 2 * m["num_key_value_heads"])
     params = L * (qkv + E * 3 * H * de + E * H) + 2 * V * H
     elem = torch.finfo(shape["dtype"]).bits // 8
@@ -81,15 +115,22 @@ def estimate_bytes(shape: dict) -> int:
     return 2 * params * elem + acts
 
 
-def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int,
-                repeats: int, label: str) -> dict:
+def interleaved(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    label: str,
+) -> dict:
     """Each callable's :class:`~smelt_kernels.timing.Timing`, timed round-robin
     (:func:`smelt_kernels.timing.measure_interleaved`), with a progress line per round."""
+
     def progress(r: int) -> None:
         print(f"  {label}: round {r}/{repeats}", file=sys.stderr, flush=True)
 
-    return measure_interleaved(fns, device=device, warmup=warmup, repeats=repeats,
-                               on_round=progress)
+    return measure_interleaved(
+        fns, device=device, warmup=warmup, repeats=repeats, on_round=progress
+    )
 
 
 def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
@@ -105,8 +146,10 @@ def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
         shape["model"] = dict(shape["model"], num_hidden_layers=2)
     need = estimate_bytes(shape)
     if need > MEMORY_LIMIT_BYTES:
-        _fail(f"the benchmark model needs about {need / 2**30:.1f} GiB, over the "
-              f"{MEMORY_LIMIT_BYTES / 2**30:.0f} GiB this command allows itself")
+        _fail(
+            f"the benchmark model needs about {need / 2**30:.1f} GiB, over the "
+            f"{MEMORY_LIMIT_BYTES / 2**30:.0f} GiB this command allows itself"
+        )
     print(f"building a Mixtral-shaped model on {device} ({shape['dtype']})", file=sys.stderr)
     model = build_model(shape, device)
     V = shape["model"]["vocab_size"]
@@ -133,15 +176,21 @@ def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
             use(experts, attn)
             model.zero_grad(set_to_none=True)
             model(ids, labels=ids, use_cache=False).loss.backward()
+
         return fn
 
     def generate(experts: str, attn: str):
         def fn():
             use(experts, attn)
             with torch.no_grad():
-                return model.generate(prompt, max_new_tokens=shape["new_tokens"],
-                                      min_new_tokens=shape["new_tokens"], do_sample=False,
-                                      pad_token_id=0)
+                return model.generate(
+                    prompt,
+                    max_new_tokens=shape["new_tokens"],
+                    min_new_tokens=shape["new_tokens"],
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+
         return fn
 
     # greedy tokens agree between the rows (reported, not asserted: bf16 may flip a near tie)
@@ -151,54 +200,80 @@ def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
 
     rows = []
     tokens = shape["batch"] * shape["seq"]
-    for task, maker, n_tok in (("train step", train_step, tokens),
-                               ("greedy generate", generate, shape["new_tokens"])):
+    for task, maker, n_tok in (
+        ("train step", train_step, tokens),
+        ("greedy generate", generate, shape["new_tokens"]),
+    ):
         fns = {f"{e}+{a}": maker(e, a) for e, a in CONFIGS}
         times = interleaved(fns, device, warmup, repeats, task)
         base = times["+".join(BASELINE)].median_ms
-        for (experts, attn) in CONFIGS:
+        for experts, attn in CONFIGS:
             name = f"{experts}+{attn}"
             t = times[name]
             med = t.median_ms
-            rows.append(dict(
-                task=task, experts=experts, attention=attn, median_ms=med,
-                p20_ms=t.p20_ms, p80_ms=t.p80_ms, spread=t.spread, repeats=t.repeats,
-                tokens_per_s=n_tok / (med / 1e3), speedup_vs_grouped_mm=base / med,
-                max_rel_logit_diff_vs_eager=checks[name], same_greedy_tokens=same_tokens[name],
-            ))
+            rows.append(
+                dict(
+                    task=task,
+                    experts=experts,
+                    attention=attn,
+                    median_ms=med,
+                    p20_ms=t.p20_ms,
+                    p80_ms=t.p80_ms,
+                    spread=t.spread,
+                    repeats=t.repeats,
+                    tokens_per_s=n_tok / (med / 1e3),
+                    speedup_vs_grouped_mm=base / med,
+                    max_rel_logit_diff_vs_eager=checks[name],
+                    same_greedy_tokens=same_tokens[name],
+                )
+            )
     probe = torch.empty(1, shape["model"]["hidden_size"], device=device, dtype=shape["dtype"])
     q = torch.empty(1, 1, 1, shape["model"]["head_dim"], device=device, dtype=shape["dtype"])
     env = environment(device)
     env.update(
-        transformers=transformers.__version__, dtype=str(shape["dtype"]),
-        smelt_moe_backend=moe_backend(probe, None), smelt_attention_backend=attn_backend(q, None),
+        transformers=transformers.__version__,
+        dtype=str(shape["dtype"]),
+        smelt_moe_backend=moe_backend(probe, None),
+        smelt_attention_backend=attn_backend(q, None),
         shape={k: (str(v) if k == "dtype" else v) for k, v in shape.items()},
     )
     return dict(environment=env, rows=rows)
 
 
-COLUMNS = ("task", "experts", "attention", "median_ms", "p20_ms", "p80_ms", "spread",
-           "tokens_per_s", "speedup_vs_grouped_mm", "max_rel_logit_diff_vs_eager",
-           "same_greedy_tokens")
+COLUMNS = (
+    "task",
+    "experts",
+    "attention",
+    "median_ms",
+    "p20_ms",
+    "p80_ms",
+    "spread",
+    "tokens_per_s",
+    "speedup_vs_grouped_mm",
+    "max_rel_logit_diff_vs_eager",
+    "same_greedy_tokens",
+)
 
 
 def markdown(result: dict) -> str:
     env = result["environment"]
     s = env["shape"]
     m = s["model"]
-    head = (f"# smelt inside transformers ({env['device']})\n\n"
-            f"{env['date']} · {env['device_name']} · {env['torch_threads']} thread(s) (load "
-            f"average {env.get('load_average')}) · torch "
-            f"{env['torch']} · transformers {env['transformers']} · {env['dtype']} · smelt "
-            f"backends: moe {env['smelt_moe_backend']}, attention "
-            f"{env['smelt_attention_backend']}\n\n"
-            f"MixtralForCausalLM from a config: H={m['hidden_size']}, L={m['num_hidden_layers']}, "
-            f"heads {m['num_attention_heads']}/{m['num_key_value_heads']}x{m['head_dim']}, "
-            f"{m['num_local_experts']} experts top-{m['num_experts_per_tok']}, "
-            f"d_e={m['intermediate_size']}, vocab {m['vocab_size']}. Train step: batch "
-            f"{s['batch']} x {s['seq']} tokens, forward + backward. Generate: prompt "
-            f"{s['prompt']}, {s['new_tokens']} new tokens, greedy, DynamicCache. Interleaved "
-            f"calls; medians in ms, spread = (p80 - p20) / median.\n\n")
+    head = (
+        f"# smelt inside transformers ({env['device']})\n\n"
+        f"{env['date']} · {env['device_name']} · {env['torch_threads']} thread(s) (load "
+        f"average {env.get('load_average')}) · torch "
+        f"{env['torch']} · transformers {env['transformers']} · {env['dtype']} · smelt "
+        f"backends: moe {env['smelt_moe_backend']}, attention "
+        f"{env['smelt_attention_backend']}\n\n"
+        f"MixtralForCausalLM from a config: H={m['hidden_size']}, L={m['num_hidden_layers']}, "
+        f"heads {m['num_attention_heads']}/{m['num_key_value_heads']}x{m['head_dim']}, "
+        f"{m['num_local_experts']} experts top-{m['num_experts_per_tok']}, "
+        f"d_e={m['intermediate_size']}, vocab {m['vocab_size']}. Train step: batch "
+        f"{s['batch']} x {s['seq']} tokens, forward + backward. Generate: prompt "
+        f"{s['prompt']}, {s['new_tokens']} new tokens, greedy, DynamicCache. Interleaved "
+        f"calls; medians in ms, spread = (p80 - p20) / median.\n\n"
+    )
 
     def fmt(v):
         if isinstance(v, float):
@@ -212,14 +287,21 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="python -m smelt_kernels.hf.bench", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(
+        prog="python -m smelt_kernels.hf.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads for torch (default: torch's own choice); on a shared "
-                         "machine 1 avoids threads waiting on each other")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's own choice); on a shared "
+        "machine 1 avoids threads waiting on each other",
+    )
     ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run")
     ap.add_argument("--out", default=None, help="folder for hf_bench_<device>.json/.md")
     try:

@@ -29,19 +29,48 @@ from torch import nn
 from .. import backends
 from ..moe_gemm import moe_ffn
 
-__all__ = ["smelt_experts_forward", "unsupported_reason", "UnsupportedExperts", "set_strict",
-           "is_strict", "SUPPORTED_FAMILIES"]
+__all__ = [
+    "smelt_experts_forward",
+    "unsupported_reason",
+    "UnsupportedExperts",
+    "set_strict",
+    "is_strict",
+    "SUPPORTED_FAMILIES",
+]
 
 logger = logging.getLogger("smelt.hf")
 
 #: the transformers families (model_type) whose experts pass :func:`unsupported_reason`
 #: with their default config in transformers 5.23; the first five are tested end to end.
 SUPPORTED_FAMILIES = (
-    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
-    "qwen3_next", "glm4_moe", "dots1", "ernie4_5_moe", "minimax", "deepseek_v2", "phimoe",
-    "qwen3_vl_moe", "qwen3_5_moe", "glm4_moe_lite", "hunyuan_v1_moe", "jamba", "granitemoe",
-    "granitemoeshared", "granitemoehybrid", "flex_olmo", "lfm2_moe", "minimax_m2",
-    "exaone_moe", "afmoe", "kimi_linear", "mimo_v2_flash", "solar_open",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v3",
+    "qwen3_next",
+    "glm4_moe",
+    "dots1",
+    "ernie4_5_moe",
+    "minimax",
+    "deepseek_v2",
+    "phimoe",
+    "qwen3_vl_moe",
+    "qwen3_5_moe",
+    "glm4_moe_lite",
+    "hunyuan_v1_moe",
+    "jamba",
+    "granitemoe",
+    "granitemoeshared",
+    "granitemoehybrid",
+    "flex_olmo",
+    "lfm2_moe",
+    "minimax_m2",
+    "exaone_moe",
+    "afmoe",
+    "kimi_linear",
+    "mimo_v2_flash",
+    "solar_open",
 )
 
 
@@ -76,8 +105,12 @@ def _reference_code():
 
 
 def _same_code(a, b) -> bool:
-    return (a.co_code == b.co_code and a.co_names == b.co_names
-            and a.co_consts == b.co_consts and a.co_argcount == b.co_argcount)
+    return (
+        a.co_code == b.co_code
+        and a.co_names == b.co_names
+        and a.co_consts == b.co_consts
+        and a.co_argcount == b.co_argcount
+    )
 
 
 def _is_silu(act) -> bool:
@@ -125,10 +158,17 @@ def unsupported_reason(module: nn.Module) -> Optional[str]:
     w1, w2 = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(w1, torch.Tensor) or not isinstance(w2, torch.Tensor):
         return "it has no gate_up_proj / down_proj tensors"
-    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] != 2 * w2.shape[2] \
-            or w1.shape[2] != w2.shape[1] or w1.shape[0] != w2.shape[0]:
-        return (f"its weights are not (E, 2*d_e, H) and (E, H, d_e): "
-                f"{tuple(w1.shape)}, {tuple(w2.shape)}")
+    if (
+        w1.dim() != 3
+        or w2.dim() != 3
+        or w1.shape[1] != 2 * w2.shape[2]
+        or w1.shape[2] != w2.shape[1]
+        or w1.shape[0] != w2.shape[0]
+    ):
+        return (
+            f"its weights are not (E, 2*d_e, H) and (E, H, d_e): "
+            f"{tuple(w1.shape)}, {tuple(w2.shape)}"
+        )
     if not w1.dtype.is_floating_point or w1.dtype != w2.dtype:
         return f"its weights are {w1.dtype} / {w2.dtype} (quantised or mixed)"
     return None
@@ -142,12 +182,17 @@ def fallback(kind: str, owner: str, reason: str) -> None:
     key = (owner, reason)
     if key not in _logged:
         _logged.add(key)
-        logger.warning("smelt %s: %s falls back to transformers' eager path: %s",
-                       kind, owner, reason)
+        logger.warning(
+            "smelt %s: %s falls back to transformers' eager path: %s", kind, owner, reason
+        )
 
 
-def smelt_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
-                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def smelt_experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
     """The ``ExpertsInterface`` entry: ``moe_ffn`` on the module's own parameters."""
     reason = unsupported_reason(self)
     if reason is not None:

@@ -11,5 +11,12 @@ CPU kernels take their large outputs from.
 from .._alloc import cpu_pool_stats, release_cpu_pool
 from .ops import cpu_forward_kernel, grouped_gemm, moe_ffn, route, select_backend
 
-__all__ = ["route", "moe_ffn", "grouped_gemm", "cpu_forward_kernel", "select_backend",
-           "cpu_pool_stats", "release_cpu_pool"]
+__all__ = [
+    "route",
+    "moe_ffn",
+    "grouped_gemm",
+    "cpu_forward_kernel",
+    "select_backend",
+    "cpu_pool_stats",
+    "release_cpu_pool",
+]

@@ -27,9 +27,21 @@ import torch
 
 from .. import backends
 
-__all__ = ["missing", "forward", "infer", "backward", "grouped_mm", "grouped_wgrad",
-           "forward_kernel", "few_rows_limit", "VARIANTS", "variant", "route_forward",
-           "route_backward", "route_infer"]
+__all__ = [
+    "missing",
+    "forward",
+    "infer",
+    "backward",
+    "grouped_mm",
+    "grouped_wgrad",
+    "forward_kernel",
+    "few_rows_limit",
+    "VARIANTS",
+    "variant",
+    "route_forward",
+    "route_backward",
+    "route_infer",
+]
 
 _SOURCE = "csrc/moe_gemm/cpu_forward.cpp"
 
@@ -52,8 +64,9 @@ def infer(x, w1, w2, topk_weights, topk_ids, save_preact=False):
 
 def backward(grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets):
     """(dx, dw1, dw2, dtopk_weights) from the forward's saved sort and pre-activation."""
-    return torch.ops.smelt_cpu.moe_ffn_bwd(grad_y, x, w1, w2, topk_weights, topk_ids, preact,
-                                           order, rev, offsets)
+    return torch.ops.smelt_cpu.moe_ffn_bwd(
+        grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets
+    )
 
 
 def grouped_mm(a, b, offsets, gather, trans_b: bool):
@@ -76,12 +89,18 @@ def few_rows_limit(hidden_size: int, expert_size: int, dtype: torch.dtype) -> in
 
 # ----------------------------------------------------------------------------- variants
 VARIANTS = (
-    backends.Variant("rows", "fp32 experts of at most 1 MB of weights on an AVX-512 CPU: token "
-                             "rows read in place, the next expert's weights prefetched"),
+    backends.Variant(
+        "rows",
+        "fp32 experts of at most 1 MB of weights on an AVX-512 CPU: token "
+        "rows read in place, the next expert's weights prefetched",
+    ),
     backends.Variant("panels", "oneDNN brgemm micro-kernels on packed panels, fp32 compute"),
     backends.Variant("panels-16bit", "brgemm on the CPU's matrix unit (AMX) for bf16/fp16"),
-    backends.Variant("few-rows", "experts with few rows in a call (decode, small batches): "
-                                 "dot products against the weights where they lie"),
+    backends.Variant(
+        "few-rows",
+        "experts with few rows in a call (decode, small batches): "
+        "dot products against the weights where they lie",
+    ),
 )
 
 
@@ -91,9 +110,11 @@ def variant(x, w1, w2, topk_weights, topk_ids, *_) -> tuple[str, str]:
     if x.numel() == 0:
         return None, "an empty call: no kernel runs"
     kernel = forward_kernel(H, de, x.dtype)
-    why = {"rows": "fp32 experts of at most 1 MB on an AVX-512 CPU",
-           "panels": "experts over 1 MB, or no AVX-512",
-           "panels-16bit": f"{str(x.dtype).replace('torch.', '')} on a CPU with a matrix unit"}
+    why = {
+        "rows": "fp32 experts of at most 1 MB on an AVX-512 CPU",
+        "panels": "experts over 1 MB, or no AVX-512",
+        "panels-16bit": f"{str(x.dtype).replace('torch.', '')} on a CPU with a matrix unit",
+    }
     reason = why.get(kernel, kernel)
     if backends.env_flag("SMELT_CPU_GENERIC"):
         reason = "SMELT_CPU_GENERIC=1 forces the packed panels"
@@ -102,8 +123,9 @@ def variant(x, w1, w2, topk_weights, topk_ids, *_) -> tuple[str, str]:
         return kernel, reason + "; the few-rows path is off (SMELT_CPU_DECODE=0)"
     limit = few_rows_limit(H, de, x.dtype)
     if rows <= limit:
-        return "few-rows", (f"{rows:.1f} rows per expert on average, at most {limit} take the "
-                            "few-rows path")
+        return "few-rows", (
+            f"{rows:.1f} rows per expert on average, at most {limit} take the few-rows path"
+        )
     return kernel, f"{reason}; experts with at most {limit} rows take the few-rows path"
 
 
@@ -119,7 +141,9 @@ def route_forward(logits: torch.Tensor, top_k: int, renormalize: bool):
 
 def route_backward(grad_w, logits, lse, w, ids, top_k, renormalize):
     """The gradient of :func:`route_forward`'s weights with respect to the logits."""
-    return torch.ops.smelt_cpu.moe_route_bwd(grad_w, logits, lse, w, ids, renormalize).to(logits.dtype)
+    return torch.ops.smelt_cpu.moe_route_bwd(grad_w, logits, lse, w, ids, renormalize).to(
+        logits.dtype
+    )
 
 
 def route_infer(logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -135,16 +159,27 @@ def _route_fwd_fake(logits, top_k, renormalize, want_sort):
     T, E = logits.shape
     n, e = (T * top_k, E + 1) if want_sort else (0, 0)
     f32, i32 = dict(dtype=torch.float32), dict(dtype=torch.int32)
-    return (logits.new_empty(T, top_k, **f32), logits.new_empty(T, top_k, **i32), logits.new_empty(T, **f32),
-            logits.new_empty(n, **i32), logits.new_empty(n, **i32), logits.new_empty(e, **i32))
+    return (
+        logits.new_empty(T, top_k, **f32),
+        logits.new_empty(T, top_k, **i32),
+        logits.new_empty(T, **f32),
+        logits.new_empty(n, **i32),
+        logits.new_empty(n, **i32),
+        logits.new_empty(e, **i32),
+    )
 
 
 def _ffn_fwd_fake(x, w1, w2, topk_weights, topk_ids, save_preact):
     T, k = topk_ids.shape
     E, two_de, _ = w1.shape
     i32 = dict(dtype=torch.int32)
-    return (x.new_empty(x.shape), x.new_empty(T * k if save_preact else 0, two_de),
-            x.new_empty(T * k, **i32), x.new_empty(T * k, **i32), x.new_empty(E + 1, **i32))
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(T * k if save_preact else 0, two_de),
+        x.new_empty(T * k, **i32),
+        x.new_empty(T * k, **i32),
+        x.new_empty(E + 1, **i32),
+    )
 
 
 backends.register_native_fake("_cpu", "moe_route_fwd", _route_fwd_fake)

@@ -1,4 +1,5 @@
-"""Grouped top-k expert GEMMs for sparse MoE layers: :func:`route`, :func:`moe_ffn`, :func:`grouped_gemm`.
+"""Grouped top-k expert GEMMs for sparse MoE layers: :func:`route`, :func:`moe_ffn`,
+:func:`grouped_gemm`.
 
 :func:`moe_ffn` applies SwiGLU experts::
 
@@ -59,8 +60,9 @@ def _cuda_forward(x, w1, w2, tw, ids, save_preact):
 
 def _cuda_requires(device) -> Optional[str]:
     # the routing metadata and the backward run as Triton kernels
-    return (backends.extension_op_missing("_cuda", "moe_up", "csrc/moe_gemm/cuda.cu")
-            or backends.unavailable_reason("triton", device))
+    return backends.extension_op_missing(
+        "_cuda", "moe_up", "csrc/moe_gemm/cuda.cu"
+    ) or backends.unavailable_reason("triton", device)
 
 
 def _describe_moe(x, w1, w2, tw, ids, save_preact=None):
@@ -69,33 +71,82 @@ def _describe_moe(x, w1, w2, tw, ids, save_preact=None):
 
 backends.define(_OP, _describe_moe)
 backends.register(_OP, "torch", reference.moe_ffn_fwd, reference.moe_ffn_bwd, devices=None)
-backends.register(_OP, "cpu", moe_cpu.forward, moe_cpu.backward, devices=("cpu",), priority=10,
-                  dtypes=_KERNEL_DTYPES, requires=lambda d: moe_cpu.missing("moe_ffn_fwd"),
-                  infer=moe_cpu.infer, checks_values=True, variants=moe_cpu.VARIANTS,
-                  variant=moe_cpu.variant)
-backends.register(_OP, "triton", _triton_forward, _triton_backward, auto=("cuda",), priority=30,
-                  dtypes=_KERNEL_DTYPES)
-backends.register(_OP, "cuda", _cuda_forward, backward_via=("triton",), devices=("cuda",),
-                  priority=20, dtypes=(torch.bfloat16, torch.float16), requires=_cuda_requires)
+backends.register(
+    _OP,
+    "cpu",
+    moe_cpu.forward,
+    moe_cpu.backward,
+    devices=("cpu",),
+    priority=10,
+    dtypes=_KERNEL_DTYPES,
+    requires=lambda d: moe_cpu.missing("moe_ffn_fwd"),
+    infer=moe_cpu.infer,
+    checks_values=True,
+    variants=moe_cpu.VARIANTS,
+    variant=moe_cpu.variant,
+)
+backends.register(
+    _OP,
+    "triton",
+    _triton_forward,
+    _triton_backward,
+    auto=("cuda",),
+    priority=30,
+    dtypes=_KERNEL_DTYPES,
+)
+backends.register(
+    _OP,
+    "cuda",
+    _cuda_forward,
+    backward_via=("triton",),
+    devices=("cuda",),
+    priority=20,
+    dtypes=(torch.bfloat16, torch.float16),
+    requires=_cuda_requires,
+)
 
 backends.define("grouped_gemm", lambda a, b, offsets, gather, trans_b: (a.device, a.dtype, {}))
-backends.register("grouped_gemm", "torch", reference.grouped_mm, reference.grouped_wgrad,
-                  devices=None)
-backends.register("grouped_gemm", "cpu", moe_cpu.grouped_mm, moe_cpu.grouped_wgrad,
-                  devices=("cpu",), priority=10, dtypes=_KERNEL_DTYPES,
-                  requires=lambda d: moe_cpu.missing("grouped_mm"))
-backends.register("grouped_gemm", "triton", backends.lazy(_TRITON, "grouped_mm"),
-                  backends.lazy(_TRITON, "grouped_wgrad"), auto=("cuda",), priority=30,
-                  dtypes=_KERNEL_DTYPES)
+backends.register(
+    "grouped_gemm", "torch", reference.grouped_mm, reference.grouped_wgrad, devices=None
+)
+backends.register(
+    "grouped_gemm",
+    "cpu",
+    moe_cpu.grouped_mm,
+    moe_cpu.grouped_wgrad,
+    devices=("cpu",),
+    priority=10,
+    dtypes=_KERNEL_DTYPES,
+    requires=lambda d: moe_cpu.missing("grouped_mm"),
+)
+backends.register(
+    "grouped_gemm",
+    "triton",
+    backends.lazy(_TRITON, "grouped_mm"),
+    backends.lazy(_TRITON, "grouped_wgrad"),
+    auto=("cuda",),
+    priority=30,
+    dtypes=_KERNEL_DTYPES,
+)
 
 # the router is softmax and top-k: under the GPU backends it runs as torch device ops (no
 # host sync), which is what asking route() for a backend it lacks gives
-backends.define("route", lambda logits, top_k, renormalize: (logits.device, logits.dtype, {}),
-                missing_runs_auto=True)
+backends.define(
+    "route",
+    lambda logits, top_k, renormalize: (logits.device, logits.dtype, {}),
+    missing_runs_auto=True,
+)
 backends.register("route", "torch", reference.route, devices=None, direct=True)
-backends.register("route", "cpu", moe_cpu.route_forward, moe_cpu.route_backward, devices=("cpu",),
-                  priority=10, requires=lambda d: moe_cpu.missing("moe_route_fwd"),
-                  infer=moe_cpu.route_infer)
+backends.register(
+    "route",
+    "cpu",
+    moe_cpu.route_forward,
+    moe_cpu.route_backward,
+    devices=("cpu",),
+    priority=10,
+    requires=lambda d: moe_cpu.missing("moe_route_fwd"),
+    infer=moe_cpu.route_infer,
+)
 
 
 def select_backend(x: torch.Tensor, backend: Optional[str] = None) -> str:
@@ -103,7 +154,9 @@ def select_backend(x: torch.Tensor, backend: Optional[str] = None) -> str:
     return backends.select(_OP, backend, device=x.device, dtype=x.dtype).backend
 
 
-def cpu_forward_kernel(hidden_size: int, expert_size: int, dtype: torch.dtype = torch.float32) -> str:
+def cpu_forward_kernel(
+    hidden_size: int, expert_size: int, dtype: torch.dtype = torch.float32
+) -> str:
     """Which kernel the ``"cpu"`` backend's forward runs for experts of this shape and dtype
     on this machine: ``"rows"``, ``"panels"`` or ``"panels-16bit"`` (see
     :mod:`smelt_kernels.moe_gemm.cpu`). Raises
@@ -127,15 +180,19 @@ def _check_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
     dup = (s[:, 1:] == s[:, :-1]).any(dim=1)
     if bool(dup.any()):
         t = int(torch.nonzero(dup)[0, 0])
-        raise ValueError(f"moe_ffn: topk_ids names an expert twice in token {t}'s slots "
-                         f"({topk_ids[t].tolist()}); each token must pick distinct experts")
+        raise ValueError(
+            f"moe_ffn: topk_ids names an expert twice in token {t}'s slots "
+            f"({topk_ids[t].tolist()}); each token must pick distinct experts"
+        )
 
 
 def _check_grouped(a, b, starts, gather, trans_b=True) -> None:
     M = gather.shape[0] if gather is not None else a.shape[0]
     if bool((starts[1:] < starts[:-1]).any()) or int(starts[-1]) > M or int(starts[0]) != 0:
-        raise ValueError(f"grouped_gemm: offsets must be non-decreasing and at most M={M}, "
-                         f"got {starts[1:].tolist()}")
+        raise ValueError(
+            f"grouped_gemm: offsets must be non-decreasing and at most M={M}, "
+            f"got {starts[1:].tolist()}"
+        )
     if gather is not None and M > 0 and (int(gather.min()) < 0 or int(gather.max()) >= a.shape[0]):
         raise ValueError(f"grouped_gemm: gather_idx must lie in [0, {a.shape[0]})")
 
@@ -148,8 +205,13 @@ def _moe_forward(impl, x, w1, w2, tw, ids, save_preact):
         T, k = ids.shape
         E, two_de, _ = w1.shape
         i32 = dict(dtype=torch.int32, device=x.device)
-        return (x.new_zeros(x.shape), x.new_zeros(T * k, two_de), torch.zeros(0, **i32),
-                torch.zeros(0, **i32), torch.zeros(E + 1, **i32))
+        return (
+            x.new_zeros(x.shape),
+            x.new_zeros(T * k, two_de),
+            torch.zeros(0, **i32),
+            torch.zeros(0, **i32),
+            torch.zeros(E + 1, **i32),
+        )
     out = impl.forward(x, w1, w2, tw, ids, save_preact)
     if not save_preact and out[1].shape[0] != 0:
         out = (out[0], out[1][:0].clone(), *out[2:])
@@ -161,28 +223,43 @@ def _moe_fake(x, w1, w2, topk_weights, topk_ids, save_preact=True):
     E, two_de, _ = w1.shape
     n = T * k
     i32 = dict(dtype=torch.int32, device=x.device)
-    return (x.new_empty(x.shape), x.new_empty(n if save_preact else 0, two_de), torch.empty(n, **i32),
-            torch.empty(n, **i32), torch.empty(E + 1, **i32))
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(n if save_preact else 0, two_de),
+        torch.empty(n, **i32),
+        torch.empty(n, **i32),
+        torch.empty(E + 1, **i32),
+    )
 
 
 def _moe_backward(impl, grad_y, x, w1, w2, tw, ids, preact, order, rev, offsets):
     if preact.shape[0] != order.shape[0]:
-        raise RuntimeError("moe_ffn: this forward ran with save_preact=False (no gradient was "
-                           "required then), so it cannot be differentiated")
+        raise RuntimeError(
+            "moe_ffn: this forward ran with save_preact=False (no gradient was "
+            "required then), so it cannot be differentiated"
+        )
     if x.shape[0] == 0:
-        return x.new_zeros(x.shape), torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(tw)
-    return impl.backward(grad_y.to(x.dtype).contiguous(), x, w1, w2, tw, ids, preact, order,
-                         rev, offsets)
+        return (
+            x.new_zeros(x.shape),
+            torch.zeros_like(w1),
+            torch.zeros_like(w2),
+            torch.zeros_like(tw),
+        )
+    return impl.backward(
+        grad_y.to(x.dtype).contiguous(), x, w1, w2, tw, ids, preact, order, rev, offsets
+    )
 
 
 _MOE = KernelOp(
     _OP,
     inputs="Tensor x, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, str backend, "
-           "bool save_preact=True",
+    "bool save_preact=True",
     outputs=("y", "preact", "order", "rev", "offsets"),
     differentiable=("x", "w1", "w2", "topk_weights"),
     saves=("x", "w1", "w2", "topk_weights", "topk_ids", "preact", "order", "rev", "offsets"),
-    forward=_moe_forward, backward=_moe_backward, fake=_moe_fake,
+    forward=_moe_forward,
+    backward=_moe_backward,
+    fake=_moe_fake,
     check=lambda x, w1, w2, tw, ids, *_: _check_ids(ids, w1.shape[0]),
     grad_input="save_preact",
 )
@@ -197,11 +274,14 @@ def _gmm_wgrad(dc, a, offsets, gather, backend):
     return backends.implementation("grouped_gemm", backend).backward(dc, a, offsets, gather)
 
 
-_WGRAD = define("grouped_mm_wgrad",
-                "(Tensor dc, Tensor a, Tensor offsets, Tensor? gather, str backend) -> Tensor",
-                _gmm_wgrad,
-                lambda dc, a, offsets, gather, backend:
-                    a.new_empty(offsets.shape[0] - 1, dc.shape[1], a.shape[1]))
+_WGRAD = define(
+    "grouped_mm_wgrad",
+    "(Tensor dc, Tensor a, Tensor offsets, Tensor? gather, str backend) -> Tensor",
+    _gmm_wgrad,
+    lambda dc, a, offsets, gather, backend: a.new_empty(
+        offsets.shape[0] - 1, dc.shape[1], a.shape[1]
+    ),
+)
 
 
 def _gmm_backward(saved, grads, attrs, needs, backend):
@@ -222,32 +302,45 @@ def _gmm_backward(saved, grads, attrs, needs, backend):
 _GMM = KernelOp(
     "grouped_gemm",
     inputs="Tensor a, Tensor b, Tensor offsets, Tensor? gather, bool trans_b, str backend",
-    outputs=("c",), differentiable=("a", "b"), saves=("a", "b", "offsets", "gather"),
-    backward_attrs=("trans_b",), fake=_gmm_fake, composite_backward=_gmm_backward,
-    check=_check_grouped, fwd_name="grouped_mm",
+    outputs=("c",),
+    differentiable=("a", "b"),
+    saves=("a", "b", "offsets", "gather"),
+    backward_attrs=("trans_b",),
+    fake=_gmm_fake,
+    composite_backward=_gmm_backward,
+    check=_check_grouped,
+    fwd_name="grouped_mm",
 )
 
 
 def _route_fake(logits, top_k, renormalize):
     T = logits.shape[0]
-    return (logits.new_empty(T, top_k, dtype=torch.float32),
-            logits.new_empty(T, top_k, dtype=torch.int32), logits.new_empty(T, dtype=torch.float32))
+    return (
+        logits.new_empty(T, top_k, dtype=torch.float32),
+        logits.new_empty(T, top_k, dtype=torch.int32),
+        logits.new_empty(T, dtype=torch.float32),
+    )
 
 
 _ROUTE = KernelOp(
     "route",
     inputs="Tensor logits, int top_k, bool renormalize, str backend",
-    outputs=("weights", "ids", "lse"), public=2, differentiable=("logits",),
-    saves=("logits", "lse", "weights", "ids"), backward_attrs=("top_k", "renormalize"),
+    outputs=("weights", "ids", "lse"),
+    public=2,
+    differentiable=("logits",),
+    saves=("logits", "lse", "weights", "ids"),
+    backward_attrs=("top_k", "renormalize"),
     fake=_route_fake,
-    backward=lambda impl, grad_w, logits, lse, w, ids, top_k, renormalize:
-        impl.backward(grad_w, logits, lse, w, ids, top_k, renormalize),
+    backward=lambda impl, grad_w, logits, lse, w, ids, top_k, renormalize: impl.backward(
+        grad_w, logits, lse, w, ids, top_k, renormalize
+    ),
 )
 
 
 # ----------------------------------------------------------------------------- entry points
-def route(logits: torch.Tensor, top_k: int = 8, renormalize: bool = True, *,
-          backend: Optional[str] = None):
+def route(
+    logits: torch.Tensor, top_k: int = 8, renormalize: bool = True, *, backend: Optional[str] = None
+):
     """Softmax over experts, top-k, optional renormalisation to sum 1.
 
     logits (T, E) floating. Returns (topk_weights fp32 (T, k), topk_ids int32 (T, k)),
@@ -269,24 +362,39 @@ def route(logits: torch.Tensor, top_k: int = 8, renormalize: bool = True, *,
 
 
 def _validate(x, w1, w2, topk_weights, topk_ids) -> None:
-    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+    for name, t in (
+        ("x", x),
+        ("w1", w1),
+        ("w2", w2),
+        ("topk_weights", topk_weights),
+        ("topk_ids", topk_ids),
+    ):
         backends.require_tensor(_OP, name, t)
-    for name, t, rank in (("x", x, 2), ("w1", w1, 3), ("w2", w2, 3), ("topk_weights", topk_weights, 2),
-                          ("topk_ids", topk_ids, 2)):
+    for name, t, rank in (
+        ("x", x, 2),
+        ("w1", w1, 3),
+        ("w2", w2, 3),
+        ("topk_weights", topk_weights, 2),
+        ("topk_ids", topk_ids, 2),
+    ):
         if t.dim() != rank:
             raise ValueError(f"moe_ffn: {name} must have {rank} dims, got shape {tuple(t.shape)}")
     T, H = x.shape
     E, two_de, H1 = w1.shape
     if two_de % 2 != 0 or two_de == 0:
-        raise ValueError(f"moe_ffn: w1 must be (E, 2*d_e, H) with gate rows then up rows; dim 1 is {two_de}")
+        raise ValueError(
+            f"moe_ffn: w1 must be (E, 2*d_e, H) with gate rows then up rows; dim 1 is {two_de}"
+        )
     de = two_de // 2
     if H1 != H:
         raise ValueError(f"moe_ffn: w1 must be (E, 2*d_e, H={H}), got {tuple(w1.shape)}")
     if tuple(w2.shape) != (E, H, de):
         raise ValueError(f"moe_ffn: w2 must be (E={E}, H={H}, d_e={de}), got {tuple(w2.shape)}")
     if topk_weights.shape[0] != T or topk_ids.shape != topk_weights.shape:
-        raise ValueError(f"moe_ffn: topk_weights and topk_ids must both be (T={T}, k), got "
-                         f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+        raise ValueError(
+            f"moe_ffn: topk_weights and topk_ids must both be (T={T}, k), got "
+            f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}"
+        )
     k = topk_ids.shape[1]
     if not 1 <= k <= E:
         raise ValueError(f"moe_ffn: top-k k={k} must be in [1, E={E}]")
@@ -299,9 +407,16 @@ def _validate(x, w1, w2, topk_weights, topk_ids) -> None:
         raise ValueError(f"moe_ffn: T*k = {T * k} rows exceed the int32 row index")
 
 
-def moe_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor, *, backend: Optional[str] = None,
-            check_values: Optional[bool] = None) -> torch.Tensor:
+def moe_ffn(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    backend: Optional[str] = None,
+    check_values: Optional[bool] = None,
+) -> torch.Tensor:
     """SwiGLU experts over a top-k routing; returns y (T, H) in x's dtype.
 
     x (T, H); w1 (E, 2*d_e, H), gate rows then up rows; w2 (E, H, d_e); topk_weights (T, k)
@@ -314,19 +429,32 @@ def moe_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: t
     """
     _validate(x, w1, w2, topk_weights, topk_ids)
     backends.check_values_flag(_OP, check_values)
-    if topk_ids.dtype == torch.int64 and (x.device.type == "cpu" or (
-            check_values is not False and backends.can_read_values(topk_ids))):
+    if topk_ids.dtype == torch.int64 and (
+        x.device.type == "cpu" or (check_values is not False and backends.can_read_values(topk_ids))
+    ):
         _check_ids(topk_ids, w1.shape[0])  # before narrowing: e + 2**32 is not e
         check_values = False
     ids = topk_ids.to(torch.int32).contiguous()
-    return _MOE(x.contiguous(), w1.contiguous(), w2.contiguous(),
-                topk_weights.float().contiguous(), ids, backend=backend,
-                check_values=check_values)
+    return _MOE(
+        x.contiguous(),
+        w1.contiguous(),
+        w2.contiguous(),
+        topk_weights.float().contiguous(),
+        ids,
+        backend=backend,
+        check_values=check_values,
+    )
 
 
-def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *,
-                 gather_idx: Optional[torch.Tensor] = None, backend: Optional[str] = None,
-                 check_values: Optional[bool] = None) -> torch.Tensor:
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    gather_idx: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+    check_values: Optional[bool] = None,
+) -> torch.Tensor:
     """Grouped GEMM over rows sorted by group: ``c[i] = A[i] @ b[e]^T`` for i in group e.
 
     a: (Ma, K) rows; b: (E, N, K) one Linear-layout weight per group; offsets: (E,) int32 or
@@ -341,7 +469,10 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *,
     for name, t in (("a", a), ("b", b), ("offsets", offsets)):
         backends.require_tensor("grouped_gemm", name, t)
     if a.dim() != 2 or b.dim() != 3:
-        raise ValueError(f"grouped_gemm: a must be (M, K) and b (E, N, K), got {tuple(a.shape)}, {tuple(b.shape)}")
+        raise ValueError(
+            f"grouped_gemm: a must be (M, K) and b (E, N, K), got {tuple(a.shape)}, "
+            f"{tuple(b.shape)}"
+        )
     E, N, K = b.shape
     if a.shape[1] != K:
         raise ValueError(f"grouped_gemm: a has K={a.shape[1]} columns, b expects K={K}")
@@ -350,22 +481,38 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *,
     if offsets.dtype not in _INT:
         raise TypeError(f"grouped_gemm: offsets must be int32 or int64, got {offsets.dtype}")
     if not a.dtype.is_floating_point or b.dtype != a.dtype:
-        raise TypeError(f"grouped_gemm: a and b must share a floating dtype, got {a.dtype} and {b.dtype}")
+        raise TypeError(
+            f"grouped_gemm: a and b must share a floating dtype, got {a.dtype} and {b.dtype}"
+        )
     if gather_idx is not None:
         backends.require_tensor("grouped_gemm", "gather_idx", gather_idx, "a torch.Tensor or None")
         if gather_idx.dim() != 1:
-            raise ValueError(f"grouped_gemm: gather_idx must be 1-D row indices, got shape "
-                             f"{tuple(gather_idx.shape)}")
+            raise ValueError(
+                f"grouped_gemm: gather_idx must be 1-D row indices, got shape "
+                f"{tuple(gather_idx.shape)}"
+            )
         if gather_idx.dtype not in _INT:
-            raise TypeError(f"grouped_gemm: gather_idx must be int32 or int64, got {gather_idx.dtype}")
+            raise TypeError(
+                f"grouped_gemm: gather_idx must be int32 or int64, got {gather_idx.dtype}"
+            )
     backends.require_device("grouped_gemm", "a", a, b=b, offsets=offsets, gather_idx=gather_idx)
     backends.check_values_flag("grouped_gemm", check_values)
     starts = torch.cat([offsets.new_zeros(1), offsets])
-    wide = offsets.dtype == torch.int64 or (gather_idx is not None and gather_idx.dtype == torch.int64)
-    if wide and (a.device.type == "cpu" or (check_values is not False
-                                            and backends.can_read_values(a))):
+    wide = offsets.dtype == torch.int64 or (
+        gather_idx is not None and gather_idx.dtype == torch.int64
+    )
+    if wide and (
+        a.device.type == "cpu" or (check_values is not False and backends.can_read_values(a))
+    ):
         _check_grouped(a, b, starts, gather_idx)  # before narrowing to int32
         check_values = False
     gather = gather_idx.to(torch.int32).contiguous() if gather_idx is not None else None
-    return _GMM(a.contiguous(), b.contiguous(), starts.to(torch.int32).contiguous(), gather, True,
-                backend=backend, check_values=check_values)
+    return _GMM(
+        a.contiguous(),
+        b.contiguous(),
+        starts.to(torch.int32).contiguous(),
+        gather,
+        True,
+        backend=backend,
+        check_values=check_values,
+    )

@@ -21,8 +21,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["route", "sort_pairs", "moe_ffn", "moe_ffn_fwd", "moe_ffn_bwd", "grouped_mm",
-           "grouped_wgrad"]
+__all__ = [
+    "route",
+    "sort_pairs",
+    "moe_ffn",
+    "moe_ffn_fwd",
+    "moe_ffn_bwd",
+    "grouped_mm",
+    "grouped_wgrad",
+]
 
 
 def route(logits: torch.Tensor, top_k: int = 8, renormalize: bool = True):
@@ -57,8 +64,14 @@ def _groups(offsets: torch.Tensor):
     return [(e, offs[e], offs[e + 1]) for e in range(len(offs) - 1) if offs[e + 1] > offs[e]]
 
 
-def moe_ffn_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, save_preact: bool = True):
+def moe_ffn_fwd(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    save_preact: bool = True,
+):
     """(y, preact, order, rev, offsets): y as :func:`moe_ffn`, the pre-activation of every
     sorted row ((T*k, 2 d_e), or (0, 2 d_e) without ``save_preact``) and the routing sort.
     A pair whose id is outside [0, E) adds nothing; an expert named twice is applied twice."""
@@ -86,8 +99,13 @@ def _combine(rows: torch.Tensor, rev: torch.Tensor, weights: torch.Tensor, dtype
     return (picked * w).sum(1)
 
 
-def moe_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor) -> torch.Tensor:
+def moe_ffn(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
     """y[t] = sum_j w[t,j] * W2[e] (silu(W_gate[e] x[t]) * W_up[e] x[t]),  e = ids[t, j].
 
     x: (T, H); w1: (E, 2*d_e, H), gate rows first then up rows; w2: (E, H, d_e);
@@ -127,8 +145,13 @@ def moe_ffn_bwd(grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev, o
     return dx, dw1, dw2, dtw
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-               gather: Optional[torch.Tensor], trans_b: bool) -> torch.Tensor:
+def grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    gather: Optional[torch.Tensor],
+    trans_b: bool,
+) -> torch.Tensor:
     """c[i] = A[i] @ (b[e]^T if trans_b else b[e]) for rows i in [offsets[e], offsets[e+1]),
     A = a[gather] (or a); rows from offsets[-1] on are zero. ``offsets`` (E+1,) int32 starts."""
     rows = a if gather is None else a[gather.long()]
@@ -138,8 +161,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     return out
 
 
-def grouped_wgrad(dc: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor,
-                  gather: Optional[torch.Tensor]) -> torch.Tensor:
+def grouped_wgrad(
+    dc: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor, gather: Optional[torch.Tensor]
+) -> torch.Tensor:
     """db[e] = dc[rows of e]^T @ A[rows of e]: (E, N, K) for :func:`grouped_mm` with trans_b."""
     rows = a if gather is None else a[gather.long()]
     db = a.new_zeros(offsets.numel() - 1, dc.shape[1], a.shape[1])

@@ -34,11 +34,11 @@ __all__ = ["Tiles", "sort_pairs", "tile_table", "tiles"]
 
 @dataclass
 class Tiles:
-    order: torch.Tensor    # int32 (TK,)
-    rev: torch.Tensor      # int32 (TK,)
+    order: torch.Tensor  # int32 (TK,)
+    rev: torch.Tensor  # int32 (TK,)
     offsets: torch.Tensor  # int32 (E + 1,)
-    tok: torch.Tensor      # int32 (TK,): token of each sorted row (order // k)
-    tile_e: torch.Tensor   # int32 (n_tiles,): expert of each tile, -1 if unused
+    tok: torch.Tensor  # int32 (TK,): token of each sorted row (order // k)
+    tile_e: torch.Tensor  # int32 (n_tiles,): expert of each tile, -1 if unused
     tile_r0: torch.Tensor  # int32 (n_tiles,): first sorted row
     tile_r1: torch.Tensor  # int32 (n_tiles,): end sorted row (exclusive)
     block_m: int

@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from .. import _alloc
-from . import routing as moe_routing
 from ..backends import triton_interpret
+from . import routing as moe_routing
 
 __all__ = ["forward", "backward", "grouped_mm", "grouped_wgrad", "config", "tile_key", "audit_launches"]
 

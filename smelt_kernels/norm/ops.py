@@ -22,18 +22,34 @@ def _same_dtype(weight_matches: bool) -> Optional[str]:
     return None if weight_matches else "the native kernel needs the weight in x's dtype"
 
 
-backends.define(_OP, lambda x, weight, eps: (x.device, x.dtype,
-                                             {"weight_matches": weight.dtype == x.dtype}))
+backends.define(
+    _OP, lambda x, weight, eps: (x.device, x.dtype, {"weight_matches": weight.dtype == x.dtype})
+)
 backends.register(_OP, "torch", reference.rms_norm, devices=None, direct=True)
-backends.register(_OP, "cpu", cpu.forward, cpu.backward, devices=("cpu",), priority=10,
-                  dtypes=_NATIVE_DTYPES, requires=lambda d: cpu.missing(), supports=_same_dtype,
-                  infer=cpu.infer, traced=False)
+backends.register(
+    _OP,
+    "cpu",
+    cpu.forward,
+    cpu.backward,
+    devices=("cpu",),
+    priority=10,
+    dtypes=_NATIVE_DTYPES,
+    requires=lambda d: cpu.missing(),
+    supports=_same_dtype,
+    infer=cpu.infer,
+    traced=False,
+)
 
 _RMS_NORM = KernelOp(
-    _OP, inputs="Tensor x, Tensor weight, float eps, str backend", outputs=("y", "rstd"),
-    differentiable=("x", "weight"), saves=("x", "weight", "rstd"),
-    fake=lambda x, weight, eps: (x.new_empty(x.shape),
-                                 x.new_empty(x.shape[:-1], dtype=torch.float32)),
+    _OP,
+    inputs="Tensor x, Tensor weight, float eps, str backend",
+    outputs=("y", "rstd"),
+    differentiable=("x", "weight"),
+    saves=("x", "weight", "rstd"),
+    fake=lambda x, weight, eps: (
+        x.new_empty(x.shape),
+        x.new_empty(x.shape[:-1], dtype=torch.float32),
+    ),
 )
 
 
@@ -50,23 +66,32 @@ def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
 
 def _validate(x, weight, eps) -> None:
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError(f"rms_norm: x and weight must be tensors, got {type(x).__name__} and "
-                        f"{type(weight).__name__}")
+        raise TypeError(
+            f"rms_norm: x and weight must be tensors, got {type(x).__name__} and "
+            f"{type(weight).__name__}"
+        )
     if not x.is_floating_point() or not weight.is_floating_point():
-        raise TypeError(f"rms_norm: x and weight must be floating point, got {x.dtype} and {weight.dtype}")
+        raise TypeError(
+            f"rms_norm: x and weight must be floating point, got {x.dtype} and {weight.dtype}"
+        )
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"rms_norm: x must be (..., H) with H > 0, got shape {tuple(x.shape)}")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"rms_norm: weight must be ({x.shape[-1]},) for x of shape {tuple(x.shape)}, "
-                         f"got {tuple(weight.shape)}")
+        raise ValueError(
+            f"rms_norm: weight must be ({x.shape[-1]},) for x of shape {tuple(x.shape)}, "
+            f"got {tuple(weight.shape)}"
+        )
     if x.device != weight.device:
-        raise ValueError(f"rms_norm: x and weight must be on one device, got {x.device} and {weight.device}")
+        raise ValueError(
+            f"rms_norm: x and weight must be on one device, got {x.device} and {weight.device}"
+        )
     if not eps >= 0:
         raise ValueError(f"rms_norm: eps must be >= 0, got {eps!r}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
-             backend: Optional[str] = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *, backend: Optional[str] = None
+) -> torch.Tensor:
     """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dimension, normalised in
     float32 (float64 stays float64) and rounded to ``x``'s dtype before the gain.
     x (..., H) and weight (H,) floating, on one device; differentiable in both."""

@@ -50,16 +50,43 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from .results import (FAIL, PASS, SKIPPED, TOLERANCES, Result, Tolerance, failed,
-                      format_failures, format_table, summary, to_json)
+from .results import (
+    FAIL,
+    PASS,
+    SKIPPED,
+    TOLERANCES,
+    Result,
+    Tolerance,
+    failed,
+    format_failures,
+    format_table,
+    summary,
+    to_json,
+)
 
-__all__ = ["run", "Result", "Tolerance", "TOLERANCES", "PASS", "FAIL", "SKIPPED", "failed",
-           "format_table", "format_failures", "summary", "to_json"]
+__all__ = [
+    "run",
+    "Result",
+    "Tolerance",
+    "TOLERANCES",
+    "PASS",
+    "FAIL",
+    "SKIPPED",
+    "failed",
+    "format_table",
+    "format_failures",
+    "summary",
+    "to_json",
+]
 
 
-def run(device="cpu", quick: bool = False, ops: Optional[Sequence[str]] = None,
-        backends: Optional[Sequence[str]] = None,
-        progress: Optional[Callable] = None) -> list[Result]:
+def run(
+    device="cpu",
+    quick: bool = False,
+    ops: Optional[Sequence[str]] = None,
+    backends: Optional[Sequence[str]] = None,
+    progress: Optional[Callable] = None,
+) -> list[Result]:
     """Every registered implementation that can run on ``device`` ("cpu", "cuda") against its
     op's reference, forward and backward, per dtype: one :class:`Result` per op, backend and
     dtype, in the registry's order. ``quick``: a few cases per op, float32 and bfloat16 only.

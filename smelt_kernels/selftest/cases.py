@@ -75,25 +75,41 @@ def _moe(name, T, H, de, E, k, ids=None, quick=False, seed=0) -> Case:
     g = _gen(seed)
     x = torch.randn(T, H, generator=g)
     w1 = torch.randn(E, 2 * de, H, generator=g) * max(H, 1) ** -0.5
-    w2 = torch.randn(E, H, de, generator=g) * de ** -0.5
+    w2 = torch.randn(E, H, de, generator=g) * de**-0.5
     if ids is None:  # k distinct experts per token, at random
         ids = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k]
     tw = torch.softmax(torch.randn(T, ids.shape[1], generator=g), dim=-1)
     return Case(
-        name, dict(x=x, w1=w1, w2=w2, tw=tw, ids=ids.to(torch.int32)),
+        name,
+        dict(x=x, w1=w1, w2=w2, tw=tw, ids=ids.to(torch.int32)),
         call=lambda b, t: (moe_ffn(t["x"], t["w1"], t["w2"], t["tw"], t["ids"], backend=b),),
-        outputs=("y",), differentiable=("x", "w1", "w2", "tw"), keep=("tw",),
-        select=lambda t: (t["x"], t["w1"], t["w2"], t["tw"], t["ids"]), quick=quick, seed=seed)
+        outputs=("y",),
+        differentiable=("x", "w1", "w2", "tw"),
+        keep=("tw",),
+        select=lambda t: (t["x"], t["w1"], t["w2"], t["tw"], t["ids"]),
+        quick=quick,
+        seed=seed,
+    )
 
 
 def moe_cases() -> list[Case]:
     return [
         _moe("T=1", 1, 24, 16, 4, 2, quick=True),
         _moe("odd H and d_e", 13, 37, 19, 5, 3, seed=1),
-        _moe("experts with no tokens", 9, 32, 24, 6, 2, seed=2,
-             ids=torch.tensor([1, 0]).repeat(9, 1)),  # experts 2..5 get no rows
-        _moe("all tokens on one expert", 11, 16, 8, 4, 1, quick=True, seed=3,
-             ids=torch.full((11, 1), 3)),
+        _moe(
+            "experts with no tokens", 9, 32, 24, 6, 2, seed=2, ids=torch.tensor([1, 0]).repeat(9, 1)
+        ),  # experts 2..5 get no rows
+        _moe(
+            "all tokens on one expert",
+            11,
+            16,
+            8,
+            4,
+            1,
+            quick=True,
+            seed=3,
+            ids=torch.full((11, 1), 3),
+        ),
         _moe("many rows per expert", 96, 48, 40, 4, 2, seed=4),
         _moe("T=0", 0, 16, 8, 4, 2, quick=True, seed=5),
         _moe("H=0", 5, 0, 8, 4, 2, seed=6),
@@ -104,17 +120,25 @@ def moe_cases() -> list[Case]:
 def _grouped(name, Ma, K, N, ends, gather_rows=None, quick=False, seed=0) -> Case:
     g = _gen(seed)
     E = len(ends)
-    t = dict(a=torch.randn(Ma, K, generator=g), b=torch.randn(E, N, K, generator=g) * K ** -0.5,
-             ends=torch.tensor(ends, dtype=torch.int32))
+    t = dict(
+        a=torch.randn(Ma, K, generator=g),
+        b=torch.randn(E, N, K, generator=g) * K**-0.5,
+        ends=torch.tensor(ends, dtype=torch.int32),
+    )
     if gather_rows is not None:
         t["gather"] = torch.randint(0, Ma, (gather_rows,), generator=g, dtype=torch.int32)
     return Case(
-        name, t,
-        call=lambda b, t: (grouped_gemm(t["a"], t["b"], t["ends"], gather_idx=t.get("gather"),
-                                        backend=b),),
-        outputs=("c",), differentiable=("a", "b"),
-        select=lambda t: (t["a"], t["b"], t["ends"], t.get("gather"), True), quick=quick,
-        seed=seed)
+        name,
+        t,
+        call=lambda b, t: (
+            grouped_gemm(t["a"], t["b"], t["ends"], gather_idx=t.get("gather"), backend=b),
+        ),
+        outputs=("c",),
+        differentiable=("a", "b"),
+        select=lambda t: (t["a"], t["b"], t["ends"], t.get("gather"), True),
+        quick=quick,
+        seed=seed,
+    )
 
 
 def grouped_cases() -> list[Case]:
@@ -134,11 +158,17 @@ def _route(name, T, E, k, renormalize=True, quick=False, seed=0) -> Case:
     ranks = torch.argsort(torch.rand(T, E, generator=g), dim=1).float()
     logits = ranks * 0.125 - 2.0 + torch.randn(T, 1, generator=g)
     return Case(
-        name, dict(logits=logits),
+        name,
+        dict(logits=logits),
         call=lambda b, t: route(t["logits"], k, renormalize, backend=b),
-        outputs=("weights", "ids"), differentiable=("logits",), exact=("ids",),
+        outputs=("weights", "ids"),
+        differentiable=("logits",),
+        exact=("ids",),
         float32_outputs=("weights",),
-        select=lambda t: (t["logits"], k, renormalize), quick=quick, seed=seed)
+        select=lambda t: (t["logits"], k, renormalize),
+        quick=quick,
+        seed=seed,
+    )
 
 
 def route_cases() -> list[Case]:
@@ -166,29 +196,41 @@ def _segments(B: int, T: int, lengths: Optional[list[int]], seed: int) -> Option
                 n = min(left, int(torch.randint(1, max(2, T // 2) + 1, (1,), generator=g)))
                 lens.append(n)
                 left -= n
-        rows.append(torch.repeat_interleave(torch.arange(len(lens)) * 3 - 1 + b,
-                                            torch.tensor(lens, dtype=torch.long)))
+        rows.append(
+            torch.repeat_interleave(
+                torch.arange(len(lens)) * 3 - 1 + b, torch.tensor(lens, dtype=torch.long)
+            )
+        )
     return torch.stack(rows)
 
 
 def _plain_attention(t: dict) -> tuple:
-    return attention_reference.segment_attention(t["q"], t["k"], t["v"], t.get("seg"),
-                                                 upcast=False)
+    return attention_reference.segment_attention(t["q"], t["k"], t["v"], t.get("seg"), upcast=False)
 
 
 def _attention(name, B, Tq, Tk, hq, hkv, D, lengths, quick=False, seed=0) -> Case:
     g = _gen(seed)
-    t = dict(q=torch.randn(B, Tq, hq, D, generator=g), k=torch.randn(B, Tk, hkv, D, generator=g),
-             v=torch.randn(B, Tk, hkv, D, generator=g))
+    t = dict(
+        q=torch.randn(B, Tq, hq, D, generator=g),
+        k=torch.randn(B, Tk, hkv, D, generator=g),
+        v=torch.randn(B, Tk, hkv, D, generator=g),
+    )
     seg = _segments(B, Tk, lengths, seed)
     if seg is not None:
         t["seg"] = seg
     return Case(
-        name, t,
-        call=lambda b, t: segment_attention(t["q"], t["k"], t["v"], t.get("seg"), return_lse=True,
-                                            return_sink=True, backend=b),
-        outputs=("o", "lse", "sink"), differentiable=("q", "k", "v"), plain=_plain_attention,
-        select=lambda t: (t["q"], t["k"], t["v"], t.get("seg")), quick=quick, seed=seed)
+        name,
+        t,
+        call=lambda b, t: segment_attention(
+            t["q"], t["k"], t["v"], t.get("seg"), return_lse=True, return_sink=True, backend=b
+        ),
+        outputs=("o", "lse", "sink"),
+        differentiable=("q", "k", "v"),
+        plain=_plain_attention,
+        select=lambda t: (t["q"], t["k"], t["v"], t.get("seg")),
+        quick=quick,
+        seed=seed,
+    )
 
 
 def attention_cases() -> list[Case]:
@@ -197,8 +239,9 @@ def attention_cases() -> list[Case]:
         _attention("one segment filling the context, GQA 2:1", 2, 20, 20, 4, 2, 32, None, seed=1),
         _attention("mixed segments, GQA 6:1", 2, 37, 37, 6, 1, 64, [5, 16, 1, 15], seed=2),
         _attention("decode form Tq=1 < Tk", 2, 1, 19, 4, 2, 16, [7, 12], seed=3),
-        _attention("decode form Tq=3 < Tk, GQA 2:1, D=88", 1, 3, 21, 2, 1, 88, [10, 11],
-                   quick=True, seed=4),
+        _attention(
+            "decode form Tq=3 < Tk, GQA 2:1, D=88", 1, 3, 21, 2, 1, 88, [10, 11], quick=True, seed=4
+        ),
         _attention("odd head dim D=7", 1, 11, 11, 2, 1, 7, [4, 7], seed=5),
         _attention("T=0", 1, 0, 0, 2, 1, 8, [], seed=6),
     ]
@@ -208,13 +251,20 @@ def attention_cases() -> list[Case]:
 def _rotary(name, B, T, heads, D, per_batch=False, quick=False, seed=0) -> Case:
     g = _gen(seed)
     inv_freq = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    pos = (torch.randint(0, 4096, (B, T), generator=g) if per_batch else torch.arange(T) + 3)
+    pos = torch.randint(0, 4096, (B, T), generator=g) if per_batch else torch.arange(T) + 3
     angles = (pos.double()[..., None] * inv_freq).float()
     t = dict(x=torch.randn(B, T, heads, D, generator=g), cos=angles.cos(), sin=angles.sin())
     return Case(
-        name, t, call=lambda b, t: (apply_rotary(t["x"], t["cos"], t["sin"], backend=b),),
-        outputs=("y",), differentiable=("x",), keep=("cos", "sin"),
-        select=lambda t: (t["x"], t["cos"], t["sin"]), quick=quick, seed=seed)
+        name,
+        t,
+        call=lambda b, t: (apply_rotary(t["x"], t["cos"], t["sin"], backend=b),),
+        outputs=("y",),
+        differentiable=("x",),
+        keep=("cos", "sin"),
+        select=lambda t: (t["x"], t["cos"], t["sin"]),
+        quick=quick,
+        seed=seed,
+    )
 
 
 def rotary_cases() -> list[Case]:
@@ -231,9 +281,15 @@ def _norm(name, shape, quick=False, seed=0) -> Case:
     g = _gen(seed)
     t = dict(x=torch.randn(*shape, generator=g) * 3, w=torch.rand(shape[-1], generator=g) + 0.5)
     return Case(
-        name, t, call=lambda b, t: (rms_norm(t["x"], t["w"], 1e-5, backend=b),),
-        outputs=("y",), differentiable=("x", "w"), select=lambda t: (t["x"], t["w"], 1e-5),
-        quick=quick, seed=seed)
+        name,
+        t,
+        call=lambda b, t: (rms_norm(t["x"], t["w"], 1e-5, backend=b),),
+        outputs=("y",),
+        differentiable=("x", "w"),
+        select=lambda t: (t["x"], t["w"], 1e-5),
+        quick=quick,
+        seed=seed,
+    )
 
 
 def norm_cases() -> list[Case]:

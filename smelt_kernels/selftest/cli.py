@@ -44,19 +44,40 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Every smelt kernel that can run on the device against "
-                "its float64 reference, forward and backward, per dtype. Exit status 0: all "
-                "passed; 1: a failure (or interrupted); 2: bad options.")
+    p = _Parser(
+        prog=PROG,
+        description="Every smelt kernel that can run on the device against "
+        "its float64 reference, forward and backward, per dtype. Exit status 0: all "
+        "passed; 1: a failure (or interrupted); 2: bad options.",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--quick", action="store_true",
-                   help="a few cases per op, float32 and bfloat16 (seconds per backend)")
-    p.add_argument("--op", dest="ops", nargs="+", action="extend", metavar="OP",
-                   help="only these ops (default: every registered op)")
-    p.add_argument("--backend", dest="backends", nargs="+", action="extend", metavar="B",
-                   help="only these backends (default: all)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few cases per op, float32 and bfloat16 (seconds per backend)",
+    )
+    p.add_argument(
+        "--op",
+        dest="ops",
+        nargs="+",
+        action="extend",
+        metavar="OP",
+        help="only these ops (default: every registered op)",
+    )
+    p.add_argument(
+        "--backend",
+        dest="backends",
+        nargs="+",
+        action="extend",
+        metavar="B",
+        help="only these backends (default: all)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write every row as JSON to PATH")
-    p.add_argument("--in-process", action="store_true",
-                   help="run in this process (a kernel that crashes the process ends the run)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run in this process (a kernel that crashes the process ends the run)",
+    )
     p.add_argument("--worker-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     return p
@@ -83,8 +104,11 @@ class _Progress:
         dtypes = [d for o, b, d in self.units if (o, b) == (op, backend) and d != "-"]
         what = ", ".join(dtypes) if dtypes else "cannot run here"
         n = self.groups.index((op, backend)) + 1
-        print(f"selftest [{n}/{len(self.groups)}] {op} / {backend}: {what}", file=sys.stderr,
-              flush=True)
+        print(
+            f"selftest [{n}/{len(self.groups)}] {op} / {backend}: {what}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class _Run:
@@ -128,8 +152,9 @@ def _in_process(args, run: _Run) -> int:
     except (ValueError, TypeError) as e:
         return _bad(str(e))
     dev = runner.resolve_device(args.device)
-    run.start([(u.op, u.backend, u.dtype_name) for u in units], str(dev),
-              backends.report(dev).environment)
+    run.start(
+        [(u.op, u.backend, u.dtype_name) for u in units], str(dev), backends.report(dev).environment
+    )
     with runner.poisoned():
         for i, unit in enumerate(units):
             run.progress.unit(i)
@@ -155,13 +180,20 @@ def _worker(args) -> int:
     except (ValueError, TypeError) as e:
         return _bad(str(e))
     dev = runner.resolve_device(args.device)
-    send(units=[(u.op, u.backend, u.dtype_name) for u in units], device=str(dev),
-         environment=backends.report(dev).environment)
+    send(
+        units=[(u.op, u.backend, u.dtype_name) for u in units],
+        device=str(dev),
+        environment=backends.report(dev).environment,
+    )
     with runner.poisoned():
         for i in range(args.start, len(units)):
             send(unit=i)
-            result = runner.run_unit(units[i], dev, args.quick,
-                                     on_case=lambda name, row: send(case=name, row=row.to_dict()))
+            result = runner.run_unit(
+                units[i],
+                dev,
+                args.quick,
+                on_case=lambda name, row: send(case=name, row=row.to_dict()),
+            )
             send(result=result.to_dict())
             if any(runner.LOST in f for f in result.failures):
                 return 3  # the device is unusable here: a new worker goes on from the next row
@@ -183,8 +215,16 @@ def _work(run: _Run, argv: list[str], start: int):
     """One worker from row ``start`` on: (finished, its exit status, the row it was in when
     it ended, the case it was in, that row so far)."""
     read, write = os.pipe()
-    cmd = [sys.executable, "-m", "smelt_kernels.selftest", *argv, "--worker-fd", str(write),
-           "--start", str(start)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "smelt_kernels.selftest",
+        *argv,
+        "--worker-fd",
+        str(write),
+        "--start",
+        str(start),
+    ]
     proc = subprocess.Popen(cmd, pass_fds=(write,))
     os.close(write)
     current, case, partial, done = None, None, None, False
@@ -220,8 +260,11 @@ def _supervise(args, argv: list[str], run: _Run) -> int:
         if rc in (-signal.SIGTERM, -signal.SIGINT, _INTERRUPTED):  # stopped, not crashed
             raise _Stopped()
         if run.units is None:  # it never started: bad options (it said so), or it could not load
-            return 2 if rc == 2 else _bad(
-                f"the self-test's worker process ended before it started ({_ended(rc)})")
+            return (
+                2
+                if rc == 2
+                else _bad(f"the self-test's worker process ended before it started ({_ended(rc)})")
+            )
         if current is None:  # ended between rows
             after = max(run.rows, default=-1) + 1
             if after > start:
@@ -231,11 +274,18 @@ def _supervise(args, argv: list[str], run: _Run) -> int:
         op, backend, dtype = run.units[current]
         row = partial or Result(op, backend, dtype, FAIL)
         row.verdict, row.worst = FAIL, float("inf")
-        row.failures.append(f"case {case!r}: the process died ({_ended(rc)})" if case
-                            else f"the process died before the first case ({_ended(rc)})")
+        row.failures.append(
+            f"case {case!r}: the process died ({_ended(rc)})"
+            if case
+            else f"the process died before the first case ({_ended(rc)})"
+        )
         run.rows[current] = row
-        print(f"selftest: {op} / {backend} / {dtype} crashed ({_ended(rc)}); going on with a "
-              "new process", file=sys.stderr, flush=True)
+        print(
+            f"selftest: {op} / {backend} / {dtype} crashed ({_ended(rc)}); going on with a "
+            "new process",
+            file=sys.stderr,
+            flush=True,
+        )
         start = current + 1
     return run.finish(args.json)
 
@@ -262,8 +312,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     handlers = {}
     if main_thread:
-        handlers = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop),
-                    signal.SIGINT: signal.getsignal(signal.SIGINT)}
+        handlers = {
+            signal.SIGTERM: signal.signal(signal.SIGTERM, _stop),
+            signal.SIGINT: signal.getsignal(signal.SIGINT),
+        }
     try:
         return _in_process(args, run) if args.in_process else _supervise(args, argv, run)
     except (KeyboardInterrupt, _Stopped):

@@ -12,8 +12,19 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
-__all__ = ["Tolerance", "TOLERANCES", "Result", "PASS", "FAIL", "SKIPPED", "format_table",
-           "format_failures", "summary", "failed", "to_json"]
+__all__ = [
+    "Tolerance",
+    "TOLERANCES",
+    "Result",
+    "PASS",
+    "FAIL",
+    "SKIPPED",
+    "format_table",
+    "format_failures",
+    "summary",
+    "failed",
+    "to_json",
+]
 
 PASS, FAIL, SKIPPED = "pass", "FAIL", "skipped"
 
@@ -106,14 +117,27 @@ def format_table(results: Sequence[Result]) -> str:
         verdict = f"{SKIPPED}: {r.reason}" if r.verdict == SKIPPED else r.verdict
         if r.verdict != SKIPPED and r.reason:
             verdict += f" ({r.reason})"
-        rows.append((r.op, r.backend, r.variant or "-", r.dtype,
-                     str(r.cases) if r.verdict != SKIPPED else "-", _worst(r), verdict))
-    widths = [max(len(head[i]), *(len(row[i]) for row in rows)) if rows else len(head[i])
-              for i in range(len(head) - 1)]
+        rows.append(
+            (
+                r.op,
+                r.backend,
+                r.variant or "-",
+                r.dtype,
+                str(r.cases) if r.verdict != SKIPPED else "-",
+                _worst(r),
+                verdict,
+            )
+        )
+    widths = [
+        max(len(head[i]), *(len(row[i]) for row in rows)) if rows else len(head[i])
+        for i in range(len(head) - 1)
+    ]
     lines = []
     for row in [head] + rows:
-        cells = [c.ljust(w) if i != 4 and i != 5 else c.rjust(w)
-                 for i, (c, w) in enumerate(zip(row, widths))]
+        cells = [
+            c.ljust(w) if i != 4 and i != 5 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths))
+        ]
         lines.append("  ".join(cells + [row[-1]]).rstrip())
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(head[-1]))
     return "\n".join(lines)
@@ -129,8 +153,9 @@ def format_failures(results: Sequence[Result]) -> str:
     return "\n".join(out)
 
 
-def summary(results: Sequence[Result], device: str, seconds: float,
-            planned: Optional[int] = None) -> str:
+def summary(
+    results: Sequence[Result], device: str, seconds: float, planned: Optional[int] = None
+) -> str:
     """One line: counts, time and the verdict of the whole run (``INTERRUPTED`` when fewer
     than the ``planned`` rows ran)."""
     n = {v: sum(r.verdict == v for r in results) for v in (PASS, FAIL, SKIPPED)}
@@ -138,20 +163,30 @@ def summary(results: Sequence[Result], device: str, seconds: float,
     verdict = "FAILED" if n[FAIL] else "PASSED"
     if planned is not None and len(results) < planned:
         verdict = f"INTERRUPTED after {len(results)} of {planned} rows"
-    return (f"smelt self-test on {device}: {verdict} -- {n[PASS]} passed, {n[FAIL]} failed, "
-            f"{n[SKIPPED]} skipped ({cases} cases) in {seconds:.1f} s")
+    return (
+        f"smelt self-test on {device}: {verdict} -- {n[PASS]} passed, {n[FAIL]} failed, "
+        f"{n[SKIPPED]} skipped ({cases} cases) in {seconds:.1f} s"
+    )
 
 
-def to_json(results: Sequence[Result], device: str, seconds: float, environment: dict,
-            planned: Optional[int] = None) -> str:
+def to_json(
+    results: Sequence[Result],
+    device: str,
+    seconds: float,
+    environment: dict,
+    planned: Optional[int] = None,
+) -> str:
     """The run as JSON: device, environment variables that change a choice, the tolerance
     table, every row and the summary line."""
-    return json.dumps({
-        "device": device,
-        "environment": environment,
-        "tolerances": {k: asdict(v) for k, v in TOLERANCES.items()},
-        "results": [r.to_dict() for r in results],
-        "failed": failed(results),
-        "complete": planned is None or len(results) >= planned,
-        "summary": summary(results, device, seconds, planned),
-    }, indent=2)
+    return json.dumps(
+        {
+            "device": device,
+            "environment": environment,
+            "tolerances": {k: asdict(v) for k, v in TOLERANCES.items()},
+            "results": [r.to_dict() for r in results],
+            "failed": failed(results),
+            "complete": planned is None or len(results) >= planned,
+            "summary": summary(results, device, seconds, planned),
+        },
+        indent=2,
+    )

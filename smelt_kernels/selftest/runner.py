@@ -19,8 +19,18 @@ from .. import backends
 from .cases import CASES, Case
 from .results import FAIL, PASS, SKIPPED, TOLERANCES, Result
 
-__all__ = ["Unit", "DTYPES", "LOST", "resolve_device", "units", "run_unit", "run", "device_lost",
-           "compare", "poisoned"]
+__all__ = [
+    "Unit",
+    "DTYPES",
+    "LOST",
+    "resolve_device",
+    "units",
+    "run_unit",
+    "run",
+    "device_lost",
+    "compare",
+    "poisoned",
+]
 
 #: the dtypes every implementation is tried in (float16 where it takes it)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,8 +40,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: nothing of the GPU's path
 INTERPRETER_SKIPS = {
     ("triton", torch.bfloat16): "the Triton interpreter has no bfloat16 tl.dot (the kernels "
-                                "compute bfloat16 in float32 there, so a pass would not test "
-                                "the GPU's path)",
+    "compute bfloat16 in float32 there, so a pass would not test "
+    "the GPU's path)",
 }
 
 
@@ -58,11 +68,15 @@ def resolve_device(device) -> torch.device:
         raise ValueError(f"device: {device!r} is not a device ({e})") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device: {device} asked for, but no CUDA GPU is available "
-                             "(torch.cuda.is_available() is False)")
+            raise ValueError(
+                f"device: {device} asked for, but no CUDA GPU is available "
+                "(torch.cuda.is_available() is False)"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device: {device} asked for, but there are only "
-                             f"{torch.cuda.device_count()} CUDA devices")
+            raise ValueError(
+                f"device: {device} asked for, but there are only "
+                f"{torch.cuda.device_count()} CUDA devices"
+            )
     elif dev.type != "cpu":
         raise ValueError(f"device: the self-test runs on cpu or cuda, got {device!r}")
     return dev
@@ -79,8 +93,12 @@ def _names(what: str, asked: Optional[Sequence[str]], known: Sequence[str]) -> l
     return [k for k in known if k in asked]
 
 
-def units(device="cpu", ops: Optional[Sequence[str]] = None,
-         backend_names: Optional[Sequence[str]] = None, quick: bool = False) -> list[Unit]:
+def units(
+    device="cpu",
+    ops: Optional[Sequence[str]] = None,
+    backend_names: Optional[Sequence[str]] = None,
+    quick: bool = False,
+) -> list[Unit]:
     """Every (op, backend, dtype) the self-test produces a row for on ``device``, in order:
     the shipped ops, then any registered later; backends in the order ``"auto"`` tries them
     (the reference last); dtypes. An implementation that cannot run on the device is one
@@ -90,8 +108,9 @@ def units(device="cpu", ops: Optional[Sequence[str]] = None,
     dev = resolve_device(device)
     report = backends.report(dev)
     # the shipped ops in the order of their cases, then any registered later
-    op_names = _names("ops", ops, [op for op in CASES if op in report]
-                      + [op for op in report if op not in CASES])
+    op_names = _names(
+        "ops", ops, [op for op in CASES if op in report] + [op for op in report if op not in CASES]
+    )
     chosen = _names("backends", backend_names, [f.name for f in backends.families()])
     units = []
     for op in op_names:
@@ -123,15 +142,16 @@ def _upstream(case: Case, outs: Sequence[torch.Tensor], dtype: torch.dtype) -> l
     """The random upstream gradient of each differentiable output, rounded to ``dtype``
     (every path then gets the same values), on the CPU."""
     g = torch.Generator().manual_seed(1000 + case.seed)
-    return [torch.randn(o.shape, generator=g).to(dtype) for o in outs[:case.grad_outputs]]
+    return [torch.randn(o.shape, generator=g).to(dtype) for o in outs[: case.grad_outputs]]
 
 
-def _with_grads(case: Case, t: dict, outs: Sequence[torch.Tensor],
-                upstream: Sequence[torch.Tensor]) -> dict:
+def _with_grads(
+    case: Case, t: dict, outs: Sequence[torch.Tensor], upstream: Sequence[torch.Tensor]
+) -> dict:
     """{name: tensor}: the outputs ``outs`` of a call on ``t`` and the gradients of the
     differentiable inputs (``d<name>``) through ``upstream``."""
     leaves = [t[n] for n in case.differentiable]
-    heads = outs[:case.grad_outputs]
+    heads = outs[: case.grad_outputs]
     ups = [u.to(device=o.device, dtype=o.dtype) for u, o in zip(upstream, heads)]
     grads = torch.autograd.grad(heads, leaves, ups, allow_unused=True)
     got = dict(zip(case.outputs, (o.detach() for o in outs)))
@@ -174,9 +194,15 @@ def _max_abs(a: torch.Tensor) -> float:
     return a.abs().max().item() if a.numel() else 0.0
 
 
-def compare(name: str, got: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor,
-            dtype: torch.dtype, exact: bool = False,
-            floor_dtype: Optional[torch.dtype] = None) -> tuple[float, Optional[str]]:
+def compare(
+    name: str,
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    plain: torch.Tensor,
+    dtype: torch.dtype,
+    exact: bool = False,
+    floor_dtype: Optional[torch.dtype] = None,
+) -> tuple[float, Optional[str]]:
     """(normalised error, None or what failed) of one output against the reference, by the
     tolerance table (:class:`~smelt_kernels.selftest.results.Tolerance`) of ``dtype``, the
     dtype the inputs were given in; ``floor_dtype``: the precision the floor is counted in,
@@ -210,8 +236,10 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor
     norm = err / bound
     if norm <= 1.0:
         return norm, None
-    return norm, (f"{name}: max error {err:.3e} > bound {bound:.3e} ({tol.factor:g} x plain torch's "
-                  f"{base:.3e} + floor {floor:.3e})")
+    return norm, (
+        f"{name}: max error {err:.3e} > bound {bound:.3e} ({tol.factor:g} x plain torch's "
+        f"{base:.3e} + floor {floor:.3e})"
+    )
 
 
 #: what a row's failures say when its device became unusable (a new process must go on)
@@ -230,7 +258,9 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def run_case(case: Case, backend: str, dtype: torch.dtype, device: torch.device) -> tuple[float, list[str]]:
+def run_case(
+    case: Case, backend: str, dtype: torch.dtype, device: torch.device
+) -> tuple[float, list[str]]:
     """(worst normalised error, failures) of one case on ``backend`` in ``dtype``."""
     got, ref, plain = _evaluate(case, backend, dtype, device)
     worst, failures = 0.0, []
@@ -240,16 +270,24 @@ def run_case(case: Case, backend: str, dtype: torch.dtype, device: torch.device)
             failures.append(f"case {case.name!r}: {name}: missing from the outputs")
             continue
         output = name.split(" ")[0]
-        norm, why = compare(name, got[name], r, plain[name], dtype, exact=output in case.exact,
-                            floor_dtype=torch.float32 if output in case.float32_outputs else None)
+        norm, why = compare(
+            name,
+            got[name],
+            r,
+            plain[name],
+            dtype,
+            exact=output in case.exact,
+            floor_dtype=torch.float32 if output in case.float32_outputs else None,
+        )
         worst = max(worst, norm)
         if why is not None:
             failures.append(f"case {case.name!r}: {why}")
     return worst, failures
 
 
-def run_unit(unit: Unit, device, quick: bool = False,
-             on_case: Optional[Callable[[str, Result], None]] = None) -> Result:
+def run_unit(
+    unit: Unit, device, quick: bool = False, on_case: Optional[Callable[[str, Result], None]] = None
+) -> Result:
     """The row of ``unit``: its op's cases (``quick``: the marked few) on its backend in its
     dtype, each against the float64 reference, forward (with and without autograd) and
     backward. ``on_case(name, row)`` is called before each case runs, with the row so far
@@ -266,8 +304,11 @@ def run_unit(unit: Unit, device, quick: bool = False,
         if quick and not case.quick:
             continue
         try:  # whether the backend takes these inputs at all, and the variant it runs
-            choice = backends.select(unit.op, *case.select(case.inputs(unit.dtype, dev, grad=False)),
-                                     backend=unit.backend)
+            choice = backends.select(
+                unit.op,
+                *case.select(case.inputs(unit.dtype, dev, grad=False)),
+                backend=unit.backend,
+            )
         except (TypeError, ValueError, backends.BackendUnavailableError) as e:
             reason = str(e).split(": ", 1)[-1]
             skipped[reason] = skipped.get(reason, 0) + 1
@@ -328,9 +369,13 @@ def poisoned() -> Iterator[None]:
             os.environ["SMELT_POISON"] = old
 
 
-def run(device="cpu", quick: bool = False, ops: Optional[Sequence[str]] = None,
-        backends: Optional[Sequence[str]] = None,
-        progress: Optional[Callable[[Unit], None]] = None) -> list[Result]:
+def run(
+    device="cpu",
+    quick: bool = False,
+    ops: Optional[Sequence[str]] = None,
+    backends: Optional[Sequence[str]] = None,
+    progress: Optional[Callable[[Unit], None]] = None,
+) -> list[Result]:
     """Every registered implementation that can run on ``device`` against its op's
     reference; one :class:`~smelt_kernels.selftest.results.Result` per op, backend and
     dtype (see :func:`units`). ``progress(unit)`` is called before each row runs."""

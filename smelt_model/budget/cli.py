@@ -71,8 +71,11 @@ def _ms(x: float) -> str:
 def _table(names: Sequence[str], rows) -> list[str]:
     """Rows of (label, values, format): one column per model, a ratio column for a pair."""
     w0 = max(len(r[0]) for r in rows)
-    out = [f"{'':{w0}}  " + "  ".join(f"{n:>18}" for n in names)
-           + ("  {:>7}".format("ratio") if len(names) == 2 else "")]
+    out = [
+        f"{'':{w0}}  "
+        + "  ".join(f"{n:>18}" for n in names)
+        + ("  {:>7}".format("ratio") if len(names) == 2 else "")
+    ]
     for label, vals, fmt in rows:
         line = f"{label:{w0}}  " + "  ".join(f"{fmt(v):>18}" for v in vals)
         if len(vals) == 2:
@@ -83,9 +86,11 @@ def _table(names: Sequence[str], rows) -> list[str]:
 
 def _format_comm(names: Sequence[str], comms: Sequence[Comm]) -> str:
     c0 = comms[0]
-    head = (f"communication per step and rank: {c0.tokens_per_step} tokens per step "
-            f"({c0.tokens_per_rank} per rank), ep {c0.ep}, dp_shard {c0.dp_shard} (efsdp "
-            f"{c0.efsdp}), {c0.dtype}, gradients reduced in {c0.reduce_dtype}; uniform routing")
+    head = (
+        f"communication per step and rank: {c0.tokens_per_step} tokens per step "
+        f"({c0.tokens_per_rank} per rank), ep {c0.ep}, dp_shard {c0.dp_shard} (efsdp "
+        f"{c0.efsdp}), {c0.dtype}, gradients reduced in {c0.reduce_dtype}; uniform routing"
+    )
     get = lambda attr: [getattr(c, attr) for c in comms]  # noqa: E731
     rows = [
         ("executed MoE layers", get("moe_layers"), str),
@@ -107,9 +112,11 @@ def _format_comm(names: Sequence[str], comms: Sequence[Comm]) -> str:
 def _format_projection(spec: str, names: Sequence[str], projections, pair) -> str:
     p0 = projections[0]
     c0 = p0.comm
-    lines = [f"projected step on {spec}: {p0.cluster.describe()}",
-             f"{c0.tokens_per_step} tokens per step ({c0.tokens_per_rank} per GPU), {c0.dtype}; "
-             f"a model on paper, not a measurement"]
+    lines = [
+        f"projected step on {spec}: {p0.cluster.describe()}",
+        f"{c0.tokens_per_step} tokens per step ({c0.tokens_per_rank} per GPU), {c0.dtype}; "
+        f"a model on paper, not a measurement",
+    ]
     get = lambda attr: [getattr(p, attr) for p in projections]  # noqa: E731
     rows = [
         ("compute", get("compute_s"), _ms),
@@ -123,16 +130,19 @@ def _format_projection(spec: str, names: Sequence[str], projections, pair) -> st
     ]
     lines += _table(names, rows)
     if pair is not None:
-        lines.append(f"gap (step ratio / F ratio {pair.flops_ratio:.4f}): serial "
-                     f"{pair.gap('serial'):.4f}  FSDP overlapped "
-                     f"{pair.gap('fsdp_overlapped'):.4f}  all overlapped "
-                     f"{pair.gap('overlapped'):.4f}")
+        lines.append(
+            f"gap (step ratio / F ratio {pair.flops_ratio:.4f}): serial "
+            f"{pair.gap('serial'):.4f}  FSDP overlapped "
+            f"{pair.gap('fsdp_overlapped'):.4f}  all overlapped "
+            f"{pair.gap('overlapped'):.4f}"
+        )
     return "\n".join(lines)
 
 
 def _default_ep(cfgs, dp_shard: int) -> int:
-    return next(ep for ep in (8, 4, 2, 1)
-                if dp_shard % ep == 0 and all(c.n_experts % ep == 0 for c in cfgs))
+    return next(
+        ep for ep in (8, 4, 2, 1) if dp_shard % ep == 0 and all(c.n_experts % ep == 0 for c in cfgs)
+    )
 
 
 def _load_config(spec: str) -> ModelConfig:
@@ -177,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = _Parser(
         prog="python -m smelt_model.budget",
         description="Print the FLOPs / params / KV ledger and the communication ledger of a "
-                    "matched pair, project its step time on a cluster, or match a baseline.",
+        "matched pair, project its step time on a cluster, or match a baseline.",
     )
     ap.add_argument(
         "config",
@@ -189,25 +199,52 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--tolerances", type=float, nargs=3, default=(0.04, 0.01, 0.04), metavar=("F", "N", "KV")
     )
-    ap.add_argument("--head-dim-multiple", type=int, default=8,
-                    help="--match: head sizes tried are multiples of this")
-    ap.add_argument("--expert-size-multiple", type=int, default=8,
-                    help="--match: expert sizes tried are multiples of this")
-    ap.add_argument("--kv-heads", type=int, nargs="+",
-                    help="--match: KV-head counts to try (default: the baseline's)")
-    ap.add_argument("--tokens-per-step", type=_positive,
-                    help=f"global batch in tokens (default {TOKENS_PER_GPU} per data-parallel "
-                         f"rank or GPU)")
-    ap.add_argument("--ep", type=_positive,
-                    help="expert-parallel degree (default: the largest of 8, 4, 2, 1 dividing "
-                         "every expert count and --dp-shard); with --cluster, set ep in SPEC")
-    ap.add_argument("--dp-shard", type=_positive,
-                    help="data-parallel (FSDP) ranks (default 8); with --cluster, set gpus in SPEC")
-    ap.add_argument("--dtype", default="bfloat16",
-                    help="dtype of the all-to-alls and the gathered parameters (default bfloat16)")
-    ap.add_argument("--cluster", action="append", metavar="SPEC",
-                    help="project step times on a cluster: a preset (h100-8, h100-64) and/or "
-                         "key=value pairs gpus,gpus_per_node,intra,inter,peak,mfu,ep; repeatable")
+    ap.add_argument(
+        "--head-dim-multiple",
+        type=int,
+        default=8,
+        help="--match: head sizes tried are multiples of this",
+    )
+    ap.add_argument(
+        "--expert-size-multiple",
+        type=int,
+        default=8,
+        help="--match: expert sizes tried are multiples of this",
+    )
+    ap.add_argument(
+        "--kv-heads",
+        type=int,
+        nargs="+",
+        help="--match: KV-head counts to try (default: the baseline's)",
+    )
+    ap.add_argument(
+        "--tokens-per-step",
+        type=_positive,
+        help=f"global batch in tokens (default {TOKENS_PER_GPU} per data-parallel rank or GPU)",
+    )
+    ap.add_argument(
+        "--ep",
+        type=_positive,
+        help="expert-parallel degree (default: the largest of 8, 4, 2, 1 dividing "
+        "every expert count and --dp-shard); with --cluster, set ep in SPEC",
+    )
+    ap.add_argument(
+        "--dp-shard",
+        type=_positive,
+        help="data-parallel (FSDP) ranks (default 8); with --cluster, set gpus in SPEC",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="dtype of the all-to-alls and the gathered parameters (default bfloat16)",
+    )
+    ap.add_argument(
+        "--cluster",
+        action="append",
+        metavar="SPEC",
+        help="project step times on a cluster: a preset (h100-8, h100-64) and/or "
+        "key=value pairs gpus,gpus_per_node,intra,inter,peak,mfu,ep; repeatable",
+    )
     return ap
 
 
@@ -222,9 +259,13 @@ def _configs(args) -> tuple[list[str], ModelConfig, Optional[ModelConfig]]:
         base, looped, names = _load_config(args.config), None, [args.config]
     if args.match:
         looped, _ = match(
-            base, tolerances=args.tolerances, mean_doc_len=args.mean_doc_len,
-            seq_len=args.seq_len, head_dim_multiple=args.head_dim_multiple,
-            expert_size_multiple=args.expert_size_multiple, kv_heads=args.kv_heads,
+            base,
+            tolerances=args.tolerances,
+            mean_doc_len=args.mean_doc_len,
+            seq_len=args.seq_len,
+            head_dim_multiple=args.head_dim_multiple,
+            expert_size_multiple=args.expert_size_multiple,
+            kv_heads=args.kv_heads,
         )
         names = [names[0], "matched-smelt"]
     return names, base, looped
@@ -232,8 +273,9 @@ def _configs(args) -> tuple[list[str], ModelConfig, Optional[ModelConfig]]:
 
 def _projections(args, names, base, looped) -> str:
     if args.ep is not None or args.dp_shard is not None:
-        raise ValueError("with --cluster, give ep and gpus in the cluster SPEC, not --ep / "
-                         "--dp-shard")
+        raise ValueError(
+            "with --cluster, give ep and gpus in the cluster SPEC, not --ep / --dp-shard"
+        )
     kw = dict(dtype=args.dtype, mean_doc_len=args.mean_doc_len, seq_len=args.seq_len)
     blocks = []
     for spec in args.cluster:
@@ -259,16 +301,21 @@ def _ledgers(args, names, base, looped) -> str:
     out = [_format_side_by_side(names, leds, cfgs)]
     if looped is not None:
         r = compare(base, looped, args.mean_doc_len, args.seq_len)
-        out.append(f"\nratios (looped / baseline): F {r.flops:.4f}  N {r.params:.4f}  "
-                   f"KV {r.kv:.4f}")
+        out.append(
+            f"\nratios (looped / baseline): F {r.flops:.4f}  N {r.params:.4f}  KV {r.kv:.4f}"
+        )
     out.append("\n" + _format_comm(names, comms))
     if looped is not None:
-        cr = ratios(base, looped, tokens, mean_doc_len=args.mean_doc_len,
-                    seq_len=args.seq_len, **kw)
-        parts = [f"{label} {'-' if v is None else f'{v:.4f}'}"
-                 for label, v in (("EP", cr.ep), ("FSDP", cr.fsdp), ("all", cr.total))]
-        out.append(f"\ncommunication ratios (looped / baseline): {'  '.join(parts)}  "
-                   f"(F {cr.flops:.4f})")
+        cr = ratios(
+            base, looped, tokens, mean_doc_len=args.mean_doc_len, seq_len=args.seq_len, **kw
+        )
+        parts = [
+            f"{label} {'-' if v is None else f'{v:.4f}'}"
+            for label, v in (("EP", cr.ep), ("FSDP", cr.fsdp), ("all", cr.total))
+        ]
+        out.append(
+            f"\ncommunication ratios (looped / baseline): {'  '.join(parts)}  (F {cr.flops:.4f})"
+        )
     if args.match:
         out.append("\nmatched config (JSON):\n" + looped.to_json())
     return "\n".join(out)

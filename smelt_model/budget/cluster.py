@@ -61,8 +61,16 @@ from ..config import ModelConfig
 from .comm import Comm, comm
 from .ledger import compare, ledger
 
-__all__ = ["CLUSTER_PRESETS", "TOKENS_PER_GPU", "Cluster", "Projection", "PairProjection",
-           "parse_cluster", "project", "project_pair"]
+__all__ = [
+    "CLUSTER_PRESETS",
+    "TOKENS_PER_GPU",
+    "Cluster",
+    "Projection",
+    "PairProjection",
+    "parse_cluster",
+    "project",
+    "project_pair",
+]
 
 #: default tokens per GPU and step: one 32k-token micro-batch, the paper-shape benchmark's
 TOKENS_PER_GPU = 32768
@@ -99,18 +107,25 @@ class Cluster:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
                 raise ValueError(f"cluster {name} must be positive and finite, got {v!r}")
-        if isinstance(self.mfu, bool) or not isinstance(self.mfu, (int, float)) \
-                or not 0 < self.mfu <= 1:
+        if (
+            isinstance(self.mfu, bool)
+            or not isinstance(self.mfu, (int, float))
+            or not 0 < self.mfu <= 1
+        ):
             raise ValueError(f"cluster mfu must lie in (0, 1], got {self.mfu!r}")
         g, n, ep = self.gpus, self.gpus_per_node, self.ep
         if g > n and g % n:
             raise ValueError(f"cluster gpus ({g}) must fill whole nodes of gpus_per_node ({n})")
         if g % ep:
-            raise ValueError(f"cluster ep ({ep}) must divide gpus ({g}): every GPU is a "
-                             f"data-parallel rank and EP groups are carved out of them")
+            raise ValueError(
+                f"cluster ep ({ep}) must divide gpus ({g}): every GPU is a "
+                f"data-parallel rank and EP groups are carved out of them"
+            )
         if (ep <= n and n % ep) or (ep > n and ep % n):
-            raise ValueError(f"cluster ep ({ep}) and gpus_per_node ({n}) must divide one "
-                             f"another, so that an EP group fills whole nodes or sits in one")
+            raise ValueError(
+                f"cluster ep ({ep}) and gpus_per_node ({n}) must divide one "
+                f"another, so that an EP group fills whole nodes or sits in one"
+            )
 
     @property
     def nodes(self) -> int:
@@ -124,9 +139,11 @@ class Cluster:
     def describe(self) -> str:
         inside, outside = self.ep_peers()
         where = "in one node" if outside == 0 else f"over {self.ep // self.gpus_per_node} nodes"
-        return (f"{self.gpus} GPUs ({self.gpus_per_node} per node), intra "
-                f"{self.intra / 1e9:g} GB/s, inter {self.inter * 8 / 1e9:g} Gb/s, peak "
-                f"{self.peak / 1e12:g} TFLOP/s, MFU {self.mfu:g}, EP {self.ep} ({where})")
+        return (
+            f"{self.gpus} GPUs ({self.gpus_per_node} per node), intra "
+            f"{self.intra / 1e9:g} GB/s, inter {self.inter * 8 / 1e9:g} Gb/s, peak "
+            f"{self.peak / 1e12:g} TFLOP/s, MFU {self.mfu:g}, EP {self.ep} ({where})"
+        )
 
 
 def _number(key: str, text: str) -> float:
@@ -165,8 +182,10 @@ def _items(spec: str, what: str) -> dict[str, str]:
     for item in spec.split(","):
         key, sep, text = (s.strip() for s in item.partition("="))
         if not sep or key not in keys:
-            raise ValueError(f"{what} item {item.strip()!r}: expected key=value with key one of "
-                             f"{', '.join(keys)}")
+            raise ValueError(
+                f"{what} item {item.strip()!r}: expected key=value with key one of "
+                f"{', '.join(keys)}"
+            )
         if key in out:
             raise ValueError(f"{what} gives {key} twice")
         out[key] = text
@@ -199,8 +218,10 @@ def parse_cluster(spec: Any) -> Cluster:
     given: dict[str, str] = {}
     if "=" not in head:
         if head.strip() not in CLUSTER_PRESETS:
-            raise ValueError(f"unknown cluster preset {head.strip()!r}; presets: "
-                             f"{', '.join(CLUSTER_PRESETS)}, or key=value pairs")
+            raise ValueError(
+                f"unknown cluster preset {head.strip()!r}; presets: "
+                f"{', '.join(CLUSTER_PRESETS)}, or key=value pairs"
+            )
         given = _items(CLUSTER_PRESETS[head.strip()], "cluster preset")
         if not comma:
             return Cluster(**{key: _value(key, text) for key, text in given.items()})
@@ -273,16 +294,31 @@ def project(
     ``tokens_per_step`` defaults to :data:`TOKENS_PER_GPU` per GPU. The other arguments go
     to :func:`smelt_model.budget.comm` and :func:`smelt_model.budget.ledger`."""
     cl = parse_cluster(cluster)
-    c = comm(cfg, _tokens(cl, tokens_per_step), ep=cl.ep, dp_shard=cl.gpus, dtype=dtype,
-             reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
+    c = comm(
+        cfg,
+        _tokens(cl, tokens_per_step),
+        ep=cl.ep,
+        dp_shard=cl.gpus,
+        dtype=dtype,
+        reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward,
+    )
     flops = ledger(cfg, mean_doc_len, seq_len).flops_per_token * c.tokens_per_rank
     inside, outside = cl.ep_peers()
     peers = inside + outside
-    ep_s = 0.0 if peers == 0 else max(c.ep_bytes * inside / peers / cl.intra,
-                                      c.ep_bytes * outside / peers / cl.inter)
+    ep_s = (
+        0.0
+        if peers == 0
+        else max(c.ep_bytes * inside / peers / cl.intra, c.ep_bytes * outside / peers / cl.inter)
+    )
     fsdp_link = cl.intra if cl.gpus <= cl.gpus_per_node else cl.inter
-    return Projection(cluster=cl, comm=c, compute_s=flops / (cl.peak * cl.mfu), ep_s=ep_s,
-                      fsdp_s=c.fsdp_bytes / fsdp_link)
+    return Projection(
+        cluster=cl,
+        comm=c,
+        compute_s=flops / (cl.peak * cl.mfu),
+        ep_s=ep_s,
+        fsdp_s=c.fsdp_bytes / fsdp_link,
+    )
 
 
 def project_pair(
@@ -298,5 +334,6 @@ def project_pair(
     a = project(baseline_cfg, cl, tokens_per_step, **kwargs)
     b = project(looped_cfg, cl, tokens_per_step, **kwargs)
     doc = kwargs.get("mean_doc_len", 800), kwargs.get("seq_len", 4096)
-    return PairProjection(baseline=a, looped=b,
-                          flops_ratio=compare(baseline_cfg, looped_cfg, *doc).flops)
+    return PairProjection(
+        baseline=a, looped=b, flops_ratio=compare(baseline_cfg, looped_cfg, *doc).flops
+    )

@@ -56,8 +56,7 @@ from .ledger import compare, embedding_params, ledger
 __all__ = ["DTYPE_BYTES", "Comm", "CommRatios", "comm", "ratios", "dtype_bytes"]
 
 #: element sizes of the dtypes communication may use
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1,
-               "float8_e5m2": 1}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 #: the parameter parts (of ``Ledger.params_by_part``) that FSDP shards over the EP mesh
 EXPERT_PARTS = ("experts",)
@@ -118,8 +117,12 @@ class Comm:
     @property
     def ep_bytes(self) -> float:
         """The four EP all-to-alls together."""
-        return (self.dispatch_forward + self.combine_forward + self.dispatch_backward
-                + self.combine_backward)
+        return (
+            self.dispatch_forward
+            + self.combine_forward
+            + self.dispatch_backward
+            + self.combine_backward
+        )
 
     @property
     def ep_by_rank(self) -> tuple[float, ...]:
@@ -129,8 +132,9 @@ class Comm:
     @property
     def fsdp_bytes(self) -> float:
         """The FSDP all-gathers and reduce-scatter together."""
-        return (self.fsdp_all_gather_forward + self.fsdp_all_gather_backward
-                + self.fsdp_reduce_scatter)
+        return (
+            self.fsdp_all_gather_forward + self.fsdp_all_gather_backward + self.fsdp_reduce_scatter
+        )
 
     @property
     def total_bytes(self) -> float:
@@ -142,42 +146,56 @@ class Comm:
         return self.ep_bytes / self.tokens_per_rank
 
 
-def _routing_rows(routing: Any, layers: int, ep: int, n_experts: int,
-                  rows_per_rank: int) -> list[list[list[int]]]:
+def _routing_rows(
+    routing: Any, layers: int, ep: int, n_experts: int, rows_per_rank: int
+) -> list[list[list[int]]]:
     """``routing`` as nested lists of ints, checked: ``layers`` matrices of ``(ep,
     n_experts)`` non-negative counts whose rows each sum to ``rows_per_rank``."""
     if isinstance(routing, (str, bytes)) or not hasattr(routing, "__len__"):
-        raise TypeError(f"routing must be a sequence of (ep, n_experts) count matrices, got "
-                        f"{type(routing).__name__}")
+        raise TypeError(
+            f"routing must be a sequence of (ep, n_experts) count matrices, got "
+            f"{type(routing).__name__}"
+        )
     if len(routing) != layers:
-        raise ValueError(f"routing must hold one matrix per executed MoE layer ({layers}), "
-                         f"got {len(routing)}")
+        raise ValueError(
+            f"routing must hold one matrix per executed MoE layer ({layers}), got {len(routing)}"
+        )
     out = []
     for li, m in enumerate(routing):
         m = m.tolist() if hasattr(m, "tolist") else m
         where = f"routing[{li}]"
-        if not (isinstance(m, (list, tuple)) and len(m) == ep
-                and all(isinstance(r, (list, tuple)) and len(r) == n_experts for r in m)):
+        if not (
+            isinstance(m, (list, tuple))
+            and len(m) == ep
+            and all(isinstance(r, (list, tuple)) and len(r) == n_experts for r in m)
+        ):
             raise ValueError(f"{where} must be an (ep, n_experts) = ({ep}, {n_experts}) matrix")
         rows = []
         for i, r in enumerate(m):
             for v in r:
-                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= 0 \
-                        or v != int(v):
-                    raise ValueError(f"{where} must hold non-negative integer counts, "
-                                     f"got {v!r} in row {i}")
+                if (
+                    isinstance(v, bool)
+                    or not isinstance(v, numbers.Real)
+                    or not v >= 0
+                    or v != int(v)
+                ):
+                    raise ValueError(
+                        f"{where} must hold non-negative integer counts, got {v!r} in row {i}"
+                    )
             r = [int(v) for v in r]
             if sum(r) != rows_per_rank:
                 raise ValueError(
                     f"{where} row {i} routes {sum(r)} (token, slot) pairs; a rank holding "
-                    f"tokens_per_step / dp_shard tokens routes tokens x top_k = {rows_per_rank}")
+                    f"tokens_per_step / dp_shard tokens routes tokens x top_k = {rows_per_rank}"
+                )
             rows.append(r)
         out.append(rows)
     return out
 
 
-def _ep_rows(cfg: ModelConfig, layers: int, ep: int, rows_per_rank: int,
-             routing: Any) -> tuple[list[float], list[float], float, float]:
+def _ep_rows(
+    cfg: ModelConfig, layers: int, ep: int, rows_per_rank: int, routing: Any
+) -> tuple[list[float], list[float], float, float]:
     """Rows sent per rank in the forward dispatches and combines (summed over layers), and
     the sums over layers of the busiest rank's dispatch and combine rows."""
     if routing is None:
@@ -190,8 +208,15 @@ def _ep_rows(cfg: ModelConfig, layers: int, ep: int, rows_per_rank: int,
         # out[i]: rows rank i sends to experts on other ranks; back[i]: rows it received from
         # other ranks for its own experts, which its combine sends back
         out = [sum(v for e, v in enumerate(m[i]) if e // per_rank != i) for i in range(ep)]
-        back = [sum(m[j][e] for j in range(ep) if j != i
-                    for e in range(i * per_rank, (i + 1) * per_rank)) for i in range(ep)]
+        back = [
+            sum(
+                m[j][e]
+                for j in range(ep)
+                if j != i
+                for e in range(i * per_rank, (i + 1) * per_rank)
+            )
+            for i in range(ep)
+        ]
         for i in range(ep):
             dispatch[i] += out[i]
             combine[i] += back[i]
@@ -207,14 +232,20 @@ def _check_mesh(cfg: ModelConfig, tokens_per_step: int, ep: int, dp_shard: int) 
     _check_int("ep", ep, 1)
     _check_int("dp_shard", dp_shard, 1)
     if tokens_per_step % dp_shard:
-        raise ValueError(f"tokens_per_step ({tokens_per_step}) must be a multiple of dp_shard "
-                         f"({dp_shard}): every data-parallel rank holds an equal share")
+        raise ValueError(
+            f"tokens_per_step ({tokens_per_step}) must be a multiple of dp_shard "
+            f"({dp_shard}): every data-parallel rank holds an equal share"
+        )
     if dp_shard % ep:
-        raise ValueError(f"ep ({ep}) must divide dp_shard ({dp_shard}): the EP ranks are "
-                         f"carved out of the data-parallel ranks (dp_shard = efsdp x ep)")
+        raise ValueError(
+            f"ep ({ep}) must divide dp_shard ({dp_shard}): the EP ranks are "
+            f"carved out of the data-parallel ranks (dp_shard = efsdp x ep)"
+        )
     if cfg.n_experts % ep:
-        raise ValueError(f"ep ({ep}) must divide n_experts ({cfg.n_experts}): each EP rank "
-                         f"holds an equal contiguous block of experts")
+        raise ValueError(
+            f"ep ({ep}) must divide n_experts ({cfg.n_experts}): each EP rank "
+            f"holds an equal contiguous block of experts"
+        )
 
 
 def comm(
@@ -260,7 +291,9 @@ def comm(
     by_part = {part: n * (passes * act + red) for part, n in gathered.items()}
     all_gather = sum(gathered.values()) * act
     return Comm(
-        tokens_per_step=tokens_per_step, ep=ep, dp_shard=dp_shard,
+        tokens_per_step=tokens_per_step,
+        ep=ep,
+        dp_shard=dp_shard,
         dtype=str(dtype).removeprefix("torch."),
         reduce_dtype=str(reduce_dtype).removeprefix("torch."),
         moe_layers=layers,
@@ -312,8 +345,13 @@ def ratios(
     """Looped / baseline communication ratios under uniform routing (:func:`comm` for the
     arguments), and the training-FLOPs ratio of :func:`smelt_model.budget.compare`
     (``mean_doc_len``, ``seq_len``)."""
-    kw = dict(ep=ep, dp_shard=dp_shard, dtype=dtype, reduce_dtype=reduce_dtype,
-              reshard_after_forward=reshard_after_forward)
+    kw = dict(
+        ep=ep,
+        dp_shard=dp_shard,
+        dtype=dtype,
+        reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward,
+    )
     if not isinstance(baseline_cfg, ModelConfig):
         raise TypeError(f"baseline_cfg must be a ModelConfig, got {type(baseline_cfg).__name__}")
     if not isinstance(looped_cfg, ModelConfig):

@@ -45,8 +45,9 @@ __all__ = [
 PARTS = ("attention", "router", "norms", "experts")
 
 
-def layer_counts(hidden: int, q_dim: int, kv_dim: int, n_experts: int, expert_size: int,
-                 top_k: int) -> dict[str, int]:
+def layer_counts(
+    hidden: int, q_dim: int, kv_dim: int, n_experts: int, expert_size: int, top_k: int
+) -> dict[str, int]:
     """Parameters of one physical layer by part, from the bare geometry: ``attention``,
     ``router``, ``norms``, ``experts_active`` (top-k experts) and ``experts_total``.
 
@@ -64,8 +65,9 @@ def layer_counts(hidden: int, q_dim: int, kv_dim: int, n_experts: int, expert_si
 
 def layer_params(cfg: ModelConfig) -> dict[str, int]:
     """Parameters of one physical layer of ``cfg``, by part (see :func:`layer_counts`)."""
-    return layer_counts(cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.n_experts,
-                        cfg.expert_size, cfg.top_k)
+    return layer_counts(
+        cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.n_experts, cfg.expert_size, cfg.top_k
+    )
 
 
 def embedding_params(cfg: ModelConfig) -> int:
@@ -78,8 +80,9 @@ def _shared(p: dict[str, int]) -> int:
     return p["attention"] + p["router"] + p["norms"]
 
 
-def _train_flops(executed_active: float, executed_layers: int, q_dim: int,
-                 c_bar: float) -> tuple[float, float]:
+def _train_flops(
+    executed_active: float, executed_layers: int, q_dim: int, c_bar: float
+) -> tuple[float, float]:
     """(training FLOPs per token, its attention-score part)."""
     scores = 12.0 * executed_layers * q_dim * c_bar
     return 6.0 * executed_active + scores, scores
@@ -176,9 +179,17 @@ def _counts(cfg: ModelConfig, c_bar: float, kv_dtype_bytes: int) -> dict:
     by_flops["experts"] = 6.0 * l_exec * p["experts_active"]
     by_flops["final_norm"] = 6.0 * H
     by_flops["attention_scores"] = scores
-    return dict(active=sum(active.values()), total=sum(total.values()), flops=flops,
-                scores=scores, kv=2 * l_exec * cfg.kv_dim * kv_dtype_bytes, executed=executed,
-                params_by_part=total, active_by_part=active, flops_by_part=by_flops)
+    return dict(
+        active=sum(active.values()),
+        total=sum(total.values()),
+        flops=flops,
+        scores=scores,
+        kv=2 * l_exec * cfg.kv_dim * kv_dtype_bytes,
+        executed=executed,
+        params_by_part=total,
+        active_by_part=active,
+        flops_by_part=by_flops,
+    )
 
 
 def ledger(

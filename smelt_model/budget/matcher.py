@@ -52,9 +52,11 @@ def match(
         raise TypeError(f"baseline_cfg must be a ModelConfig, got {type(baseline_cfg).__name__}")
     if baseline_cfg.is_looped:
         raise ValueError("baseline_cfg is already looped; pass the unlooped baseline")
-    for name, m in (("head_dim_multiple", head_dim_multiple),
-                    ("expert_size_multiple", expert_size_multiple),
-                    ("expert_count_multiple", expert_count_multiple)):
+    for name, m in (
+        ("head_dim_multiple", head_dim_multiple),
+        ("expert_size_multiple", expert_size_multiple),
+        ("expert_count_multiple", expert_count_multiple),
+    ):
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"{name} must be a positive int, got {m!r}")
     if len(tolerances) != 3 or any(not (t > 0) for t in tolerances):

@@ -86,8 +86,9 @@ class Endpoints:
             if v is not None:
                 v = np.asarray(v, dtype=object)
                 if v.shape != (n,):
-                    raise ValueError(f"{name} must have one label per point ({n}), got shape "
-                                     f"{v.shape}")
+                    raise ValueError(
+                        f"{name} must have one label per point ({n}), got shape {v.shape}"
+                    )
             extra[name] = v
         score = self.score
         if score is not None:
@@ -99,8 +100,15 @@ class Endpoints:
             cell = _derived_cells(F, S, extra["scale"])
         else:
             cell = np.array([str(c) for c in cell], dtype=object)
-        for name, value in (("F", F), ("S", S), ("D", D), ("loss", loss), ("cell", cell),
-                            ("scale", extra["scale"]), ("score", score)):
+        for name, value in (
+            ("F", F),
+            ("S", S),
+            ("D", D),
+            ("loss", loss),
+            ("cell", cell),
+            ("scale", extra["scale"]),
+            ("score", score),
+        ):
             object.__setattr__(self, name, value)
 
     def __len__(self) -> int:
@@ -113,9 +121,16 @@ class Endpoints:
 
     def take(self, idx: np.ndarray) -> "Endpoints":
         """The runs at row indices ``idx`` (repeats allowed)."""
-        pick = (lambda v: None if v is None else v[idx])
-        return Endpoints(self.F[idx], self.S[idx], self.D[idx], self.loss[idx], self.cell[idx],
-                         pick(self.scale), pick(self.score))
+        pick = lambda v: None if v is None else v[idx]
+        return Endpoints(
+            self.F[idx],
+            self.S[idx],
+            self.D[idx],
+            self.loss[idx],
+            self.cell[idx],
+            pick(self.scale),
+            pick(self.score),
+        )
 
     def fit(self, delta: float = 1e-3, **kwargs: Any) -> Surface:
         """:func:`fit_surface` on these runs."""
@@ -136,8 +151,9 @@ def read_csv(path: Union[str, Path]) -> dict[str, Endpoints]:
         fields = [f.strip() for f in reader.fieldnames]
         missing = [c for c in ("arch", "F", "S", "D", "loss") if c not in fields]
         if missing:
-            raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; have "
-                             f"{', '.join(fields)}")
+            raise ValueError(
+                f"{path}: missing column(s) {', '.join(missing)}; have {', '.join(fields)}"
+            )
         rows: dict[str, list[dict[str, str]]] = {}
         for lineno, raw in enumerate(reader, start=2):
             row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
@@ -153,8 +169,9 @@ def read_csv(path: Union[str, Path]) -> dict[str, Endpoints]:
         try:
             return float(r[col])
         except ValueError:
-            raise ValueError(f"{path}:{r['_line']}: column {col} is not a number: "
-                             f"{r[col]!r}") from None
+            raise ValueError(
+                f"{path}:{r['_line']}: column {col} is not a number: {r[col]!r}"
+            ) from None
 
     out = {}
     for arch, rs in rows.items():
@@ -207,8 +224,9 @@ class BootstrapResult:
         return tuple(np.nanpercentile(d, qs, axis=0))
 
 
-def _stats(ref: Surface, tgt: Surface, C: np.ndarray, S: np.ndarray,
-           anchor: str) -> dict[str, np.ndarray]:
+def _stats(
+    ref: Surface, tgt: Surface, C: np.ndarray, S: np.ndarray, anchor: str
+) -> dict[str, np.ndarray]:
     Cg, Sg = C[:, None], S[None, :]
     return {
         "ce_gain": np.asarray(ce_gain(ref, tgt, Cg, Sg, anchor=anchor)),
@@ -271,8 +289,10 @@ def bootstrap(
     if set(tgt.cell) != set(cells):
         only_r = sorted(set(ref.cell) - set(tgt.cell))
         only_t = sorted(set(tgt.cell) - set(ref.cell))
-        raise ValueError("ref and tgt must cover the same cells to resample them together; "
-                         f"only in ref: {only_r}, only in tgt: {only_t}")
+        raise ValueError(
+            "ref and tgt must cover the same cells to resample them together; "
+            f"only in ref: {only_r}, only in tgt: {only_t}"
+        )
     rows_r = [np.flatnonzero(ref.cell == c) for c in cells]
     rows_t = [np.flatnonzero(tgt.cell == c) for c in cells]
 
@@ -302,8 +322,18 @@ def bootstrap(
                 bar.update(1)
     if bar is not None:
         bar.close()
-    return BootstrapResult(ref=ref_fit, tgt=tgt_fit, C=C, S=S, q=qs, point=point,
-                           draws=draws, failed=failed, anchor=anchor, cells=cells)
+    return BootstrapResult(
+        ref=ref_fit,
+        tgt=tgt_fit,
+        C=C,
+        S=S,
+        q=qs,
+        point=point,
+        draws=draws,
+        failed=failed,
+        anchor=anchor,
+        cells=cells,
+    )
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -327,8 +357,9 @@ class Sigmoid:
         return float(out) if out.ndim == 0 else out
 
 
-def _check_pairs(lname: str, loss: ArrayLike, sname: str, score: ArrayLike,
-                 min_points: int) -> tuple[np.ndarray, np.ndarray]:
+def _check_pairs(
+    lname: str, loss: ArrayLike, sname: str, score: ArrayLike, min_points: int
+) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(loss, dtype=np.float64)
     y = np.asarray(score, dtype=np.float64)
     for name, v in ((lname, x), (sname, y)):
@@ -365,8 +396,13 @@ def fit_sigmoid(loss: ArrayLike, score: ArrayLike) -> Sigmoid:
     for k0 in (1.0, 4.0, 16.0):
         for x0 in (float(np.median(x)), float(x.min()), float(x.max())):
             p0 = np.array([float(y.min()), yr, k0 / spread, x0])
-            res = least_squares(resid, p0, bounds=([-np.inf, 0.0, 0.0, -np.inf], np.inf),
-                                x_scale=[yr, yr, 1.0 / spread, spread], max_nfev=5000)
+            res = least_squares(
+                resid,
+                p0,
+                bounds=([-np.inf, 0.0, 0.0, -np.inf], np.inf),
+                x_scale=[yr, yr, 1.0 / spread, spread],
+                max_nfev=5000,
+            )
             if best is None or res.cost < best.cost:
                 best = res
     lo, span, k, x0 = (float(v) for v in best.x)
@@ -374,8 +410,9 @@ def fit_sigmoid(loss: ArrayLike, score: ArrayLike) -> Sigmoid:
     return Sigmoid(lo=lo, hi=lo + span, k=k, x0=x0, rmse=rmse)
 
 
-def calibrate(ref_loss: ArrayLike, ref_score: ArrayLike, tgt_loss: ArrayLike,
-              tgt_score: ArrayLike) -> tuple[Sigmoid, np.ndarray]:
+def calibrate(
+    ref_loss: ArrayLike, ref_score: ArrayLike, tgt_loss: ArrayLike, tgt_score: ArrayLike
+) -> tuple[Sigmoid, np.ndarray]:
     """Fit the loss-to-score sigmoid on reference runs; residuals of the target's runs.
 
     Returns ``(sigmoid, residuals)`` with ``residuals = tgt_score - sigmoid(tgt_loss)``:

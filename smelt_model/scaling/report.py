@@ -16,6 +16,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .endpoints import (
+    BootstrapResult,
+    Endpoints,
+    bootstrap,
+    calibrate,
+    fit_sigmoid,
+    read_csv,
+)
 from .surface import (
     PAPER_BASELINE,
     PAPER_SMELT,
@@ -24,14 +32,6 @@ from .surface import (
     frontier,
     gamma,
     tpp,
-)
-from .endpoints import (
-    BootstrapResult,
-    Endpoints,
-    bootstrap,
-    calibrate,
-    fit_sigmoid,
-    read_csv,
 )
 
 __all__ = ["PAPER_SPARSITIES", "report", "plot_frontiers", "main"]
@@ -44,7 +44,8 @@ _MORE_RUNS = (
     "each evaluation of a training run adds one endpoint (its D, tokens so far; --eval-every "
     "sets how many), while F changes only with the model (--preset / --config) or --seq-len: "
     "train each architecture at two or more model sizes or context lengths, then merge the "
-    "runs' endpoints.csv files (one header, all rows) and fit that")
+    "runs' endpoints.csv files (one header, all rows) and fit that"
+)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -61,8 +62,12 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def _num(x: float, kind: str) -> str:
     if not np.isfinite(x):
         return "nan" if np.isnan(x) else ("inf" if x > 0 else "-inf")
-    return {"sci": f"{x:.4g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.4e}",
-            "fix": f"{x:.4f}", "pct": f"{100 * x:.2f}%", "tpp": f"{x:.1f}"}[kind]
+    return {
+        "sci": f"{x:.4g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.4e}",
+        "fix": f"{x:.4f}",
+        "pct": f"{100 * x:.2f}%",
+        "tpp": f"{x:.1f}",
+    }[kind]
 
 
 def _with_ci(value: float, lo: Optional[float], hi: Optional[float], kind: str) -> str:
@@ -97,8 +102,10 @@ def report(
     if boots:
         b0 = next(iter(boots.values()))
         draws = len(next(iter(b0.draws.values())))
-        out.append(f"Intervals: {b0.q[0]:g}-{b0.q[1]:g} percentiles of a {draws}-draw cell "
-                   f"bootstrap ({len(b0.cells)} cells).\n")
+        out.append(
+            f"Intervals: {b0.q[0]:g}-{b0.q[1]:g} percentiles of a {draws}-draw cell "
+            f"bootstrap ({len(b0.cells)} cells).\n"
+        )
 
     out.append("## Coefficients\n")
     names = ["E", "A", "K", "a", "b", "c"]
@@ -109,8 +116,11 @@ def report(
         lo, hi = ci[0].interval(f"coeffs_{ci[1]}") if ci else (None, None)
         row = [arch, str(counts.get(arch, "-")) if counts else "-"]
         for j, (n, k) in enumerate(zip(names, kinds)):
-            row.append(_with_ci(getattr(s, n), None if lo is None else lo[j],
-                                None if hi is None else hi[j], k))
+            row.append(
+                _with_ci(
+                    getattr(s, n), None if lo is None else lo[j], None if hi is None else hi[j], k
+                )
+            )
         row.append("-" if np.isnan(s.rmse) else f"{s.rmse:.4f}")
         rows.append(row)
     out += _table(["arch", "runs", *names, "rmse (nats)"], rows)
@@ -121,8 +131,14 @@ def report(
     for arch, s in fits.items():
         ci = own.get(arch)
         lo, hi = ci[0].interval(f"gamma_{ci[1]}") if ci else (None, None)
-        rows.append([arch, _with_ci(gamma(s), lo, hi, "fix"), _num(s.c / (s.a + s.c), "fix"),
-                     _num(s.a / (s.a + s.c), "fix")])
+        rows.append(
+            [
+                arch,
+                _with_ci(gamma(s), lo, hi, "fix"),
+                _num(s.c / (s.a + s.c), "fix"),
+                _num(s.a / (s.a + s.c), "fix"),
+            ]
+        )
     out += _table(["arch", "gamma", "F* exponent", "D* exponent"], rows)
 
     s_head = [f"S={v:g}" for v in S]
@@ -130,13 +146,23 @@ def report(
         b = boots.get(t)
         g = np.asarray(ce_gain(fits[ref], fits[t], C[:, None], S[None, :], anchor=anchor))
         lo, hi = b.interval("ce_gain") if b else (None, None)
-        which = ("C is the target's compute" if anchor == "tgt"
-                 else "C is the reference's compute")
-        out.append(f"\n## CE Gain of {t} over {ref} (1 - C_{t}/C_{ref} at equal frontier "
-                   f"loss; {which})\n")
-        rows = [[f"{c:.0e}"] + [_with_ci(g[i, j], None if lo is None else lo[i, j],
-                                         None if hi is None else hi[i, j], "pct")
-                                for j in range(len(S))] for i, c in enumerate(C)]
+        which = "C is the target's compute" if anchor == "tgt" else "C is the reference's compute"
+        out.append(
+            f"\n## CE Gain of {t} over {ref} (1 - C_{t}/C_{ref} at equal frontier loss; {which})\n"
+        )
+        rows = [
+            [f"{c:.0e}"]
+            + [
+                _with_ci(
+                    g[i, j],
+                    None if lo is None else lo[i, j],
+                    None if hi is None else hi[i, j],
+                    "pct",
+                )
+                for j in range(len(S))
+            ]
+            for i, c in enumerate(C)
+        ]
         out += _table(["C (FLOPs)", *s_head], rows)
 
     out.append("\n## Compute-optimal tokens per parameter, D*/(F*/6)\n")
@@ -146,9 +172,18 @@ def report(
             v = np.asarray(tpp(s, c, S))
             ci = own.get(arch)
             lo, hi = ci[0].interval(f"tpp_{ci[1]}") if ci else (None, None)
-            rows.append([f"{c:.0e}", arch] + [
-                _with_ci(v[j], None if lo is None else lo[i, j], None if hi is None else hi[i, j],
-                         "tpp") for j in range(len(S))])
+            rows.append(
+                [f"{c:.0e}", arch]
+                + [
+                    _with_ci(
+                        v[j],
+                        None if lo is None else lo[i, j],
+                        None if hi is None else hi[i, j],
+                        "tpp",
+                    )
+                    for j in range(len(S))
+                ]
+            )
     out += _table(["C (FLOPs)", "arch", *s_head], rows)
     return "\n".join(out)
 
@@ -158,14 +193,18 @@ def _calibration_report(data: dict[str, Endpoints], ref: str, targets: Sequence[
     if r.score is None or not all(data[t].score is not None for t in targets):
         return ""
     keep = np.isfinite(r.score)
-    out = ["\n## Downstream calibration (score vs loss, fitted on "
-           f"{ref}: lo + (hi-lo)/(1+exp(k(loss-x0))))\n"]
+    out = [
+        "\n## Downstream calibration (score vs loss, fitted on "
+        f"{ref}: lo + (hi-lo)/(1+exp(k(loss-x0))))\n"
+    ]
     try:
         sig = fit_sigmoid(r.loss[keep], r.score[keep])
     except ValueError as e:
         return "\n".join(out + [f"not fitted: {e}"])
-    out.append(f"lo {sig.lo:.4g}, hi {sig.hi:.4g}, k {sig.k:.4g}, x0 {sig.x0:.4g}, "
-               f"rmse {sig.rmse:.4g} ({int(keep.sum())} runs)\n")
+    out.append(
+        f"lo {sig.lo:.4g}, hi {sig.hi:.4g}, k {sig.k:.4g}, x0 {sig.x0:.4g}, "
+        f"rmse {sig.rmse:.4g} ({int(keep.sum())} runs)\n"
+    )
     rows = []
     for t in targets:
         e = data[t]
@@ -173,8 +212,16 @@ def _calibration_report(data: dict[str, Endpoints], ref: str, targets: Sequence[
         if not m.any():
             continue
         _, res = calibrate(r.loss[keep], r.score[keep], e.loss[m], e.score[m])
-        rows.append([t, str(int(m.sum())), f"{res.mean():+.4g}", f"{res.std():.4g}",
-                     f"{res.min():+.4g}", f"{res.max():+.4g}"])
+        rows.append(
+            [
+                t,
+                str(int(m.sum())),
+                f"{res.mean():+.4g}",
+                f"{res.std():.4g}",
+                f"{res.min():+.4g}",
+                f"{res.max():+.4g}",
+            ]
+        )
     out += _table(["arch", "runs", "mean residual", "std", "min", "max"], rows)
     return "\n".join(out)
 
@@ -182,9 +229,13 @@ def _calibration_report(data: dict[str, Endpoints], ref: str, targets: Sequence[
 # ----------------------------------------------------------------------------- plot
 
 
-def plot_frontiers(path: str, fits: dict[str, Surface], S: Sequence[float],
-                   data: Optional[dict[str, Endpoints]] = None,
-                   C_range: Optional[tuple[float, float]] = None) -> None:
+def plot_frontiers(
+    path: str,
+    fits: dict[str, Surface],
+    S: Sequence[float],
+    data: Optional[dict[str, Endpoints]] = None,
+    C_range: Optional[tuple[float, float]] = None,
+) -> None:
     """Loss against compute: the runs (if given) and each fitted frontier per sparsity."""
     import matplotlib
 
@@ -205,15 +256,26 @@ def plot_frontiers(path: str, fits: dict[str, Surface], S: Sequence[float],
     for i, (arch, s) in enumerate(fits.items()):
         col = colours[i % len(colours)]
         for j, sv in enumerate(S):
-            ax.plot(grid, np.asarray(frontier(s, grid, sv).L), styles[j % len(styles)],
-                    color=col, label=f"{arch} frontier, S={sv:g}")
+            ax.plot(
+                grid,
+                np.asarray(frontier(s, grid, sv).L),
+                styles[j % len(styles)],
+                color=col,
+                label=f"{arch} frontier, S={sv:g}",
+            )
         if data and arch in data:
             e = data[arch]
             for j, sv in enumerate(S):
                 m = np.isclose(e.S, sv, atol=5e-3)
                 if m.any():
-                    ax.scatter(e.C[m], e.loss[m], s=14, color=col, alpha=0.6,
-                               marker=markers[j % len(markers)])
+                    ax.scatter(
+                        e.C[m],
+                        e.loss[m],
+                        s=14,
+                        color=col,
+                        alpha=0.6,
+                        marker=markers[j % len(markers)],
+                    )
     ax.set_xscale("log")
     ax.set_xlabel("training compute C = F·D (FLOPs)")
     ax.set_ylabel("loss (nats)")
@@ -238,21 +300,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = _Parser(
         prog="python -m smelt_model.scaling",
         description="Fit loss surfaces per architecture; print coefficients, frontier "
-                    "exponents, CE Gain and TPP tables (with bootstrap intervals).",
+        "exponents, CE Gain and TPP tables (with bootstrap intervals).",
     )
     ap.add_argument("csv", nargs="?", help="endpoints CSV: arch,F,S,D,loss[,scale|cell][,score]")
-    ap.add_argument("--paper", action="store_true",
-                    help="use the paper's coefficients instead of fitting a CSV")
+    ap.add_argument(
+        "--paper", action="store_true", help="use the paper's coefficients instead of fitting a CSV"
+    )
     ap.add_argument("--ref", help="reference architecture (default: 'baseline' if present)")
     ap.add_argument("--tgt", nargs="+", help="target architecture(s) (default: all others)")
     ap.add_argument("--C", type=float, nargs="+", default=[1e20, 1e21], help="compute values")
-    ap.add_argument("--S", type=float, nargs="+",
-                    help="sparsities (default: the reference's levels; 0.85 0.95 0.97 with "
-                         "--paper)")
-    ap.add_argument("--anchor", choices=("tgt", "ref"), default="tgt",
-                    help="which architecture trains at C in the CE Gain (default tgt)")
-    ap.add_argument("--bootstrap", type=int, default=0, metavar="N",
-                    help="cell-bootstrap draws (paper: 2000; 0 = none)")
+    ap.add_argument(
+        "--S",
+        type=float,
+        nargs="+",
+        help="sparsities (default: the reference's levels; 0.85 0.95 0.97 with --paper)",
+    )
+    ap.add_argument(
+        "--anchor",
+        choices=("tgt", "ref"),
+        default="tgt",
+        help="which architecture trains at C in the CE Gain (default tgt)",
+    )
+    ap.add_argument(
+        "--bootstrap",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cell-bootstrap draws (paper: 2000; 0 = none)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     ap.add_argument("--q", type=float, nargs=2, default=[2.5, 97.5], help="interval percentiles")
     ap.add_argument("--delta", type=float, default=1e-3, help="Huber threshold on log-loss")
@@ -269,9 +344,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("error: --plot needs matplotlib, which is not installed "
-                  "(pip install matplotlib, or install smelt with the [plot] extra)",
-                  file=sys.stderr)
+            print(
+                "error: --plot needs matplotlib, which is not installed "
+                "(pip install matplotlib, or install smelt with the [plot] extra)",
+                file=sys.stderr,
+            )
             return 2
 
     data: Optional[dict[str, Endpoints]] = None
@@ -288,8 +365,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     targets = args.tgt or [a for a in archs if a != ref]
     for name in [ref, *targets]:
         if name not in archs:
-            print(f"error: unknown arch {name!r}; the data has {', '.join(archs)}",
-                  file=sys.stderr)
+            print(f"error: unknown arch {name!r}; the data has {', '.join(archs)}", file=sys.stderr)
             return 1
     order = [ref, *[t for t in targets if t != ref]]
     if data is None:
@@ -304,30 +380,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 fits[a] = data[a].fit(args.delta)
             except ValueError as e:
                 e_ = data[a]
-                print(f"error: cannot fit {a!r}: {e} (it has {len(e_)} "
-                      f"endpoint{'s' if len(e_) != 1 else ''}: "
-                      f"{len(np.unique(e_.F))} distinct F, {len(np.unique(e_.D))} distinct D); "
-                      f"{_MORE_RUNS}", file=sys.stderr)
+                print(
+                    f"error: cannot fit {a!r}: {e} (it has {len(e_)} "
+                    f"endpoint{'s' if len(e_) != 1 else ''}: "
+                    f"{len(np.unique(e_.F))} distinct F, {len(np.unique(e_.D))} distinct D); "
+                    f"{_MORE_RUNS}",
+                    file=sys.stderr,
+                )
                 return 1
 
     boots = {}
     if args.bootstrap:
         for t in targets:
             try:
-                boots[t] = bootstrap(data[ref], data[t], args.C, S, args.bootstrap,
-                                     seed=args.seed, q=args.q, delta=args.delta,
-                                     anchor=args.anchor, ref_fit=fits[ref], tgt_fit=fits[t])
+                boots[t] = bootstrap(
+                    data[ref],
+                    data[t],
+                    args.C,
+                    S,
+                    args.bootstrap,
+                    seed=args.seed,
+                    q=args.q,
+                    delta=args.delta,
+                    anchor=args.anchor,
+                    ref_fit=fits[ref],
+                    tgt_fit=fits[t],
+                )
             except ValueError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
             if boots[t].failed:
-                print(f"note: {boots[t].failed} of {args.bootstrap} draws for {t} could not be "
-                      "fitted and were left out", file=sys.stderr)
+                print(
+                    f"note: {boots[t].failed} of {args.bootstrap} draws for {t} could not be "
+                    "fitted and were left out",
+                    file=sys.stderr,
+                )
 
     src = "the paper's coefficients" if args.paper else args.csv
     print(f"# Scaling analysis ({src})\n")
-    print(report({a: fits[a] for a in order}, ref, targets, args.C, S, boots, counts,
-                 args.anchor))
+    print(report({a: fits[a] for a in order}, ref, targets, args.C, S, boots, counts, args.anchor))
     if data is not None:
         cal = _calibration_report(data, ref, targets)
         if cal:

@@ -71,7 +71,9 @@ class Surface:
     def __post_init__(self) -> None:
         for name in _FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+            if isinstance(value, bool) or not isinstance(
+                value, (int, float, np.floating, np.integer)
+            ):
                 raise TypeError(f"Surface.{name} must be a number, got {type(value).__name__}")
             if not math.isfinite(value):
                 raise ValueError(f"Surface.{name} must be finite, got {value}")
@@ -131,8 +133,10 @@ def _check_sparsity(name: str, arr: np.ndarray) -> None:
     if not np.all(np.isfinite(arr)):
         raise ValueError(f"{name} must be finite")
     if np.any(arr < 0) or np.any(arr >= 1):
-        raise ValueError(f"{name} must satisfy 0 <= {name} < 1 (a fraction), got range "
-                         f"[{arr.min()}, {arr.max()}]")
+        raise ValueError(
+            f"{name} must satisfy 0 <= {name} < 1 (a fraction), got range "
+            f"[{arr.min()}, {arr.max()}]"
+        )
 
 
 def _check_surface(name: str, s: Any) -> None:
@@ -144,8 +148,9 @@ def _scalar_or_array(x: np.ndarray) -> Union[float, np.ndarray]:
     return float(x) if np.ndim(x) == 0 else x
 
 
-def check_points(F: ArrayLike, S: ArrayLike, D: ArrayLike, loss: ArrayLike,
-                 min_points: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def check_points(
+    F: ArrayLike, S: ArrayLike, D: ArrayLike, loss: ArrayLike, min_points: int = 1
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Validate endpoint columns and return them as equal-length 1-D float64 arrays."""
     cols = {}
     for name, value in (("F", F), ("S", S), ("D", D), ("loss", loss)):
@@ -156,8 +161,9 @@ def check_points(F: ArrayLike, S: ArrayLike, D: ArrayLike, loss: ArrayLike,
     n = len(cols["F"])
     for name, arr in cols.items():
         if len(arr) != n:
-            raise ValueError(f"{name} has {len(arr)} values, F has {n}; all columns must have "
-                             "equal lengths")
+            raise ValueError(
+                f"{name} has {len(arr)} values, F has {n}; all columns must have equal lengths"
+            )
     if n < min_points:
         raise ValueError(f"need at least {min_points} points, got {n}")
     _check_positive("F", cols["F"])
@@ -231,14 +237,16 @@ def _objective(p: np.ndarray, d: _Design, delta: float) -> tuple[float, np.ndarr
     h = np.where(quad, 0.5 * r * r, delta * (absr - 0.5 * delta))
     scale = 1.0 / (len(r) * delta * delta)
     w = np.clip(r, -delta, delta) / pred * scale
-    grad = np.array([
-        w.sum(),
-        (w * t1).sum(),
-        (w * t2).sum(),
-        -(w * t1 * d.xF).sum(),
-        (w * t1 * d.xS).sum(),
-        -(w * t2 * d.xD).sum(),
-    ])
+    grad = np.array(
+        [
+            w.sum(),
+            (w * t1).sum(),
+            (w * t2).sum(),
+            -(w * t1 * d.xF).sum(),
+            (w * t1 * d.xS).sum(),
+            -(w * t2 * d.xD).sum(),
+        ]
+    )
     return float(h.sum() * scale), grad
 
 
@@ -250,8 +258,15 @@ def _to_fit_space(s: Surface, d: _Design) -> np.ndarray:
 
 def _from_fit_space(p: np.ndarray, d: _Design, rmse: float) -> Surface:
     E, alpha, beta, a, b, c = (float(v) for v in p)
-    return Surface(E=E, A=math.exp(alpha + a * d.mF - b * d.mS),
-                   K=math.exp(beta + c * d.mD), a=a, b=b, c=c, rmse=rmse)
+    return Surface(
+        E=E,
+        A=math.exp(alpha + a * d.mF - b * d.mS),
+        K=math.exp(beta + c * d.mD),
+        a=a,
+        b=b,
+        c=c,
+        rmse=rmse,
+    )
 
 
 def _grid_starts(d: _Design) -> list[np.ndarray]:
@@ -260,8 +275,9 @@ def _grid_starts(d: _Design) -> list[np.ndarray]:
 
     lmin = float(d.loss.min())
     starts = []
-    for e_frac, a, b, c in itertools.product((0.3, 0.6, 0.85, 0.95), (0.15, 0.35, 0.7),
-                                             (0.0, 0.3), (0.2, 0.45, 0.8)):
+    for e_frac, a, b, c in itertools.product(
+        (0.3, 0.6, 0.85, 0.95), (0.15, 0.35, 0.7), (0.0, 0.3), (0.2, 0.45, 0.8)
+    ):
         E = e_frac * lmin
         u1 = np.exp(-a * d.xF + b * d.xS)
         u2 = np.exp(-c * d.xD)
@@ -298,8 +314,11 @@ def fit_surface(
     from scipy.optimize import minimize
 
     F, S, D, loss = check_points(F, S, D, loss, min_points=7)
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not (
-            math.isfinite(delta) and delta > 0):
+    if (
+        isinstance(delta, bool)
+        or not isinstance(delta, (int, float))
+        or not (math.isfinite(delta) and delta > 0)
+    ):
         raise ValueError(f"delta must be a positive finite number, got {delta!r}")
     for name, arr in (("F", F), ("D", D)):
         if len(np.unique(arr)) < 2:
@@ -327,10 +346,15 @@ def fit_surface(
     with single_threaded_blas():
         for p0 in initial:
             # well-posed fits converge in under 100 iterations; the cap bounds degenerate ones
-            res = minimize(_objective, np.clip(p0, lo, hi), args=(d, delta), jac=True,
-                           method="L-BFGS-B", bounds=bounds,
-                           options={"maxiter": 1000, "maxfun": 2000, "ftol": 1e-15,
-                                    "gtol": 1e-10})
+            res = minimize(
+                _objective,
+                np.clip(p0, lo, hi),
+                args=(d, delta),
+                jac=True,
+                method="L-BFGS-B",
+                bounds=bounds,
+                options={"maxiter": 1000, "maxfun": 2000, "ftol": 1e-15, "gtol": 1e-10},
+            )
             if np.all(np.isfinite(res.x)) and res.fun < best_f:
                 best_p, best_f = res.x, float(res.fun)
     if best_p is None:
@@ -399,8 +423,9 @@ def compute_for_loss(coeffs: Surface, L: ArrayLike, S: ArrayLike) -> Union[float
     return _scalar_or_array(C)
 
 
-def ce_gain(ref: Surface, tgt: Surface, C: ArrayLike, S: ArrayLike,
-            anchor: str = "tgt") -> Union[float, np.ndarray]:
+def ce_gain(
+    ref: Surface, tgt: Surface, C: ArrayLike, S: ArrayLike, anchor: str = "tgt"
+) -> Union[float, np.ndarray]:
     """Compute-equivalent gain ``1 - C_tgt / C_ref`` at equal frontier loss (broadcast).
 
     ``anchor="tgt"`` (default, the paper's numbers): ``C_tgt = C`` and ``C_ref`` is the compute

@@ -42,7 +42,7 @@ def _parser_message(text: str) -> str:
     lines = text.splitlines()
     box = [i for i, line in enumerate(lines) if line.lstrip().startswith("\u256d")]
     if box:  # tyro draws the error in a box: its title ("Value error"), then the message
-        lines = lines[box[-1] + 1:]
+        lines = lines[box[-1] + 1 :]
     kept = []
     for line in lines:
         line = _BOX.sub(" ", line).strip()
@@ -75,37 +75,53 @@ def _check(config) -> None:
 
     p = config.parallelism
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    degrees = {"data_parallel_replicate_degree": p.data_parallel_replicate_degree,
-               "tensor_parallel_degree": p.tensor_parallel_degree,
-               "context_parallel_degree": p.context_parallel_degree,
-               "pipeline_parallel_degree": p.pipeline_parallel_degree,
-               "expert_parallel_degree": p.expert_parallel_degree}
+    degrees = {
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "expert_parallel_degree": p.expert_parallel_degree,
+    }
     for name, value in degrees.items():
         if value < 1:
             raise ValueError(f"--parallelism.{name} must be >= 1, got {value}")
-    rest = (p.data_parallel_replicate_degree * p.tensor_parallel_degree
-            * p.context_parallel_degree * p.pipeline_parallel_degree)
+    rest = (
+        p.data_parallel_replicate_degree
+        * p.tensor_parallel_degree
+        * p.context_parallel_degree
+        * p.pipeline_parallel_degree
+    )
     shard = p.data_parallel_shard_degree
     if shard == -1:
         if world % rest:
-            raise ValueError(f"replicate x tp x cp x pp = {rest} does not divide the {world} "
-                             f"processes torchrun started (--nproc_per_node)")
+            raise ValueError(
+                f"replicate x tp x cp x pp = {rest} does not divide the {world} "
+                f"processes torchrun started (--nproc_per_node)"
+            )
         shard = world // rest
     if shard < 1 or shard * rest != world:
-        raise ValueError(f"the parallel degrees multiply to {shard * rest}, but torchrun "
-                         f"started {world} processes (--nproc_per_node)")
+        raise ValueError(
+            f"the parallel degrees multiply to {shard * rest}, but torchrun "
+            f"started {world} processes (--nproc_per_node)"
+        )
     ep = p.expert_parallel_degree
     if (shard * p.context_parallel_degree * p.tensor_parallel_degree) % ep:
-        raise ValueError(f"--parallelism.expert_parallel_degree {ep} must divide "
-                         f"data_parallel_shard x cp x tp = {shard}")
+        raise ValueError(
+            f"--parallelism.expert_parallel_degree {ep} must divide "
+            f"data_parallel_shard x cp x tp = {shard}"
+        )
     model = config.model_spec.model if config.model_spec is not None else None
     if isinstance(model, SmeltTitan.Config):
         _check_parallelism(model.arch, p)
         recompute_policy(config.activation_checkpoint)
-    if config.training.steps < 1 or config.training.local_batch_size < 1 \
-            or config.training.seq_len < 1:
-        raise ValueError("--training.steps, --training.local_batch_size and "
-                         "--training.seq_len must be >= 1")
+    if (
+        config.training.steps < 1
+        or config.training.local_batch_size < 1
+        or config.training.seq_len < 1
+    ):
+        raise ValueError(
+            "--training.steps, --training.local_batch_size and --training.seq_len must be >= 1"
+        )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -113,8 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         import torchtitan  # noqa: F401
     except ImportError:
-        return _fail("torchtitan is not installed (pip install -c constraints.txt "
-                     "'smelt[titan]')")
+        return _fail("torchtitan is not installed (pip install -c constraints.txt 'smelt[titan]')")
     from . import shims
     from .state_dict import restrict_dcp_loading
 

@@ -21,14 +21,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from torchtitan.config.override import derive, override
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
 
 from smelt_kernels.attention import segment_attention
 
-__all__ = ["SmeltVarlenAttention", "smelt_attention", "segment_ids_from_cu_seqlens",
-           "segment_ids_from_positions"]
+__all__ = [
+    "SmeltVarlenAttention",
+    "smelt_attention",
+    "segment_ids_from_cu_seqlens",
+    "segment_ids_from_positions",
+]
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
@@ -58,42 +61,72 @@ class SmeltVarlenAttention(VarlenAttention):
 
     def __init__(self, config: Config) -> None:
         if tuple(config.window_size) != (-1, 0):
-            raise ValueError(f"SmeltVarlenAttention: window_size must be (-1, 0) (causal "
-                             f"inside documents), got {tuple(config.window_size)}")
+            raise ValueError(
+                f"SmeltVarlenAttention: window_size must be (-1, 0) (causal "
+                f"inside documents), got {tuple(config.window_size)}"
+            )
         super().__init__(config)
         self.backend = config.backend
 
-    def forward(self, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *,
-                attention_masks: VarlenMetadata, scale: float | None = None,
-                out_transform: Any = None, **kwargs: Any) -> torch.Tensor:
+    def forward(
+        self,
+        q_BLNH: torch.Tensor,
+        k_BLNH: torch.Tensor,
+        v_BLNH: torch.Tensor,
+        *,
+        attention_masks: VarlenMetadata,
+        scale: float | None = None,
+        out_transform: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if not isinstance(attention_masks, VarlenMetadata):
-            raise TypeError(f"attention_masks must be a VarlenMetadata, got "
-                            f"{type(attention_masks).__name__}")
+            raise TypeError(
+                f"attention_masks must be a VarlenMetadata, got {type(attention_masks).__name__}"
+            )
         if out_transform is not None:
-            raise ValueError("SmeltVarlenAttention: out_transform needs a differentiable "
-                             "log-sum-exp, which segment_attention does not return")
+            raise ValueError(
+                "SmeltVarlenAttention: out_transform needs a differentiable "
+                "log-sum-exp, which segment_attention does not return"
+            )
         B, L = q_BLNH.shape[:2]
         segments = segment_ids_from_cu_seqlens(attention_masks.cu_seq_q, B, L)
         v_dim = v_BLNH.shape[-1]
         if v_dim < q_BLNH.shape[-1]:
             v_BLNH = F.pad(v_BLNH, (0, q_BLNH.shape[-1] - v_dim))
-        out = segment_attention(q_BLNH, k_BLNH, v_BLNH.to(q_BLNH.dtype), segments, scale=scale,
-                                backend=self.backend, check_values=False)
+        out = segment_attention(
+            q_BLNH,
+            k_BLNH,
+            v_BLNH.to(q_BLNH.dtype),
+            segments,
+            scale=scale,
+            backend=self.backend,
+            check_values=False,
+        )
         return out[..., :v_dim]
 
 
-@override(target=VarlenAttention.Config, exact=True,
-          description="smelt segment attention from the document boundaries")
-def smelt_attention_from_varlen(cfg: VarlenAttention.Config,
-                                backend: str | None = None) -> SmeltVarlenAttention.Config:
+@override(
+    target=VarlenAttention.Config,
+    exact=True,
+    description="smelt segment attention from the document boundaries",
+)
+def smelt_attention_from_varlen(
+    cfg: VarlenAttention.Config, backend: str | None = None
+) -> SmeltVarlenAttention.Config:
     """Stock ``VarlenAttention`` -> :class:`SmeltVarlenAttention`."""
     return derive(cfg, SmeltVarlenAttention.Config, backend=backend)
 
 
-@override(target=FlexAttention.Config, exact=True,
-          description="smelt segment attention in place of FlexAttention")
-def smelt_attention(cfg: FlexAttention.Config, backend: str | None = None) -> SmeltVarlenAttention.Config:
+@override(
+    target=FlexAttention.Config,
+    exact=True,
+    description="smelt segment attention in place of FlexAttention",
+)
+def smelt_attention(
+    cfg: FlexAttention.Config, backend: str | None = None
+) -> SmeltVarlenAttention.Config:
     """Stock ``FlexAttention`` (the qwen3 and deepseek-v3 default) ->
     :class:`SmeltVarlenAttention`; the trainer then builds varlen metadata for it."""
-    return SmeltVarlenAttention.Config(backend=backend, param_init=cfg.param_init,
-                                       sharding_config=cfg.sharding_config)
+    return SmeltVarlenAttention.Config(
+        backend=backend, param_init=cfg.param_init, sharding_config=cfg.sharding_config
+    )

@@ -15,14 +15,27 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
-from .state_dict import (CheckpointError, config_bytes, from_smelt, is_dcp_folder,
-                         load_model_state, to_smelt, write_seed)
+from .state_dict import (
+    CheckpointError,
+    config_bytes,
+    from_smelt,
+    is_dcp_folder,
+    load_model_state,
+    to_smelt,
+    write_seed,
+)
 
-__all__ = ["SmeltStateDictAdapter", "to_smelt", "from_smelt", "write_seed",
-           "load_model_state", "is_dcp_folder", "CheckpointError"]
+__all__ = [
+    "SmeltStateDictAdapter",
+    "to_smelt",
+    "from_smelt",
+    "write_seed",
+    "load_model_state",
+    "is_dcp_folder",
+    "CheckpointError",
+]
 
 
 class SmeltStateDictAdapter(BaseStateDictAdapter):
@@ -45,6 +58,7 @@ class SmeltStateDictAdapter(BaseStateDictAdapter):
         if from_quantized:
             raise CheckpointError("SMELT checkpoints are not quantized")
         if not (Path(path) / "model.safetensors").is_file():
-            raise CheckpointError(f"{path}: no model.safetensors (expected a SmeltLM "
-                                  f"save_pretrained folder)")
+            raise CheckpointError(
+                f"{path}: no model.safetensors (expected a SmeltLM save_pretrained folder)"
+            )
         return HuggingFaceStorageReader(path)

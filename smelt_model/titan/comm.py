@@ -42,21 +42,32 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-
 from torchtitan.config.override import derive, override
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
-__all__ = ["CountingAllToAllTokenDispatcher", "Recorder", "RECORDER", "enable", "write",
-           "read", "routing_matrices", "count_all_to_all", "ENV", "FORMAT"]
+__all__ = [
+    "CountingAllToAllTokenDispatcher",
+    "Recorder",
+    "RECORDER",
+    "enable",
+    "write",
+    "read",
+    "routing_matrices",
+    "count_all_to_all",
+    "ENV",
+    "FORMAT",
+]
 
 ENV = "SMELT_TITAN_COMM"
 FORMAT = "smelt-titan-comm/1"
 PHASES = ("forward", "backward")
 KINDS = ("dispatch", "combine")
 
-DEFINITION = ("rows_to[j]: rows this rank sent to EP rank j in the all-to-all (own rank "
-              "included); bytes_to_others excludes the own split, bytes_total includes it; "
-              "row_bytes = hidden size x element size")
+DEFINITION = (
+    "rows_to[j]: rows this rank sent to EP rank j in the all-to-all (own rank "
+    "included); bytes_to_others excludes the own split, bytes_total includes it; "
+    "row_bytes = hidden size x element size"
+)
 
 
 def _step() -> Optional[int]:
@@ -88,15 +99,21 @@ class Recorder:
             atexit.register(self.write)
             self._registered = True
 
-    def add(self, kind: str, phase: str, rows_to: list[int], row_bytes: int,
-            call: int) -> None:
+    def add(self, kind: str, phase: str, rows_to: list[int], row_bytes: int, call: int) -> None:
         mine = self.ep_rank if self.ep_rank is not None else 0
         total = int(sum(rows_to)) * row_bytes
-        self.events.append({
-            "call": call, "step": _step(), "kind": kind, "phase": phase,
-            "rows_to": [int(r) for r in rows_to], "row_bytes": int(row_bytes),
-            "bytes_total": total, "bytes_to_others": total - int(rows_to[mine]) * row_bytes,
-        })
+        self.events.append(
+            {
+                "call": call,
+                "step": _step(),
+                "kind": kind,
+                "phase": phase,
+                "rows_to": [int(r) for r in rows_to],
+                "row_bytes": int(row_bytes),
+                "bytes_total": total,
+                "bytes_to_others": total - int(rows_to[mine]) * row_bytes,
+            }
+        )
 
     def steps(self) -> dict[str, dict[str, int]]:
         """Per-step byte totals: ``<kind>_<phase>`` (to others) and ``..._including_self``."""
@@ -109,9 +126,16 @@ class Recorder:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, "definition": DEFINITION, "rank": self.rank,
-                "ep_rank": self.ep_rank, "ep_size": self.ep_size, "calls": self.calls,
-                "events": self.events, "steps": self.steps()}
+        return {
+            "format": FORMAT,
+            "definition": DEFINITION,
+            "rank": self.rank,
+            "ep_rank": self.ep_rank,
+            "ep_size": self.ep_size,
+            "calls": self.calls,
+            "events": self.events,
+            "steps": self.steps(),
+        }
 
     def write(self) -> Optional[Path]:
         """Write ``comm_rank<R>.json`` into the folder (when counting is on)."""
@@ -168,18 +192,29 @@ class CountingAllToAllTokenDispatcher(AllToAllTokenDispatcher):
         RECORDER.ep_size, RECORDER.ep_rank = self.ep_mesh.size(), self.ep_mesh.get_local_rank()
         RECORDER.rank = torch.distributed.get_rank()
         call = len(RECORDER.calls)
-        RECORDER.calls.append({"call": call, "step": _step(),
-                               "routing": [int(c) for c in num_local_tokens_per_expert_E.tolist()]})
+        RECORDER.calls.append(
+            {
+                "call": call,
+                "step": _step(),
+                "routing": [int(c) for c in num_local_tokens_per_expert_E.tolist()],
+            }
+        )
         e = num_local_tokens_per_expert_E.shape[0] // RECORDER.ep_size
-        RECORDER.add("counts", "forward", [e] * RECORDER.ep_size,
-                     num_local_tokens_per_expert_E.element_size(), call)
+        RECORDER.add(
+            "counts",
+            "forward",
+            [e] * RECORDER.ep_size,
+            num_local_tokens_per_expert_E.element_size(),
+            call,
+        )
         return call
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         if RECORDER.enabled and self.ep_mesh is not None:
             self._call = self._record_call(num_local_tokens_per_expert_E)
-        return super().dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK,
-                                num_local_tokens_per_expert_E)
+        return super().dispatch(
+            x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
+        )
 
     def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
         out = super()._dispatch_token_exchange(routed_input_ND, pg, output_splits, input_splits)
@@ -202,8 +237,11 @@ class CountingAllToAllTokenDispatcher(AllToAllTokenDispatcher):
         return out
 
 
-@override(target=AllToAllTokenDispatcher.Config, exact=True,
-          description="count the bytes of the expert-parallel all-to-alls")
+@override(
+    target=AllToAllTokenDispatcher.Config,
+    exact=True,
+    description="count the bytes of the expert-parallel all-to-alls",
+)
 def count_all_to_all(cfg: AllToAllTokenDispatcher.Config) -> CountingAllToAllTokenDispatcher.Config:
     """A stock model's all-to-all dispatcher -> the counting one (set ``SMELT_TITAN_COMM``)."""
     return derive(cfg, CountingAllToAllTokenDispatcher.Config)
@@ -211,8 +249,9 @@ def count_all_to_all(cfg: AllToAllTokenDispatcher.Config) -> CountingAllToAllTok
 
 def read(folder: str | os.PathLike) -> list[dict[str, Any]]:
     """The per-rank records in ``folder``, ordered by rank; ``ValueError`` if there are none."""
-    files = sorted(Path(folder).glob("comm_rank*.json"),
-                   key=lambda p: int(p.stem[len("comm_rank"):]))
+    files = sorted(
+        Path(folder).glob("comm_rank*.json"), key=lambda p: int(p.stem[len("comm_rank") :])
+    )
     if not files:
         raise ValueError(f"{folder}: no comm_rank*.json files")
     records = []
@@ -224,7 +263,9 @@ def read(folder: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
-def routing_matrices(records: list[dict[str, Any]], step: Optional[int] = None) -> list[list[list[int]]]:
+def routing_matrices(
+    records: list[dict[str, Any]], step: Optional[int] = None
+) -> list[list[list[int]]]:
     """The (ep, E) routing matrix of every executed MoE layer, in execution order.
 
     ``records``: the files of one EP group (as :func:`read` returns them); ``step``: only

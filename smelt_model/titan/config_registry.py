@@ -46,10 +46,15 @@ def names() -> list[str]:
 def model_spec(preset: str) -> ModelSpec:
     """The ``ModelSpec`` of a smelt preset."""
     arch = presets.get(preset)
-    return ModelSpec(name="smelt", flavor=preset,
-                     model=SmeltTitan.Config(arch=arch, preset=preset),
-                     parallelize_fn=parallelize_smelt, pipelining_fn=None,
-                     post_optimizer_build_fn=None, state_dict_adapter=SmeltStateDictAdapter)
+    return ModelSpec(
+        name="smelt",
+        flavor=preset,
+        model=SmeltTitan.Config(arch=arch, preset=preset),
+        parallelize_fn=parallelize_smelt,
+        pipelining_fn=None,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=SmeltStateDictAdapter,
+    )
 
 
 def trainer_config(preset: str) -> Trainer.Config:
@@ -65,13 +70,13 @@ def trainer_config(preset: str) -> Trainer.Config:
         loss=SmeltLoss.Config(),
         metrics=MetricsProcessor.Config(log_freq=1),
         optimizer=default_adamw(lr=2e-3 if tiny else 3e-4),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=10, decay_type="linear",
-                                                  min_lr_factor=0.1),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=10, decay_type="linear", min_lr_factor=0.1
+        ),
         training=TrainingConfig(local_batch_size=8, seq_len=seq_len, steps=1000),
         checkpoint=CheckpointManager.Config(interval=500),
         activation_checkpoint=None,
-        validator=Validator.Config(dataloader=PackedDocuments.Config(split="val",
-                                                                     infinite=False)),
+        validator=Validator.Config(dataloader=PackedDocuments.Config(split="val", infinite=False)),
     )
     return shims.config_defaults(config)
 
@@ -81,8 +86,10 @@ def __getattr__(name: str) -> Callable[[], Trainer.Config]:
         fn = functools.partial(trainer_config, name)
         fn.__name__ = name  # type: ignore[attr-defined]
         return fn
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r} (smelt presets: "
-                         f"{', '.join(presets.names())})")
+    raise AttributeError(
+        f"module {__name__!r} has no attribute {name!r} (smelt presets: "
+        f"{', '.join(presets.names())})"
+    )
 
 
 def __dir__() -> list[str]:

@@ -14,7 +14,8 @@ The order is fixed by ``seed`` (documents shuffled per epoch by
 batches it has yielded (plain integers).
 
 A stock torchtitan config (which loads a Hugging Face dataset and tokenizer) takes them
-with ``--override.imports smelt_model.titan.data.smelt_data,smelt_model.titan.data.smelt_tokenizer``.
+with ``--override.imports``
+``smelt_model.titan.data.smelt_data,smelt_model.titan.data.smelt_tokenizer``.
 """
 
 from __future__ import annotations
@@ -24,19 +25,24 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 import torch
-
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.config.override import override
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
-from ..train import data as smelt_data_module
 from ..config import IGNORE_INDEX
 from ..model import valid_targets
+from ..train import data as smelt_data_module
 from ..train import tokenizer as smelt_tokenizer_module
 
-__all__ = ["SmeltTokenizer", "PackedDocuments", "batch_from_packed", "IGNORE_INDEX",
-           "smelt_data", "smelt_tokenizer"]
+__all__ = [
+    "SmeltTokenizer",
+    "PackedDocuments",
+    "batch_from_packed",
+    "IGNORE_INDEX",
+    "smelt_data",
+    "smelt_tokenizer",
+]
 
 #: documents tokenised and packed together at a time (bounds the memory of a pass)
 _CHUNK_DOCS = 64
@@ -75,15 +81,17 @@ class SmeltTokenizer(BaseTokenizer):
         return int(self.inner.vocab_size)
 
 
-def batch_from_packed(ids: np.ndarray, segments: np.ndarray,
-                      labels: np.ndarray) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def batch_from_packed(
+    ids: np.ndarray, segments: np.ndarray, labels: np.ndarray
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One torchtitan batch from packed contexts of ``T + 1`` tokens (see the module doc).
 
     ``ids``, ``segments``, ``labels``: (B, T + 1) as :func:`smelt_model.train.data.pack`
     makes them. Returns ``({"input", "positions"}, labels)``, each (B, T).
     """
-    ids, segments, labels = (torch.from_numpy(np.ascontiguousarray(a)).long()
-                             for a in (ids, segments, labels))
+    ids, segments, labels = (
+        torch.from_numpy(np.ascontiguousarray(a)).long() for a in (ids, segments, labels)
+    )
     # the model's own rule: no target across a document boundary, none at IGNORE_INDEX
     target = torch.where(valid_targets(labels, segments), labels[:, 1:], IGNORE_INDEX)
     seg = segments[:, :-1]
@@ -113,16 +121,27 @@ class PackedDocuments(BaseDataLoader):
         seed: int = 0
         infinite: bool = True
 
-    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int,
-                 tokenizer: BaseTokenizer, seq_len: int, local_batch_size: int,
-                 **_: Any):
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer: BaseTokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        **_: Any,
+    ):
         if not isinstance(tokenizer, SmeltTokenizer):
-            raise TypeError(f"PackedDocuments needs a SmeltTokenizer, got "
-                            f"{type(tokenizer).__name__} (set the run's tokenizer to "
-                            f"smelt_model.titan.data.SmeltTokenizer.Config)")
+            raise TypeError(
+                f"PackedDocuments needs a SmeltTokenizer, got "
+                f"{type(tokenizer).__name__} (set the run's tokenizer to "
+                f"smelt_model.titan.data.SmeltTokenizer.Config)"
+            )
         if seq_len < 1 or local_batch_size < 1:
-            raise ValueError(f"seq_len and local_batch_size must be >= 1, got {seq_len}, "
-                             f"{local_batch_size}")
+            raise ValueError(
+                f"seq_len and local_batch_size must be >= 1, got {seq_len}, {local_batch_size}"
+            )
         if config.split not in ("all", "train", "val"):
             raise ValueError(f"split must be 'all', 'train' or 'val', got {config.split!r}")
         self.config = config
@@ -131,8 +150,10 @@ class PackedDocuments(BaseDataLoader):
             train, val = smelt_data_module.split(self.docs, config.val_fraction)
             self.docs = train if config.split == "train" else val
             if not self.docs:
-                raise ValueError(f"--dataloader.dataset {config.dataset}: no documents on the "
-                                 f"{config.split} side (val_fraction {config.val_fraction})")
+                raise ValueError(
+                    f"--dataloader.dataset {config.dataset}: no documents on the "
+                    f"{config.split} side (val_fraction {config.val_fraction})"
+                )
         self.tokenizer = tokenizer
         self.seq_len, self.batch_size = seq_len, local_batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
@@ -144,8 +165,10 @@ class PackedDocuments(BaseDataLoader):
         while True:
             order = smelt_data_module.epoch_order(len(self.docs), self.config.seed, epoch)
             for lo in range(0, len(order), _CHUNK_DOCS):
-                chunk = [self.tokenizer.encode_array(self.docs[i].text)
-                         for i in order[lo: lo + _CHUNK_DOCS]]
+                chunk = [
+                    self.tokenizer.encode_array(self.docs[i].text)
+                    for i in order[lo : lo + _CHUNK_DOCS]
+                ]
                 packed = smelt_data_module.pack(chunk, self.seq_len + 1, self.tokenizer.pad_id)
                 for row in range(len(packed)):
                     yield packed.input_ids[row], packed.segment_ids[row], packed.labels[row]
@@ -173,8 +196,10 @@ class PackedDocuments(BaseDataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {f"dp_rank_{self.dp_rank}": {"batches": self.batches_yielded},
-                "world_size": self.dp_world_size}
+        return {
+            f"dp_rank_{self.dp_rank}": {"batches": self.batches_yielded},
+            "world_size": self.dp_world_size,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
@@ -183,15 +208,21 @@ class PackedDocuments(BaseDataLoader):
         if mine is None:
             return
         if state_dict.get("world_size") != self.dp_world_size:
-            raise ValueError(f"the checkpoint's data state is for {state_dict.get('world_size')} "
-                             f"data-parallel ranks, this run has {self.dp_world_size}")
+            raise ValueError(
+                f"the checkpoint's data state is for {state_dict.get('world_size')} "
+                f"data-parallel ranks, this run has {self.dp_world_size}"
+            )
         self.batches_yielded = int(mine["batches"])
 
 
-@override(target=HuggingFaceTextDataLoader.Config, exact=True,
-          description="smelt's packed documents (local corpus, no download)")
-def smelt_data(cfg: HuggingFaceTextDataLoader.Config, dataset: str | None = None,
-               seed: int = 0) -> PackedDocuments.Config:
+@override(
+    target=HuggingFaceTextDataLoader.Config,
+    exact=True,
+    description="smelt's packed documents (local corpus, no download)",
+)
+def smelt_data(
+    cfg: HuggingFaceTextDataLoader.Config, dataset: str | None = None, seed: int = 0
+) -> PackedDocuments.Config:
     """A stock config's text loader -> :class:`PackedDocuments` (``dataset`` defaults to
     the loader's own ``--dataloader.dataset`` when that names a local corpus, else
     ``python-stdlib``)."""
@@ -199,8 +230,11 @@ def smelt_data(cfg: HuggingFaceTextDataLoader.Config, dataset: str | None = None
     return PackedDocuments.Config(dataset=spec, seed=seed, infinite=cfg.infinite)
 
 
-@override(target=HuggingFaceTokenizer.Config, exact=True,
-          description="smelt's tokenizer (bytes, or a saved smelt tokenizer)")
+@override(
+    target=HuggingFaceTokenizer.Config,
+    exact=True,
+    description="smelt's tokenizer (bytes, or a saved smelt tokenizer)",
+)
 def smelt_tokenizer(cfg: HuggingFaceTokenizer.Config, path: str = "") -> SmeltTokenizer.Config:
     """A stock config's Hugging Face tokenizer -> :class:`SmeltTokenizer`."""
     return SmeltTokenizer.Config(path=path)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-
 from torchtitan.config.override import derive, override
 from torchtitan.models.common.moe import GroupedExperts
 
@@ -55,28 +54,42 @@ class SmeltGroupedExperts(GroupedExperts):
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD)
         if num_tokens_per_expert_E.shape != (w1.shape[0],):
-            raise ValueError(f"num_tokens_per_expert_E must be ({w1.shape[0]},) for the local "
-                             f"experts, got {tuple(num_tokens_per_expert_E.shape)}")
+            raise ValueError(
+                f"num_tokens_per_expert_E must be ({w1.shape[0]},) for the local "
+                f"experts, got {tuple(num_tokens_per_expert_E.shape)}"
+            )
         offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         dtype = x_RD.dtype
         hidden = w1.shape[1]
         # the routed rows are counted exactly by the dispatcher: no host read of the offsets
-        gate_up = grouped_gemm(x_RD, torch.cat([w1, w3], dim=1).to(dtype), offsets,
-                               backend=self.backend, check_values=False)
+        gate_up = grouped_gemm(
+            x_RD,
+            torch.cat([w1, w3], dim=1).to(dtype),
+            offsets,
+            backend=self.backend,
+            check_values=False,
+        )
         h = F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]
-        return grouped_gemm(h, w2.to(dtype), offsets, backend=self.backend,
-                            check_values=False)
+        return grouped_gemm(h, w2.to(dtype), offsets, backend=self.backend, check_values=False)
 
 
-@override(target=GroupedExperts.Config, exact=True,
-          description="smelt grouped GEMM as the routed-expert compute")
-def smelt_experts(cfg: GroupedExperts.Config, backend: str | None = None) -> SmeltGroupedExperts.Config:
+@override(
+    target=GroupedExperts.Config,
+    exact=True,
+    description="smelt grouped GEMM as the routed-expert compute",
+)
+def smelt_experts(
+    cfg: GroupedExperts.Config, backend: str | None = None
+) -> SmeltGroupedExperts.Config:
     """Stock ``GroupedExperts`` -> :class:`SmeltGroupedExperts` (parameters unchanged)."""
     return derive(cfg, SmeltGroupedExperts.Config, backend=backend)
 
 
-@override(target=SmeltGroupedExperts.Config, exact=True,
-          description="torchtitan's torch._grouped_mm expert compute")
+@override(
+    target=SmeltGroupedExperts.Config,
+    exact=True,
+    description="torchtitan's torch._grouped_mm expert compute",
+)
 def torch_experts(cfg: SmeltGroupedExperts.Config) -> GroupedExperts.Config:
     """:class:`SmeltGroupedExperts` -> stock ``GroupedExperts`` (``torch._grouped_mm``, bf16)."""
     return derive(cfg, GroupedExperts.Config)

@@ -35,16 +35,25 @@ def export(ckpt_dir, out_dir, dtype: Optional[str] = None) -> Path:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m smelt_model.titan.export",
-                                 description="torchtitan checkpoint of a SMELT run -> "
-                                             "SmeltLM save_pretrained folder")
-    ap.add_argument("ckpt_dir", help="a checkpoint step folder (checkpoint/step-N); with "
-                                     "--seed-from, the folder to write")
+    ap = argparse.ArgumentParser(
+        prog="python -m smelt_model.titan.export",
+        description="torchtitan checkpoint of a SMELT run -> SmeltLM save_pretrained folder",
+    )
+    ap.add_argument(
+        "ckpt_dir",
+        help="a checkpoint step folder (checkpoint/step-N); with --seed-from, the folder to write",
+    )
     ap.add_argument("out_dir", nargs="?", help="the SmeltLM folder to write")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                    help="cast the weights (default: as stored)")
-    ap.add_argument("--seed-from", metavar="SMELT_DIR",
-                    help="write CKPT_DIR as a torchtitan seed from this SmeltLM folder")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="cast the weights (default: as stored)",
+    )
+    ap.add_argument(
+        "--seed-from",
+        metavar="SMELT_DIR",
+        help="write CKPT_DIR as a torchtitan seed from this SmeltLM folder",
+    )
     args = ap.parse_args(argv)
     try:
         if args.seed_from:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
-
 from torchtitan.components.loss import CrossEntropyLoss
 
 __all__ = ["SmeltTitanOutput", "SmeltLoss"]
@@ -34,15 +33,20 @@ class SmeltLoss(CrossEntropyLoss):
     class Config(CrossEntropyLoss.Config):
         pass
 
-    def __call__(self, pred: Any, labels: torch.Tensor,
-                 global_valid_tokens: torch.Tensor | None = None,
-                 **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self,
+        pred: Any,
+        labels: torch.Tensor,
+        global_valid_tokens: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if isinstance(pred, SmeltTitanOutput):
             logits, aux = pred.logits, pred.aux_loss
         else:
             logits, aux = pred, None
-        loss, metrics = CrossEntropyLoss.__call__(self, logits, labels, global_valid_tokens,
-                                                  **kwargs)
+        loss, metrics = CrossEntropyLoss.__call__(
+            self, logits, labels, global_valid_tokens, **kwargs
+        )
         if aux is not None:
             loss = loss + aux
         return loss, metrics

@@ -30,16 +30,15 @@ from typing import Any, Literal, Optional
 
 import torch
 from torch import nn
-
 from torchtitan.models.common.attention import FlexAttention, create_attention_mask
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.module import Module
 from torchtitan.tools.logging import logger
 
+from ..block import Rotary, SegmentAttention
 from ..budget import ledger
 from ..config import ModelConfig
 from ..model import SmeltLM
-from ..block import Rotary, SegmentAttention
 from .attention import segment_ids_from_positions
 from .loss import SmeltTitanOutput
 from .moe import moe_config
@@ -79,8 +78,9 @@ class FlexSegmentAttention(Module):
                 return causal
             return causal & (seg[b, q_idx] == seg[b, kv_idx])
 
-        mask = create_attention_mask(mask_mod, B, None, T, T, device=device,
-                                     BLOCK_SIZE=self.block_size)
+        mask = create_attention_mask(
+            mask_mod, B, None, T, T, device=device, BLOCK_SIZE=self.block_size
+        )
         if segment_ids is not None:
             self._mask = (weakref.ref(segment_ids), mask)
         return mask
@@ -88,8 +88,7 @@ class FlexSegmentAttention(Module):
     def forward(self, q, k, v, segment_ids, check_values=None):
         B, T = q.shape[:2]
         mask = self._block_mask(segment_ids, B, T, q.device)
-        out = self.flex(q, k, v, attention_masks=mask,
-                        enable_gqa=q.shape[2] != k.shape[2])
+        out = self.flex(q, k, v, attention_masks=mask, enable_gqa=q.shape[2] != k.shape[2])
         return out, None
 
 
@@ -119,8 +118,9 @@ class SmeltTitan(SmeltLM, BaseModel):
             if not self.moe:
                 self.moe = [moe_config(self.arch) for _ in range(self.arch.n_layers)]
             if len(self.moe) != self.arch.n_layers:
-                raise ValueError(f"moe needs one config per layer ({self.arch.n_layers}), "
-                                 f"got {len(self.moe)}")
+                raise ValueError(
+                    f"moe needs one config per layer ({self.arch.n_layers}), got {len(self.moe)}"
+                )
             if self.attention not in ATTENTION:
                 raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
 
@@ -136,12 +136,13 @@ class SmeltTitan(SmeltLM, BaseModel):
             contexts of ``seq_len``; the looped span counts once in parameters and r
             times in FLOPs.
             """
-            led = ledger(self.arch, mean_doc_len=min(self.mean_doc_len, seq_len),
-                         seq_len=seq_len)
+            led = ledger(self.arch, mean_doc_len=min(self.mean_doc_len, seq_len), seq_len=seq_len)
             embeddings = 2 * self.arch.vocab_size * self.arch.hidden_size
-            logger.info(f"smelt ledger ({self.preset or 'model'}, seq_len {seq_len}): "
-                        f"params by part {led.params_by_part}, training FLOPs per token "
-                        f"by part { {k: f'{v:.4g}' for k, v in led.flops_by_part.items()} }")
+            logger.info(
+                f"smelt ledger ({self.preset or 'model'}, seq_len {seq_len}): "
+                f"params by part {led.params_by_part}, training FLOPs per token "
+                f"by part { {k: f'{v:.4g}' for k, v in led.flops_by_part.items()} }"
+            )
             return led.total_params + embeddings, int(round(led.flops_per_token))
 
     def __init__(self, config: Config):
@@ -179,8 +180,12 @@ class SmeltTitan(SmeltLM, BaseModel):
             self.layer(i).moe.stats_group = group
 
     # ------------------------------------------------------------------ forward
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                attention_masks: Any = None) -> SmeltTitanOutput:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        attention_masks: Any = None,
+    ) -> SmeltTitanOutput:
         segment_ids = None if positions is None else segment_ids_from_positions(positions)
         out = SmeltLM.forward(self, tokens, segment_ids)
         aux = out.aux_loss

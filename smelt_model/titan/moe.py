@@ -28,7 +28,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import MoE, RoutedExperts, TokenChoiceTopKRouter
 
@@ -54,12 +53,19 @@ class SmeltMoE(MoE):
     def __init__(self, config: Config):
         router = config.router
         if config.load_balance_coeff is not None or config.shared_experts is not None:
-            raise ValueError("SmeltMoE has no expert-bias balancing and no shared experts: "
-                             "set load_balance_coeff=None and shared_experts=None")
-        if router.score_func != "softmax" or router.route_scale != 1.0 or \
-                router.num_expert_groups is not None:
-            raise ValueError("SmeltMoE routes with a softmax over all experts (score_func="
-                             "'softmax', route_scale=1, no expert groups)")
+            raise ValueError(
+                "SmeltMoE has no expert-bias balancing and no shared experts: "
+                "set load_balance_coeff=None and shared_experts=None"
+            )
+        if (
+            router.score_func != "softmax"
+            or router.route_scale != 1.0
+            or router.num_expert_groups is not None
+        ):
+            raise ValueError(
+                "SmeltMoE routes with a softmax over all experts (score_func="
+                "'softmax', route_scale=1, no expert groups)"
+            )
         super().__init__(config)
         self.aux_loss_weight = config.aux_loss_weight
         self.z_loss_weight = config.z_loss_weight
@@ -71,17 +77,22 @@ class SmeltMoE(MoE):
         B, L, _ = x_BLD.shape
         E, K = self.router.num_experts, self.router.top_k
         # the gate in fp32, as torchtitan's router computes it (CPU autocast has no fp32)
-        fp32 = (contextlib.nullcontext() if x_BLD.device.type == "cpu" else
-                torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32))
+        fp32 = (
+            contextlib.nullcontext()
+            if x_BLD.device.type == "cpu"
+            else torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32)
+        )
         with fp32:
             logits = self.router.gate(x_BLD)
         logits = logits.float().reshape(B * L, E)
-        weights, ids = route(logits, top_k=K, renormalize=self.router.route_norm,
-                             backend=self.route_backend)
+        weights, ids = route(
+            logits, top_k=K, renormalize=self.router.route_norm, backend=self.route_backend
+        )
         ids = ids.long()
         flat = ids.reshape(-1)  # a scatter, not bincount: no host sync for the output size
         counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+            0, flat, torch.ones_like(flat)
+        )
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(counts)
@@ -98,8 +109,9 @@ class SmeltMoE(MoE):
         (token, slot) pairs went to each expert.
         """
         E, K = logits.shape[-1], self.router.top_k
-        stats = torch.cat([counts.detach().float(),
-                           torch.tensor([float(logits.shape[0])], device=logits.device)])
+        stats = torch.cat(
+            [counts.detach().float(), torch.tensor([float(logits.shape[0])], device=logits.device)]
+        )
         if self.stats_group is not None:
             dist.all_reduce(stats, group=self.stats_group)
         n_tokens = stats[-1].clamp_min(1.0)
@@ -117,6 +129,7 @@ class SmeltMoE(MoE):
 def _normal(std: float):
     def init(t: torch.Tensor) -> None:
         nn.init.normal_(t, 0.0, std)
+
     return init
 
 
@@ -138,13 +151,24 @@ def moe_config(cfg: ModelConfig, std: float = 0.02) -> SmeltMoE.Config:
         z_loss_weight=cfg.z_loss_weight,
         router=TokenChoiceTopKRouter.Config(
             num_experts=E,
-            gate=Linear.Config(in_features=H, out_features=E, bias=False,
-                               param_init={"weight": _normal(std)}),
-            top_k=K, score_func="softmax", route_norm=cfg.router_renormalize),
+            gate=Linear.Config(
+                in_features=H, out_features=E, bias=False, param_init={"weight": _normal(std)}
+            ),
+            top_k=K,
+            score_func="softmax",
+            route_norm=cfg.router_renormalize,
+        ),
         routed_experts=RoutedExperts.Config(
             inner_experts=SmeltGroupedExperts.Config(
-                dim=H, hidden_dim=cfg.expert_size, num_experts=E,
-                param_init={"w1_EFD": _normal(std), "w3_EFD": _normal(std),
-                            "w2_EDF": _normal(out_std)}),
-            token_dispatcher=CountingAllToAllTokenDispatcher.Config(num_experts=E, top_k=K)),
+                dim=H,
+                hidden_dim=cfg.expert_size,
+                num_experts=E,
+                param_init={
+                    "w1_EFD": _normal(std),
+                    "w3_EFD": _normal(std),
+                    "w2_EDF": _normal(out_std),
+                },
+            ),
+            token_dispatcher=CountingAllToAllTokenDispatcher.Config(num_experts=E, top_k=K),
+        ),
     )

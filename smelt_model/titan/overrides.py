@@ -27,15 +27,16 @@ ATTENTION = ("flex", "smelt")
 
 
 @override(target=SmeltTitan.Config, description="torchtitan's kernels in a SMELT model")
-def torch_kernels(cfg: SmeltTitan.Config, experts: str = "torch",
-                  attention: str = "flex") -> SmeltTitan.Config:
+def torch_kernels(
+    cfg: SmeltTitan.Config, experts: str = "torch", attention: str = "flex"
+) -> SmeltTitan.Config:
     """``cfg`` with the expert compute and attention of the run's choice (see the module)."""
     if experts not in EXPERTS:
-        raise ValueError(f"torch_kernels: experts must be one of {sorted(EXPERTS)}, got "
-                         f"{experts!r}")
+        raise ValueError(
+            f"torch_kernels: experts must be one of {sorted(EXPERTS)}, got {experts!r}"
+        )
     if attention not in ATTENTION:
-        raise ValueError(f"torch_kernels: attention must be one of {ATTENTION}, got "
-                         f"{attention!r}")
+        raise ValueError(f"torch_kernels: attention must be one of {ATTENTION}, got {attention!r}")
     moe = []
     for layer in cfg.moe:
         inner = derive(layer.routed_experts.inner_experts, EXPERTS[experts])

@@ -27,7 +27,6 @@ from typing import Any
 import spmd_types as spmd
 import torch
 from torch import nn
-
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC
@@ -46,9 +45,11 @@ def recompute_policy(ac_config: Any) -> str:
     if ac_config is None:
         return "none"
     if isinstance(ac_config, MemoryBudgetAC.Config):
-        raise ValueError("--activation_checkpoint memory-budget needs torch.compile, which "
-                         "the SMELT models do not use; choose none, selective (smelt "
-                         "'visit1') or full (smelt 'all')")
+        raise ValueError(
+            "--activation_checkpoint memory-budget needs torch.compile, which "
+            "the SMELT models do not use; choose none, selective (smelt "
+            "'visit1') or full (smelt 'all')"
+        )
     if isinstance(ac_config, SelectiveAC.Config):
         return "visit1"
     if isinstance(ac_config, FullAC.Config):
@@ -58,18 +59,25 @@ def recompute_policy(ac_config: Any) -> str:
 
 def _check_parallelism(arch, parallelism) -> None:
     if parallelism.spmd_backend != "partial_dtensor":
-        raise ValueError(f"--parallelism.spmd_backend {parallelism.spmd_backend}: the SMELT "
-                         f"models run on torchtitan's partial_dtensor backend")
-    for name, value in (("tensor_parallel_degree", parallelism.tensor_parallel_degree),
-                        ("context_parallel_degree", parallelism.context_parallel_degree),
-                        ("pipeline_parallel_degree", parallelism.pipeline_parallel_degree)):
+        raise ValueError(
+            f"--parallelism.spmd_backend {parallelism.spmd_backend}: the SMELT "
+            f"models run on torchtitan's partial_dtensor backend"
+        )
+    for name, value in (
+        ("tensor_parallel_degree", parallelism.tensor_parallel_degree),
+        ("context_parallel_degree", parallelism.context_parallel_degree),
+        ("pipeline_parallel_degree", parallelism.pipeline_parallel_degree),
+    ):
         if value != 1:
-            raise ValueError(f"--parallelism.{name} {value}: the SMELT models run data and "
-                             f"expert parallelism only (set it to 1)")
+            raise ValueError(
+                f"--parallelism.{name} {value}: the SMELT models run data and "
+                f"expert parallelism only (set it to 1)"
+            )
     ep = parallelism.expert_parallel_degree
     if ep < 1 or arch.n_experts % ep:
-        raise ValueError(f"--parallelism.expert_parallel_degree {ep} must divide the "
-                         f"{arch.n_experts} experts")
+        raise ValueError(
+            f"--parallelism.expert_parallel_degree {ep} must divide the {arch.n_experts} experts"
+        )
 
 
 def _batch_degree(parallelism, world_size: int) -> int:
@@ -86,8 +94,9 @@ def update_model_config(model_cfg: Any, config: Any) -> None:
     _check_parallelism(model_cfg.arch, parallelism)
     ep = parallelism.expert_parallel_degree
     for moe_cfg in model_cfg.moe:
-        set_moe_sharding_config(moe_cfg, enable_ep=ep > 1, enable_sp=False,
-                                expert_param_layout=_EXPERT_LAYOUT)
+        set_moe_sharding_config(
+            moe_cfg, enable_ep=ep > 1, enable_sp=False, expert_param_layout=_EXPERT_LAYOUT
+        )
     training = getattr(config, "training", None)
     if training is None:
         return
@@ -97,8 +106,10 @@ def update_model_config(model_cfg: Any, config: Any) -> None:
     per_step = training.local_batch_size * _batch_degree(parallelism, world)
     if training.global_batch_size > 0:
         if training.global_batch_size % per_step:
-            raise ValueError(f"--training.global_batch_size {training.global_batch_size} must "
-                             f"be a multiple of local batch x data-parallel degree ({per_step})")
+            raise ValueError(
+                f"--training.global_batch_size {training.global_batch_size} must "
+                f"be a multiple of local batch x data-parallel degree ({per_step})"
+            )
         model_cfg.grad_accum_steps = training.global_batch_size // per_step
 
 
@@ -141,17 +152,26 @@ def _placement_fn(model: nn.Module, parallel_dims: ParallelDims, dp_mesh):
     return placement
 
 
-def parallelize_smelt(model: nn.Module, *, parallel_dims: ParallelDims, training: Any,
-                      parallelism: Any, compile_config: Any, ac_config: Any,
-                      dump_folder: str, **_: Any) -> nn.Module:
+def parallelize_smelt(
+    model: nn.Module,
+    *,
+    parallel_dims: ParallelDims,
+    training: Any,
+    parallelism: Any,
+    compile_config: Any,
+    ac_config: Any,
+    dump_folder: str,
+    **_: Any,
+) -> nn.Module:
     """torchtitan's ``parallelize_fn`` for :class:`~smelt_model.titan.model.SmeltTitan`."""
+    import torchtitan.distributed.fsdp as tt_fsdp
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    import torchtitan.distributed.fsdp as tt_fsdp
-
     if compile_config.enable and "model" in compile_config.components:
-        raise ValueError("--compile.components model: the SMELT models run eagerly here "
-                         "(compile the loss only, or turn compile off)")
+        raise ValueError(
+            "--compile.components model: the SMELT models run eagerly here "
+            "(compile the loss only, or turn compile off)"
+        )
     _check_parallelism(model.cfg, parallelism)
     if model.recompute != recompute_policy(ac_config):
         raise ValueError("the model was built for another activation_checkpoint choice")
@@ -166,9 +186,11 @@ def parallelize_smelt(model: nn.Module, *, parallel_dims: ParallelDims, training
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
             reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-            cast_forward_inputs=False),
+            cast_forward_inputs=False,
+        ),
         "reshard_after_forward": tt_fsdp.get_fsdp_reshard_after_forward_policy(
-            parallelism.fsdp_reshard_after_forward, pp_enabled=False),
+            parallelism.fsdp_reshard_after_forward, pp_enabled=False
+        ),
     }
     if training.enable_cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()

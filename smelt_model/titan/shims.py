@@ -45,8 +45,7 @@ from typing import Any
 
 __all__ = ["apply", "config_defaults", "launch_args", "needed", "SHIMS"]
 
-SHIMS = ("cpu_device", "gloo_sum_reduction", "no_cuda_graphs", "set_timeout",
-         "partial_dtensor")
+SHIMS = ("cpu_device", "gloo_sum_reduction", "no_cuda_graphs", "set_timeout", "partial_dtensor")
 _applied: list[str] = []
 
 
@@ -82,8 +81,16 @@ def _cpu_device_module() -> types.ModuleType:
     import torch
 
     mod = types.ModuleType("smelt_cpu_device")
-    for name in ("device_count", "current_device", "synchronize", "set_device", "is_available",
-                 "Stream", "stream", "current_stream"):
+    for name in (
+        "device_count",
+        "current_device",
+        "synchronize",
+        "set_device",
+        "is_available",
+        "Stream",
+        "stream",
+        "current_stream",
+    ):
         if hasattr(torch.cpu, name):
             setattr(mod, name, getattr(torch.cpu, name))
     mod.set_device = lambda device=None: None
@@ -91,7 +98,8 @@ def _cpu_device_module() -> types.ModuleType:
     mod.current_device = lambda: 0
     mod.get_device_name = lambda device=None: "cpu"
     mod.get_device_properties = lambda device=None: types.SimpleNamespace(
-        name="cpu", total_memory=_total_memory())
+        name="cpu", total_memory=_total_memory()
+    )
     mod.memory_stats = lambda device=None: {}
     mod.reset_peak_memory_stats = lambda device=None: None
     mod.empty_cache = lambda: None
@@ -139,16 +147,28 @@ def _shim_set_timeout() -> None:
     dist.set_timeout = set_timeout
 
 
-_INSTALL = {"cpu_device": _shim_cpu_device, "gloo_sum_reduction": _shim_gloo_sum_reduction,
-            "no_cuda_graphs": lambda: None, "set_timeout": _shim_set_timeout,
-            "partial_dtensor": lambda: None}
+_INSTALL = {
+    "cpu_device": _shim_cpu_device,
+    "gloo_sum_reduction": _shim_gloo_sum_reduction,
+    "no_cuda_graphs": lambda: None,
+    "set_timeout": _shim_set_timeout,
+    "partial_dtensor": lambda: None,
+}
 
 _FLAGS = {
-    "no_cuda_graphs": (("--training.disable_cuda_graphs", "--training.no-disable-cuda-graphs",
-                        "--training.no_disable_cuda_graphs", "--training.disable-cuda-graphs"),
-                       ["--training.disable_cuda_graphs"]),
-    "partial_dtensor": (("--parallelism.spmd_backend", "--parallelism.spmd-backend"),
-                        ["--parallelism.spmd_backend", "partial_dtensor"]),
+    "no_cuda_graphs": (
+        (
+            "--training.disable_cuda_graphs",
+            "--training.no-disable-cuda-graphs",
+            "--training.no_disable_cuda_graphs",
+            "--training.disable-cuda-graphs",
+        ),
+        ["--training.disable_cuda_graphs"],
+    ),
+    "partial_dtensor": (
+        ("--parallelism.spmd_backend", "--parallelism.spmd-backend"),
+        ["--parallelism.spmd_backend", "partial_dtensor"],
+    ),
 }
 
 

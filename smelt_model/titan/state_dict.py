@@ -33,8 +33,17 @@ import torch
 
 from ..config import ModelConfig
 
-__all__ = ["to_smelt", "from_smelt", "config_bytes", "arch_from_config_json", "write_seed",
-           "load_model_state", "is_dcp_folder", "titan_keys", "CheckpointError"]
+__all__ = [
+    "to_smelt",
+    "from_smelt",
+    "config_bytes",
+    "arch_from_config_json",
+    "write_seed",
+    "load_model_state",
+    "is_dcp_folder",
+    "titan_keys",
+    "CheckpointError",
+]
 
 _EXPERTS = ".moe.routed_experts.inner_experts."
 _PATTERNS = (
@@ -108,7 +117,6 @@ def titan_keys(cfg: ModelConfig) -> list[str]:
     return ["config_json"] + list(from_smelt(smelt))
 
 
-
 def _smelt_state(model_or_folder: Union[torch.nn.Module, str, Path]) -> tuple[ModelConfig, dict]:
     from ..model import SmeltLM
 
@@ -120,7 +128,9 @@ def _smelt_state(model_or_folder: Union[torch.nn.Module, str, Path]) -> tuple[Mo
     return model.cfg, state
 
 
-def write_seed(model_or_folder: Union[torch.nn.Module, str, Path], out_dir: Union[str, Path]) -> Path:
+def write_seed(
+    model_or_folder: Union[torch.nn.Module, str, Path], out_dir: Union[str, Path]
+) -> Path:
     """Write ``SmeltLM`` weights as a torchtitan DCP checkpoint in ``out_dir`` (one process).
 
     Start a run from it with ``--checkpoint.enable --checkpoint.initial_load_path
@@ -147,9 +157,15 @@ def is_dcp_folder(path: Union[str, Path]) -> bool:
 #: sizes, layouts and memory formats; anything else refuses the checkpoint
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING", "TensorProperties",
-        "TensorStorageMetadata", "BytesStorageMetadata", "StorageMeta", "Metadata",
-        "MetadataIndex"},
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "StorageMeta",
+        "Metadata",
+        "MetadataIndex",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -167,11 +183,14 @@ def _safe_metadata(stream):
         def find_class(self, module, name):
             allowed = name in _METADATA_CLASSES.get(module, ())
             if module == "torch" and not allowed:
-                allowed = isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format,
-                                                                   torch.layout))
+                allowed = isinstance(
+                    getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
+                )
             if not allowed:
-                raise CheckpointError(f"its .metadata names {module}.{name}, which a DCP "
-                                      "checkpoint does not hold: refused, nothing was run")
+                raise CheckpointError(
+                    f"its .metadata names {module}.{name}, which a DCP "
+                    "checkpoint does not hold: refused, nothing was run"
+                )
             return super().find_class(module, name)
 
     try:
@@ -218,8 +237,10 @@ def restrict_dcp_loading() -> None:
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"the checkpoint entry {fqn} is not plain data: refused, "
-                                  f"nothing was run ({type(e).__name__})") from None
+            raise CheckpointError(
+                f"the checkpoint entry {fqn} is not plain data: refused, "
+                f"nothing was run ({type(e).__name__})"
+            ) from None
         if self.flatten_state_dict:
             default_planner.set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -245,21 +266,25 @@ def load_model_state(ckpt_dir: Union[str, Path]) -> tuple[ModelConfig, dict[str,
 
     path = Path(ckpt_dir)
     if not is_dcp_folder(path):
-        raise CheckpointError(f"{ckpt_dir}: not a torchtitan checkpoint folder (no DCP "
-                              f".metadata); pass one step's folder, e.g. checkpoint/step-100")
+        raise CheckpointError(
+            f"{ckpt_dir}: not a torchtitan checkpoint folder (no DCP "
+            f".metadata); pass one step's folder, e.g. checkpoint/step-100"
+        )
     meta = _metadata(path).state_dict_metadata
     entry = meta.get("config_json")
     if not isinstance(entry, TensorStorageMetadata):
-        raise CheckpointError(f"{ckpt_dir}: no config_json in the checkpoint (not written by "
-                              f"a SMELT model)")
+        raise CheckpointError(
+            f"{ckpt_dir}: no config_json in the checkpoint (not written by a SMELT model)"
+        )
     buf = {"config_json": torch.empty(entry.size, dtype=torch.uint8)}
     _load(buf, path)
     cfg = arch_from_config_json(buf["config_json"])
     keys = titan_keys(cfg)
     missing = [k for k in keys if not isinstance(meta.get(k), TensorStorageMetadata)]
     if missing:
-        raise CheckpointError(f"{ckpt_dir}: the checkpoint lacks {len(missing)} model "
-                              f"tensors (first: {missing[0]})")
+        raise CheckpointError(
+            f"{ckpt_dir}: the checkpoint lacks {len(missing)} model tensors (first: {missing[0]})"
+        )
     state = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
     _load(state, path)
     return cfg, state

@@ -12,8 +12,7 @@ smelt is in it: smelt comes in through ``--override.imports`` (``docs/titan.md``
 from __future__ import annotations
 
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-from torchtitan.models.qwen3 import model_registry
-from torchtitan.models.qwen3 import _build_qwen3_moe_layers, _qwen3_norm  # noqa: PLC2701
+from torchtitan.models.qwen3 import _build_qwen3_moe_layers, _qwen3_norm, model_registry  # noqa: PLC2701
 from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.trainer import Trainer
@@ -28,14 +27,21 @@ def _qwen3_moe_tiny_model() -> Qwen3Model.Config:
         vocab_size=vocab,
         dim=dim,
         norm=_qwen3_norm(dim),
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
-                                        param_init=init),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=init),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=init),
         layers=_build_qwen3_moe_layers(
-            n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim,
-            moe_hidden_dim=64, num_experts=16, top_k=4, attn_backend="flex",
+            n_layers=2,
+            dim=dim,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=head_dim,
+            moe_hidden_dim=64,
+            num_experts=16,
+            top_k=4,
+            attn_backend="flex",
             moe_comm_backend="standard",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0)),
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0),
+        ),
     )
 
 

@@ -12,5 +12,15 @@ resumable checkpoints and reads them strictly, with the training state in
 from .data import STDLIB, Corpus, Document, Packed, load_documents, pack, prepare, split
 from .trainer import RunSpec, Trainer
 
-__all__ = ["STDLIB", "Corpus", "Document", "Packed", "load_documents", "pack", "prepare",
-           "split", "RunSpec", "Trainer"]
+__all__ = [
+    "STDLIB",
+    "Corpus",
+    "Document",
+    "Packed",
+    "load_documents",
+    "pack",
+    "prepare",
+    "split",
+    "RunSpec",
+    "Trainer",
+]

@@ -41,18 +41,26 @@ def build_parser() -> argparse.ArgumentParser:
     from smelt_kernels import backends
     from smelt_kernels.executor import RECOMPUTE_POLICIES
 
-    ap = _Parser(prog="python -m smelt_model.train",
-                 description="Train baseline / SMELT models on packed documents.")
+    ap = _Parser(
+        prog="python -m smelt_model.train",
+        description="Train baseline / SMELT models on packed documents.",
+    )
     what = ap.add_argument_group("what to train")
     what.add_argument("--preset", help="a matched pair (e.g. tiny, 200M-S95)")
-    what.add_argument("--arch", choices=("baseline", "smelt", "both"), default="both",
-                      help="which model of the pair (both: the two on the same data order)")
+    what.add_argument(
+        "--arch",
+        choices=("baseline", "smelt", "both"),
+        default="both",
+        help="which model of the pair (both: the two on the same data order)",
+    )
     what.add_argument("--config", help="a ModelConfig JSON file (instead of --preset)")
     what.add_argument("--seed", type=int, default=0)
     data = ap.add_argument_group("data")
-    data.add_argument("--data", default="python-stdlib",
-                      help="a folder, a .txt (blank-line separated) or .jsonl file, or "
-                           "python-stdlib (default)")
+    data.add_argument(
+        "--data",
+        default="python-stdlib",
+        help="a folder, a .txt (blank-line separated) or .jsonl file, or python-stdlib (default)",
+    )
     data.add_argument("--seq-len", type=int, default=256)
     data.add_argument("--val-fraction", type=float, default=0.05)
     data.add_argument("--tokenizer", default="bytes", help="bytes (default) or bpe:N")
@@ -60,40 +68,68 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--lr", type=float, default=2e-3)
     opt.add_argument("--weight-decay", type=float, default=0.1)
     opt.add_argument("--warmup-steps", type=int, help="default: 5%% of the steps (at least 1)")
-    opt.add_argument("--min-lr-ratio", type=float, default=0.1,
-                     help="final learning rate of the cosine, as a fraction of --lr")
+    opt.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=0.1,
+        help="final learning rate of the cosine, as a fraction of --lr",
+    )
     opt.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
     opt.add_argument("--tokens-per-step", type=int, default=8192)
-    opt.add_argument("--batch-size", type=int,
-                     help="contexts per micro-batch and process (default: no accumulation)")
+    opt.add_argument(
+        "--batch-size",
+        type=int,
+        help="contexts per micro-batch and process (default: no accumulation)",
+    )
     opt.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    opt.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default=RECOMPUTE_POLICIES[0],
-                     help="what the looped span recomputes in backward")
+    opt.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_POLICIES,
+        default=RECOMPUTE_POLICIES[0],
+        help="what the looped span recomputes in backward",
+    )
     stop = ap.add_argument_group("when to stop (the first reached)")
     stop.add_argument("--steps", type=int)
     stop.add_argument("--tokens", type=float)
     stop.add_argument("--budget-flops", type=float, help="ledger training FLOPs")
     out = ap.add_argument_group("output")
     out.add_argument("--out", required=True, help="run folder")
-    out.add_argument("--resume", action="store_true",
-                     help="continue the run in --out (a larger --steps extends it)")
-    out.add_argument("--allow-nonbitwise", action="store_true",
-                     help="let --resume use another --threads or --backend than the run (the "
-                          "result is then no longer bitwise equal to an uninterrupted run)")
-    out.add_argument("--eval-every", type=int,
-                     help="steps (default: a tenth of the run, at least 10; also at the start "
-                          "and the end)")
-    out.add_argument("--eval-tokens", type=int, default=32768,
-                     help="validation tokens per evaluation")
-    out.add_argument("--save-every", type=int,
-                     help="steps (default: the evaluation cadence; always at the end)")
+    out.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out (a larger --steps extends it)",
+    )
+    out.add_argument(
+        "--allow-nonbitwise",
+        action="store_true",
+        help="let --resume use another --threads or --backend than the run (the "
+        "result is then no longer bitwise equal to an uninterrupted run)",
+    )
+    out.add_argument(
+        "--eval-every",
+        type=int,
+        help="steps (default: a tenth of the run, at least 10; also at the start and the end)",
+    )
+    out.add_argument(
+        "--eval-tokens", type=int, default=32768, help="validation tokens per evaluation"
+    )
+    out.add_argument(
+        "--save-every", type=int, help="steps (default: the evaluation cadence; always at the end)"
+    )
     out.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     out.add_argument("--plot", help="draw validation loss against FLOPs and seconds")
-    out.add_argument("--backend", default="auto", choices=backends.choices(),
-                     help="kernel backend (default auto)")
+    out.add_argument(
+        "--backend",
+        default="auto",
+        choices=backends.choices(),
+        help="kernel backend (default auto)",
+    )
     out.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    out.add_argument("--threads", type=int,
-                     help="CPU threads for torch and the kernels (default: torch's choice)")
+    out.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch and the kernels (default: torch's choice)",
+    )
     out.add_argument("--quiet", action="store_true", help="no progress line")
     return ap
 
@@ -114,12 +150,15 @@ def _configs(args, vocab: int) -> dict:
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"--config {args.config}: {e}") from None
         if cfg.vocab_size < vocab:
-            raise ValueError(f"--config {args.config}: vocab_size {cfg.vocab_size} is smaller "
-                             f"than the tokenizer's {vocab}")
+            raise ValueError(
+                f"--config {args.config}: vocab_size {cfg.vocab_size} is smaller "
+                f"than the tokenizer's {vocab}"
+            )
         return {"smelt" if cfg.is_looped else "baseline": cfg}
     if args.preset not in presets.pairs():
-        raise ValueError(f"--preset: unknown pair {args.preset!r}; known: "
-                         f"{', '.join(presets.pairs())}")
+        raise ValueError(
+            f"--preset: unknown pair {args.preset!r}; known: {', '.join(presets.pairs())}"
+        )
     base, smelt = presets.pair(args.preset)
     cfgs = {"baseline": base.replace(vocab_size=vocab), "smelt": smelt.replace(vocab_size=vocab)}
     return cfgs if args.arch == "both" else {args.arch: cfgs[args.arch]}
@@ -190,8 +229,10 @@ def _resume_checks(args, dirs: dict, vocab_spec: int):
     if not args.resume:
         for d in dirs.values():
             if (d / "run.json").exists():
-                raise ValueError(f"--out {d} already holds a run; pass --resume to continue "
-                                 "it or choose another --out")
+                raise ValueError(
+                    f"--out {d} already holds a run; pass --resume to continue "
+                    "it or choose another --out"
+                )
         return {}, None, vocab_spec
     saved = {}
     for a, d in dirs.items():
@@ -207,12 +248,24 @@ def _recipe(args, arch: str, cfg) -> dict:
     """The RunSpec fields the command line fixes without reading the data."""
     import torch
 
-    now = {"arch": arch, "config": cfg.to_dict(), "seed": args.seed, "data": args.data,
-           "tokenizer": args.tokenizer, "seq_len": args.seq_len,
-           "val_fraction": args.val_fraction, "tokens_per_step": args.tokens_per_step,
-           "lr": args.lr, "weight_decay": args.weight_decay, "min_lr_ratio": args.min_lr_ratio,
-           "grad_clip": args.grad_clip, "dtype": args.dtype, "recompute": args.recompute,
-           "threads": torch.get_num_threads(), "backend": args.backend}
+    now = {
+        "arch": arch,
+        "config": cfg.to_dict(),
+        "seed": args.seed,
+        "data": args.data,
+        "tokenizer": args.tokenizer,
+        "seq_len": args.seq_len,
+        "val_fraction": args.val_fraction,
+        "tokens_per_step": args.tokens_per_step,
+        "lr": args.lr,
+        "weight_decay": args.weight_decay,
+        "min_lr_ratio": args.min_lr_ratio,
+        "grad_clip": args.grad_clip,
+        "dtype": args.dtype,
+        "recompute": args.recompute,
+        "threads": torch.get_num_threads(),
+        "backend": args.backend,
+    }
     if args.warmup_steps is not None:
         now["warmup_steps"] = args.warmup_steps
     return now
@@ -248,16 +301,24 @@ def run(args) -> int:
         compare(_recipe(args, a, cfgs[a]), spec, dirs[a], args.allow_nonbitwise)
     rows = args.tokens_per_step // args.seq_len
     what = f"--preset {args.preset}" if args.preset else f"--config {args.config}"
-    check_memory(cfgs, batch_size=args.batch_size or max(1, rows // world),
-                 seq_len=args.seq_len, dtype=args.dtype, world=world,
-                 local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)), device=device,
-                 what=what)
+    check_memory(
+        cfgs,
+        batch_size=args.batch_size or max(1, rows // world),
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        world=world,
+        local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        device=device,
+        what=what,
+    )
     trainers, corpus = build_trainers(args, dirs, device, rank)
     if rank == 0 and not args.quiet:
-        print(f"data: {corpus.n_train_docs} train / {corpus.n_val_docs} val documents, "
-              f"{len(corpus.train)} x {args.seq_len}-token contexts, mean document "
-              f"{corpus.train.mean_doc_len:.0f} tokens, tokenizer {corpus.tokenizer.spec}",
-              file=sys.stderr)
+        print(
+            f"data: {corpus.n_train_docs} train / {corpus.n_val_docs} val documents, "
+            f"{len(corpus.train)} x {args.seq_len}-token contexts, mean document "
+            f"{corpus.train.mean_doc_len:.0f} tokens, tokenizer {corpus.tokenizer.spec}",
+            file=sys.stderr,
+        )
     progress = _Progress(enabled=rank == 0 and not args.quiet)
     train_loop(trainers, progress)
     if rank == 0:
@@ -267,8 +328,10 @@ def run(args) -> int:
             plot_mod.plot_runs(list(dirs.values()), args.plot)
         for t in trainers:
             last = f"{t.last_val:.4f}" if t.last_val is not None else "n/a"
-            print(f"{t.spec.arch}: {t.step_count} steps, {t.tokens} tokens, {t.flops:.3e} "
-                  f"FLOPs, {t.seconds:.1f} s, val loss {last} -> {t.out}")
+            print(
+                f"{t.spec.arch}: {t.step_count} steps, {t.tokens} tokens, {t.flops:.3e} "
+                f"FLOPs, {t.seconds:.1f} s, val loss {last} -> {t.out}"
+            )
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
@@ -287,8 +350,9 @@ def build_trainers(args, dirs: dict, device: str, rank: int = 0):
     from .trainer import RunSpec, Trainer
 
     saved, tokenizer, _ = _resume_checks(args, dirs, 0)
-    corpus = prepare(args.data, args.tokenizer, args.seq_len, args.val_fraction, args.seed,
-                     tokenizer)
+    corpus = prepare(
+        args.data, args.tokenizer, args.seq_len, args.val_fraction, args.seed, tokenizer
+    )
     cfgs = _configs(args, corpus.tokenizer.vocab_size)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = args.tokens_per_step // args.seq_len
@@ -302,19 +366,42 @@ def build_trainers(args, dirs: dict, device: str, rank: int = 0):
         old = saved.get(arch)
         warmup = args.warmup_steps or (old.warmup_steps if old else max(1, round(0.05 * steps)))
         spec = RunSpec(
-            arch=arch, config=cfg.to_dict(), seed=args.seed, data=args.data,
-            tokenizer=args.tokenizer, seq_len=args.seq_len, val_fraction=args.val_fraction,
-            tokens_per_step=args.tokens_per_step, batch_size=batch, steps=steps, lr=args.lr,
-            weight_decay=args.weight_decay, warmup_steps=warmup,
-            min_lr_ratio=args.min_lr_ratio, grad_clip=args.grad_clip, dtype=args.dtype,
-            recompute=args.recompute, eval_every=every, save_every=args.save_every or every,
-            eval_tokens=args.eval_tokens, keep=args.keep,
+            arch=arch,
+            config=cfg.to_dict(),
+            seed=args.seed,
+            data=args.data,
+            tokenizer=args.tokenizer,
+            seq_len=args.seq_len,
+            val_fraction=args.val_fraction,
+            tokens_per_step=args.tokens_per_step,
+            batch_size=batch,
+            steps=steps,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            warmup_steps=warmup,
+            min_lr_ratio=args.min_lr_ratio,
+            grad_clip=args.grad_clip,
+            dtype=args.dtype,
+            recompute=args.recompute,
+            eval_every=every,
+            save_every=args.save_every or every,
+            eval_tokens=args.eval_tokens,
+            keep=args.keep,
             schedule_steps=old.schedule_steps if old else steps,
-            threads=torch.get_num_threads(), backend=args.backend,
+            threads=torch.get_num_threads(),
+            backend=args.backend,
         )
-        trainers.append(Trainer(spec, corpus.train, corpus.val, dirs[arch], device=device,
-                                resume=args.resume,
-                                allow_nonbitwise=getattr(args, "allow_nonbitwise", False)))
+        trainers.append(
+            Trainer(
+                spec,
+                corpus.train,
+                corpus.val,
+                dirs[arch],
+                device=device,
+                resume=args.resume,
+                allow_nonbitwise=getattr(args, "allow_nonbitwise", False),
+            )
+        )
         if rank == 0:
             corpus.tokenizer.save(dirs[arch])
     return trainers, corpus
@@ -323,6 +410,7 @@ def build_trainers(args, dirs: dict, device: str, rank: int = 0):
 def train_loop(trainers, progress=None) -> None:
     """Interleave the trainers one optimizer step at a time until all are done, evaluating
     and checkpointing on their schedules (and at the end)."""
+
     def due(t, every):
         return t.step_count % every == 0 or t.done
 
@@ -371,7 +459,8 @@ class _Progress:
         val = f" val {t.last_val:.3f}" if t.last_val is not None else ""
         self.last[t.spec.arch] = (
             f"{t.spec.arch} {rec['step']}/{t.spec.steps} loss {rec['loss']:.3f}{val} "
-            f"{rec['tokens'] / secs:,.0f} tok/s {rec['flops'] / secs / 1e9:.2f} GFLOP/s")
+            f"{rec['tokens'] / secs:,.0f} tok/s {rec['flops'] / secs / 1e9:.2f} GFLOP/s"
+        )
         line = " | ".join(self.last.values())
         if self.tty:
             print("\r" + line[:200].ljust(120), end="", file=sys.stderr, flush=True)

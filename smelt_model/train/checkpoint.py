@@ -33,12 +33,21 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+
 from smelt_kernels import backends
 
 from . import plainstate
 
-__all__ = ["save", "load_latest", "resolve", "resolve_latest", "crash_point", "Checkpoint",
-           "CheckpointError", "NoCheckpoint"]
+__all__ = [
+    "save",
+    "load_latest",
+    "resolve",
+    "resolve_latest",
+    "crash_point",
+    "Checkpoint",
+    "CheckpointError",
+    "NoCheckpoint",
+]
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -98,8 +107,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(folder: Path, step: int, weights: dict[str, torch.Tensor], config_json: str,
-         state: dict[str, Any], keep: int = 2) -> Path:
+def save(
+    folder: Path,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    config_json: str,
+    state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
     """Write the step-``step`` checkpoint under ``folder`` atomically; keep the ``keep``
     newest complete checkpoints. Returns the checkpoint's folder."""
     from safetensors.torch import save_file
@@ -112,8 +127,11 @@ def save(folder: Path, step: int, weights: dict[str, torch.Tensor], config_json:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = folder / f".{name}.tmp{os.getpid()}"
     tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
-              str(tmp / WEIGHTS), metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in weights.items()},
+        str(tmp / WEIGHTS),
+        metadata={"format": "pt"},
+    )
     _fsync_write(tmp / CONFIG, (config_json + "\n").encode())
     doc, tensors = plainstate.dump(state)
     save_file(tensors, str(tmp / STATE_TENSORS))
@@ -150,21 +168,26 @@ def _inside(folder: Path, path: Path) -> bool:
 
 
 def _step_of(path: Path) -> int:
-    return int(path.name[len("step_"):])
+    return int(path.name[len("step_") :])
 
 
 def _folders(folder: Path) -> list[Path]:
     """Checkpoint folders (``step_N``, real folders inside ``folder``), oldest first."""
-    found = [p for p in Path(folder).glob("step_*") if _NAME.fullmatch(p.name)
-             and p.is_dir() and _inside(folder, p)]
+    found = [
+        p
+        for p in Path(folder).glob("step_*")
+        if _NAME.fullmatch(p.name) and p.is_dir() and _inside(folder, p)
+    ]
     return sorted(found, key=_step_of)
 
 
 def _check_links(folder: Path) -> None:
     for p in Path(folder).glob("step_*"):
         if p.is_symlink():
-            raise CheckpointError(f"{p}: a symbolic link; checkpoints must be folders inside "
-                                  f"{folder}, so it is not followed")
+            raise CheckpointError(
+                f"{p}: a symbolic link; checkpoints must be folders inside "
+                f"{folder}, so it is not followed"
+            )
 
 
 def resolve_latest(folder: Path) -> Optional[Path]:
@@ -177,8 +200,9 @@ def resolve_latest(folder: Path) -> Optional[Path]:
     folder = Path(folder)
     latest = folder / LATEST
     if latest.is_symlink():
-        raise CheckpointError(f"{latest}: a symbolic link; it must be a file naming a "
-                              f"checkpoint inside {folder}")
+        raise CheckpointError(
+            f"{latest}: a symbolic link; it must be a file naming a checkpoint inside {folder}"
+        )
     if not latest.exists():
         return None
     if not latest.is_file():
@@ -189,8 +213,10 @@ def resolve_latest(folder: Path) -> Optional[Path]:
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{latest}: not readable as text ({e})") from None
     if not _NAME.fullmatch(name):
-        raise CheckpointError(f"{latest}: names {name[:80]!r}, not a checkpoint folder inside "
-                              f"{folder} (expected step_NNNNNNNN)")
+        raise CheckpointError(
+            f"{latest}: names {name[:80]!r}, not a checkpoint folder inside "
+            f"{folder} (expected step_NNNNNNNN)"
+        )
     target = folder / name
     if (target.exists() or target.is_symlink()) and not _inside(folder, target):
         raise CheckpointError(f"{latest}: names {name}, which leads outside {folder}")
@@ -217,8 +243,11 @@ def resolve(path: Path) -> Path:
             target = found[-1]
     else:
         target = path
-        if path.parent.name == "checkpoints" and _NAME.fullmatch(path.name) \
-                and not _inside(path.parent, path):
+        if (
+            path.parent.name == "checkpoints"
+            and _NAME.fullmatch(path.name)
+            and not _inside(path.parent, path)
+        ):
             raise CheckpointError(f"{path}: a symbolic link out of {path.parent}")
     if not target.is_dir():
         raise CheckpointError(f"{target}: no such checkpoint folder")
@@ -228,8 +257,10 @@ def resolve(path: Path) -> Path:
 def _check_manifest(ckpt: Path) -> None:
     """Raise :class:`CheckpointError` unless every file matches ``manifest.json``."""
     if (ckpt / LEGACY_STATE).exists():
-        raise CheckpointError(f"{ckpt / LEGACY_STATE}: a pickled state from an older smelt; "
-                              "it is not loaded (unpickling can run code)")
+        raise CheckpointError(
+            f"{ckpt / LEGACY_STATE}: a pickled state from an older smelt; "
+            "it is not loaded (unpickling can run code)"
+        )
     path = ckpt / MANIFEST
     if not path.exists():
         raise CheckpointError(f"{path}: missing (the checkpoint is incomplete)")
@@ -241,8 +272,11 @@ def _check_manifest(ckpt: Path) -> None:
         raise CheckpointError(f"{path}: expected the files {', '.join(FILES)}")
     for f in FILES:
         meta = files[f]
-        if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int)
-                and isinstance(meta.get("sha256"), str)):
+        if not (
+            isinstance(meta, dict)
+            and isinstance(meta.get("bytes"), int)
+            and isinstance(meta.get("sha256"), str)
+        ):
             raise CheckpointError(f"{path}: the entry of {f} needs bytes and sha256")
         p = ckpt / f
         if p.is_symlink() or not p.is_file():
@@ -254,8 +288,15 @@ def _check_manifest(ckpt: Path) -> None:
             raise CheckpointError(f"{p}: its SHA-256 differs from the manifest's")
 
 
-_STATE_KEYS = {"step": int, "seconds": (int, float), "last_val": (int, float, type(None)),
-               "optimizer": dict, "scheduler": dict, "rng": dict, "log_bytes": dict}
+_STATE_KEYS = {
+    "step": int,
+    "seconds": (int, float),
+    "last_val": (int, float, type(None)),
+    "optimizer": dict,
+    "scheduler": dict,
+    "rng": dict,
+    "log_bytes": dict,
+}
 
 
 class Checkpoint:
@@ -273,8 +314,9 @@ class Checkpoint:
         try:
             self.weights = load_file(str(path / WEIGHTS))
         except Exception as e:  # safetensors' own error types: a damaged header
-            raise CheckpointError(f"{path / WEIGHTS}: not a readable safetensors file "
-                                  f"({plainstate._first_line(e)})") from None
+            raise CheckpointError(
+                f"{path / WEIGHTS}: not a readable safetensors file ({plainstate._first_line(e)})"
+            ) from None
         try:
             state = plainstate.load(path / STATE_JSON, path / STATE_TENSORS)
         except plainstate.StateFileError as e:
@@ -285,15 +327,17 @@ class Checkpoint:
         for key, kind in _STATE_KEYS.items():
             if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
                 raise CheckpointError(f"{where}: {key!r} is missing or of the wrong type")
-        if not all(isinstance(k, str) and isinstance(v, int) for k, v in
-                   state["log_bytes"].items()):
+        if not all(
+            isinstance(k, str) and isinstance(v, int) for k, v in state["log_bytes"].items()
+        ):
             raise CheckpointError(f"{where}: 'log_bytes' must map file names to sizes")
         self.state = state
         self.step = int(state["step"])
 
 
-def load_latest(folder: Path, on_skip: Optional[Callable[[Path, str], None]] = None
-                ) -> Optional[Checkpoint]:
+def load_latest(
+    folder: Path, on_skip: Optional[Callable[[Path, str], None]] = None
+) -> Optional[Checkpoint]:
     """The newest checkpoint under ``folder`` that loads, or None when there is none at all.
 
     Candidates are the ``step_N`` folders, newest first (``latest`` is checked with

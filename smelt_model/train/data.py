@@ -22,8 +22,20 @@ import numpy as np
 
 from ..config import IGNORE_INDEX
 
-__all__ = ["STDLIB", "Document", "Packed", "load_documents", "split", "pack", "stdlib_root",
-           "epoch_order", "unigram_entropy", "Corpus", "prepare", "held_out"]
+__all__ = [
+    "STDLIB",
+    "Document",
+    "Packed",
+    "load_documents",
+    "split",
+    "pack",
+    "stdlib_root",
+    "epoch_order",
+    "unigram_entropy",
+    "Corpus",
+    "prepare",
+    "held_out",
+]
 
 #: the name of the built-in corpus: the running interpreter's standard-library sources
 STDLIB = "python-stdlib"
@@ -81,8 +93,9 @@ def _jsonl(path: Path) -> list[Document]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"--data {path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise ValueError(f"--data {path}:{lineno}: expected an object with a string "
-                                 f"\"text\" field")
+                raise ValueError(
+                    f'--data {path}:{lineno}: expected an object with a string "text" field'
+                )
             if obj["text"].strip():
                 docs.append(Document(f"{path.name}#{lineno}", obj["text"]))
     return docs
@@ -112,8 +125,9 @@ def load_documents(spec: str) -> list[Document]:
         elif path.suffix == ".jsonl":
             docs = _jsonl(path)
         else:
-            raise ValueError(f"--data {spec}: expected a folder, a .txt or a .jsonl file, "
-                             f"or {STDLIB}")
+            raise ValueError(
+                f"--data {spec}: expected a folder, a .txt or a .jsonl file, or {STDLIB}"
+            )
         where = spec
     if not docs:
         raise ValueError(f"--data {where}: the corpus is empty (no documents with text)")
@@ -122,11 +136,12 @@ def load_documents(spec: str) -> list[Document]:
 
 def _unit(key: str, seed: int) -> float:
     h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2.0 ** 64
+    return int.from_bytes(h[:8], "big") / 2.0**64
 
 
-def split(docs: Sequence[Document], val_fraction: float,
-          seed: int = 0) -> tuple[list[Document], list[Document]]:
+def split(
+    docs: Sequence[Document], val_fraction: float, seed: int = 0
+) -> tuple[list[Document], list[Document]]:
     """``(train, val)``: a document is in validation when the hash of its key is below
     ``val_fraction``. Deterministic, disjoint, independent of the documents' order. With
     ``val_fraction > 0`` and at least two documents, each side gets at least one."""
@@ -220,8 +235,14 @@ class Corpus:
     n_val_docs: int
 
 
-def prepare(data: str, tokenizer_spec: str, seq_len: int, val_fraction: float, seed: int,
-            tokenizer: Any = None) -> Corpus:
+def prepare(
+    data: str,
+    tokenizer_spec: str,
+    seq_len: int,
+    val_fraction: float,
+    seed: int,
+    tokenizer: Any = None,
+) -> Corpus:
     """Load ``data``, split it, build (or take) the tokenizer, encode and pack both sides.
 
     The training documents are packed in an order shuffled by ``seed``; validation
@@ -235,15 +256,17 @@ def prepare(data: str, tokenizer_spec: str, seq_len: int, val_fraction: float, s
     docs = load_documents(data)
     train_docs, val_docs = split(docs, val_fraction)
     if not train_docs:
-        raise ValueError(f"--data {data}: no training documents after the split "
-                         f"(--val-fraction {val_fraction})")
+        raise ValueError(
+            f"--data {data}: no training documents after the split (--val-fraction {val_fraction})"
+        )
     if tokenizer is None:
         tokenizer = tok_mod.make(tokenizer_spec, (d.text for d in train_docs))
     order = np.random.default_rng([seed, 0x5EED]).permutation(len(train_docs))
     train_tokens = tokenizer.encode_batch([train_docs[i].text for i in order])
     train = pack(train_tokens, seq_len, tokenizer.pad_id)
-    return Corpus(train, _pack_docs(val_docs, tokenizer, seq_len), tokenizer, len(train_docs),
-                  len(val_docs))
+    return Corpus(
+        train, _pack_docs(val_docs, tokenizer, seq_len), tokenizer, len(train_docs), len(val_docs)
+    )
 
 
 def _pack_docs(docs: Sequence[Document], tokenizer: Any, seq_len: int) -> Optional[Packed]:

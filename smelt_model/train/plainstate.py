@@ -55,8 +55,13 @@ def encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in _NDARRAY_KINDS:
             raise TypeError(f"cannot store a numpy array of dtype {obj.dtype}")
-        return {"ndarray": {"dtype": obj.dtype.str, "shape": list(obj.shape),
-                            "data": obj.reshape(-1).tolist()}}
+        return {
+            "ndarray": {
+                "dtype": obj.dtype.str,
+                "shape": list(obj.shape),
+                "data": obj.reshape(-1).tolist(),
+            }
+        }
     if isinstance(obj, np.generic):
         return encode(obj.item(), tensors)
     if isinstance(obj, tuple):
@@ -85,14 +90,18 @@ def decode(value: Any, tensors: dict[str, torch.Tensor], where: str = "state") -
         return [decode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
     if not isinstance(value, dict) or len(value) != 1:
         raise ValueError(f"{where}: expected a value or an object with one tag")
-    (tag, body), = value.items()
+    ((tag, body),) = value.items()
     if tag == "dict":
         if not isinstance(body, list):
             raise ValueError(f"{where}: a dict must be a list of [key, value] pairs")
         out = {}
         for i, pair in enumerate(body):
-            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int))
-                    and not isinstance(pair[0], bool)):
+            if not (
+                isinstance(pair, list)
+                and len(pair) == 2
+                and isinstance(pair[0], (str, int))
+                and not isinstance(pair[0], bool)
+            ):
                 raise ValueError(f"{where}: dict entry {i} is not a [key, value] pair")
             out[pair[0]] = decode(pair[1], tensors, f"{where}.{pair[0]}")
         return out
@@ -123,11 +132,16 @@ def _ndarray(body: Any, where: str) -> np.ndarray:
     if dtype is None or dtype.kind not in _NDARRAY_KINDS:
         raise ValueError(f"{where}: ndarray dtype {body['dtype']!r} is not a number type")
     shape, data = body["shape"], body["data"]
-    if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool)
-                                            and s >= 0 for s in shape)):
+    if not (
+        isinstance(shape, list)
+        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+    ):
         raise ValueError(f"{where}: ndarray shape must be a list of sizes")
-    if not (isinstance(data, list) and len(data) == math.prod(shape) and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) for x in data)):
+    if not (
+        isinstance(data, list)
+        and len(data) == math.prod(shape)
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in data)
+    ):
         raise ValueError(f"{where}: ndarray data must be {math.prod(shape)} numbers")
     try:
         return np.array(data, dtype=dtype).reshape(shape)
@@ -180,12 +194,14 @@ def load(json_path: Union[str, Path], tensor_path: Union[str, Path]) -> Any:
     try:
         tensors = load_file(str(tensor_path))
     except Exception as e:  # safetensors' own error types; the file is not a tensor file
-        raise StateFileError(f"{tensor_path}: not a readable safetensors file "
-                             f"({_first_line(e)})") from None
+        raise StateFileError(
+            f"{tensor_path}: not a readable safetensors file ({_first_line(e)})"
+        ) from None
     doc = read_json(json_path, "JSON state file", StateFileError)
     if not (doc.get("format") == FORMAT and "state" in doc):
-        raise StateFileError(f"{json_path}: not a smelt training state (expected "
-                             f"format {FORMAT!r})")
+        raise StateFileError(
+            f"{json_path}: not a smelt training state (expected format {FORMAT!r})"
+        )
     try:
         return decode(doc["state"], tensors)
     except (ValueError, RecursionError) as e:

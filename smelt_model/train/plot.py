@@ -30,8 +30,9 @@ def read_log(run: Union[str, Path]) -> tuple[list[dict], list[dict]]:
     return steps, evals
 
 
-def plot_runs(runs: Sequence[Union[str, Path]], path: Union[str, Path],
-              title: str = "validation loss") -> Path:
+def plot_runs(
+    runs: Sequence[Union[str, Path]], path: Union[str, Path], title: str = "validation loss"
+) -> Path:
     """Draw the runs' validation (solid) and training (faint) losses against FLOPs and
     seconds into ``path``."""
     require()
@@ -47,11 +48,22 @@ def plot_runs(runs: Sequence[Union[str, Path]], path: Union[str, Path],
         color = COLORS.get(label)
         for ax, key in zip(axes, ("flops", "seconds")):
             if steps:
-                ax.plot([r[key] for r in steps], [r["loss"] for r in steps], color=color,
-                        alpha=0.25, lw=1)
+                ax.plot(
+                    [r[key] for r in steps],
+                    [r["loss"] for r in steps],
+                    color=color,
+                    alpha=0.25,
+                    lw=1,
+                )
             if evals:
-                ax.plot([r[key] for r in evals], [r["val_loss"] for r in evals], "o-",
-                        color=color, label=f"{label} (val)", ms=3)
+                ax.plot(
+                    [r[key] for r in evals],
+                    [r["val_loss"] for r in evals],
+                    "o-",
+                    color=color,
+                    label=f"{label} (val)",
+                    ms=3,
+                )
     axes[0].set_xlabel("cumulative training FLOPs (ledger)")
     axes[1].set_xlabel("wall-clock seconds in training steps")
     axes[0].set_ylabel("loss (nats / token)")

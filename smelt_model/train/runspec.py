@@ -74,14 +74,28 @@ def read_run_file(path: Path) -> RunSpec:
     unknown = sorted(set(d) - set(known))
     missing = [n for n, f in known.items() if f.default is MISSING and n not in d]
     if unknown or missing:
-        what = (f"unknown field(s) {', '.join(unknown)}" if unknown
-                else f"missing field(s) {', '.join(missing)}")
+        what = (
+            f"unknown field(s) {', '.join(unknown)}"
+            if unknown
+            else f"missing field(s) {', '.join(missing)}"
+        )
         raise ValueError(f"{path}: not a valid run file ({what})")
-    kinds = {"config": dict, "arch": str, "data": str, "tokenizer": str, "dtype": str,
-             "recompute": str, "backend": str, "val_fraction": (int, float), "lr": (int, float),
-             "weight_decay": (int, float), "min_lr_ratio": (int, float),
-             "grad_clip": (int, float), "threads": (int, type(None)),
-             "schedule_steps": (int, type(None))}
+    kinds = {
+        "config": dict,
+        "arch": str,
+        "data": str,
+        "tokenizer": str,
+        "dtype": str,
+        "recompute": str,
+        "backend": str,
+        "val_fraction": (int, float),
+        "lr": (int, float),
+        "weight_decay": (int, float),
+        "min_lr_ratio": (int, float),
+        "grad_clip": (int, float),
+        "threads": (int, type(None)),
+        "schedule_steps": (int, type(None)),
+    }
     for name, value in d.items():
         kind = kinds.get(name, int)
         if isinstance(value, bool) or not isinstance(value, kind):
@@ -93,8 +107,9 @@ def read_run_file(path: Path) -> RunSpec:
     return RunSpec(**d)
 
 
-def compare(now: dict, saved: RunSpec, where: Path, allow_nonbitwise: bool = False
-            ) -> Optional[str]:
+def compare(
+    now: dict, saved: RunSpec, where: Path, allow_nonbitwise: bool = False
+) -> Optional[str]:
     """Check the fields in ``now`` (a subset of a :class:`RunSpec`'s, as a dict) against the
     ``saved`` run in ``where`` before resuming it.
 
@@ -107,15 +122,21 @@ def compare(now: dict, saved: RunSpec, where: Path, allow_nonbitwise: bool = Fal
     diff = [k for k, v in now.items() if k not in _FREE and k in old and v != old[k]]
     recipe = [d for d in diff if d not in NONBITWISE]
     if recipe:
-        raise ValueError(f"--resume: the run in {where} was made with a different setup "
-                         f"({', '.join(recipe)} differ)")
+        raise ValueError(
+            f"--resume: the run in {where} was made with a different setup "
+            f"({', '.join(recipe)} differ)"
+        )
     if not diff:
         return None
     was = " ".join(f"--{d} {old[d]}" for d in diff)
     asked = " ".join(f"--{d} {now[d]}" for d in diff)
     if not allow_nonbitwise:
-        raise ValueError(f"--resume: the run in {where} was made with {was}, not {asked}; "
-                         "continuing would no longer be bitwise equal to an uninterrupted "
-                         f"run: pass {was}, or --allow-nonbitwise")
-    return (f"resuming {where} with {asked} (it was made with {was}): from here on the run "
-            "is no longer bitwise equal to an uninterrupted one")
+        raise ValueError(
+            f"--resume: the run in {where} was made with {was}, not {asked}; "
+            "continuing would no longer be bitwise equal to an uninterrupted "
+            f"run: pass {was}, or --allow-nonbitwise"
+        )
+    return (
+        f"resuming {where} with {asked} (it was made with {was}): from here on the run "
+        "is no longer bitwise equal to an uninterrupted one"
+    )

@@ -63,7 +63,9 @@ class BPETokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+            vocab_size=vocab_size,
+            special_tokens=list(SPECIALS),
+            show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
         tok.train_from_iterator(texts, trainer=trainer)
@@ -87,8 +89,9 @@ def _import_tokenizers():
     try:
         import tokenizers
     except ImportError:
-        raise ValueError("--tokenizer bpe:N needs the Hugging Face 'tokenizers' package "
-                         "(pip install tokenizers)") from None
+        raise ValueError(
+            "--tokenizer bpe:N needs the Hugging Face 'tokenizers' package (pip install tokenizers)"
+        ) from None
     return tokenizers
 
 
@@ -103,8 +106,7 @@ def parse_spec(spec: str) -> tuple[str, int]:
             n = 0
         # the 256 byte symbols and the two specials must fit, and at least one merge
         if n < 256 + len(SPECIALS) + 1:
-            raise ValueError(f"--tokenizer {spec}: N must be an int >= "
-                             f"{256 + len(SPECIALS) + 1}")
+            raise ValueError(f"--tokenizer {spec}: N must be an int >= {256 + len(SPECIALS) + 1}")
         return "bpe", n
     raise ValueError(f"--tokenizer must be 'bytes' or 'bpe:N', got {spec!r}")
 

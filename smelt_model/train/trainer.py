@@ -41,8 +41,15 @@ from . import checkpoint
 from .data import Packed, epoch_order
 from .runspec import RunSpec, compare, read_run_file
 
-__all__ = ["RunSpec", "Trainer", "valid_targets", "ENDPOINT_COLUMNS", "read_run_file",
-           "check_memory", "LOGS"]
+__all__ = [
+    "RunSpec",
+    "Trainer",
+    "valid_targets",
+    "ENDPOINT_COLUMNS",
+    "read_run_file",
+    "check_memory",
+    "LOGS",
+]
 
 ENDPOINT_COLUMNS = ("arch", "F", "S", "D", "loss", "step", "seconds", "C")
 #: the run's log files (appended to; a checkpoint records their lengths)
@@ -54,15 +61,25 @@ def _combined(parts: dict[str, dict[str, int]]) -> dict[str, int]:
     and optimizer state of all of them, the step's transients of the largest, one runtime."""
     keep = ("weights", "optimizer")
     out = {k: sum(p[k] for p in parts.values()) for k in keep}
-    transient = max(parts.values(), key=lambda p: sum(v for k, v in p.items()
-                                                       if k not in keep + ("runtime",)))
+    transient = max(
+        parts.values(), key=lambda p: sum(v for k, v in p.items() if k not in keep + ("runtime",))
+    )
     out.update({k: v for k, v in transient.items() if k not in keep})
     return out
 
 
-def check_memory(cfgs: dict[str, ModelConfig], *, batch_size: int, seq_len: int, dtype: str,
-                 world: int = 1, local_world: Optional[int] = None, device: str = "cpu",
-                 what: str = "this run", available: Optional[int] = None) -> dict[str, int]:
+def check_memory(
+    cfgs: dict[str, ModelConfig],
+    *,
+    batch_size: int,
+    seq_len: int,
+    dtype: str,
+    world: int = 1,
+    local_world: Optional[int] = None,
+    device: str = "cpu",
+    what: str = "this run",
+    available: Optional[int] = None,
+) -> dict[str, int]:
     """The estimated peak bytes of training ``cfgs`` together (:mod:`smelt_model.memory`),
     refused with :class:`~smelt_model.memory.MemoryRefusal` (one line) when it does not fit.
 
@@ -75,8 +92,14 @@ def check_memory(cfgs: dict[str, ModelConfig], *, batch_size: int, seq_len: int,
     act = 2 if dtype == "bf16" else 4
     parts = {}
     for arch, cfg in cfgs.items():
-        p = memory.estimate(cfg, tokens=batch_size * seq_len, seq_len=seq_len, train=True,
-                            param_bytes=4, act_bytes=act)
+        p = memory.estimate(
+            cfg,
+            tokens=batch_size * seq_len,
+            seq_len=seq_len,
+            train=True,
+            param_bytes=4,
+            act_bytes=act,
+        )
         for k in ("weights", "gradients", "optimizer", "workspace"):
             p[k] = -(-p[k] // world)
         parts[arch] = p
@@ -88,12 +111,18 @@ def check_memory(cfgs: dict[str, ModelConfig], *, batch_size: int, seq_len: int,
         total = {k: v * procs for k, v in total.items()}
     name = " + ".join(cfgs)
     where = ("this machine" if dev.type == "cpu" else str(dev)) + (
-        f" ({procs} processes)" if procs > 1 else "")
+        f" ({procs} processes)" if procs > 1 else ""
+    )
     if available is None:
         available = memory.available(dev)
-    memory.check({name: total}, available, what=what, where=where,
-                 hint="use a smaller model, a smaller --batch-size (--tokens-per-step stays "
-                      "the same, by accumulation) or --dtype bf16")
+    memory.check(
+        {name: total},
+        available,
+        what=what,
+        where=where,
+        hint="use a smaller model, a smaller --batch-size (--tokens-per-step stays "
+        "the same, by accumulation) or --dtype bf16",
+    )
     return total
 
 
@@ -141,10 +170,19 @@ class Trainer:
     (default: stderr, rank 0).
     """
 
-    def __init__(self, spec: RunSpec, train: Packed, val: Optional[Packed], out: Path, *,
-                 backend: Optional[str] = None, device: str = "cpu", resume: bool = False,
-                 allow_nonbitwise: bool = False,
-                 warn: Optional[Callable[[str], None]] = None):
+    def __init__(
+        self,
+        spec: RunSpec,
+        train: Packed,
+        val: Optional[Packed],
+        out: Path,
+        *,
+        backend: Optional[str] = None,
+        device: str = "cpu",
+        resume: bool = False,
+        allow_nonbitwise: bool = False,
+        warn: Optional[Callable[[str], None]] = None,
+    ):
         from dataclasses import replace
 
         from ..model import SmeltLM
@@ -160,14 +198,17 @@ class Trainer:
         rows = spec.tokens_per_step // spec.seq_len
         self.rows_per_step = rows
         self.accum = rows // (spec.batch_size * self.world)
-        if rows * spec.seq_len != spec.tokens_per_step or self.accum * spec.batch_size * \
-                self.world != rows or self.accum < 1:
+        if (
+            rows * spec.seq_len != spec.tokens_per_step
+            or self.accum * spec.batch_size * self.world != rows
+            or self.accum < 1
+        ):
             raise ValueError(
                 f"--tokens-per-step ({spec.tokens_per_step}) must be a multiple of --seq-len "
                 f"x --batch-size x world size ({spec.seq_len} x {spec.batch_size} x "
-                f"{self.world})")
-        self.ledger = budget.ledger(self.cfg, mean_doc_len=train.mean_doc_len,
-                                    seq_len=spec.seq_len)
+                f"{self.world})"
+            )
+        self.ledger = budget.ledger(self.cfg, mean_doc_len=train.mean_doc_len, seq_len=spec.seq_len)
         self.flops_per_token = self.ledger.flops_per_token
         # compare with the run on disk before anything large is built
         saved = self._check_run_file(resume, allow_nonbitwise)
@@ -182,8 +223,13 @@ class Trainer:
         decay = [p for p in model.parameters() if p.ndim >= 2]
         other = [p for p in model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": spec.weight_decay},
-             {"params": other, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.95))
+            [
+                {"params": decay, "weight_decay": spec.weight_decay},
+                {"params": other, "weight_decay": 0.0},
+            ],
+            lr=spec.lr,
+            betas=(0.9, 0.95),
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step_count = 0
         self.seconds = 0.0
@@ -225,7 +271,7 @@ class Trainer:
             g = first + done
             epoch, pos = divmod(g, n)
             take = min(self.rows_per_step - done, n - pos)
-            idx[done:done + take] = epoch_order(n, self.spec.seed, epoch)[pos:pos + take]
+            idx[done : done + take] = epoch_order(n, self.spec.seed, epoch)[pos : pos + take]
             done += take
         return idx
 
@@ -262,7 +308,7 @@ class Trainer:
         loss_sum, aux_sum = 0.0, 0.0
         for a in range(self.accum):
             m = a * self.world + self.rank
-            ids, seg, labels = self._tensors(d, rows[m * b:(m + 1) * b])
+            ids, seg, labels = self._tensors(d, rows[m * b : (m + 1) * b])
             n = valid_targets(seg.cpu().numpy(), labels.cpu().numpy())
             with self._autocast():
                 out = self.model(ids, seg, labels=labels)
@@ -284,10 +330,17 @@ class Trainer:
         loss_sum, aux_sum = _all_reduce([loss_sum, aux_sum], self.device)
         self.seconds += time.perf_counter() - t0
         self.step_count += 1
-        rec = {"arch": s.arch, "step": self.step_count, "tokens": self.tokens,
-               "flops": self.flops, "seconds": self.seconds, "loss": loss_sum / max(n_total, 1),
-               "aux_loss": aux_sum / (self.accum * self.world) if aux_sum else None,
-               "lr": lr, "grad_norm": float(norm)}
+        rec = {
+            "arch": s.arch,
+            "step": self.step_count,
+            "tokens": self.tokens,
+            "flops": self.flops,
+            "seconds": self.seconds,
+            "loss": loss_sum / max(n_total, 1),
+            "aux_loss": aux_sum / (self.accum * self.world) if aux_sum else None,
+            "lr": lr,
+            "grad_norm": float(norm),
+        }
         self._log(rec)
         checkpoint.crash_point("step", self.step_count)
         return rec
@@ -307,7 +360,7 @@ class Trainer:
         mine = np.arange(self.rank, n_rows, self.world)
         ce, count = 0.0, 0
         for i in range(0, len(mine), b):
-            ids, seg, labels = self._tensors(v, mine[i:i + b])
+            ids, seg, labels = self._tensors(v, mine[i : i + b])
             n = valid_targets(seg.cpu().numpy(), labels.cpu().numpy())
             with self._autocast():
                 out = self.model(ids, seg, labels=labels)
@@ -315,13 +368,26 @@ class Trainer:
             count += n
         ce, count = _all_reduce([ce, float(count)], self.device)
         self.last_val = ce / max(count, 1)
-        rec = {"arch": self.spec.arch, "step": self.step_count, "tokens": self.tokens,
-               "flops": self.flops, "seconds": self.seconds, "val_loss": self.last_val}
+        rec = {
+            "arch": self.spec.arch,
+            "step": self.step_count,
+            "tokens": self.tokens,
+            "flops": self.flops,
+            "seconds": self.seconds,
+            "val_loss": self.last_val,
+        }
         self._log(rec)
         if self.rank == 0 and self.tokens > 0:  # the scaling fit needs D > 0
-            row = [self.spec.arch, repr(self.flops_per_token), repr(self.ledger.sparsity),
-                   str(self.tokens), repr(self.last_val), str(self.step_count),
-                   f"{self.seconds:.6f}", repr(self.flops)]
+            row = [
+                self.spec.arch,
+                repr(self.flops_per_token),
+                repr(self.ledger.sparsity),
+                str(self.tokens),
+                repr(self.last_val),
+                str(self.step_count),
+                f"{self.seconds:.6f}",
+                repr(self.flops),
+            ]
             with open(self.out / "endpoints.csv", "a") as fh:
                 fh.write(",".join(row) + "\n")
         return rec
@@ -346,8 +412,10 @@ class Trainer:
         path = self.out / "run.json"
         if not resume:
             if path.exists():
-                raise ValueError(f"--out {self.out} already holds a run; pass --resume to "
-                                 "continue it or choose another --out")
+                raise ValueError(
+                    f"--out {self.out} already holds a run; pass --resume to "
+                    "continue it or choose another --out"
+                )
             return None
         saved = read_run_file(path)
         note = compare(asdict(self.spec), saved, self.out, allow_nonbitwise)
@@ -362,14 +430,14 @@ class Trainer:
         for f, size in sizes.items():
             path = self.out / f
             if f not in LOGS or size < 0:
-                raise ValueError(f"{ckpt.path / checkpoint.STATE_JSON}: names an unknown log "
-                                 f"{f!r}")
+                raise ValueError(f"{ckpt.path / checkpoint.STATE_JSON}: names an unknown log {f!r}")
             have = path.stat().st_size if path.is_file() else None
             if have is None or have < size:
                 raise ValueError(
                     f"{path}: {'missing' if have is None else f'{have} bytes'}, but the "
                     f"checkpoint at step {ckpt.step} recorded {size}: the log was cut or "
-                    "replaced (restore it, or start a new run)")
+                    "replaced (restore it, or start a new run)"
+                )
             with open(path, "rb") as fh:
                 head = fh.read(size)
             try:
@@ -379,7 +447,8 @@ class Trainer:
                         if not isinstance(json.loads(line), dict):
                             raise ValueError("a line is not a JSON object")
                 elif (lines and lines[0] != ",".join(ENDPOINT_COLUMNS)) or any(
-                        len(line.split(",")) != len(ENDPOINT_COLUMNS) for line in lines[1:]):
+                    len(line.split(",")) != len(ENDPOINT_COLUMNS) for line in lines[1:]
+                ):
                     raise ValueError(f"expected the columns {','.join(ENDPOINT_COLUMNS)}")
             except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 raise ValueError(f"{path}: not a valid log ({str(e).splitlines()[0]})") from None
@@ -389,11 +458,16 @@ class Trainer:
         """(weights, optimizer state) as full, unsharded state dicts."""
         if self.world > 1:
             from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
 
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return (get_model_state_dict(self.model, options=opts),
-                    get_optimizer_state_dict(self.model, self.optimizer, options=opts))
+            return (
+                get_model_state_dict(self.model, options=opts),
+                get_optimizer_state_dict(self.model, self.optimizer, options=opts),
+            )
         return self.model.state_dict(), self.optimizer.state_dict()
 
     def save(self) -> None:
@@ -403,14 +477,26 @@ class Trainer:
             return
         sizes = {f: (self.out / f).stat().st_size for f in LOGS if (self.out / f).exists()}
         state = {
-            "step": self.step_count, "seconds": self.seconds, "last_val": self.last_val,
-            "optimizer": optim, "scheduler": self.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                    "python": random.getstate()},
+            "step": self.step_count,
+            "seconds": self.seconds,
+            "last_val": self.last_val,
+            "optimizer": optim,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            },
             "log_bytes": sizes,
         }
-        checkpoint.save(self.out / "checkpoints", self.step_count, weights,
-                        self.cfg.to_json(), state, keep=self.spec.keep)
+        checkpoint.save(
+            self.out / "checkpoints",
+            self.step_count,
+            weights,
+            self.cfg.to_json(),
+            state,
+            keep=self.spec.keep,
+        )
 
     def _resume(self, saved: RunSpec) -> None:
         """Continue from the newest checkpoint that loads; every check comes before the
@@ -425,15 +511,21 @@ class Trainer:
             raise ValueError(
                 f"--resume: {self.out} holds no checkpoint (the run stopped before its first, "
                 f"every {saved.save_every} steps); nothing was changed: start again with "
-                "another --out, or remove the run folder")
+                "another --out, or remove the run folder"
+            )
         if self.spec.steps < ckpt.step:
-            raise ValueError(f"--resume: the run is at step {ckpt.step}, past the {self.spec.steps} "
-                             "steps asked for: give --steps (or --tokens / --budget-flops) of "
-                             f"at least {ckpt.step}")
+            raise ValueError(
+                f"--resume: the run is at step {ckpt.step}, past the {self.spec.steps} "
+                "steps asked for: give --steps (or --tokens / --budget-flops) of "
+                f"at least {ckpt.step}"
+            )
         sizes = self._check_logs(ckpt)
         self._load(ckpt)
-        self.step_count, self.seconds, self.last_val = (ckpt.step, float(ckpt.state["seconds"]),
-                                                        ckpt.state["last_val"])
+        self.step_count, self.seconds, self.last_val = (
+            ckpt.step,
+            float(ckpt.state["seconds"]),
+            ckpt.state["last_val"],
+        )
         if self.rank != 0:
             return
         for f, size in sizes.items():  # drop what the interrupted run logged after its checkpoint
@@ -443,10 +535,14 @@ class Trainer:
             self._write_run_file()
             tail = ""
             if self.spec.steps > self.spec.schedule_steps:
-                tail = (f"; steps past {self.spec.schedule_steps} keep the schedule's final "
-                        f"learning rate ({self.spec.min_lr_ratio * self.spec.lr:g})")
-            self.warn(f"{self.out}: the run now stops at step {self.spec.steps} "
-                      f"(it was {saved.steps}){tail}")
+                tail = (
+                    f"; steps past {self.spec.schedule_steps} keep the schedule's final "
+                    f"learning rate ({self.spec.min_lr_ratio * self.spec.lr:g})"
+                )
+            self.warn(
+                f"{self.out}: the run now stops at step {self.spec.steps} "
+                f"(it was {saved.steps}){tail}"
+            )
 
     def _load(self, ckpt: checkpoint.Checkpoint) -> None:
         """Put the checkpoint's weights, optimizer, scheduler and RNG states in place."""
@@ -455,17 +551,21 @@ class Trainer:
         have = {k: tuple(v.shape) for k, v in ckpt.weights.items()}
         if want != have:
             odd = sorted(set(want) ^ set(have)) or [k for k in want if want[k] != have[k]]
-            raise ValueError(f"{ckpt.path / checkpoint.WEIGHTS}: does not fit the run's model "
-                             f"({len(odd)} tensor(s) differ, e.g. {odd[0]})")
+            raise ValueError(
+                f"{ckpt.path / checkpoint.WEIGHTS}: does not fit the run's model "
+                f"({len(odd)} tensor(s) differ, e.g. {odd[0]})"
+            )
         try:
             if self.world > 1:
                 from torch.distributed.checkpoint.state_dict import (
-                    StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+                    StateDictOptions,
+                    set_model_state_dict,
+                    set_optimizer_state_dict,
+                )
 
                 opts = StateDictOptions(full_state_dict=True)
                 set_model_state_dict(self.model, ckpt.weights, options=opts)
-                set_optimizer_state_dict(self.model, self.optimizer, st["optimizer"],
-                                         options=opts)
+                set_optimizer_state_dict(self.model, self.optimizer, st["optimizer"], options=opts)
             else:
                 self.model.load_state_dict(ckpt.weights)
                 self.optimizer.load_state_dict(st["optimizer"])
@@ -476,5 +576,6 @@ class Trainer:
             random.setstate(rng["python"])
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{ckpt.path / checkpoint.STATE_JSON}: does not fit the run "
-                             f"({first})") from None
+            raise ValueError(
+                f"{ckpt.path / checkpoint.STATE_JSON}: does not fit the run ({first})"
+            ) from None

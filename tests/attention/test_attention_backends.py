@@ -4,13 +4,15 @@ pure-torch reference, and, on a GPU machine, the CUDA kernel and the paper's sha
 
 import pytest
 import torch
-
 from helpers import device_for
 from helpers_attention import check, make_inputs, make_segments, run_and_compare
+
 from smelt_kernels import backends
 from smelt_kernels.attention import segment_attention
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 
 
 def test_cuda_forward_borrows_a_backward():
@@ -33,8 +35,9 @@ def test_opcheck(name):
     torch.library.opcheck(fwd, (q, k, v, None, 0.25, name, False))
     o, lse, _ = fwd(q, k, v, seg, 0.25, name, False)
     bwd = torch.ops.smelt.segment_attention_bwd.default
-    torch.library.opcheck(bwd, (do, q.detach(), k.detach(), v.detach(), o.detach(), lse, seg,
-                                0.25, name))
+    torch.library.opcheck(
+        bwd, (do, q.detach(), k.detach(), v.detach(), o.detach(), lse, seg, 0.25, name)
+    )
 
 
 @pytest.mark.parametrize("name", [None, "torch"])
@@ -46,8 +49,9 @@ def test_torch_compile_fullgraph(name):
     seg = make_segments("mixed", 2, 24)
 
     def step(q, k, v, seg):
-        o, lse, sink = segment_attention(q, k, v, seg, return_lse=True, return_sink=True,
-                                         backend=name)
+        o, lse, sink = segment_attention(
+            q, k, v, seg, return_lse=True, return_sink=True, backend=name
+        )
         return (o * do).sum(), lse, sink
 
     compiled = torch.compile(step, fullgraph=True)
@@ -74,8 +78,10 @@ def _cuda_kernel_reason(dev):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D,heads,layout", [(64, (4, 2), "mixed"), (88, (12, 2), "inside"),
-                                            (128, (10, 2), "edge"), (40, (6, 6), "none")])
+@pytest.mark.parametrize(
+    "D,heads,layout",
+    [(64, (4, 2), "mixed"), (88, (12, 2), "inside"), (128, (10, 2), "edge"), (40, (6, 6), "none")],
+)
 def test_cuda_kernel_against_reference(dtype, D, heads, layout):
     dev = _cuda_or_skip()
     reason = _cuda_kernel_reason(dev)
@@ -101,8 +107,9 @@ def test_cuda_invalid_ids_rejected_or_nan_when_unchecked():
     for name in names:
         with pytest.raises(ValueError, match="non-decreasing.*row 1"):
             segment_attention(q, k, v, seg, backend=name)
-        o, lse, sink = segment_attention(q, k, v, seg, return_lse=True, return_sink=True,
-                                         backend=name, check_values=False)
+        o, lse, sink = segment_attention(
+            q, k, v, seg, return_lse=True, return_sink=True, backend=name, check_values=False
+        )
         assert torch.isfinite(o[0]).all() and torch.isfinite(sink[0]).all(), name
         assert torch.isnan(o[1]).all() and torch.isnan(lse[1]).all(), name
         assert torch.isnan(sink[1]).all(), name

@@ -5,16 +5,18 @@ nothing to any output or gradient, so a NaN in one document never reaches anothe
 
 import pytest
 import torch
-
 from helpers import device_for
+
 from smelt_kernels import backends
 from smelt_kernels.attention import cpu as attention_cpu
-from smelt_kernels.attention import reference, segment_attention
+from smelt_kernels.attention import segment_attention
 
 # the interpreter computes with numpy, which warns about the NaNs these tests put in on purpose
-pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
+]
 BACKENDS = ["torch", "cpu", "triton"]
 
 
@@ -44,7 +46,9 @@ ZERO_CASES = {  # (B, Tq, Tk, Hq, Hkv, D)
 def test_zero_size_public_op(backend, case):
     dev = _device(backend)
     B, Tq, Tk, Hq, Hkv, D = ZERO_CASES[case]
-    q, k, v, do = (torch.randn(B, t, h, D, device=dev) for t, h in ((Tq, Hq), (Tk, Hkv), (Tk, Hkv), (Tq, Hq)))
+    q, k, v, do = (
+        torch.randn(B, t, h, D, device=dev) for t, h in ((Tq, Hq), (Tk, Hkv), (Tk, Hkv), (Tq, Hq))
+    )
     seg = torch.zeros(B, Tk, dtype=torch.int64, device=dev)
     xs = [t.clone().requires_grad_() for t in (q, k, v)]
     o, lse, sink = segment_attention(*xs, seg, return_lse=True, return_sink=True, backend=backend)
@@ -54,7 +58,9 @@ def test_zero_size_public_op(backend, case):
         assert g.shape == like.shape and torch.equal(g, torch.zeros_like(like))
 
 
-@pytest.mark.skipif(attention_cpu.native_missing() is not None, reason="no native CPU attention kernel")
+@pytest.mark.skipif(
+    attention_cpu.native_missing() is not None, reason="no native CPU attention kernel"
+)
 @pytest.mark.parametrize("case", ZERO_CASES)
 def test_zero_size_native_ops(case):
     """The native kernel itself: nothing to compute, and dK, dV written as zeros."""
@@ -62,8 +68,14 @@ def test_zero_size_native_ops(case):
     q, k, v = torch.randn(B, Tq, Hq, D), torch.randn(B, Tk, Hkv, D), torch.randn(B, Tk, Hkv, D)
     o, lse = torch.ops.smelt_cpu.segment_attention_infer(q, k, v, None, 0.25)
     assert o.shape == q.shape and lse.shape == (B, Hq, Tq)
-    dq, dk, dv = torch.empty_like(q), torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-    torch.ops.smelt_cpu.segment_attention_bwd(torch.randn_like(q), q, k, v, o, lse, None, 0.25, dq, dk, dv)
+    dq, dk, dv = (
+        torch.empty_like(q),
+        torch.full_like(k, float("nan")),
+        torch.full_like(v, float("nan")),
+    )
+    torch.ops.smelt_cpu.segment_attention_bwd(
+        torch.randn_like(q), q, k, v, o, lse, None, 0.25, dq, dk, dv
+    )
     assert torch.equal(dk, torch.zeros_like(k)) and torch.equal(dv, torch.zeros_like(v))
 
 
@@ -170,8 +182,9 @@ def test_masked_non_finite_adds_nothing(backend, case, value):
     q, k, v, do, seg = _case(sum(lengths), lengths, Hq=4, Hkv=2, D=16, seed=pos)
     named = dict(q=q, k=k, v=v, do=do)
     named[which] = _poison(named[which], pos, value)
-    want = _check_nan_case(backend, dev, (named["q"], named["k"], named["v"], named["do"]), seg,
-                           exact_columns=True)
+    want = _check_nan_case(
+        backend, dev, (named["q"], named["k"], named["v"], named["do"]), seg, exact_columns=True
+    )
     # nothing crosses a document boundary
     doc = seg[0]
     for x in want[2:]:
@@ -215,7 +228,9 @@ try:
         r = tl.arange(0, 4)
         qi = qi0 + r
         at = BASE.to(tl.int64)
-        tl.store(OUT + r, tl.reshape(_rows(BASE, qi, qi0, h0 + r * 0, st, sh).to(tl.int64) - at, (4,)))
+        tl.store(
+            OUT + r, tl.reshape(_rows(BASE, qi, qi0, h0 + r * 0, st, sh).to(tl.int64) - at, (4,))
+        )
         tl.store(OUT + 4 + r, tl.reshape(_key_ptrs(BASE, n0, skt, 4).to(tl.int64) - at, (4,)))
         tl.store(OUT + 8 + r, (qi * st).to(tl.int64))
         tl.store(OUT + 12 + r, tl.reshape(_key_rows(n0 + r, skt), (4,)))

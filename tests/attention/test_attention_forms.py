@@ -5,13 +5,15 @@ determinism."""
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import device_for
 from helpers_attention import agree, check, ids_from_lengths, make_inputs, make_segments
+
 from smelt_kernels import _alloc
 from smelt_kernels.attention import segment_attention
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 
 
 @pytest.mark.parametrize("Tq", [1, 5])
@@ -23,13 +25,14 @@ def test_decode_matches_full_recompute(backend_device, Tq):
     q_all, k_cache, v_cache, _ = make_inputs(B, cap, cap, hq, hkv, D, torch.float32, dev, seed=3)
     ids = make_segments("mixed", B, cap, seed=4).to(dev)
     k, v, seg = k_cache[:, :n], v_cache[:, :n], ids[:, :n]  # strided views, as in generation
-    full = segment_attention(q_all[:, :n], k, v, seg, return_lse=True, return_sink=False,
-                             backend=name)
-    q = q_all[:, n - Tq:n].clone().requires_grad_()
+    full = segment_attention(
+        q_all[:, :n], k, v, seg, return_lse=True, return_sink=False, backend=name
+    )
+    q = q_all[:, n - Tq : n].clone().requires_grad_()
     kk, vv = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
     o, lse = segment_attention(q, kk, vv, seg, return_lse=True, backend=name)
-    agree("o vs full", o, full[0][:, n - Tq:], 1e-5)
-    agree("lse vs full", lse, full[1][:, :, n - Tq:], 1e-5)
+    agree("o vs full", o, full[0][:, n - Tq :], 1e-5)
+    agree("lse vs full", lse, full[1][:, :, n - Tq :], 1e-5)
     do = torch.randn_like(o)
     grads = torch.autograd.grad(o, (q, kk, vv), do)
     _, sink = segment_attention(q, kk, vv, seg, return_sink=True, backend=name)
@@ -47,8 +50,13 @@ def test_against_sdpa(name, layout):
     pos = torch.arange(T)
     mask = (ids[:, :, None] == ids[:, None, :]) & (pos[None, None, :] <= pos[None, :, None])
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None], enable_gqa=True).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None],
+        enable_gqa=True,
+    ).transpose(1, 2)
     got = segment_attention(q, k, v, seg, backend=name)
     assert (got - ref).abs().max().item() < 1e-12
     g_ref = torch.autograd.grad(ref, (q, k, v), do)
@@ -72,8 +80,9 @@ def test_sink_by_hand(backend_device):
     expect = sum(terms) / len(terms)
     assert torch.allclose(sink.cpu(), torch.full((1, 2), expect), atol=1e-6)
     # only segment starts: nothing counted, sink 0
-    _, sink = segment_attention(q, k, v, torch.arange(T)[None].to(dev), return_sink=True,
-                                backend=name)
+    _, sink = segment_attention(
+        q, k, v, torch.arange(T)[None].to(dev), return_sink=True, backend=name
+    )
     assert torch.equal(sink.cpu(), torch.zeros(1, 2))
 
 
@@ -90,12 +99,13 @@ def test_poisoned_outputs_are_overwritten(backend_device):
     unwritten element shows up as NaN here (and in every comparison above)."""
     assert _alloc.poisoning()
     name, dev = backend_device
-    for (B, Tq, Tk, hq, hkv, D) in [(3, 19, 23, 6, 2, 24), (1, 1, 1, 1, 1, 8), (2, 33, 33, 3, 1, 56)]:
+    for B, Tq, Tk, hq, hkv, D in [(3, 19, 23, 6, 2, 24), (1, 1, 1, 1, 1, 8), (2, 33, 33, 3, 1, 56)]:
         q, k, v, do = make_inputs(B, Tq, Tk, hq, hkv, D, torch.float32, dev, seed=B)
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         seg = make_segments("mixed", B, Tk, seed=Tk).to(dev)
-        o, lse, sink = segment_attention(q, k, v, seg, return_lse=True, return_sink=True,
-                                         backend=name)
+        o, lse, sink = segment_attention(
+            q, k, v, seg, return_lse=True, return_sink=True, backend=name
+        )
         grads = torch.autograd.grad(o, (q, k, v), do)
         for t in (o, lse, sink, *grads):
             assert torch.isfinite(t).all()
@@ -103,7 +113,7 @@ def test_poisoned_outputs_are_overwritten(backend_device):
 
 def test_empty_inputs(backend_device):
     name, dev = backend_device
-    for (B, Tq, Tk) in [(0, 4, 4), (2, 0, 5)]:
+    for B, Tq, Tk in [(0, 4, 4), (2, 0, 5)]:
         q, k, v, _ = make_inputs(B, Tq, Tk, 4, 2, 16, torch.float32, dev)
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         o, lse, sink = segment_attention(q, k, v, return_lse=True, return_sink=True, backend=name)

@@ -7,11 +7,12 @@ import itertools
 
 import pytest
 import torch
-
 from helpers_attention import DIMS, HEADS, LAYOUTS, make_segments, run_and_compare
 
 # the Triton interpreter (numpy) warns on every scalar index; not ours to fix
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 
 
 def _grid():
@@ -19,8 +20,9 @@ def _grid():
     head ratio cycling, so each value of each axis meets the others."""
     cases = []
     i = 0
-    for T, layout, dtype in itertools.product([1, 17, 64, 130], LAYOUTS,
-                                              [torch.float32, torch.float16]):
+    for T, layout, dtype in itertools.product(
+        [1, 17, 64, 130], LAYOUTS, [torch.float32, torch.float16]
+    ):
         if T == 1 and layout not in ("none", "ones"):
             continue
         cases.append((T, DIMS[i % 3], HEADS[(i // 3) % 3], layout, dtype))
@@ -31,9 +33,11 @@ def _grid():
 GRID = _grid()
 
 
-@pytest.mark.parametrize("T,D,heads,layout,dtype", GRID,
-                         ids=[f"T{c[0]}-D{c[1]}-H{c[2][0]}x{c[2][1]}-{c[3]}-{str(c[4])[6:]}"
-                              for c in GRID])
+@pytest.mark.parametrize(
+    "T,D,heads,layout,dtype",
+    GRID,
+    ids=[f"T{c[0]}-D{c[1]}-H{c[2][0]}x{c[2][1]}-{c[3]}-{str(c[4])[6:]}" for c in GRID],
+)
 def test_against_reference(backend_device, T, D, heads, layout, dtype):
     name, dev = backend_device
     B = 2 if T <= 64 else 1
@@ -44,15 +48,25 @@ def test_against_reference(backend_device, T, D, heads, layout, dtype):
 @pytest.mark.parametrize("D", [8, 24, 40])
 def test_small_head_dims_pad_internally(D, triton_device):
     """Any multiple of 8 up to 128 runs on the kernel backends (padded inside the kernel)."""
-    run_and_compare("triton", triton_device, 1, 33, 33, (4, 2), D, torch.float32,
-                    make_segments("mixed", 1, 33))
+    run_and_compare(
+        "triton", triton_device, 1, 33, 33, (4, 2), D, torch.float32, make_segments("mixed", 1, 33)
+    )
 
 
 def test_bfloat16_paths(triton_device):
     seg = make_segments("mixed", 2, 40)
     for name in ("cpu", "triton", "torch"):
-        run_and_compare(name, triton_device if name == "triton" else "cpu", 2, 40, 40, (6, 2), 64,
-                        torch.bfloat16, seg)
+        run_and_compare(
+            name,
+            triton_device if name == "triton" else "cpu",
+            2,
+            40,
+            40,
+            (6, 2),
+            64,
+            torch.bfloat16,
+            seg,
+        )
 
 
 @pytest.mark.parametrize("chunk", [16, 48])
@@ -64,7 +78,25 @@ def test_cpu_chunking(monkeypatch, chunk, layout):
     from smelt_kernels.attention import cpu as attention_cpu
 
     monkeypatch.setattr(attention_cpu, "CHUNK", chunk)
-    run_and_compare("cpu", "cpu", 2, 130, 130, (6, 2), 24, torch.float32,
-                    make_segments(layout, 2, 130, seed=chunk))
-    run_and_compare("cpu", "cpu", 2, 37, 130, (4, 1), 16, torch.float32,
-                    make_segments(layout, 2, 130, seed=chunk + 1))
+    run_and_compare(
+        "cpu",
+        "cpu",
+        2,
+        130,
+        130,
+        (6, 2),
+        24,
+        torch.float32,
+        make_segments(layout, 2, 130, seed=chunk),
+    )
+    run_and_compare(
+        "cpu",
+        "cpu",
+        2,
+        37,
+        130,
+        (4, 1),
+        16,
+        torch.float32,
+        make_segments(layout, 2, 130, seed=chunk + 1),
+    )

@@ -6,13 +6,15 @@ segment bounds and the NaN policy for unchecked ids."""
 
 import pytest
 import torch
-
 from helpers import triton_device
 from helpers_attention import make_inputs
+
 from smelt_kernels import backends
 from smelt_kernels.attention import segment_attention, segment_bounds, select_backend
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 
 
 def _qkv(B=1, Tq=8, Tk=8, hq=4, hkv=2, D=16, dtype=torch.float32):
@@ -23,24 +25,54 @@ BAD_INPUTS = [
     ("q rank", lambda q, k, v: (q[0], k, v, None), ValueError, "q must be 4-D"),
     ("k rank", lambda q, k, v: (q, k[..., None], v, None), ValueError, "k must be 4-D"),
     ("heads", lambda q, k, v: (q[:, :, :3], k, v, None), ValueError, "multiple of k/v heads"),
-    ("kv shapes", lambda q, k, v: (q, k, v[:, :5], None), ValueError, "k and v must have one shape"),
-    ("batch", lambda q, k, v: (q[:1], torch.cat([k, k]), torch.cat([v, v]), None), ValueError,
-     "batch"),
+    (
+        "kv shapes",
+        lambda q, k, v: (q, k, v[:, :5], None),
+        ValueError,
+        "k and v must have one shape",
+    ),
+    (
+        "batch",
+        lambda q, k, v: (q[:1], torch.cat([k, k]), torch.cat([v, v]), None),
+        ValueError,
+        "batch",
+    ),
     ("head dim", lambda q, k, v: (q, k[..., :8], v[..., :8], None), ValueError, "head dim"),
     ("Tq > Tk", lambda q, k, v: (q, k[:, :5], v[:, :5], None), ValueError, "exceeds"),
     ("k dtype", lambda q, k, v: (q, k.half(), v, None), TypeError, "k must have q's dtype"),
     ("int q", lambda q, k, v: (q.long(), k.long(), v.long(), None), TypeError, "floating"),
     ("k device", lambda q, k, v: (q, k.to("meta"), v, None), ValueError, "k is on meta"),
-    ("ids device", lambda q, k, v: (q, k, v, torch.zeros(1, 8, dtype=torch.long, device="meta")),
-     ValueError, "segment_ids is on meta"),
+    (
+        "ids device",
+        lambda q, k, v: (q, k, v, torch.zeros(1, 8, dtype=torch.long, device="meta")),
+        ValueError,
+        "segment_ids is on meta",
+    ),
     ("ids dtype", lambda q, k, v: (q, k, v, torch.zeros(1, 8)), TypeError, "integer tensor"),
-    ("ids bool", lambda q, k, v: (q, k, v, torch.zeros(1, 8, dtype=torch.bool)), TypeError,
-     "integer tensor"),
-    ("ids shape", lambda q, k, v: (q, k, v, torch.zeros(1, 7, dtype=torch.long)), ValueError,
-     r"shape \(B, Tk\)"),
-    ("not a tensor", lambda q, k, v: (q.tolist(), k, v, None), TypeError, "q must be a torch.Tensor"),
-    ("ids not a tensor", lambda q, k, v: (q, k, v, [[0] * 8]), TypeError,
-     "segment_ids must be a torch.Tensor or None"),
+    (
+        "ids bool",
+        lambda q, k, v: (q, k, v, torch.zeros(1, 8, dtype=torch.bool)),
+        TypeError,
+        "integer tensor",
+    ),
+    (
+        "ids shape",
+        lambda q, k, v: (q, k, v, torch.zeros(1, 7, dtype=torch.long)),
+        ValueError,
+        r"shape \(B, Tk\)",
+    ),
+    (
+        "not a tensor",
+        lambda q, k, v: (q.tolist(), k, v, None),
+        TypeError,
+        "q must be a torch.Tensor",
+    ),
+    (
+        "ids not a tensor",
+        lambda q, k, v: (q, k, v, [[0] * 8]),
+        TypeError,
+        "segment_ids must be a torch.Tensor or None",
+    ),
 ]
 
 
@@ -55,12 +87,16 @@ def test_bad_inputs_raise_clear_errors(case):
 
 def _forbid_kernels(monkeypatch):
     """Make every backend's compute raise, to show validation happens first."""
+
     def boom(*a, **kw):
         raise AssertionError("a kernel ran before validation")
 
     for impl in backends.implementations("segment_attention"):
-        monkeypatch.setitem(backends._REGISTRY["segment_attention"], impl.backend,
-                            backends.Implementation(**{**impl.__dict__, "forward": boom}))
+        monkeypatch.setitem(
+            backends._REGISTRY["segment_attention"],
+            impl.backend,
+            backends.Implementation(**{**impl.__dict__, "forward": boom}),
+        )
 
 
 def test_decreasing_segment_ids_rejected_before_launch(backend_device, monkeypatch):

@@ -12,9 +12,8 @@ import sys
 import pytest
 import torch
 
-from smelt_kernels.attention import reference
 from smelt_kernels.attention import cpu as attention_cpu
-from smelt_kernels.attention import segment_attention, segment_bounds
+from smelt_kernels.attention import reference, segment_attention, segment_bounds
 
 NATIVE = attention_cpu.native_missing()
 needs_native = pytest.mark.skipif(NATIVE is not None, reason=f"native kernel missing: {NATIVE}")
@@ -40,16 +39,22 @@ def segments(layout, B, T, seed=0):
         else:  # mixed: random lengths, some of 1
             lens = []
             while sum(lens) < T:
-                lens.append(min(int(torch.randint(1, max(2, T // 3) + 1, (1,), generator=gen)),
-                                T - sum(lens)))
+                lens.append(
+                    min(
+                        int(torch.randint(1, max(2, T // 3) + 1, (1,), generator=gen)),
+                        T - sum(lens),
+                    )
+                )
         rows.append(torch.repeat_interleave(torch.arange(len(lens)) * 3 + 1, torch.tensor(lens)))
     return torch.stack(rows)
 
 
 def inputs(B, Tq, Tk, hq, hkv, D, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(*s, generator=gen).to(dtype)
-            for s in ((B, Tq, hq, D), (B, Tk, hkv, D), (B, Tk, hkv, D), (B, Tq, hq, D))]
+    return [
+        torch.randn(*s, generator=gen).to(dtype)
+        for s in ((B, Tq, hq, D), (B, Tk, hkv, D), (B, Tk, hkv, D), (B, Tq, hq, D))
+    ]
 
 
 def close(name, got, ref, tol):
@@ -66,7 +71,7 @@ def check(B, Tq, Tk, hq, hkv, D, dtype, layout, seed=0, fwd=None, bwd=None):
     q, k, v, do = inputs(B, Tq, Tk, hq, hkv, D, dtype, seed)
     seg = segments(layout, B, Tk, seed + 1)
     start, end = segment_bounds(seg) if seg is not None else (None, None)
-    scale = D ** -0.5
+    scale = D**-0.5
     o, lse, psink = fwd(q, k, v, start, scale, True)
     dq, dk, dv = bwd(do, q, k, v, o, lse, start, end, scale)
 
@@ -93,8 +98,10 @@ def test_every_head_dim(D):
 HEADS = [(2, 2), (4, 1), (5, 1), (6, 1), (8, 2)]  # GQA 1:1, 4:1, 5:1, 6:1, 4:1 with 2 KV heads
 LAYOUTS = ["none", "one", "ones", "mixed"]
 # every (heads, layout) pair once, T and dtype cycling through 1 / 63 / 123 and fp32 / bf16
-CASES = [(h, lay, (1, 63, 123)[i % 3], (torch.float32, torch.bfloat16)[i % 2])
-         for i, (h, lay) in enumerate(itertools.product(HEADS, LAYOUTS))]
+CASES = [
+    (h, lay, (1, 63, 123)[i % 3], (torch.float32, torch.bfloat16)[i % 2])
+    for i, (h, lay) in enumerate(itertools.product(HEADS, LAYOUTS))
+]
 
 
 @needs_native
@@ -112,8 +119,15 @@ def test_single_token(dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("Tq,layout,dtype", [(1, "mixed", torch.float32), (5, "none", torch.float32),
-                                              (37, "mixed", torch.bfloat16), (1, "none", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "Tq,layout,dtype",
+    [
+        (1, "mixed", torch.float32),
+        (5, "none", torch.float32),
+        (37, "mixed", torch.bfloat16),
+        (1, "none", torch.bfloat16),
+    ],
+)
 def test_decode_form(Tq, layout, dtype):
     """Queries are the last Tq of Tk positions; keys no query sees get zero gradients."""
     check(2, Tq, 100, 8, 2, 40, dtype, layout, seed=Tq)
@@ -132,7 +146,7 @@ def test_cache_slices_read_where_they_lie(hkv, dtype):
     q = torch.randn(B, Tq, hq, D, generator=gen).to(dtype)
     do = torch.randn(B, Tq, hq, D, generator=gen).to(dtype)
     start, end = segment_bounds(segments("mixed", B, Tk, 3))
-    scale = D ** -0.5
+    scale = D**-0.5
     assert not k.is_contiguous()
     kd = k.transpose(-1, -2).contiguous().transpose(-1, -2)  # D strided
     for kk in (k, kd):
@@ -141,12 +155,14 @@ def test_cache_slices_read_where_they_lie(hkv, dtype):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
         grads = attention_cpu.native_backward(do, q, kk, v, got[0], got[1], start, end, scale)
-        want_g = attention_cpu.native_backward(do, q, k.contiguous(), v.contiguous(), got[0], got[1],
-                                               start, end, scale)
+        want_g = attention_cpu.native_backward(
+            do, q, k.contiguous(), v.contiguous(), got[0], got[1], start, end, scale
+        )
         for g, w in zip(grads, want_g):
             assert torch.equal(g, w)
-    ro = reference.segment_attention(q.double(), k.double(), v.double(),
-                                     segments("mixed", B, Tk, 3), scale)[0]
+    ro = reference.segment_attention(
+        q.double(), k.double(), v.double(), segments("mixed", B, Tk, 3), scale
+    )[0]
     close("o", got[0], ro, TOL[dtype]["o"])
 
 
@@ -159,7 +175,9 @@ def test_native_segment_starts_match_segment_bounds():
             got = starts(ids)
             assert got.dtype == torch.int32 and torch.equal(got, segment_bounds(ids)[0])
     assert starts(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0)
-    with pytest.raises(ValueError, match="non-decreasing along T; row 1 goes from 3 at position 2 to 1 at 3"):
+    with pytest.raises(
+        ValueError, match="non-decreasing along T; row 1 goes from 3 at position 2 to 1 at 3"
+    ):
         starts(torch.tensor([[0, 0, 0, 0], [0, 2, 3, 1]]))
     with pytest.raises(TypeError, match="integer"):
         starts(torch.zeros(1, 3))
@@ -194,12 +212,13 @@ def test_public_op_uses_native_and_matches_chunked():
     q, k, v, do = inputs(2, 90, 90, 6, 2, 88, torch.float32, seed=3)
     seg = segments("mixed", 2, 90, seed=4)
     outs = {}
-    for name, (f, b) in {"native": (attention_cpu.native_forward, attention_cpu.native_backward),
-                         "chunked": (attention_cpu.chunked_forward,
-                                     attention_cpu.chunked_backward)}.items():
+    for name, (f, b) in {
+        "native": (attention_cpu.native_forward, attention_cpu.native_backward),
+        "chunked": (attention_cpu.chunked_forward, attention_cpu.chunked_backward),
+    }.items():
         start, end = segment_bounds(seg)
-        o, lse, ps = f(q, k, v, start, 88 ** -0.5, True)
-        outs[name] = (o, lse, ps) + tuple(b(do, q, k, v, o, lse, start, end, 88 ** -0.5))
+        o, lse, ps = f(q, k, v, start, 88**-0.5, True)
+        outs[name] = (o, lse, ps) + tuple(b(do, q, k, v, o, lse, start, end, 88**-0.5))
     for a, c in zip(outs["native"], outs["chunked"]):
         torch.testing.assert_close(a, c, atol=5e-5, rtol=1e-4)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -214,8 +233,18 @@ def test_fallbacks_run_the_chunked_path():
     """float64 and head dims that are not a multiple of 8 take the chunked path, correctly."""
     assert attention_cpu.implementation(torch.float64, 64) == "chunked"
     assert attention_cpu.implementation(torch.float32, 12) == "chunked"
-    check(1, 40, 40, 4, 2, 12, torch.float32, "mixed", fwd=attention_cpu.forward,
-          bwd=attention_cpu.backward)
+    check(
+        1,
+        40,
+        40,
+        4,
+        2,
+        12,
+        torch.float32,
+        "mixed",
+        fwd=attention_cpu.forward,
+        bwd=attention_cpu.backward,
+    )
     q, k, v, _ = inputs(1, 20, 20, 2, 1, 16, torch.float64)
     o = segment_attention(q, k, v, segments("mixed", 1, 20), backend="cpu")
     ro = reference.segment_attention(q, k, v, segments("mixed", 1, 20))[0]
@@ -246,8 +275,9 @@ def _run_all(dtype):
         seg = segments(layout, 2, T, seed=12)
         start, end = segment_bounds(seg) if seg is not None else (None, None)
         o, lse, ps = attention_cpu.native_forward(q, k, v, start, 0.125, True)
-        out += (o, lse, ps) + tuple(attention_cpu.native_backward(do, q, k, v, o, lse, start, end,
-                                                                  0.125))
+        out += (o, lse, ps) + tuple(
+            attention_cpu.native_backward(do, q, k, v, o, lse, start, end, 0.125)
+        )
     return out
 
 
@@ -293,8 +323,9 @@ def test_instruction_set_variants(isa):
     env = dict(os.environ, SMELT_ATTENTION_ISA="" if isa == "native" else isa)
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join([root, here, env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     got_isa, ok = res.stdout.split()[-2:]
     assert ok == "ok"

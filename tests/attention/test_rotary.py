@@ -4,17 +4,27 @@ odd head dims, one position, no positions; which path a call takes; bad input.""
 
 import pytest
 import torch
-
 from helpers import assert_close, fp64_oracle, run_with_grads
-from smelt_kernels.attention.rotary import apply_rotary, implementation, native_missing, rotary_reference
+
+from smelt_kernels.attention.rotary import (
+    apply_rotary,
+    implementation,
+    native_missing,
+    rotary_reference,
+)
 from smelt_kernels.layers import Rotary
 
 NATIVE = native_missing()
 needs_native = pytest.mark.skipif(NATIVE is not None, reason=f"native kernel missing: {NATIVE}")
 
 # (B, T, heads, head_dim, per-batch tables)
-SHAPES = [(1, 1, 1, 2, False), (2, 7, 3, 10, False), (2, 33, 5, 64, False), (3, 5, 2, 96, True),
-          (2, 0, 2, 8, False)]
+SHAPES = [
+    (1, 1, 1, 2, False),
+    (2, 7, 3, 10, False),
+    (2, 33, 5, 64, False),
+    (3, 5, 2, 96, True),
+    (2, 0, 2, 8, False),
+]
 
 
 def _case(B, T, heads, D, per_batch, dtype, seed=0):
@@ -70,14 +80,17 @@ def test_other_inputs_take_the_reference():
     assert c.grad is not None and torch.isfinite(c.grad).all()
 
 
-@pytest.mark.parametrize("x, cos, error, match", [
-    (torch.randn(2, 3, 4), torch.randn(3, 2), ValueError, "B, T, heads, head_dim"),
-    (torch.randn(1, 3, 2, 5), torch.randn(3, 2), ValueError, "even head_dim"),
-    (torch.randn(1, 3, 2, 8), torch.randn(4, 4), ValueError, "cos and sin must both be"),
-    (torch.randn(1, 3, 2, 8), torch.randn(2, 3, 4), ValueError, "cos and sin must both be"),
-    (torch.ones(1, 3, 2, 8, dtype=torch.int64), torch.randn(3, 4), TypeError, "floating point"),
-    ("q", torch.randn(3, 4), TypeError, "must be a tensor"),
-])
+@pytest.mark.parametrize(
+    "x, cos, error, match",
+    [
+        (torch.randn(2, 3, 4), torch.randn(3, 2), ValueError, "B, T, heads, head_dim"),
+        (torch.randn(1, 3, 2, 5), torch.randn(3, 2), ValueError, "even head_dim"),
+        (torch.randn(1, 3, 2, 8), torch.randn(4, 4), ValueError, "cos and sin must both be"),
+        (torch.randn(1, 3, 2, 8), torch.randn(2, 3, 4), ValueError, "cos and sin must both be"),
+        (torch.ones(1, 3, 2, 8, dtype=torch.int64), torch.randn(3, 4), TypeError, "floating point"),
+        ("q", torch.randn(3, 4), TypeError, "must be a tensor"),
+    ],
+)
 def test_bad_input(x, cos, error, match):
     with pytest.raises(error, match=match):
         apply_rotary(x, cos, cos)

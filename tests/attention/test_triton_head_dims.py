@@ -14,7 +14,9 @@ from smelt_kernels import reference
 from smelt_kernels.attention import segment_bounds
 from smelt_kernels.attention import triton as attention_triton
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 
 HEAD_DIMS = [64, 72, 80, 88, 96, 112, 128]
 
@@ -50,8 +52,12 @@ def _segments(B, T, layout, gen):
 
 def _inputs(B, Tq, Tk, hq, hkv, D, dtype, dev, seed):
     gen = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(B, Tq, hq, D, generator=gen), torch.randn(B, Tk, hkv, D, generator=gen),
-          torch.randn(B, Tk, hkv, D, generator=gen), torch.randn(B, Tq, hq, D, generator=gen)]
+    xs = [
+        torch.randn(B, Tq, hq, D, generator=gen),
+        torch.randn(B, Tk, hkv, D, generator=gen),
+        torch.randn(B, Tk, hkv, D, generator=gen),
+        torch.randn(B, Tq, hq, D, generator=gen),
+    ]
     return [x.to(dtype).to(dev) for x in xs], gen
 
 
@@ -68,17 +74,18 @@ def _run(B, Tq, Tk, heads, D, dtype, layout, seed=0):
     (q, k, v, do), gen = _inputs(B, Tq, Tk, *heads, D, dtype, dev, seed)
     seg = _segments(B, Tk, layout, gen)
     start, end = (x.to(dev) for x in segment_bounds(seg))
-    scale = D ** -0.5
+    scale = D**-0.5
     o, lse, psink = attention_triton.forward(q, k, v, start, scale, True)
     dq, dk, dv = attention_triton.backward(do, q, k, v, o, lse, start, end, scale)
     ro, rlse, rsink, rgrads = _oracle(q, k, v, seg, do, scale)
     # the backend returns each query's probability on its segment's first key (0 for a
     # segment start); the reference, its mean over the queries that are not starts
     pos = torch.arange(Tk - Tq, Tk)
-    counted = (start.cpu()[:, Tk - Tq:] != pos).double()[:, None, :]
+    counted = (start.cpu()[:, Tk - Tq :] != pos).double()[:, None, :]
     sink = (psink.cpu().double() * counted).sum(-1) / counted.sum(-1).clamp_min(1)
-    return dict(o=(o, ro), lse=(lse, rlse), dq=(dq, rgrads[0]), dk=(dk, rgrads[1]),
-                dv=(dv, rgrads[2])), (psink, sink, rsink)
+    return dict(
+        o=(o, ro), lse=(lse, rlse), dq=(dq, rgrads[0]), dk=(dk, rgrads[1]), dv=(dv, rgrads[2])
+    ), (psink, sink, rsink)
 
 
 def _check(name, got, ref, rel, abs_=0.0):
@@ -106,7 +113,9 @@ def test_head_dim_split():
 
 
 @pytest.mark.parametrize("D", HEAD_DIMS)
-@pytest.mark.parametrize("heads,layout", [((6, 2), "mixed"), ((4, 1), "tile")], ids=["gqa3-mixed", "gqa4-tile"])
+@pytest.mark.parametrize(
+    "heads,layout", [((6, 2), "mixed"), ((4, 1), "tile")], ids=["gqa3-mixed", "gqa4-tile"]
+)
 def test_fp32_against_reference(D, heads, layout):
     """fp32 with exact products: forward (o, LSE, sink) and backward (dq, dk, dv)."""
     outs, (psink, sink, rsink) = _run(2, 37, 37, heads, D, torch.float32, layout, seed=D)
@@ -142,7 +151,7 @@ def test_bf16_against_emulated_reference(D):
     (q, k, v, do), gen = _inputs(2, 29, 29, 6, 2, D, torch.bfloat16, dev, 5)
     seg = _segments(2, 29, "mixed", gen)
     start, end = (x.to(dev) for x in segment_bounds(seg))
-    scale = D ** -0.5
+    scale = D**-0.5
     o, lse, _ = attention_triton.forward(q, k, v, start, scale, False)
     dq, dk, dv = attention_triton.backward(do, q, k, v, o, lse, start, end, scale)
     ref = _emulated(q, k, v, do, o, seg, scale)
@@ -153,7 +162,7 @@ def test_bf16_against_emulated_reference(D):
         if on_gpu:
             _check(name, got, emulated, 0.0, 6e-2)
         else:  # one bf16 step at most (fp32 noise across a rounding boundary)
-            _check(name, got, emulated, 2.0 ** -7 if name != "lse" else 1e-5, 1e-5)
+            _check(name, got, emulated, 2.0**-7 if name != "lse" else 1e-5, 1e-5)
 
 
 def to_bf16_as_stored(t: torch.Tensor) -> torch.Tensor:

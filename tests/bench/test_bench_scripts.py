@@ -25,8 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def nothing_runs(monkeypatch):
     """Fail the test if a benchmark gets past its checks."""
+
     def boom(*a, **k):
         raise AssertionError("the benchmark ran before its options were checked")
+
     monkeypatch.setattr(bench_attention, "run", boom)
     monkeypatch.setattr(bench_moe_gemm, "make_inputs", boom)
     monkeypatch.setattr(bench_moe_gemm, "decode_rows", boom)
@@ -43,53 +45,65 @@ def _one_line(prog, main, argv, capsys):
     return err
 
 
-@pytest.mark.parametrize("argv, word", [
-    (["--device", "tpu"], "--device"),
-    (["--device", "nonsense:x"], "--device"),
-    (["--dtype", "float8"], "--dtype"),
-    (["--batch", "0"], "--batch"),
-    (["--repeats", "abc"], "--repeats"),
-    (["--warmup", "-1"], "--warmup"),
-    (["--methods", "nope"], "--methods"),
-    (["--layouts", "nope"], "--layouts"),
-])
+@pytest.mark.parametrize(
+    "argv, word",
+    [
+        (["--device", "tpu"], "--device"),
+        (["--device", "nonsense:x"], "--device"),
+        (["--dtype", "float8"], "--dtype"),
+        (["--batch", "0"], "--batch"),
+        (["--repeats", "abc"], "--repeats"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--methods", "nope"], "--methods"),
+        (["--layouts", "nope"], "--layouts"),
+    ],
+)
 def test_bench_attention_bad_input(argv, word, capsys, nothing_runs):
     assert word in _one_line("bench_attention", bench_attention.main, argv, capsys)
 
 
-@pytest.mark.parametrize("argv, word", [
-    (["--device", "tpu"], "--device"),
-    (["--dtypes", "float8"], "--dtypes"),
-    (["--shapes", "nope"], "shape"),
-    (["--modes", "sideways"], "--modes"),
-    (["--skip", "nothing"], "--skip"),
-    (["--decode-tokens", "1,x"], "--decode-tokens"),
-    (["--decode-tokens", "0"], "--decode-tokens"),
-    (["--repeats", "0"], "--repeats"),
-    (["--backend", "nope"], "--backend"),
-    (["--min-time", "nan"], "--min-time"),
-])
+@pytest.mark.parametrize(
+    "argv, word",
+    [
+        (["--device", "tpu"], "--device"),
+        (["--dtypes", "float8"], "--dtypes"),
+        (["--shapes", "nope"], "shape"),
+        (["--modes", "sideways"], "--modes"),
+        (["--skip", "nothing"], "--skip"),
+        (["--decode-tokens", "1,x"], "--decode-tokens"),
+        (["--decode-tokens", "0"], "--decode-tokens"),
+        (["--repeats", "0"], "--repeats"),
+        (["--backend", "nope"], "--backend"),
+        (["--min-time", "nan"], "--min-time"),
+    ],
+)
 def test_bench_moe_gemm_bad_input(argv, word, capsys, nothing_runs):
     assert word in _one_line("bench_moe_gemm", bench_moe_gemm.main, argv, capsys)
 
 
-@pytest.mark.parametrize("argv, word", [
-    (["--preset", "nope"], "--preset"),
-    (["--budget-flops", "-1"], "--budget-flops"),
-    (["--budget-flops", "inf"], "--budget-flops"),
-    (["--seq-len", "1"], "--seq-len"),
-    (["--evals", "0"], "--evals"),
-    (["--threads", "x"], "--threads"),
-    (["--out", "."], "--out"),
-])
+@pytest.mark.parametrize(
+    "argv, word",
+    [
+        (["--preset", "nope"], "--preset"),
+        (["--budget-flops", "-1"], "--budget-flops"),
+        (["--budget-flops", "inf"], "--budget-flops"),
+        (["--seq-len", "1"], "--seq-len"),
+        (["--evals", "0"], "--evals"),
+        (["--threads", "x"], "--threads"),
+        (["--out", "."], "--out"),
+    ],
+)
 def test_time_to_loss_bad_input(argv, word, capsys, nothing_runs):
     assert word in _one_line("time_to_loss", time_to_loss.main, argv, capsys)
 
 
-@pytest.mark.parametrize("argv, word", [
-    (["--tokens", "10"], "--tokens"),
-    (["--rounds", "x"], "--rounds"),
-])
+@pytest.mark.parametrize(
+    "argv, word",
+    [
+        (["--tokens", "10"], "--tokens"),
+        (["--rounds", "x"], "--rounds"),
+    ],
+)
 def test_bench_peers_bad_input(argv, word, capsys, nothing_runs):
     assert word in _one_line("bench_peers", bench_peers.main, argv, capsys)
 
@@ -97,20 +111,28 @@ def test_bench_peers_bad_input(argv, word, capsys, nothing_runs):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CPU-only machine")
 def test_gpu_only_benchmarks_say_so_on_a_cpu_machine(capsys, nothing_runs):
     assert "CUDA" in _one_line("bench_peers", bench_peers.main, [], capsys)
-    assert "CUDA" in _one_line("bench_attention", bench_attention.main,
-                               ["--device", "cuda"], capsys)
-    assert "CUDA" in _one_line("bench_moe_gemm", bench_moe_gemm.main, ["--device", "cuda"],
-                               capsys)
+    assert "CUDA" in _one_line(
+        "bench_attention", bench_attention.main, ["--device", "cuda"], capsys
+    )
+    assert "CUDA" in _one_line("bench_moe_gemm", bench_moe_gemm.main, ["--device", "cuda"], capsys)
 
 
 def test_a_script_run_as_a_command_fails_in_one_line():
     """The scripts as a user runs them: ``python bench/x.py``, no sys.path set-up."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for script, argv in (("time_to_loss.py", ["--evals", "0"]),
-                         ("bench_moe_gemm.py", ["--modes", "sideways"]),
-                         ("looped_vs_baseline.py", ["--rounds", "0"])):
-        proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *argv],
-                              capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    for script, argv in (
+        ("time_to_loss.py", ["--evals", "0"]),
+        ("bench_moe_gemm.py", ["--modes", "sideways"]),
+        ("looped_vs_baseline.py", ["--rounds", "0"]),
+    ):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / script), *argv],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=120,
+        )
         err = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(err) == 1 and "error:" in err[0], proc.stderr
 

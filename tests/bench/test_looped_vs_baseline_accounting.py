@@ -6,8 +6,9 @@ from lvb.workload import Workload
 
 from smelt_model import budget, presets
 
-WL = Workload(batch=2, seq_len=64, mean_doc_len=40.0, decode_prompt=8, decode_steps=2,
-              decode_batches=(1, 8))
+WL = Workload(
+    batch=2, seq_len=64, mean_doc_len=40.0, decode_prompt=8, decode_steps=2, decode_batches=(1, 8)
+)
 
 
 @pytest.mark.parametrize("name", ["tiny", "100M-S85"])
@@ -24,7 +25,8 @@ def test_components_cover_the_ledgers_step(name, arch):
         # every ledger FLOP of the step but the final norm's, each part in one component
         assert sum(comp.values()) + share * by["final_norm"] * WL.tokens == pytest.approx(step)
         assert comp["attention"] == pytest.approx(
-            share * WL.tokens * (by["attention"] + by["attention_scores"]))
+            share * WL.tokens * (by["attention"] + by["attention_scores"])
+        )
         assert comp["moe_gemm"] == pytest.approx(share * WL.tokens * by["experts"])
         assert comp["embed_head"] == 0 and ("optimizer" in comp) == train
 
@@ -33,11 +35,14 @@ def test_decode_flops_and_bytes_read_the_ledger():
     cfg = presets.pair("tiny")[1]
     led = budget.ledger(cfg, kv_dtype_bytes=4)
     assert accounting.flops_for("decode", led, cfg, WL, ctx=100, batch=8) == pytest.approx(
-        8 * budget.decode_flops_per_token(cfg, 100))
+        8 * budget.decode_flops_per_token(cfg, 100)
+    )
     with pytest.raises(ValueError, match="mode"):
         accounting.flops_for("sideways", led, cfg, WL)
     # the KV cache: the ledger's bytes per token, per cached position and sequence
-    step = accounting.decode_bytes(cfg, led, 8, 101, 4) - accounting.decode_bytes(cfg, led, 8, 100, 4)
+    step = accounting.decode_bytes(cfg, led, 8, 101, 4) - accounting.decode_bytes(
+        cfg, led, 8, 100, 4
+    )
     assert step == pytest.approx(8 * led.kv_bytes_per_token)
     # a batch that selects every expert reads every executed layer's whole weights
     parts = led.params_by_part
@@ -46,6 +51,10 @@ def test_decode_flops_and_bytes_read_the_ledger():
     assert accounting.distinct_experts(E, cfg.top_k, big) == pytest.approx(E)
     assert accounting.distinct_experts(E, cfg.top_k, 1) == pytest.approx(cfg.top_k)
     layers = sum(v for k, v in parts.items() if k != "final_norm")
-    want = (led.executed_layers * layers / cfg.n_layers + parts["final_norm"]
-            + cfg.vocab_size * H + big * H) * 4
+    want = (
+        led.executed_layers * layers / cfg.n_layers
+        + parts["final_norm"]
+        + cfg.vocab_size * H
+        + big * H
+    ) * 4
     assert accounting.decode_bytes(cfg, led, big, 0, 4) == pytest.approx(want)

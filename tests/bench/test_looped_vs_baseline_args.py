@@ -4,7 +4,6 @@ import sys
 
 import pytest
 import torch
-
 from lvb import cli, driver, runners, workload
 
 from smelt_model import budget, presets
@@ -15,8 +14,10 @@ GiB = 2**30
 @pytest.fixture
 def nothing_runs(monkeypatch):
     """Fail the test if a model is built or anything is measured."""
+
     def boom(*a, **k):
         raise AssertionError("a model was built or measured before the options were checked")
+
     monkeypatch.setattr(runners, "build", boom)
     monkeypatch.setattr(runners, "measure_block", boom)
 
@@ -29,35 +30,39 @@ def _fails(argv, capsys):
     return err
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["--tokens", "0"], "--tokens"),
-    (["--tokens", "-5"], "--tokens"),
-    (["--seq-len", "0"], "--seq-len"),
-    (["--tokens", "100", "--seq-len", "64"], "--tokens"),
-    (["--repeats", "0"], "--repeats"),
-    (["--repeats", "1", "--rounds", "2"], "--repeats"),
-    (["--rounds", "0"], "--rounds"),
-    (["--warmup", "-1"], "--warmup"),
-    (["--decode-steps", "0"], "--decode-steps"),
-    (["--decode-prompt", "0"], "--decode-prompt"),
-    (["--decode-batch", "1", "0"], "--decode-batch"),
-    (["--mean-doc-len", "0"], "--mean-doc-len"),
-    (["--mean-doc-len", "nan"], "--mean-doc-len"),
-    (["--tolerance", "1.5"], "--tolerance"),
-    (["--max-tries", "0"], "--max-tries"),
-    (["--threads", "0"], "--threads"),
-    (["--tokens", "abc"], "--tokens"),
-    (["--preset", "nope"], "--preset"),
-    (["--mode", "nope"], "--mode"),
-])
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--tokens", "0"], "--tokens"),
+        (["--tokens", "-5"], "--tokens"),
+        (["--seq-len", "0"], "--seq-len"),
+        (["--tokens", "100", "--seq-len", "64"], "--tokens"),
+        (["--repeats", "0"], "--repeats"),
+        (["--repeats", "1", "--rounds", "2"], "--repeats"),
+        (["--rounds", "0"], "--rounds"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--decode-steps", "0"], "--decode-steps"),
+        (["--decode-prompt", "0"], "--decode-prompt"),
+        (["--decode-batch", "1", "0"], "--decode-batch"),
+        (["--mean-doc-len", "0"], "--mean-doc-len"),
+        (["--mean-doc-len", "nan"], "--mean-doc-len"),
+        (["--tolerance", "1.5"], "--tolerance"),
+        (["--max-tries", "0"], "--max-tries"),
+        (["--threads", "0"], "--threads"),
+        (["--tokens", "abc"], "--tokens"),
+        (["--preset", "nope"], "--preset"),
+        (["--mode", "nope"], "--mode"),
+    ],
+)
 def test_bad_option_names_itself(argv, option, capsys, nothing_runs):
     err = _fails(argv, capsys)
     assert option in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CPU-only machine")
-@pytest.mark.parametrize("argv", [["--backend", "cuda"], ["--backend", "triton"],
-                                  ["--device", "cuda"]])
+@pytest.mark.parametrize(
+    "argv", [["--backend", "cuda"], ["--backend", "triton"], ["--device", "cuda"]]
+)
 def test_gpu_backend_on_a_cpu_machine(argv, capsys, monkeypatch, nothing_runs):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     err = _fails(argv, capsys)
@@ -74,8 +79,7 @@ def test_memory_estimate_of_the_100m_pair():
     args = cli.parse_args(["--preset", "100M-S85", "--tokens", "512"])
     wl = workload.make_workload(args)
     base, smelt = (workload.estimate_memory(c, wl, args, 4) for c in presets.pair("100M-S85"))
-    for est, cfg in ((base, presets.pair("100M-S85")[0]),
-                     (smelt, presets.pair("100M-S85")[1])):
+    for est, cfg in ((base, presets.pair("100M-S85")[0]), (smelt, presets.pair("100M-S85")[1])):
         n = budget.ledger(cfg).total_params + 2 * cfg.vocab_size * cfg.hidden_size
         assert est["weights"] == 4 * n and est["gradients"] == 4 * n
         assert est["optimizer"] == 8 * n  # AdamW: two moments

@@ -16,10 +16,35 @@ SCRIPT = os.path.join(ROOT, "bench", "looped_vs_baseline.py")
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "res.json"
-    cmd = [sys.executable, SCRIPT, "--tokens", "128", "--seq-len", "64", "--mean-doc-len", "40",
-           "--repeats", "1", "--rounds", "1", "--max-tries", "1", "--warmup", "0",
-           "--decode-prompt", "8", "--decode-steps", "2", "--decode-batch", "1", "2",
-           "--eager-decode", "--json", str(out), "--quiet"]
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--tokens",
+        "128",
+        "--seq-len",
+        "64",
+        "--mean-doc-len",
+        "40",
+        "--repeats",
+        "1",
+        "--rounds",
+        "1",
+        "--max-tries",
+        "1",
+        "--warmup",
+        "0",
+        "--decode-prompt",
+        "8",
+        "--decode-steps",
+        "2",
+        "--decode-batch",
+        "1",
+        "2",
+        "--eager-decode",
+        "--json",
+        str(out),
+        "--quiet",
+    ]
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the benchmark picks real backends by itself
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
@@ -30,8 +55,18 @@ def result(tmp_path_factory):
 
 def test_json_has_every_field(result):
     res, _ = result
-    for key in ("preset", "device", "dtype", "backend", "environment", "ratios", "workload",
-                "summary", "arch", "round_ratios"):
+    for key in (
+        "preset",
+        "device",
+        "dtype",
+        "backend",
+        "environment",
+        "ratios",
+        "workload",
+        "summary",
+        "arch",
+        "round_ratios",
+    ):
         assert key in res, key
     assert set(res["round_ratios"]) == {"train", "prefill", "decode (batch1)", "decode (batch2)"}
     for rows in res["summary"].values():
@@ -44,20 +79,46 @@ def test_json_has_every_field(result):
     assert [r["mode"] for r in res["summary"]["decode"]] == ["decode (batch1)", "decode (batch2)"]
     for arch in ("baseline", "smelt"):
         a = res["arch"][arch]
-        for key in ("config", "ledger", "params_total", "params_active", "train", "prefill",
-                    "decode", "backends_available"):
+        for key in (
+            "config",
+            "ledger",
+            "params_total",
+            "params_active",
+            "train",
+            "prefill",
+            "decode",
+            "backends_available",
+        ):
             assert key in a, (arch, key)
-        assert set(a["train"]["components_ms"]) == {"attention", "moe_gemm", "routing", "norms",
-                                                     "embed_head", "optimizer"}
-        assert set(a["prefill"]["components_ms"]) == {"attention", "moe_gemm", "routing",
-                                                       "norms", "embed_head"}
-        assert set(a["memory_estimate_bytes"]) == {"weights", "gradients", "optimizer",
-                                                   "activations", "kv_cache", "workspace",
-                                                   "runtime"}
+        assert set(a["train"]["components_ms"]) == {
+            "attention",
+            "moe_gemm",
+            "routing",
+            "norms",
+            "embed_head",
+            "optimizer",
+        }
+        assert set(a["prefill"]["components_ms"]) == {
+            "attention",
+            "moe_gemm",
+            "routing",
+            "norms",
+            "embed_head",
+        }
+        assert set(a["memory_estimate_bytes"]) == {
+            "weights",
+            "gradients",
+            "optimizer",
+            "activations",
+            "kv_cache",
+            "workspace",
+            "runtime",
+        }
         d = a["decode"]["batch2"]
         assert d["bytes_per_token"] == pytest.approx(d["bytes_per_step"] / 2)
         assert d["gb_per_s"] == pytest.approx(
-            d["bytes_per_step"] / (d["timing"]["median_ms"] / 1e3) / 1e9)
+            d["bytes_per_step"] / (d["timing"]["median_ms"] / 1e3) / 1e9
+        )
         assert d["compiled"] is False and d["eager_reason"] == "compile=False"
         assert a["train"]["activation_bytes"] > 0
         assert a["train"]["timing"]["median_ms"] > 0
@@ -90,8 +151,10 @@ def test_ratios_are_consistent_with_the_ledger(result):
             step = res["summary"][mode][0][arch]["flops"]
             # the components cover every ledger FLOP of the step but the final norm's
             assert sum(comp.values()) + per_token * H * 128 == pytest.approx(step, rel=1e-9)
-            assert comp["embed_head"] == 0 and min(v for k, v in comp.items()
-                                                   if k not in ("embed_head", "optimizer")) > 0
+            assert (
+                comp["embed_head"] == 0
+                and min(v for k, v in comp.items() if k not in ("embed_head", "optimizer")) > 0
+            )
     led = res["arch"]["smelt"]["ledger"]
     assert res["arch"]["smelt"]["params_total"] == led["total_params"]
     for row in res["summary"]["decode"]:

@@ -5,7 +5,6 @@ import itertools
 import json
 
 import pytest
-
 from lvb import cli, driver, runners
 
 from smelt_kernels import timing
@@ -20,8 +19,10 @@ def _fake_clock(monkeypatch, durations):
 def _fns(*names):
     out = {}
     for n in names:
+
         def f():
             return None
+
         f.__name__ = n
         out[n] = f
     return out
@@ -47,8 +48,9 @@ def test_parts_exceeding_the_step_are_remeasured(monkeypatch):
 def test_parts_that_never_add_up_say_so(monkeypatch):
     f = _fns("step", "a")
     _fake_clock(monkeypatch, {"step": [10.0], "a": [12.0]})
-    pt = timing.measure_parts(f["step"], {"a": (f["a"], 1)}, repeats=2, warmup=0,
-                              tolerance=0.15, max_tries=4)
+    pt = timing.measure_parts(
+        f["step"], {"a": (f["a"], 1)}, repeats=2, warmup=0, tolerance=0.15, max_tries=4
+    )
     assert pt.tries == 4 and not pt.adds_up
     assert "120% of the step" in pt.note and "tolerance 15%" in pt.note
     # within the tolerance is fine: 112% with 15% allowed
@@ -74,6 +76,7 @@ def _any_memory(monkeypatch):
 
 def _fake_block(fractions):
     """A measure_block stand-in: components at ``fractions[arch]`` of a 100 ms step."""
+
     def block(cfg, wl, args, device, dtype, modes, first, bar):
         arch = "smelt" if cfg.loop is not None else "baseline"
         frac = fractions[arch]
@@ -82,15 +85,29 @@ def _fake_block(fractions):
         for mode in ("train", "prefill"):
             parts = {n: _t(100.0 * frac / len(names)) for n in names}
             counts = {n: 1 for n in names}
-            pt = timing.PartsTiming(_t(100.0), parts, counts, frac, args.tolerance,
-                                    1 if frac <= 1 + args.tolerance else args.max_tries)
+            pt = timing.PartsTiming(
+                _t(100.0),
+                parts,
+                counts,
+                frac,
+                args.tolerance,
+                1 if frac <= 1 + args.tolerance else args.max_tries,
+            )
             out[mode] = {"tokens": wl.tokens, "parts": pt}
         out["train"]["activation_bytes"] = 1
-        out["decode"] = {f"batch{b}": {"batch": b, "context": 10, "cache_bytes": 100,
-                                       "timing": _t(5.0 * b), "compiled": False,
-                                       "eager_reason": "compile=False"}
-                         for b in wl.decode_batches}
+        out["decode"] = {
+            f"batch{b}": {
+                "batch": b,
+                "context": 10,
+                "cache_bytes": 100,
+                "timing": _t(5.0 * b),
+                "compiled": False,
+                "eager_reason": "compile=False",
+            }
+            for b in wl.decode_batches
+        }
         return out
+
     return block
 
 
@@ -98,10 +115,19 @@ def test_tables_explain_their_columns(monkeypatch, capsys):
     monkeypatch.setattr(runners, "measure_block", _fake_block({"baseline": 0.9, "smelt": 0.8}))
     assert cli.main(["--quiet", "--tokens", "128", "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
-    for word in ("legend", "gap", "F ratio", "spread", "other", "bytes/token", "GB/s",
-                 "MiB/token", "memory estimate"):
+    for word in (
+        "legend",
+        "gap",
+        "F ratio",
+        "spread",
+        "other",
+        "bytes/token",
+        "GB/s",
+        "MiB/token",
+        "memory estimate",
+    ):
         assert word in out, word
-    legend = out[out.index("legend"):]
+    legend = out[out.index("legend") :]
     assert "busy" in legend  # what a large spread means
     assert "framework overhead" in legend  # what other holds
     assert "gap by" in legend and "gap by round" in out
@@ -130,20 +156,44 @@ def test_gap_by_round_pairs_each_rounds_blocks(monkeypatch, capsys, tmp_path):
         arch = "smelt" if cfg.loop is not None else "baseline"
         calls[arch] += 1
         step = next(smelt_ms) if arch == "smelt" else 100.0
-        pt = timing.PartsTiming(_t(step), {"attention": _t(step / 2)}, {"attention": 1}, 0.5,
-                                args.tolerance, 1)
-        return {"params_total": 1, "params_active": 1, "peak_rss_bytes": 2**30,
-                "prefill": {"tokens": wl.tokens, "parts": pt}}
+        pt = timing.PartsTiming(
+            _t(step), {"attention": _t(step / 2)}, {"attention": 1}, 0.5, args.tolerance, 1
+        )
+        return {
+            "params_total": 1,
+            "params_active": 1,
+            "peak_rss_bytes": 2**30,
+            "prefill": {"tokens": wl.tokens, "parts": pt},
+        }
 
     monkeypatch.setattr(runners, "measure_block", block)
     out_json = tmp_path / "r.json"
-    assert cli.main(["--quiet", "--tokens", "128", "--seq-len", "64", "--mode", "prefill",
-                     "--rounds", "3", "--json", str(out_json)]) == 0
+    assert (
+        cli.main(
+            [
+                "--quiet",
+                "--tokens",
+                "128",
+                "--seq-len",
+                "64",
+                "--mode",
+                "prefill",
+                "--rounds",
+                "3",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     assert calls == {"baseline": 3, "smelt": 3}
     res = json.loads(out_json.read_text())
     assert res["round_ratios"]["prefill"] == pytest.approx([1.0, 1.2, 1.1])
     F = res["ratios"]["flops"]
     assert res["summary"]["prefill"][0]["round_gaps"] == pytest.approx([1.0 / F, 1.2 / F, 1.1 / F])
-    line = next(x for x in capsys.readouterr().out.splitlines()
-                if x.strip().startswith("gap by round"))
-    assert f"{1.1 / F:.3f}" in line and f"(min {1.0 / F:.3f}, max {1.2 / F:.3f} over 3 rounds)" in line
+    line = next(
+        x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("gap by round")
+    )
+    assert (
+        f"{1.1 / F:.3f}" in line and f"(min {1.0 / F:.3f}, max {1.2 / F:.3f} over 3 rounds)" in line
+    )

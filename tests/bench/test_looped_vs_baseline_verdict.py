@@ -12,8 +12,12 @@ from smelt_model import budget, presets
 
 
 def test_the_targets_are_the_projects():
-    assert verdict.TARGETS["cpu"] == {"train": 1.03, "prefill": 1.03,
-                                      "decode (batch1)": 1.05, "decode (batch8)": 1.05}
+    assert verdict.TARGETS["cpu"] == {
+        "train": 1.03,
+        "prefill": 1.03,
+        "decode (batch1)": 1.05,
+        "decode (batch8)": 1.05,
+    }
     assert verdict.TARGETS["cuda"] == {"train": 1.00}
     assert verdict.target_for("cpu", "decode (batch8)") == 1.05
     assert verdict.target_for("cpu", "decode (batch2)") is None
@@ -22,16 +26,19 @@ def test_the_targets_are_the_projects():
     assert verdict.target_for("mps", "train") is None
 
 
-@pytest.mark.parametrize("gap, rounds, spreads, want, on_median", [
-    (1.00, [0.99, 1.01, 1.02], {"baseline": 0.05, "smelt": 0.05}, "meets", "meets"),
-    (1.03, [1.03, 1.03], {}, "meets", "meets"),  # at the target meets it
-    (1.06, [1.04, 1.08], {"baseline": 0.02}, "misses", "misses"),
-    (1.00, [0.94, 1.00, 1.05], {}, "uncertain", "meets"),  # rounds straddle 1.03
-    (1.04, [1.03, 1.05], {}, "uncertain", "misses"),  # min at the target: still straddles
-    (1.00, [0.99, 1.01], {"baseline": 0.05, "smelt": 0.17}, "uncertain", "meets"),
-    (1.06, [1.05, 1.07], {"smelt": math.nan}, "uncertain", "misses"),  # NaN spread is no pass
-    (1.06, [0.90], {}, "misses", "misses"),  # one round: nothing to straddle
-])
+@pytest.mark.parametrize(
+    "gap, rounds, spreads, want, on_median",
+    [
+        (1.00, [0.99, 1.01, 1.02], {"baseline": 0.05, "smelt": 0.05}, "meets", "meets"),
+        (1.03, [1.03, 1.03], {}, "meets", "meets"),  # at the target meets it
+        (1.06, [1.04, 1.08], {"baseline": 0.02}, "misses", "misses"),
+        (1.00, [0.94, 1.00, 1.05], {}, "uncertain", "meets"),  # rounds straddle 1.03
+        (1.04, [1.03, 1.05], {}, "uncertain", "misses"),  # min at the target: still straddles
+        (1.00, [0.99, 1.01], {"baseline": 0.05, "smelt": 0.17}, "uncertain", "meets"),
+        (1.06, [1.05, 1.07], {"smelt": math.nan}, "uncertain", "misses"),  # NaN spread is no pass
+        (1.06, [0.90], {}, "misses", "misses"),  # one round: nothing to straddle
+    ],
+)
 def test_judge(gap, rounds, spreads, want, on_median):
     v = verdict.judge(gap, 1.03, rounds, spreads)
     assert v["verdict"] == want and v["on_median"] == on_median
@@ -78,40 +85,72 @@ def _blocks(smelt_ms, spread):
         out = {"params_total": 1, "params_active": 1, "peak_rss_bytes": 2**30}
         for mode in ("train", "prefill"):
             step = t(mode)
-            pt = timing.PartsTiming(step, {"attention": _timing(step.median_ms / 2)},
-                                    {"attention": 1}, 0.5, args.tolerance, 1)
+            pt = timing.PartsTiming(
+                step,
+                {"attention": _timing(step.median_ms / 2)},
+                {"attention": 1},
+                0.5,
+                args.tolerance,
+                1,
+            )
             out[mode] = {"tokens": wl.tokens, "parts": pt}
         out["train"]["activation_bytes"] = 1
-        out["decode"] = {f"batch{b}": {"batch": b, "context": 10, "cache_bytes": 100,
-                                       "timing": t(f"decode (batch{b})"), "compiled": False,
-                                       "eager_reason": "compile=False"}
-                         for b in wl.decode_batches}
+        out["decode"] = {
+            f"batch{b}": {
+                "batch": b,
+                "context": 10,
+                "cache_bytes": 100,
+                "timing": t(f"decode (batch{b})"),
+                "compiled": False,
+                "eager_reason": "compile=False",
+            }
+            for b in wl.decode_batches
+        }
         return out
+
     return block
 
 
 def test_the_main_job_prints_and_writes_each_verdict(monkeypatch, capsys, tmp_path):
-    argv = ["--quiet", "--tokens", "128", "--seq-len", "64", "--rounds", "3",
-            "--decode-batch", "1", "8", "2"]
+    argv = [
+        "--quiet",
+        "--tokens",
+        "128",
+        "--seq-len",
+        "64",
+        "--rounds",
+        "3",
+        "--decode-batch",
+        "1",
+        "8",
+        "2",
+    ]
     base, smelt = presets.pair("tiny")
     F = budget.compare(base, smelt, 800.0, 64).flops
     fd = budget.decode_flops_per_token(smelt, 10) / budget.decode_flops_per_token(base, 10)
-    smelt_ms = {"train": [100 * F * g for g in (1.00, 1.01, 1.02)],            # meets 1.03
-                "prefill": [100 * F * g for g in (1.06, 1.07, 1.08)],          # misses 1.03
-                "decode (batch1)": [100 * fd * g for g in (0.98, 1.00, 1.10)],  # straddles 1.05
-                "decode (batch8)": [100 * fd * g for g in (1.00, 1.00, 1.01)],  # wide spread
-                "decode (batch2)": [100 * fd * g for g in (1.20, 1.20, 1.20)]}  # no target
+    smelt_ms = {
+        "train": [100 * F * g for g in (1.00, 1.01, 1.02)],  # meets 1.03
+        "prefill": [100 * F * g for g in (1.06, 1.07, 1.08)],  # misses 1.03
+        "decode (batch1)": [100 * fd * g for g in (0.98, 1.00, 1.10)],  # straddles 1.05
+        "decode (batch8)": [100 * fd * g for g in (1.00, 1.00, 1.01)],  # wide spread
+        "decode (batch2)": [100 * fd * g for g in (1.20, 1.20, 1.20)],
+    }  # no target
     monkeypatch.setattr(driver, "available_memory", lambda device=None: None)
-    monkeypatch.setattr(runners, "measure_block",
-                        _blocks(smelt_ms, {("baseline", "decode (batch8)"): 0.3}))
+    monkeypatch.setattr(
+        runners, "measure_block", _blocks(smelt_ms, {("baseline", "decode (batch8)"): 0.3})
+    )
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
     assert cli.main(argv + ["--json", str(out_json), "--markdown", str(out_md)]) == 0
     text = capsys.readouterr().out
     res = json.loads(out_json.read_text())
     rows = {row["mode"]: row for rows in res["summary"].values() for row in rows}
     assert {k: r["verdict"]["verdict"] for k, r in rows.items()} == {
-        "train": "meets", "prefill": "misses", "decode (batch1)": "uncertain",
-        "decode (batch8)": "uncertain", "decode (batch2)": "no target"}
+        "train": "meets",
+        "prefill": "misses",
+        "decode (batch1)": "uncertain",
+        "decode (batch8)": "uncertain",
+        "decode (batch2)": "no target",
+    }
     assert res["targets"]["device"] == "cpu" and res["targets"]["gap"] == verdict.TARGETS["cpu"]
     assert res["targets"]["spread_limit"] == verdict.SPREAD_LIMIT
     v = rows["prefill"]["verdict"]
@@ -123,9 +162,12 @@ def test_the_main_job_prints_and_writes_each_verdict(monkeypatch, capsys, tmp_pa
     lines = [" ".join(x.split()) for x in text.splitlines()]
     assert "verdict meets: gap 1.010 <= 1.03" in lines  # in the train table
     assert "prefill misses: gap 1.070 > 1.03" in lines  # in the verdicts block
-    assert any(x.startswith("decode (batch1) uncertain (median meets, gap 1.000 <= 1.05)")
-               and "0.980-1.100 straddle it" in x for x in lines)
+    assert any(
+        x.startswith("decode (batch1) uncertain (median meets, gap 1.000 <= 1.05)")
+        and "0.980-1.100 straddle it" in x
+        for x in lines
+    )
     assert "decode (batch2) no target" in lines
-    block = text[text.index("verdicts on cpu"):text.index("legend")]
+    block = text[text.index("verdicts on cpu") : text.index("legend")]
     assert "targets" in block and "1.03" in block and "1.05" in block
     assert block in out_md.read_text()

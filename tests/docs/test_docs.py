@@ -19,13 +19,21 @@ def _python_blocks(path: Path) -> list[str]:
 
 
 def _run(args, cwd, timeout=300):
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**__import__("os").environ,
-                                                "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in OWN_TESTS and _python_blocks(p)],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "page",
+    [p for p in PAGES if p.name not in OWN_TESTS and _python_blocks(p)],
+    ids=lambda p: p.name,
+)
 def test_python_snippets_run(page, tmp_path):
     script = "\n\n".join(f"# --- snippet {i}\n{b}" for i, b in enumerate(_python_blocks(page)))
     (tmp_path / "snippets.py").write_text(script)

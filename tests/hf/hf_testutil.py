@@ -8,26 +8,69 @@ import torch
 
 VOCAB = 97
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-               tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 #: family -> (config class path, extra config fields)
 FAMILIES = {
-    "mixtral": ("MixtralConfig", dict(intermediate_size=24, num_local_experts=5,
-                                      num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=40, moe_intermediate_size=24,
-                                         shared_expert_intermediate_size=16, num_experts=5,
-                                         num_experts_per_tok=2, norm_topk_prob=True)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=40, moe_intermediate_size=24,
-                                         num_experts=5, num_experts_per_tok=2,
-                                         norm_topk_prob=True)),
+    "mixtral": (
+        "MixtralConfig",
+        dict(intermediate_size=24, num_local_experts=5, num_experts_per_tok=2),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=16,
+            num_experts=5,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=5,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        ),
+    ),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=24, num_experts=5, num_experts_per_tok=2)),
-    "deepseek_v3": ("DeepseekV3Config", dict(
-        intermediate_size=40, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=8, head_dim=8, routed_scaling_factor=1.0, num_key_value_heads=4)),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            head_dim=8,
+            routed_scaling_factor=1.0,
+            num_key_value_heads=4,
+        ),
+    ),
 }
 
 

@@ -6,9 +6,9 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
-from smelt_kernels.hf import attention as ha  # noqa: E402
-
 from hf_testutil import VOCAB, build, use  # noqa: E402
+
+from smelt_kernels.hf import attention as ha  # noqa: E402
 
 
 def ids(n=11, b=1):
@@ -48,8 +48,9 @@ def test_padding_mask_with_a_hole_is_refused():
 def test_static_cache_is_refused():
     model = use(build("mixtral"), "smelt", "smelt")
     with pytest.raises(ValueError, match="StaticCache"):
-        model.generate(ids(5), max_new_tokens=3, do_sample=False, pad_token_id=0,
-                       cache_implementation="static")
+        model.generate(
+            ids(5), max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static"
+        )
 
 
 def test_dropout_in_training_is_refused():
@@ -84,10 +85,19 @@ def test_softcap_sinks_noncausal_and_custom_masks_are_refused():
 def test_gpt_oss_attention_sinks_are_refused():
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-                       sliding_window=64, layer_types=["full_attention"] * 2)
+    cfg = GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=64,
+        layer_types=["full_attention"] * 2,
+    )
     model = GptOssForCausalLM(cfg).eval()
     model.set_attn_implementation("smelt")
     with pytest.raises(ValueError, match="sinks"):

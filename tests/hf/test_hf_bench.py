@@ -8,12 +8,15 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 from smelt_kernels.hf import bench  # noqa: E402
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["--device", "tpu"], "--device must be cpu or cuda"),
-    (["--repeats", "0"], "--repeats must be >= 1"),
-    (["--repeats", "x"], "argument --repeats: invalid int value"),
-    (["--no-such-option"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--device", "tpu"], "--device must be cpu or cuda"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--repeats", "x"], "argument --repeats: invalid int value"),
+        (["--no-such-option"], "unrecognized arguments"),
+    ],
+)
 def test_bad_arguments_fail_with_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
@@ -29,9 +32,19 @@ def test_memory_estimate_guards_large_shapes():
 
 
 def test_markdown_has_a_row_per_measurement():
-    env = dict(date="d", device="cpu", device_name="x", torch_threads=1, torch="t",
-               load_average=1.0, transformers="5", dtype="float32", smelt_moe_backend="cpu",
-               smelt_attention_backend="cpu", shape=dict(bench.SHAPES["cpu"], dtype="float32"))
+    env = dict(
+        date="d",
+        device="cpu",
+        device_name="x",
+        torch_threads=1,
+        torch="t",
+        load_average=1.0,
+        transformers="5",
+        dtype="float32",
+        smelt_moe_backend="cpu",
+        smelt_attention_backend="cpu",
+        shape=dict(bench.SHAPES["cpu"], dtype="float32"),
+    )
     row = {c: 1.0 for c in bench.COLUMNS}
     text = bench.markdown(dict(environment=env, rows=[row, row]))
     assert text.count("\n| 1 |") == 2

@@ -6,9 +6,9 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
-import smelt_kernels.hf  # noqa: E402,F401
-
 from hf_testutil import VOCAB, assert_close_dict, build, grads, use  # noqa: E402
+
+import smelt_kernels.hf  # noqa: E402,F401
 
 
 def test_compiled_model_on_smelt_equals_eager():

@@ -9,11 +9,14 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
-from smelt_model import ModelConfig, middle_loop  # noqa: E402
-from smelt_model import convert  # noqa: E402
-from smelt_model.model import SmeltLM  # noqa: E402
-
 from hf_testutil import VOCAB, build, o1_init  # noqa: E402
+
+from smelt_model import (  # noqa: E402
+    ModelConfig,
+    convert,  # noqa: E402
+    middle_loop,
+)
+from smelt_model.model import SmeltLM  # noqa: E402
 
 
 def bitwise_equal(a: dict, b: dict) -> None:
@@ -23,8 +26,18 @@ def bitwise_equal(a: dict, b: dict) -> None:
 
 
 def smelt_cfg(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=32, n_layers=3, n_heads=4, n_kv_heads=2,
-                head_dim=8, n_experts=5, expert_size=24, top_k=2, rope_theta=10000.0)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        n_experts=5,
+        expert_size=24,
+        top_k=2,
+        rope_theta=10000.0,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -80,20 +93,26 @@ def test_looped_model_is_refused():
         convert.to_hf(model)
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(router_renormalize=False), "renormalises"),
-    (dict(z_loss_weight=0.1), "z-loss"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(router_renormalize=False), "renormalises"),
+        (dict(z_loss_weight=0.1), "z-loss"),
+    ],
+)
 def test_smelt_options_without_a_mixtral_equivalent_are_refused(change, match):
     with pytest.raises(ValueError, match=match):
         convert.to_hf(SmeltLM(smelt_cfg(**change)))
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(sliding_window=16), "sliding_window"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(router_jitter_noise=0.1), "router_jitter_noise"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(sliding_window=16), "sliding_window"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(router_jitter_noise=0.1), "router_jitter_noise"),
+    ],
+)
 def test_mixtral_options_without_a_smelt_equivalent_are_refused(change, match):
     from hf_testutil import config
 

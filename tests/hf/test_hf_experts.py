@@ -12,24 +12,41 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 import smelt_kernels.hf as sh  # noqa: E402
 from smelt_kernels.hf import experts as hx  # noqa: E402
 
-SMALL = dict(hidden_size=32, intermediate_size=24, moe_intermediate_size=24, num_experts=5,
-             num_local_experts=5, n_routed_experts=5, num_experts_per_tok=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-EXTRA = {"granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16),
-         "glm5_next": dict(num_key_value_heads=4)}
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=24,
+    moe_intermediate_size=24,
+    num_experts=5,
+    num_local_experts=5,
+    n_routed_experts=5,
+    num_experts_per_tok=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
+EXTRA = {
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16),
+    "glm5_next": dict(num_key_value_heads=4),
+}
 
 
 def experts_classes(family):
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    return [getattr(mod, n) for n in sorted(dir(mod))
-            if n.endswith("Experts") and hasattr(getattr(getattr(mod, n), "forward", None),
-                                                 "__wrapped__")]
+    return [
+        getattr(mod, n)
+        for n in sorted(dir(mod))
+        if n.endswith("Experts")
+        and hasattr(getattr(getattr(mod, n), "forward", None), "__wrapped__")
+    ]
 
 
 def small_config(family):
     mod = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
-    names = [n for n in sorted(dir(mod)) if n.endswith("Config")
-             and n not in ("PreTrainedConfig", "PretrainedConfig")]
+    names = [
+        n
+        for n in sorted(dir(mod))
+        if n.endswith("Config") and n not in ("PreTrainedConfig", "PretrainedConfig")
+    ]
     text = [n for n in names if n.endswith("TextConfig")]
     cls = getattr(mod, (text or names)[0])
     return cls(**{**SMALL, **EXTRA.get(family, {})})
@@ -69,8 +86,16 @@ def run(m, cfg, impl, x, ids, w):
 #: compared numerically here (beyond the five end-to-end families in test_hf_models.py);
 #: the other claimed families pass the same class check, which requires their eager forward
 #: to be the very bytecode of Mixtral's, so the kernel computes what they compute
-NUMERIC = ("mixtral", "qwen3_next", "glm4_moe", "dots1", "ernie4_5_moe", "minimax",
-           "phimoe", "qwen3_vl_moe")
+NUMERIC = (
+    "mixtral",
+    "qwen3_next",
+    "glm4_moe",
+    "dots1",
+    "ernie4_5_moe",
+    "minimax",
+    "phimoe",
+    "qwen3_vl_moe",
+)
 
 
 def test_every_claimed_family_passes_the_check():
@@ -164,11 +189,11 @@ def test_registered_under_smelt():
     assert sh.register() == "smelt"
     assert ALL_EXPERTS_FUNCTIONS["smelt"] is sh.smelt_experts_forward
     assert AttentionInterface()["smelt"] is sh.smelt_attention_forward
+    from hf_testutil import config
     from transformers import AutoModelForCausalLM
 
-    from hf_testutil import config
-
-    model = AutoModelForCausalLM.from_config(config("olmoe"), experts_implementation="smelt",
-                                             attn_implementation="smelt")
+    model = AutoModelForCausalLM.from_config(
+        config("olmoe"), experts_implementation="smelt", attn_implementation="smelt"
+    )
     assert model.config._experts_implementation == "smelt"
     assert model.config._attn_implementation == "smelt"

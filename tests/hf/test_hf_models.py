@@ -6,11 +6,11 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
+from hf_testutil import FAMILIES, VOCAB, assert_close_dict, build, grads, use  # noqa: E402
+
 import smelt_kernels.hf  # noqa: E402,F401
 from smelt_kernels.hf import attention as ha  # noqa: E402
 from smelt_kernels.hf import experts as hx  # noqa: E402
-
-from hf_testutil import FAMILIES, VOCAB, assert_close_dict, build, grads, use  # noqa: E402
 
 RTOL, ATOL = 1e-4, 2e-5
 
@@ -73,8 +73,9 @@ def test_batched_left_padded_generate_identical():
     ref = use(model, "eager", "eager").generate(ids, **kw)
     got = use(model, "smelt", "smelt").generate(ids, **kw)
     assert torch.equal(got, ref)
-    alone = use(model, "smelt", "smelt").generate(ids[1:, 3:], max_new_tokens=5,
-                                                  do_sample=False, pad_token_id=0)
+    alone = use(model, "smelt", "smelt").generate(
+        ids[1:, 3:], max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
     assert torch.equal(got[1, 3:], alone[0])
 
 

@@ -6,9 +6,9 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
-from smelt_kernels.hf import attention as ha  # noqa: E402
-
 from hf_testutil import VOCAB, build, use  # noqa: E402
+
+from smelt_kernels.hf import attention as ha  # noqa: E402
 
 RTOL, ATOL = 1e-4, 2e-5
 LENGTHS = (5, 1, 7, 3)
@@ -74,8 +74,11 @@ def test_segment_ids_are_made_on_the_device_without_reading_values():
     cu = torch.tensor([0, 3, 4, 7], dtype=torch.int32)
     assert ha.segments_from_cu_seqlens(cu, 7).tolist() == [[0, 0, 0, 1, 2, 2, 2]]
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    assert ha.segments_from_mask(mask).tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 1, 1],
-                                                    [0, 0, 0, 0, 0]]
+    assert ha.segments_from_mask(mask).tolist() == [
+        [0, 0, 1, 1, 1],
+        [0, 0, 0, 1, 1],
+        [0, 0, 0, 0, 0],
+    ]
     with pytest.raises(ValueError, match="one contiguous run"):
         ha.segments_from_mask(torch.tensor([[1, 0, 1]]))
     # no value is read back: the same calls run on meta tensors, which hold no data

@@ -22,8 +22,14 @@ HOT = {"moe.up_proj", "moe.down_proj", "attention.forward"}
 
 def _run(args, env=None, timeout=900):
     env = dict(os.environ if env is None else env, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "smelt_kernels.audit", *args], capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "smelt_kernels.audit", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +55,29 @@ def test_rows_have_the_contract_fields(rows):
 
 def test_every_triton_kernel_is_audited(rows):
     kernels = {r["kernel"] for r in rows if r["source"] == "triton"}
-    assert kernels >= HOT | {"moe.dgrad_swiglu", "moe.dgrad_x", "moe.wgrad_w1", "moe.wgrad_w2",
-                             "moe.combine", "moe.grouped_mm", "moe.route_count", "moe.route_scatter",
-                             "attention.backward_dq", "attention.backward_dkdv",
-                             "attention.backward_delta"}
+    assert kernels >= HOT | {
+        "moe.dgrad_swiglu",
+        "moe.dgrad_x",
+        "moe.wgrad_w1",
+        "moe.wgrad_w2",
+        "moe.combine",
+        "moe.grouped_mm",
+        "moe.route_count",
+        "moe.route_scatter",
+        "attention.backward_dq",
+        "attention.backward_dkdv",
+        "attention.backward_delta",
+    }
     assert any("float32" in r["config"] for r in rows), "the fp32 paths are audited too"
 
 
 def test_no_spills_and_shared_memory_within_sm90(rows):
     """No kernel spills, Triton or CUDA (every instantiation of the CUDA kernels)."""
-    bad = [(r["kernel"], r["config"], r["spill_bytes"], r["shared_bytes"]) for r in rows
-           if r["shared_bytes"] > audit.SM90_SHARED_LIMIT or r["spill_bytes"] > 0]
+    bad = [
+        (r["kernel"], r["config"], r["spill_bytes"], r["shared_bytes"])
+        for r in rows
+        if r["shared_bytes"] > audit.SM90_SHARED_LIMIT or r["spill_bytes"] > 0
+    ]
     assert not bad, bad
 
 
@@ -69,8 +87,11 @@ def test_committed_audit_has_no_spills():
     with open(os.path.join(ROOT, "bench", "results", "audit_sm90a.json")) as f:
         rows = json.load(f)
     assert {r["source"] for r in rows} == {"triton", "cuda"}
-    bad = [(r["kernel"], r["config"]) for r in rows
-           if r["spill_bytes"] or r["shared_bytes"] > audit.SM90_SHARED_LIMIT]
+    bad = [
+        (r["kernel"], r["config"])
+        for r in rows
+        if r["spill_bytes"] or r["shared_bytes"] > audit.SM90_SHARED_LIMIT
+    ]
     assert not bad, bad
 
 
@@ -114,7 +135,12 @@ ptxas info    : Function properties for _Z3fooPf
 ptxas info    : Used 96 registers, used 1 barriers, 4096 bytes smem, 400 bytes cmem[0]
 """
     st = audit.parse_ptxas(log)["_Z3fooPf"]
-    assert (st["registers"], st["spill_stores"], st["spill_loads"], st["static_smem"]) == (96, 8, 12, 4096)
+    assert (st["registers"], st["spill_stores"], st["spill_loads"], st["static_smem"]) == (
+        96,
+        8,
+        12,
+        4096,
+    )
     assert audit.mma_kind("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == "wgmma"
     assert audit.mma_kind("mma.sync.aligned.m16n8k16.row.col") == "mma.sync"
     assert audit.mma_kind("wmma.mma.sync.aligned.row.col.m16n16k16") == "wmma"

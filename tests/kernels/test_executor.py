@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from smelt_kernels.executor import (
-    Executor, LoopPlan, activation_memory, maybe_capture, CapturedCall,
+    CapturedCall,
+    Executor,
+    LoopPlan,
+    activation_memory,
+    maybe_capture,
 )
 from smelt_model import presets
 from smelt_model.config import LoopSpec, ModelConfig, middle_loop
@@ -14,27 +18,51 @@ from smelt_model.model import SmeltLM
 
 
 def micro(loop=LoopSpec(1, 2, 2)):
-    return ModelConfig(vocab_size=97, hidden_size=48, n_layers=4, n_heads=4, n_kv_heads=2,
-                       head_dim=16, n_experts=8, expert_size=24, top_k=2, loop=loop)
+    return ModelConfig(
+        vocab_size=97,
+        hidden_size=48,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_experts=8,
+        expert_size=24,
+        top_k=2,
+        loop=loop,
+    )
 
 
 def test_plan_for_the_paper_loop():
     plan = LoopPlan(12, middle_loop(12))
     assert plan.pairs() == (
-        tuple((i, 0) for i in range(3)) + tuple((i, 0) for i in range(3, 9))
-        + tuple((i, 1) for i in range(3, 9)) + tuple((i, 0) for i in range(9, 12)))
+        tuple((i, 0) for i in range(3))
+        + tuple((i, 0) for i in range(3, 9))
+        + tuple((i, 1) for i in range(3, 9))
+        + tuple((i, 0) for i in range(9, 12))
+    )
     assert [s.slot for s in plan.steps] == list(range(18))
     assert {s.scale for s in plan.span} == {0.5}
     assert {s.scale for s in plan.prelude + plan.coda} == {1.0}
     assert len(plan.prelude) == 3 and len(plan.span) == 12 and len(plan.coda) == 3
 
 
-@pytest.mark.parametrize("L,loop", [(5, LoopSpec(0, 5, 3)), (3, LoopSpec(2, 1, 1)),
-                                    (6, LoopSpec(1, 1, 5)), (4, None)])
+@pytest.mark.parametrize(
+    "L,loop", [(5, LoopSpec(0, 5, 3)), (3, LoopSpec(2, 1, 1)), (6, LoopSpec(1, 1, 5)), (4, None)]
+)
 def test_plan_any_span_and_count(L, loop):
     plan = LoopPlan(L, loop)
-    cfg = ModelConfig(vocab_size=8, hidden_size=8, n_layers=L, n_heads=1, n_kv_heads=1,
-                      head_dim=8, n_experts=2, expert_size=4, top_k=1, loop=loop)
+    cfg = ModelConfig(
+        vocab_size=8,
+        hidden_size=8,
+        n_layers=L,
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim=8,
+        n_experts=2,
+        expert_size=4,
+        top_k=1,
+        loop=loop,
+    )
     assert plan.pairs() == cfg.execution_plan()
     assert plan.executed_layers == cfg.executed_layers
 
@@ -99,8 +127,10 @@ def test_activation_memory_frees_the_graph_and_keeps_backward_working():
     ids = torch.randint(0, 97, (2, 12))
     torch.manual_seed(0)
     model = SmeltLM(micro(), backend="torch")
-    loss, mem = activation_memory(lambda: model(ids, labels=ids).loss,
-                                  exclude=list(model.parameters()))
+    loss, mem = activation_memory(
+        lambda: model(ids, labels=ids).loss,  # noqa: F821 (model is deleted below)
+        exclude=list(model.parameters()),
+    )
     assert mem.saved_bytes > 0
     loss.backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -109,7 +139,7 @@ def test_activation_memory_frees_the_graph_and_keeps_backward_working():
     for n, p in model.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=0, atol=0)
 
-    _ = activation_memory(lambda: model(ids, labels=ids).loss)
+    _ = activation_memory(lambda: model(ids, labels=ids).loss)  # noqa: F821
     alive = weakref.ref(model.embed.weight)
     del model, loss, _, p
     gc.collect()
@@ -164,8 +194,7 @@ def test_plan_answers_the_config_ledger_and_matcher():
     cfg = micro(loop=LoopSpec(1, 2, 3))
     plan = LoopPlan.from_config(cfg)
     assert cfg.plan.pairs() == plan.pairs() == cfg.execution_plan()
-    assert [cfg.residual_scale(i) for i in range(4)] == [plan.residual_scale(i)
-                                                        for i in range(4)]
+    assert [cfg.residual_scale(i) for i in range(4)] == [plan.residual_scale(i) for i in range(4)]
     assert plan.residual_scale(2) == pytest.approx(1 / 3) and plan.residual_scale(3) == 1.0
     assert [s.visit for s in plan.visits(1)] == [0, 1, 2] and len(plan.visits(0)) == 1
     assert budget.ledger(cfg).executed_layers == plan.executed_layers == 8
@@ -181,17 +210,20 @@ def test_layering_executor_below_the_model_plan_without_torch():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    below = ("import sys\n"
-             "import smelt_kernels.executor, smelt_kernels.layers\n"
-             "assert not [m for m in sys.modules if m.startswith('smelt_model')]\n"
-             "print('ok')\n")
-    light = ("import sys\n"
-             "from smelt_model import budget, presets\n"
-             "budget.ledger(presets.get('tiny-smelt'))\n"
-             "assert 'torch' not in sys.modules, 'the plan or the ledger imported torch'\n"
-             "print('ok')\n")
+    below = (
+        "import sys\n"
+        "import smelt_kernels.executor, smelt_kernels.layers\n"
+        "assert not [m for m in sys.modules if m.startswith('smelt_model')]\n"
+        "print('ok')\n"
+    )
+    light = (
+        "import sys\n"
+        "from smelt_model import budget, presets\n"
+        "budget.ledger(presets.get('tiny-smelt'))\n"
+        "assert 'torch' not in sys.modules, 'the plan or the ledger imported torch'\n"
+        "print('ok')\n"
+    )
     for code in (below, light):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             cwd=root)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == "ok"

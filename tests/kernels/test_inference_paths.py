@@ -4,17 +4,19 @@ errors, and traceable by torch.compile through the native ops' fake kernels."""
 
 import pytest
 import torch
-
 from helpers_attention import make_inputs, make_segments
 from helpers_moe import has_cpu_kernel, make_case, skewed_ids
+
 from smelt_kernels.attention import cpu as attention_cpu
 from smelt_kernels.attention import segment_attention
 from smelt_kernels.moe_gemm import cpu as moe_cpu
 from smelt_kernels.moe_gemm import moe_ffn, route
 
 needs_moe = pytest.mark.skipif(not has_cpu_kernel(), reason="no native CPU MoE kernel")
-needs_attention = pytest.mark.skipif(attention_cpu.inference_missing(torch.float32, 64) is not None,
-                                     reason="no native CPU attention inference entry point")
+needs_attention = pytest.mark.skipif(
+    attention_cpu.inference_missing(torch.float32, 64) is not None,
+    reason="no native CPU attention inference entry point",
+)
 
 
 def _ops_called(fn):
@@ -35,11 +37,15 @@ def test_route_and_moe_without_grad_match_the_recorded_path(kind):
     with torch.no_grad():
         w0, i0 = route(logits, k)
         y0 = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"])
-        called = _ops_called(lambda: moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"]))
+        called = _ops_called(
+            lambda: moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"])
+        )
         assert "smelt_cpu::moe_ffn_fwd" in called and "smelt::moe_ffn_fwd" not in called
         called = _ops_called(lambda: route(logits, k))
         assert "smelt_cpu::moe_route_fwd" in called and "smelt::route_fwd" not in called
-    leaves = [t.clone().requires_grad_() for t in (logits, case["x"], case["w1"], case["w2"], case["tw"])]
+    leaves = [
+        t.clone().requires_grad_() for t in (logits, case["x"], case["w1"], case["w2"], case["tw"])
+    ]
     w1_, i1 = route(leaves[0], k)
     y1 = moe_ffn(*leaves[1:], case["ids"])
     assert y1.requires_grad and w1_.requires_grad
@@ -60,8 +66,10 @@ def test_moe_without_grad_rejects_bad_ids_before_any_work():
 
 
 @needs_attention
-@pytest.mark.parametrize("layout,dtype,Tq", [("mixed", torch.float32, 1), ("none", torch.float32, 7),
-                                             ("mixed", torch.bfloat16, 33)])
+@pytest.mark.parametrize(
+    "layout,dtype,Tq",
+    [("mixed", torch.float32, 1), ("none", torch.float32, 7), ("mixed", torch.bfloat16, 33)],
+)
 def test_attention_without_grad_matches_the_recorded_path(layout, dtype, Tq):
     B, Tk, hq, hkv, D = 2, 45, 6, 2, 64
     q, k, v, _ = make_inputs(B, Tq, Tk, hq, hkv, D, dtype, "cpu", seed=Tq)
@@ -85,7 +93,10 @@ def test_attention_without_grad_matches_the_recorded_path(layout, dtype, Tq):
 def test_attention_without_grad_rejects_decreasing_ids():
     q, k, v, _ = make_inputs(1, 4, 8, 2, 1, 16, torch.float32, "cpu")
     seg = torch.tensor([[0, 0, 1, 1, 2, 1, 3, 3]])
-    with torch.no_grad(), pytest.raises(ValueError, match="non-decreasing.*row 0 goes from 2 at position 4"):
+    with (
+        torch.no_grad(),
+        pytest.raises(ValueError, match="non-decreasing.*row 0 goes from 2 at position 4"),
+    ):
         segment_attention(q, k, v, seg)
 
 
@@ -97,13 +108,17 @@ def test_native_op_fakes_pass_opcheck():
     q, k, v, _ = make_inputs(2, 3, 11, 4, 2, 16, torch.float32, "cpu")
     seg = make_segments("mixed", 2, 11)
     start = torch.ops.smelt_cpu.segment_starts(seg)
-    for op, args in ((torch.ops.smelt_cpu.moe_route_fwd.default, (logits, 4, True, False)),
-                     (torch.ops.smelt_cpu.moe_route_fwd.default, (logits, 4, False, True)),
-                     (torch.ops.smelt_cpu.moe_ffn_fwd.default,
-                      (case["x"], case["w1"], case["w2"], case["tw"], case["ids"].int(), False)),
-                     (torch.ops.smelt_cpu.segment_starts.default, (seg,)),
-                     (torch.ops.smelt_cpu.segment_attention_infer.default, (q, k, v, start, 0.25)),
-                     (torch.ops.smelt_cpu.segment_attention_infer.default, (q, k, v, None, 0.25))):
+    for op, args in (
+        (torch.ops.smelt_cpu.moe_route_fwd.default, (logits, 4, True, False)),
+        (torch.ops.smelt_cpu.moe_route_fwd.default, (logits, 4, False, True)),
+        (
+            torch.ops.smelt_cpu.moe_ffn_fwd.default,
+            (case["x"], case["w1"], case["w2"], case["tw"], case["ids"].int(), False),
+        ),
+        (torch.ops.smelt_cpu.segment_starts.default, (seg,)),
+        (torch.ops.smelt_cpu.segment_attention_infer.default, (q, k, v, start, 0.25)),
+        (torch.ops.smelt_cpu.segment_attention_infer.default, (q, k, v, None, 0.25)),
+    ):
         torch.library.opcheck(op, args)
 
 
@@ -113,9 +128,9 @@ def test_inference_calls_compile_as_one_graph():
     H, E, de, k, hq, hkv, D = 32, 8, 16, 2, 4, 2, 16
     g = torch.Generator().manual_seed(5)
     router = torch.randn(E, H, generator=g)
-    w1 = torch.randn(E, 2 * de, H, generator=g) * H ** -0.5
-    w2 = torch.randn(E, H, de, generator=g) * de ** -0.5
-    wq = torch.randn(hq * D, H, generator=g) * H ** -0.5
+    w1 = torch.randn(E, 2 * de, H, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, de, generator=g) * de**-0.5
+    wq = torch.randn(hq * D, H, generator=g) * H**-0.5
 
     def f(x, kv, seg):
         B, T, _ = x.shape

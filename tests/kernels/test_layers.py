@@ -6,11 +6,11 @@ import os
 import subprocess
 import sys
 
+import helpers
 import pytest
 import torch
 from torch import nn
 
-import helpers
 from smelt_kernels import backends
 from smelt_kernels import reference as R
 from smelt_kernels.layers import MoE, RMSNorm, Rotary, SegmentAttention
@@ -44,8 +44,10 @@ def test_moe_any_leading_dims_equals_reference():
 
 
 def test_moe_router_losses_kept_not_added():
-    plain, lossy = _moe(backend="torch"), _moe(aux_loss_weight=0.5, z_loss_weight=0.1,
-                                               backend="torch")
+    plain, lossy = (
+        _moe(backend="torch"),
+        _moe(aux_loss_weight=0.5, z_loss_weight=0.1, backend="torch"),
+    )
     x = torch.randn(7, 24, dtype=torch.float64)
     y = lossy(x)
     torch.testing.assert_close(y, plain(x), rtol=0, atol=0)
@@ -97,7 +99,7 @@ class _ListCache:
         self.k = self.v = self.seg = None
 
     def update(self, k, v, seg):
-        cat = (lambda a, b: b if a is None else torch.cat((a, b), 1))
+        cat = lambda a, b: b if a is None else torch.cat((a, b), 1)
         self.k, self.v, self.seg = cat(self.k, k), cat(self.v, v), cat(self.seg, seg)
         return self.k, self.v, self.seg
 
@@ -112,7 +114,7 @@ def test_segment_attention_kv_cache_decodes_like_the_full_forward():
     pos = torch.arange(T).expand(B, T)
     outs = [attn(x[:, :6], seg[:, :6], pos[:, :6], kv_cache=cache)]
     for t in range(6, T):
-        outs.append(attn(x[:, t:t + 1], seg[:, t:t + 1], pos[:, t:t + 1], kv_cache=cache))
+        outs.append(attn(x[:, t : t + 1], seg[:, t : t + 1], pos[:, t : t + 1], kv_cache=cache))
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-10)
 
 
@@ -147,8 +149,9 @@ class TinyLM(nn.Module):
 
 def _loss(model, ids, seg):
     logits = model(ids, seg)
-    ce = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                     ids[:, 1:].reshape(-1))
+    ce = nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
     return ce, ce + model.moe.aux_loss
 
 
@@ -205,8 +208,12 @@ def test_drop_in_model_compiles_fullgraph(backend):
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
     with torch.no_grad():
-        torch.testing.assert_close(torch.compile(model, fullgraph=True, backend="aot_eager")(
-            ids, seg), model(ids, seg), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.compile(model, fullgraph=True, backend="aot_eager")(ids, seg),
+            model(ids, seg),
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 def test_pure_python_install_compiles_the_model():
@@ -231,7 +238,8 @@ def test_pure_python_install_compiles_the_model():
         "print('ok')\n"
     )
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")

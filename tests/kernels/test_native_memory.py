@@ -23,9 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 HEADROOM_MB = (2, 16, 64, 320)
 
 pytestmark = [
-    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's"),
-    pytest.mark.skipif(backends.extension_op_missing("_cpu", "moe_ffn_fwd", "csrc") is not None,
-                       reason="smelt_kernels._cpu is not built"),
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's"
+    ),
+    pytest.mark.skipif(
+        backends.extension_op_missing("_cpu", "moe_ffn_fwd", "csrc") is not None,
+        reason="smelt_kernels._cpu is not built",
+    ),
 ]
 
 SCRIPT = textwrap.dedent('''
@@ -57,15 +61,18 @@ SCRIPT = textwrap.dedent('''
         if op == "grouped":
             M, K, N, E = 4000 // f + 29 * step, 512 // f + 8 * step, 400 // f + 16 * step, 6
             ends = torch.linspace(0, M, E + 1)[1:].round().int()
-            return torch.randn(M, K, generator=g).to(dtype), torch.randn(E, N, K, generator=g).to(dtype), ends
+            a = torch.randn(M, K, generator=g).to(dtype)
+            return a, torch.randn(E, N, K, generator=g).to(dtype), ends
         if op == "attention":
             T = 3000 // f + 41 * step
             q = torch.randn(1, T, 4, 32, generator=g).to(dtype)
             k = torch.randn(1, T, 2, 32, generator=g).to(dtype)
-            seg = torch.repeat_interleave(torch.arange(3), torch.tensor([T // 3, T // 3, T - 2 * (T // 3)]))[None]
+            lengths = torch.tensor([T // 3, T // 3, T - 2 * (T // 3)])
+            seg = torch.repeat_interleave(torch.arange(3), lengths)[None]
             return q, k, k.clone(), seg
         if op == "norm":
-            return torch.randn(8192 // f + 64 * step, 512, generator=g).to(dtype), torch.randn(512).to(dtype)
+            x = torch.randn(8192 // f + 64 * step, 512, generator=g).to(dtype)
+            return x, torch.randn(512).to(dtype)
         raise SystemExit(f"unknown op {op}")
 
     def run(args):
@@ -106,19 +113,42 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 # op -> the name its native kernels put in front of their out-of-memory errors
-OPS = {"moe": "moe_ffn (cpu", "moe_backward": "moe_ffn (cpu", "grouped": "grouped_mm",
-       "attention": "segment_attention (cpu", "norm": "rms_norm (cpu"}
+OPS = {
+    "moe": "moe_ffn (cpu",
+    "moe_backward": "moe_ffn (cpu",
+    "grouped": "grouped_mm",
+    "attention": "segment_attention (cpu",
+    "norm": "rms_norm (cpu",
+}
 
 
-@pytest.mark.parametrize("op,dtype", [("moe", "float32"), ("moe", "bfloat16"), ("moe_backward", "bfloat16"),
-                                      ("grouped", "float32"), ("attention", "float32"), ("norm", "bfloat16")])
+@pytest.mark.parametrize(
+    "op,dtype",
+    [
+        ("moe", "float32"),
+        ("moe", "bfloat16"),
+        ("moe_backward", "bfloat16"),
+        ("grouped", "float32"),
+        ("attention", "float32"),
+        ("norm", "bfloat16"),
+    ],
+)
 def test_out_of_memory_is_an_error_not_a_crash(op, dtype):
     # large blocks mapped and unmapped per allocation (no heap growth kept between steps)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, op, dtype, *map(str, HEADROOM_MB)],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
-    assert proc.returncode == 0, f"exit status {proc.returncode} (a signal if negative)\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, op, dtype, *map(str, HEADROOM_MB)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=240,
+    )
+    assert proc.returncode == 0, (
+        f"exit status {proc.returncode} (a signal if negative)\n"
+        f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    )
     lines = proc.stdout.strip().splitlines()
     assert lines[-1] == "survived" and len(lines) == len(HEADROOM_MB) + 1, proc.stdout
     outcomes = [line.split(" | ", 1)[1] for line in lines[:-1]]

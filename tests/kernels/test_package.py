@@ -8,10 +8,10 @@ import subprocess
 import sys
 import sysconfig
 
+import helpers
 import pytest
 import torch
 
-import helpers
 from smelt_kernels import backends
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,24 +41,43 @@ def toy_op(monkeypatch):
     monkeypatch.setitem(backends._REGISTRY, "toy", {})
     monkeypatch.setattr(backends, "_REPORTED", set())
     backends.register("toy", "torch", lambda x: "torch", lambda g: g, devices=None)
-    backends.register("toy", "cpu", lambda x: "cpu", devices=("cpu",), priority=10,
-                      dtypes=(torch.float32,), supports=lambda size: None if size < 4 else "too big")
-    backends.register("toy", "cuda", lambda x: "cuda", backward_via=("torch",), devices=("cuda",),
-                      priority=20)
+    backends.register(
+        "toy",
+        "cpu",
+        lambda x: "cpu",
+        devices=("cpu",),
+        priority=10,
+        dtypes=(torch.float32,),
+        supports=lambda size: None if size < 4 else "too big",
+    )
+    backends.register(
+        "toy", "cuda", lambda x: "cuda", backward_via=("torch",), devices=("cuda",), priority=20
+    )
     return "toy"
 
 
 def test_backend_selection(toy_op, caplog):
     assert backends.select(toy_op, None, device="cpu", dtype=torch.float32, size=1).backend == "cpu"
-    assert backends.select(toy_op, "auto", device="cpu", dtype=torch.float32, size=1).backend == "cpu"
+    assert (
+        backends.select(toy_op, "auto", device="cpu", dtype=torch.float32, size=1).backend == "cpu"
+    )
     assert backends.select(toy_op, "torch", device="cpu").backend == "torch"
     # auto falls back past what the preferred implementation cannot take, and says why once
     with caplog.at_level(logging.INFO, logger="smelt"):
-        assert backends.select(toy_op, None, device="cpu", dtype=torch.float64, size=1).backend == "torch"
-        assert backends.select(toy_op, None, device="cpu", dtype=torch.float64, size=1).backend == "torch"
+        assert (
+            backends.select(toy_op, None, device="cpu", dtype=torch.float64, size=1).backend
+            == "torch"
+        )
+        assert (
+            backends.select(toy_op, None, device="cpu", dtype=torch.float64, size=1).backend
+            == "torch"
+        )
     assert [r.getMessage() for r in caplog.records] == [
-        "toy on cpu uses backend 'torch' (cpu: backend 'cpu' takes float32, got float64)"]
-    assert backends.select(toy_op, None, device="cpu", dtype=torch.float32, size=9).backend == "torch"
+        "toy on cpu uses backend 'torch' (cpu: backend 'cpu' takes float32, got float64)"
+    ]
+    assert (
+        backends.select(toy_op, None, device="cpu", dtype=torch.float32, size=9).backend == "torch"
+    )
     # an explicit backend: one error class per kind of failure
     with pytest.raises(TypeError, match="takes float32, got float64"):
         backends.select(toy_op, "cpu", device="cpu", dtype=torch.float64)
@@ -109,12 +128,20 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 def test_report_lists_every_op_and_backend():
     rep = backends.report("cpu")
-    assert set(rep) == {"moe_ffn", "grouped_gemm", "route", "segment_attention", "rms_norm",
-                        "rotary"}
+    assert set(rep) == {
+        "moe_ffn",
+        "grouped_gemm",
+        "route",
+        "segment_attention",
+        "rms_norm",
+        "rotary",
+    }
     assert set(rep.variants["segment_attention"]["cpu"]) == {"native", "chunked"}
     assert {"rows", "panels", "few-rows"} <= set(rep.variants["moe_ffn"]["cpu"])
     assert set(rep["rms_norm"]) == set(rep["rotary"]) == {"torch", "cpu"}
-    assert set(rep["moe_ffn"]) == set(rep["segment_attention"]) == {"torch", "cpu", "triton", "cuda"}
+    assert (
+        set(rep["moe_ffn"]) == set(rep["segment_attention"]) == {"torch", "cpu", "triton", "cuda"}
+    )
     assert set(rep["grouped_gemm"]) == {"torch", "cpu", "triton"}
     for op, per_backend in rep.items():
         assert per_backend["torch"] is None, op
@@ -130,11 +157,17 @@ def test_report_says_why_a_backend_is_unavailable(monkeypatch):
     monkeypatch.setitem(backends._EXT_ERRORS, "_cpu", "smelt_kernels._cpu is not built (test)")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     rep = backends.report("cpu")
-    assert rep["moe_ffn"]["cpu"] == rep["grouped_gemm"]["cpu"] == "smelt_kernels._cpu is not built (test)"
+    assert (
+        rep["moe_ffn"]["cpu"]
+        == rep["grouped_gemm"]["cpu"]
+        == "smelt_kernels._cpu is not built (test)"
+    )
     assert "TRITON_INTERPRET=1" in rep["moe_ffn"]["triton"]
     assert "TRITON_INTERPRET=1" in rep["segment_attention"]["triton"]
     assert rep["segment_attention"]["cpu"] is None  # ATen's flash kernel needs no extension
-    assert backends.report("cuda")["moe_ffn"]["cpu"].startswith("moe_ffn: backend 'cpu' runs on cpu")
+    assert backends.report("cuda")["moe_ffn"]["cpu"].startswith(
+        "moe_ffn: backend 'cpu' runs on cpu"
+    )
 
 
 @pytest.mark.skipif(not CPU_SOURCES, reason="no csrc/*/cpu_*.cpp sources")
@@ -147,8 +180,17 @@ def test_cpu_extension_is_built_and_loads():
 @pytest.mark.parametrize("src", CU_SOURCES, ids=lambda p: os.path.relpath(p, ROOT))
 def test_cu_compiles_for_sm90a(src, tmp_path):
     obj = tmp_path / (os.path.basename(src) + ".o")
-    cmd = ["nvcc", "-c", "-std=c++17", "-O2", "-arch=sm_90a", "--expt-relaxed-constexpr",
-           src, "-o", str(obj)]
+    cmd = [
+        "nvcc",
+        "-c",
+        "-std=c++17",
+        "-O2",
+        "-arch=sm_90a",
+        "--expt-relaxed-constexpr",
+        src,
+        "-o",
+        str(obj),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
     assert obj.stat().st_size > 0
@@ -158,8 +200,11 @@ def _cuda_include():
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         return None
-    for root in (os.environ.get("CUDA_HOME"), os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
-                 "/usr/local/cuda"):
+    for root in (
+        os.environ.get("CUDA_HOME"),
+        os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
+        "/usr/local/cuda",
+    ):
         if root and os.path.exists(os.path.join(root, "include", "cuda_runtime_api.h")):
             return os.path.join(root, "include")
     return None
@@ -174,9 +219,16 @@ def test_cuda_bindings_compile(src):
     cxx = shutil.which(os.environ.get("CXX", "c++"))
     if cxx is None:
         pytest.skip("no C++ compiler")
-    cmd = [cxx, "-fsyntax-only", "-std=c++17", "-DTORCH_EXTENSION_NAME=_cuda",
-           "-DTORCH_API_INCLUDE_EXTENSION_H", "-DWITH_CUDA", f"-I{_cuda_include()}",
-           f"-I{sysconfig.get_paths()['include']}"]
+    cmd = [
+        cxx,
+        "-fsyntax-only",
+        "-std=c++17",
+        "-DTORCH_EXTENSION_NAME=_cuda",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        "-DWITH_CUDA",
+        f"-I{_cuda_include()}",
+        f"-I{sysconfig.get_paths()['include']}",
+    ]
     cmd += [f"-I{p}" for p in include_paths()] + [src]
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]

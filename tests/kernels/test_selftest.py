@@ -23,8 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _command(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "smelt_kernels.selftest", *args], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "smelt_kernels.selftest", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def _row(stdout: str, op: str, backend: str, dtype: str) -> str:
@@ -50,7 +56,9 @@ def test_quick_passes_and_lists_every_op_and_backend(tmp_path):
         for backend, why in report[op].items():
             mine = [r for r in rows if (r["op"], r["backend"]) == (op, backend)]
             if why is not None:  # listed with the registry's reason
-                assert [(r["dtype"], r["verdict"], r["reason"]) for r in mine] == [("-", "skipped", why)]
+                assert [(r["dtype"], r["verdict"], r["reason"]) for r in mine] == [
+                    ("-", "skipped", why)
+                ]
                 assert f"skipped: {why}" in _row(out.stdout, op, backend, "-")
                 continue
             assert {"float32", "bfloat16"} <= {r["dtype"] for r in mine}, (op, backend)
@@ -72,9 +80,17 @@ def _replace(monkeypatch, op, backend, **changes):
     of the op's registry entry that is put back after the test."""
     impl = backends.implementation(op, backend)
     monkeypatch.setitem(backends._REGISTRY, op, dict(backends._REGISTRY[op]))
-    fields = dict(forward=impl.forward, backward=impl.backward, devices=impl.devices,
-                  priority=impl.priority, dtypes=impl.dtypes, requires=impl.requires,
-                  supports=impl.supports, checks_values=impl.checks_values, traced=impl.traced)
+    fields = dict(
+        forward=impl.forward,
+        backward=impl.backward,
+        devices=impl.devices,
+        priority=impl.priority,
+        dtypes=impl.dtypes,
+        requires=impl.requires,
+        supports=impl.supports,
+        checks_values=impl.checks_values,
+        traced=impl.traced,
+    )
     fields.update(changes)
     backends.register(op, backend, replace=True, **fields)
     return impl
@@ -112,18 +128,22 @@ def test_a_backward_that_returns_nan_fails(monkeypatch):
     _replace(monkeypatch, "rms_norm", "cpu", backward=nan_backward, infer=impl.infer)
     results = selftest.run("cpu", ops=["rms_norm"], backends=["cpu"])
     assert [(r.backend, r.dtype, r.verdict) for r in results] == [
-        ("cpu", d, "FAIL") for d in ("float32", "bfloat16", "float16")]
+        ("cpu", d, "FAIL") for d in ("float32", "bfloat16", "float16")
+    ]
     for r in results:
         assert r.worst == math.inf
-        assert any("dx: " in f and "NaN or inf values where the reference is finite" in f
-                   for f in r.failures), r.failures
+        assert any(
+            "dx: " in f and "NaN or inf values where the reference is finite" in f
+            for f in r.failures
+        ), r.failures
         assert not any(f.split(": ")[1].startswith(("y", "dw")) for f in r.failures), r.failures
 
 
 def test_a_crashing_kernel_fails_its_row_and_the_rest_run(tmp_path):
     # every process of the command loads an RMSNorm forward that kills its process in
     # float32 and raises a CUDA error (the context is gone) in bfloat16, and notes its pid
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent(f"""
         import os, signal
         import torch
         from smelt_kernels import backends
@@ -138,7 +158,8 @@ def test_a_crashing_kernel_fails_its_row_and_the_rest_run(tmp_path):
         backends.register("rms_norm", "cpu", forward, impl.backward, devices=("cpu",),
                           priority=impl.priority, dtypes=impl.dtypes, requires=impl.requires,
                           supports=impl.supports, replace=True)
-    """))
+    """)
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
     out = _command("--quick", "--op", "rms_norm", "--backend", "cpu", "torch", env=env)
     assert out.returncode == 1, out.stdout + out.stderr
@@ -154,46 +175,65 @@ def test_a_crashing_kernel_fails_its_row_and_the_rest_run(tmp_path):
     assert len(set((tmp_path / "pids").read_text().split())) == 4
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
-    (["--quick", "now"], "unrecognized arguments: now"),
-    (["--op"], "expected at least one argument"),
-    (["--json", os.path.join("no-such-folder", "out.json")], "--json: the folder of"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["--quick", "now"], "unrecognized arguments: now"),
+        (["--op"], "expected at least one argument"),
+        (["--json", os.path.join("no-such-folder", "out.json")], "--json: the folder of"),
+    ],
+)
 def test_bad_options_are_one_line(args, message):
     out = _command(*args)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--op", "moe_ffn", "attention"], "ops: unknown 'attention' (choose from moe_ffn, "),
-    (["--backend", "tpu"], "backends: unknown 'tpu'"),
-    (["--device", "meta"], "the self-test runs on cpu or cuda"),
-    (["--device", "tpu"], "'tpu' is not a device"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--op", "moe_ffn", "attention"], "ops: unknown 'attention' (choose from moe_ffn, "),
+        (["--backend", "tpu"], "backends: unknown 'tpu'"),
+        (["--device", "meta"], "the self-test runs on cpu or cuda"),
+        (["--device", "tpu"], "'tpu' is not a device"),
+    ],
+)
 def test_bad_names_are_one_line(args, message, capsys):
     assert cli.main(["--in-process", *args]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message of a machine without a GPU"
+)
 def test_cuda_without_a_gpu_is_one_line():
     out = _command("--device", "cuda", "--quick")
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == ("selftest: error: device: cuda asked for, but no CUDA GPU is available "
-                          "(torch.cuda.is_available() is False)\n")
+    assert out.stderr == (
+        "selftest: error: device: cuda asked for, but no CUDA GPU is available "
+        "(torch.cuda.is_available() is False)\n"
+    )
 
 
 def test_full_cases_of_one_op_in_process():
     results = selftest.run("cpu", ops=["rotary"])
     assert [(r.backend, r.dtype, r.verdict, r.cases) for r in results] == [
-        (b, d, "pass", len(CASES["rotary"]())) for b in ("cpu", "torch")
-        for d in ("float32", "bfloat16", "float16")]
+        (b, d, "pass", len(CASES["rotary"]()))
+        for b in ("cpu", "torch")
+        for d in ("float32", "bfloat16", "float16")
+    ]
     table = selftest.format_table(results)
-    assert table.splitlines()[0].split() == ["op", "backend", "variant", "dtype", "cases", "worst",
-                                             "verdict"]
+    assert table.splitlines()[0].split() == [
+        "op",
+        "backend",
+        "variant",
+        "dtype",
+        "cases",
+        "worst",
+        "verdict",
+    ]
     with pytest.raises(ValueError, match="ops: unknown 'rotery'"):
         selftest.run("cpu", ops=["rotery"])
 
@@ -210,8 +250,9 @@ def test_the_rule_lets_no_nan_through():
     bad[1] = math.nan
     norm, why = runner.compare("y", bad, ref, plain, torch.bfloat16)
     assert norm == math.inf and "1 NaN or inf values" in why
-    norm, why = runner.compare("ids", torch.tensor([1, 2]), torch.tensor([1, 3]), None,
-                               torch.float32, exact=True)
+    norm, why = runner.compare(
+        "ids", torch.tensor([1, 2]), torch.tensor([1, 3]), None, torch.float32, exact=True
+    )
     assert norm == math.inf and "1 of 2 values differ" in why
     norm, why = runner.compare("y", ref[:2], ref, plain, torch.float32)
     assert norm == math.inf and "shape" in why

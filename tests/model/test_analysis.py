@@ -14,8 +14,18 @@ from smelt_model.model import SmeltLM
 
 
 def micro(loop=LoopSpec(1, 2, 2)):
-    return ModelConfig(vocab_size=97, hidden_size=48, n_layers=4, n_heads=4, n_kv_heads=2,
-                       head_dim=16, n_experts=8, expert_size=24, top_k=2, loop=loop)
+    return ModelConfig(
+        vocab_size=97,
+        hidden_size=48,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_experts=8,
+        expert_size=24,
+        top_k=2,
+        loop=loop,
+    )
 
 
 def test_expert_overlap_identical_and_disjoint():
@@ -56,8 +66,9 @@ def test_attended_overlap_of_identical_patterns_is_one():
     idx, valid = analysis.top_attended(q, k, seg, 8)
     # a query attends to its own segment's earlier keys only
     assert int(valid.sum()) == (9 - 7) + (11 - 7)
-    torch.testing.assert_close(analysis.attended_overlap(idx, idx, valid),
-                               torch.ones(4, dtype=torch.float64))
+    torch.testing.assert_close(
+        analysis.attended_overlap(idx, idx, valid), torch.ones(4, dtype=torch.float64)
+    )
     # overlap against a direct set computation for one head
     idx2, _ = analysis.top_attended(q.flip(2), k, seg, 8)
     got = analysis.attended_overlap(idx, idx2, valid)
@@ -87,8 +98,9 @@ def test_analyze_report_against_direct_computation():
         na = a["moe_write"].reshape(48, -1).norm(dim=-1).mean()
         nb = b["moe_write"].reshape(48, -1).norm(dim=-1).mean()
         assert c.norm_ratio["moe"] == pytest.approx((nb / na).item())
-        cos_q = torch.nn.functional.cosine_similarity(a["q"].reshape(48, -1),
-                                                      b["q"].reshape(48, -1)).mean()
+        cos_q = torch.nn.functional.cosine_similarity(
+            a["q"].reshape(48, -1), b["q"].reshape(48, -1)
+        ).mean()
         assert c.cosine["q"] == pytest.approx(cos_q.item())
         assert len(c.attended_overlap) == 4 and len(c.attended_overlap_control) == 2
         assert all(0 <= x <= 1 for x in c.attended_overlap + c.attended_overlap_control)
@@ -116,17 +128,54 @@ def test_cli_on_checkpoints(tmp_path, capsys):
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 97, 200))
     save_file({"input_ids": torch.randint(0, 97, (2, 16))}, str(tmp_path / "ids.safetensors"))
     pytest.importorskip("matplotlib")
-    rc = analysis.main([str(tmp_path / "smelt"), "--baseline", str(tmp_path / "base"),
-                        "--tokens", str(tmp_path / "ids.npy"), "--seq-len", "16", "--batch", "2",
-                        "--backend", "torch", "--plot", str(tmp_path / "sink.png")])
+    rc = analysis.main(
+        [
+            str(tmp_path / "smelt"),
+            "--baseline",
+            str(tmp_path / "base"),
+            "--tokens",
+            str(tmp_path / "ids.npy"),
+            "--seq-len",
+            "16",
+            "--batch",
+            "2",
+            "--backend",
+            "torch",
+            "--plot",
+            str(tmp_path / "sink.png"),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "== smelt: per executed layer ==" in out and "== baseline" in out
     assert (tmp_path / "sink.png").stat().st_size > 0
-    assert analysis.main([str(tmp_path / "smelt"), "--tokens", str(tmp_path / "ids.safetensors"),
-                          "--seq-len", "16", "--batch", "2", "--backend", "torch"]) == 0
-    rc = analysis.main([str(tmp_path / "smelt"), "--tokens", str(tmp_path / "ids.npy"),
-                        "--seq-len", "1000", "--batch", "2"])
+    assert (
+        analysis.main(
+            [
+                str(tmp_path / "smelt"),
+                "--tokens",
+                str(tmp_path / "ids.safetensors"),
+                "--seq-len",
+                "16",
+                "--batch",
+                "2",
+                "--backend",
+                "torch",
+            ]
+        )
+        == 0
+    )
+    rc = analysis.main(
+        [
+            str(tmp_path / "smelt"),
+            "--tokens",
+            str(tmp_path / "ids.npy"),
+            "--seq-len",
+            "1000",
+            "--batch",
+            "2",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "need 2000" in err and err.count("\n") == 1
 
@@ -193,18 +242,44 @@ def pair(tmp_path_factory):
     for name, loop in (("smelt", LoopSpec(1, 2, 2)), ("baseline", None)):
         cfg = micro(loop).replace(vocab_size=258)
         (tmp / f"{name}.json").write_text(cfg.to_json())
-        assert train(["--config", str(tmp / f"{name}.json"), "--data", str(corpus),
-                      "--seq-len", "32", "--tokens-per-step", "64", "--steps", "2",
-                      "--val-fraction", "0.3", "--eval-tokens", "64", "--threads", "1",
-                      "--quiet", "--out", str(tmp / "pair" / name)]) == 0
+        assert (
+            train(
+                [
+                    "--config",
+                    str(tmp / f"{name}.json"),
+                    "--data",
+                    str(corpus),
+                    "--seq-len",
+                    "32",
+                    "--tokens-per-step",
+                    "64",
+                    "--steps",
+                    "2",
+                    "--val-fraction",
+                    "0.3",
+                    "--eval-tokens",
+                    "64",
+                    "--threads",
+                    "1",
+                    "--quiet",
+                    "--out",
+                    str(tmp / "pair" / name),
+                ]
+            )
+            == 0
+        )
     return tmp / "pair"
 
 
 @pytest.mark.parametrize("form", ["run", "latest", "step", "pair"])
 def test_cli_on_a_trainers_run_makes_its_own_held_out_tokens(pair, capsys, form):
     run = pair / "smelt"
-    path = {"run": run, "latest": run / "checkpoints" / "latest",
-            "step": run / "checkpoints" / "step_00000002", "pair": pair}[form]
+    path = {
+        "run": run,
+        "latest": run / "checkpoints" / "latest",
+        "step": run / "checkpoints" / "step_00000002",
+        "pair": pair,
+    }[form]
     extra = ["--baseline", str(pair / "baseline")] if form == "latest" else []
     capsys.readouterr()
     assert analysis.main([str(path), "--batch", "2", "--backend", "torch", *extra]) == 0

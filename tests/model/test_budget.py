@@ -7,7 +7,8 @@ import pytest
 from smelt_model import budget, presets
 from smelt_model.config import LoopSpec, ModelConfig
 
-# The paper's appendix: (scale, S) -> active B (base, smelt), total B (base, smelt), F ratio, KV ratio
+# The paper's appendix: (scale, S) -> active B (base, smelt), total B (base, smelt),
+# F ratio, KV ratio
 PAPER = {
     ("100M", 85): ((0.100, 0.067), (0.71, 0.71), 1.024, 0.964),
     ("100M", 95): ((0.101, 0.069), (2.12, 2.12), 1.031, 0.964),
@@ -54,8 +55,18 @@ def test_worked_example_200m_s95():
 
 
 def test_ledger_formulas_by_hand():
-    cfg = ModelConfig(vocab_size=10, hidden_size=16, n_layers=3, n_heads=2, n_kv_heads=1,
-                      head_dim=8, n_experts=4, expert_size=6, top_k=2, loop=LoopSpec(1, 1, 3))
+    cfg = ModelConfig(
+        vocab_size=10,
+        hidden_size=16,
+        n_layers=3,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=8,
+        n_experts=4,
+        expert_size=6,
+        top_k=2,
+        loop=LoopSpec(1, 1, 3),
+    )
     H = 16
     attn = 2 * H * 16 + 2 * H * 8
     shared = attn + H * 4 + 2 * H
@@ -84,7 +95,8 @@ def test_sparsity_against_a_given_control():
     dense = base.replace(n_experts=8)
     assert budget.ledger(dense).sparsity == pytest.approx(0.0, abs=1e-12)
     assert budget.ledger(base, control=dense).sparsity == pytest.approx(
-        budget.ledger(base).sparsity)
+        budget.ledger(base).sparsity
+    )
 
 
 def test_tiny_pair_is_matched_and_shaped_like_the_paper():
@@ -99,8 +111,16 @@ def test_tiny_pair_is_matched_and_shaped_like_the_paper():
 
 
 def test_matcher_on_a_baseline_not_in_the_paper():
-    base = ModelConfig(vocab_size=32768, hidden_size=1536, n_layers=16, n_heads=12,
-                       n_kv_heads=2, head_dim=128, n_experts=192, expert_size=512)
+    base = ModelConfig(
+        vocab_size=32768,
+        hidden_size=1536,
+        n_layers=16,
+        n_heads=12,
+        n_kv_heads=2,
+        head_dim=128,
+        n_experts=192,
+        expert_size=512,
+    )
     cfg, ratios = budget.match(base)
     assert ratios.within((0.04, 0.01, 0.04))
     assert ratios == budget.compare(base, cfg)
@@ -146,8 +166,12 @@ def _run_cli(*args):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    return subprocess.run([sys.executable, "-m", "smelt_model.budget", *args],
-                          capture_output=True, text=True, cwd=root)
+    return subprocess.run(
+        [sys.executable, "-m", "smelt_model.budget", *args],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
 
 
 def test_cli_as_a_module_prints_no_runpy_warning():
@@ -157,16 +181,27 @@ def test_cli_as_a_module_prints_no_runpy_warning():
     assert "ratios (looped / baseline)" in out.stdout
 
 
-@pytest.mark.parametrize("text,message", [
-    ('{"vocab_size": 8,', "malformed JSON"),
-    ('{"vocab_size": 8}', "missing ModelConfig field(s): hidden_size"),
-    (None, "unknown ModelConfig field(s): colour"),
-    (None, "already looped"),
-    (None, "no such config file"),
-    ('[1, 2]', "expected a dict"),
-    (None, "unknown loop field(s): stride"),
-], ids=["malformed", "incomplete", "unknown-field", "looped-to-match", "missing-file",
-        "not-an-object", "bad-loop"])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('{"vocab_size": 8,', "malformed JSON"),
+        ('{"vocab_size": 8}', "missing ModelConfig field(s): hidden_size"),
+        (None, "unknown ModelConfig field(s): colour"),
+        (None, "already looped"),
+        (None, "no such config file"),
+        ("[1, 2]", "expected a dict"),
+        (None, "unknown loop field(s): stride"),
+    ],
+    ids=[
+        "malformed",
+        "incomplete",
+        "unknown-field",
+        "looped-to-match",
+        "missing-file",
+        "not-an-object",
+        "bad-loop",
+    ],
+)
 def test_cli_bad_configs_exit_with_one_line(tmp_path, capsys, text, message):
     path = tmp_path / "c.json"
     base = presets.get("tiny-baseline").to_dict()
@@ -185,8 +220,21 @@ def test_cli_bad_configs_exit_with_one_line(tmp_path, capsys, text, message):
 
 
 def test_cli_match_error_options_exist(capsys):
-    args = ["tiny-baseline", "--match", "--tolerances", "1e-6", "1e-6", "1e-6",
-            "--head-dim-multiple", "4", "--expert-size-multiple", "4", "--kv-heads", "1", "2"]
+    args = [
+        "tiny-baseline",
+        "--match",
+        "--tolerances",
+        "1e-6",
+        "1e-6",
+        "1e-6",
+        "--head-dim-multiple",
+        "4",
+        "--expert-size-multiple",
+        "4",
+        "--kv-heads",
+        "1",
+        "2",
+    ]
     assert budget.main(args) == 1
     err = capsys.readouterr().err
     for option in ("--tolerances", "--head-dim-multiple", "--expert-size-multiple", "--kv-heads"):

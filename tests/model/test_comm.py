@@ -8,15 +8,24 @@ from pathlib import Path
 import pytest
 
 from smelt_model import budget, presets
-from smelt_model.config import ModelConfig, LoopSpec
+from smelt_model.config import LoopSpec, ModelConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "comm.md"
 
 
 def _small(**changes) -> ModelConfig:
     # per layer: attention 2*4*4 + 2*4*4 = 64, router 4*4 = 16, norms 8, experts 4*3*4*2 = 96
-    cfg = ModelConfig(vocab_size=10, hidden_size=4, n_layers=2, n_heads=1, n_kv_heads=1,
-                      head_dim=4, n_experts=4, expert_size=2, top_k=2)
+    cfg = ModelConfig(
+        vocab_size=10,
+        hidden_size=4,
+        n_layers=2,
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim=4,
+        n_experts=4,
+        expert_size=2,
+        top_k=2,
+    )
     return cfg.replace(**changes)
 
 
@@ -26,8 +35,9 @@ def test_uniform_ep_bytes_by_hand():
     # a row is H = 4 bf16 elements (8 bytes); 2 executed layers
     c = budget.comm(_small(), 8, ep=2, dp_shard=2)
     per_collective = 2 * 4 * 8
-    assert (c.dispatch_forward, c.combine_forward, c.dispatch_backward,
-            c.combine_backward) == (per_collective,) * 4
+    assert (c.dispatch_forward, c.combine_forward, c.dispatch_backward, c.combine_backward) == (
+        per_collective,
+    ) * 4
     assert c.ep_bytes == 4 * per_collective
     assert c.ep_by_rank == (256, 256)
     assert c.ep_bytes_per_token == 256 / 4
@@ -44,7 +54,7 @@ def test_uniform_ep_four_ranks():
 
 def test_ep_one_sends_nothing():
     c = budget.comm(_small(), 8, ep=1, dp_shard=2)
-    assert c.ep_bytes == 0 and c.ep_by_rank == (0, )
+    assert c.ep_bytes == 0 and c.ep_by_rank == (0,)
     c = budget.comm(_small(), 8, ep=1, dp_shard=2, routing=[[[3, 1, 2, 2]]] * 2)
     assert c.ep_bytes == 0
 
@@ -52,15 +62,19 @@ def test_ep_one_sends_nothing():
 def test_skewed_routing_by_hand():
     # experts 0, 1 live on rank 0 and 2, 3 on rank 1
     routing = [
-        [[5, 1, 2, 0],   # rank 0 sends 2 rows to rank 1
-         [3, 3, 0, 2]],  # rank 1 sends 6 rows to rank 0
-        [[0, 0, 4, 4],   # rank 0 sends all 8 rows away
-         [0, 0, 8, 0]],  # rank 1 keeps all of its rows
+        [
+            [5, 1, 2, 0],  # rank 0 sends 2 rows to rank 1
+            [3, 3, 0, 2],
+        ],  # rank 1 sends 6 rows to rank 0
+        [
+            [0, 0, 4, 4],  # rank 0 sends all 8 rows away
+            [0, 0, 8, 0],
+        ],  # rank 1 keeps all of its rows
     ]
     c = budget.comm(_small(), 8, ep=2, dp_shard=2, routing=routing)
     row = 8
     assert c.dispatch_by_rank == (10 * row, 6 * row)  # layer 0 + layer 1
-    assert c.combine_by_rank == (6 * row, 10 * row)   # the rows each rank received back
+    assert c.combine_by_rank == (6 * row, 10 * row)  # the rows each rank received back
     # each collective is paced by its busiest rank: max(2, 6) + max(8, 0)
     assert c.dispatch_forward == c.combine_backward == 14 * row
     assert c.combine_forward == c.dispatch_backward == (6 + 8) * row
@@ -72,41 +86,50 @@ def test_routing_edge_cases():
     local = [[[4, 4, 0, 0], [0, 0, 4, 4]]] * 2
     assert budget.comm(_small(), 8, ep=2, dp_shard=2, routing=local).ep_bytes == 0
     even = [[[2] * 4] * 4] * 2
-    assert budget.comm(_small(), 16, ep=4, dp_shard=4, routing=even) == \
-        budget.comm(_small(), 16, ep=4, dp_shard=4)
+    assert budget.comm(_small(), 16, ep=4, dp_shard=4, routing=even) == budget.comm(
+        _small(), 16, ep=4, dp_shard=4
+    )
     torch = pytest.importorskip("torch")
     as_tensors = [torch.tensor(m) for m in even]
-    assert budget.comm(_small(), 16, ep=4, dp_shard=4, routing=as_tensors).ep_bytes == \
-        budget.comm(_small(), 16, ep=4, dp_shard=4).ep_bytes
+    assert (
+        budget.comm(_small(), 16, ep=4, dp_shard=4, routing=as_tensors).ep_bytes
+        == budget.comm(_small(), 16, ep=4, dp_shard=4).ep_bytes
+    )
 
 
-@pytest.mark.parametrize("routing,message", [
-    ("abc", "routing must be a sequence"),
-    ([[[4, 4, 0, 0], [0, 0, 4, 4]]], "one matrix per executed MoE layer"),
-    ([[[4, 4, 0, 0]]] * 2, r"routing\[0\] must be an \(ep, n_experts\)"),
-    ([[[4, 4, 0], [0, 4, 4]]] * 2, r"routing\[0\] must be an \(ep, n_experts\)"),
-    ([[[4, 4, 0, 0], [0, 0, 4, 4]], [[9, -1, 0, 0], [0, 0, 4, 4]]], r"routing\[1\] .*non-neg"),
-    ([[[4, 4, 0, 0], [0, 0, 4, 4.5]]] * 2, "integer counts"),
-    ([[[4, 4, 0, 0], [0, 0, 4, 3]]] * 2, r"routing\[0\] row 1 routes 7"),
-])
+@pytest.mark.parametrize(
+    "routing,message",
+    [
+        ("abc", "routing must be a sequence"),
+        ([[[4, 4, 0, 0], [0, 0, 4, 4]]], "one matrix per executed MoE layer"),
+        ([[[4, 4, 0, 0]]] * 2, r"routing\[0\] must be an \(ep, n_experts\)"),
+        ([[[4, 4, 0], [0, 4, 4]]] * 2, r"routing\[0\] must be an \(ep, n_experts\)"),
+        ([[[4, 4, 0, 0], [0, 0, 4, 4]], [[9, -1, 0, 0], [0, 0, 4, 4]]], r"routing\[1\] .*non-neg"),
+        ([[[4, 4, 0, 0], [0, 0, 4, 4.5]]] * 2, "integer counts"),
+        ([[[4, 4, 0, 0], [0, 0, 4, 3]]] * 2, r"routing\[0\] row 1 routes 7"),
+    ],
+)
 def test_bad_routing(routing, message):
     with pytest.raises((TypeError, ValueError), match=message):
         budget.comm(_small(), 8, ep=2, dp_shard=2, routing=routing)
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    (dict(cfg="tiny"), TypeError, "cfg must be a ModelConfig"),
-    (dict(tokens_per_step=0), ValueError, "tokens_per_step must be >= 1"),
-    (dict(tokens_per_step=8.0), TypeError, "tokens_per_step must be an int"),
-    (dict(tokens_per_step=9), ValueError, r"tokens_per_step \(9\) must be a multiple of dp"),
-    (dict(ep=3, dp_shard=6, tokens_per_step=6), ValueError, r"ep \(3\) must divide n_exp"),
-    (dict(ep=4), ValueError, r"ep \(4\) must divide dp_shard"),
-    (dict(ep=True), TypeError, "ep must be an int"),
-    (dict(dp_shard=0), ValueError, "dp_shard must be >= 1"),
-    (dict(dtype="int8"), ValueError, "dtype must be one of"),
-    (dict(reduce_dtype="fp64"), ValueError, "reduce_dtype must be one of"),
-    (dict(reshard_after_forward=1), TypeError, "reshard_after_forward must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(cfg="tiny"), TypeError, "cfg must be a ModelConfig"),
+        (dict(tokens_per_step=0), ValueError, "tokens_per_step must be >= 1"),
+        (dict(tokens_per_step=8.0), TypeError, "tokens_per_step must be an int"),
+        (dict(tokens_per_step=9), ValueError, r"tokens_per_step \(9\) must be a multiple of dp"),
+        (dict(ep=3, dp_shard=6, tokens_per_step=6), ValueError, r"ep \(3\) must divide n_exp"),
+        (dict(ep=4), ValueError, r"ep \(4\) must divide dp_shard"),
+        (dict(ep=True), TypeError, "ep must be an int"),
+        (dict(dp_shard=0), ValueError, "dp_shard must be >= 1"),
+        (dict(dtype="int8"), ValueError, "dtype must be one of"),
+        (dict(reduce_dtype="fp64"), ValueError, "reduce_dtype must be one of"),
+        (dict(reshard_after_forward=1), TypeError, "reshard_after_forward must be a bool"),
+    ],
+)
 def test_bad_arguments(kwargs, error, message):
     args = dict(cfg=_small(), tokens_per_step=8, ep=2, dp_shard=2) | kwargs
     with pytest.raises(error, match=message):
@@ -126,8 +149,9 @@ def test_fsdp_bytes_by_hand():
     gathered = 260 * 3 / 4 + 192 / 2 * 1 / 2
     assert c.fsdp_all_gather_forward == gathered * 2
     assert c.fsdp_reduce_scatter == gathered * 4
-    c = budget.comm(_small(), 8, ep=2, dp_shard=4, reshard_after_forward=False,
-                    reduce_dtype="bfloat16")
+    c = budget.comm(
+        _small(), 8, ep=2, dp_shard=4, reshard_after_forward=False, reduce_dtype="bfloat16"
+    )
     assert c.fsdp_all_gather_backward == 0 and c.fsdp_bytes == gathered * 4
     assert budget.comm(_small(), 8).fsdp_bytes == 0  # one rank: nothing to gather
 
@@ -142,8 +166,9 @@ def test_span_gathered_once():
 
 
 # ----------------------------------------------------------------------------- ratios
-@pytest.mark.parametrize("pair,ep_ratio,flops", [("200M-S95", 1.238, 1.029),
-                                                 ("1.6B-S97", 1.203, 1.008)])
+@pytest.mark.parametrize(
+    "pair,ep_ratio,flops", [("200M-S95", 1.238, 1.029), ("1.6B-S97", 1.203, 1.008)]
+)
 def test_issue_ratios(pair, ep_ratio, flops):
     base, smelt = presets.pair(pair)
     for ep, dp_shard in ((8, 8), (8, 64), (2, 2)):
@@ -152,8 +177,9 @@ def test_issue_ratios(pair, ep_ratio, flops):
         assert r.flops == pytest.approx(flops, abs=5e-4)
         # the hidden size times the executed layers, through the ledger
         lb, ls = budget.ledger(base), budget.ledger(smelt)
-        assert r.ep == pytest.approx(smelt.hidden_size * ls.executed_layers
-                                     / (base.hidden_size * lb.executed_layers))
+        assert r.ep == pytest.approx(
+            smelt.hidden_size * ls.executed_layers / (base.hidden_size * lb.executed_layers)
+        )
     r = budget.ratios(base, smelt, 32768, ep=1, dp_shard=1)
     assert r.ep is None and r.fsdp is None and r.total is None
     with pytest.raises(TypeError, match="looped_cfg"):
@@ -171,24 +197,27 @@ def test_parse_cluster():
     assert budget.parse_cluster(c) is c
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("", "empty"),
-    ("h200-3", "unknown cluster preset 'h200-3'"),
-    ("gpus=8,colour=red", "key one of gpus"),
-    ("gpus=8,gpus=16", "gives gpus twice"),
-    ("gpus=8,", "item ''"),
-    ("h100-8,", "item ''"),
-    ("gpus=eight", "cluster gpus must be an int"),
-    ("inter=fast", "cluster inter must be a bandwidth"),
-    ("inter=400Mb/s", "unknown unit 'Mb/s'"),
-    ("intra=-5", "cluster intra must be positive"),
-    ("mfu=1.5", r"cluster mfu must lie in \(0, 1\]"),
-    ("peak=inf", "cluster peak must be positive and finite"),
-    ("gpus=12", "must fill whole nodes"),
-    ("gpus=8,ep=3", r"cluster ep \(3\) must divide gpus"),
-    ("gpus=48,gpus_per_node=8,ep=12", "must divide one another"),
-    ("gpus=0", "cluster gpus must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("", "empty"),
+        ("h200-3", "unknown cluster preset 'h200-3'"),
+        ("gpus=8,colour=red", "key one of gpus"),
+        ("gpus=8,gpus=16", "gives gpus twice"),
+        ("gpus=8,", "item ''"),
+        ("h100-8,", "item ''"),
+        ("gpus=eight", "cluster gpus must be an int"),
+        ("inter=fast", "cluster inter must be a bandwidth"),
+        ("inter=400Mb/s", "unknown unit 'Mb/s'"),
+        ("intra=-5", "cluster intra must be positive"),
+        ("mfu=1.5", r"cluster mfu must lie in \(0, 1\]"),
+        ("peak=inf", "cluster peak must be positive and finite"),
+        ("gpus=12", "must fill whole nodes"),
+        ("gpus=8,ep=3", r"cluster ep \(3\) must divide gpus"),
+        ("gpus=48,gpus_per_node=8,ep=12", "must divide one another"),
+        ("gpus=0", "cluster gpus must be a positive int"),
+    ],
+)
 def test_bad_cluster(spec, message):
     with pytest.raises(ValueError, match=message):
         budget.parse_cluster(spec)
@@ -198,20 +227,23 @@ def test_bad_cluster(spec, message):
 
 def test_projection_by_hand():
     base, smelt = _small(), _small(n_layers=4, loop=LoopSpec(start=1, length=2, count=2))
-    one_node = budget.Cluster(gpus=4, gpus_per_node=4, intra=100.0, inter=10.0, peak=1000.0,
-                              mfu=0.5, ep=2)
+    one_node = budget.Cluster(
+        gpus=4, gpus_per_node=4, intra=100.0, inter=10.0, peak=1000.0, mfu=0.5, ep=2
+    )
     p = budget.project(base, one_node, 64)
     c = budget.comm(base, 64, ep=2, dp_shard=4)
     assert p.comm == c
     assert p.compute_s == pytest.approx(budget.ledger(base).flops_per_token * 16 / 500)
     assert p.ep_s == pytest.approx(c.ep_bytes / 100) and p.fsdp_s == pytest.approx(
-        c.fsdp_bytes / 100)
+        c.fsdp_bytes / 100
+    )
     assert p.serial_s == pytest.approx(p.compute_s + p.ep_s + p.fsdp_s)
     assert p.fsdp_overlapped_s == pytest.approx(max(p.compute_s, p.fsdp_s) + p.ep_s)
     assert p.overlapped_s == pytest.approx(max(p.compute_s, p.ep_s + p.fsdp_s))
     # EP over two nodes of two: one peer in the node, two on the other node (NIC bound)
-    two_nodes = budget.Cluster(gpus=8, gpus_per_node=2, intra=100.0, inter=10.0, peak=1000.0,
-                               mfu=0.5, ep=4)
+    two_nodes = budget.Cluster(
+        gpus=8, gpus_per_node=2, intra=100.0, inter=10.0, peak=1000.0, mfu=0.5, ep=4
+    )
     p = budget.project(base, two_nodes, 64)
     c = budget.comm(base, 64, ep=4, dp_shard=8)
     assert p.ep_s == pytest.approx(max(c.ep_bytes / 3 / 100, c.ep_bytes * 2 / 3 / 10))
@@ -219,8 +251,7 @@ def test_projection_by_hand():
     pp = budget.project_pair(base, smelt, one_node, 64)
     f = budget.compare(base, smelt).flops
     for mode in ("serial", "fsdp_overlapped", "overlapped"):
-        assert pp.gap(mode) == pytest.approx(
-            pp.looped.step_s(mode) / pp.baseline.step_s(mode) / f)
+        assert pp.gap(mode) == pytest.approx(pp.looped.step_s(mode) / pp.baseline.step_s(mode) / f)
     with pytest.raises(ValueError, match="mode must be one of"):
         pp.gap("ideal")
     assert budget.project(base, "h100-8,ep=4").comm.tokens_per_step == 8 * budget.TOKENS_PER_GPU
@@ -238,8 +269,9 @@ def test_cli_shows_the_communication_ledger(capsys):
     out = capsys.readouterr().out
     assert "F 1.0288" in out and "ep 8, dp_shard 8" in out
     assert "communication ratios (looped / baseline): EP 1.2375" in out
-    assert budget.main(["200M-S95", "--ep", "2", "--dp-shard", "2", "--tokens-per-step",
-                        "4096"]) == 0
+    assert (
+        budget.main(["200M-S95", "--ep", "2", "--dp-shard", "2", "--tokens-per-step", "4096"]) == 0
+    )
     assert "4096 tokens per step (2048 per rank), ep 2" in capsys.readouterr().out
     # a single config whose expert count 8 does not divide: the default EP degree adapts
     assert budget.main(["tiny-baseline", "--dp-shard", "4"]) == 0
@@ -255,16 +287,19 @@ def test_cli_cluster(capsys):
     assert "gap" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args,message", [
-    (["tiny", "--cluster", "gpus=8,ep=3"], "cluster ep (3) must divide gpus"),
-    (["tiny", "--cluster", "h100-9"], "unknown cluster preset"),
-    (["tiny", "--cluster", "h100-8", "--ep", "4"], "give ep and gpus in the cluster SPEC"),
-    (["tiny", "--ep", "0"], "argument --ep: expected a positive int"),
-    (["tiny", "--ep", "3"], "ep (3) must divide dp_shard"),
-    (["tiny", "--tokens-per-step", "100"], "tokens_per_step (100) must be a multiple"),
-    (["tiny", "--dtype", "int8"], "dtype must be one of"),
-    (["tiny", "--colour"], "unrecognized arguments: --colour"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["tiny", "--cluster", "gpus=8,ep=3"], "cluster ep (3) must divide gpus"),
+        (["tiny", "--cluster", "h100-9"], "unknown cluster preset"),
+        (["tiny", "--cluster", "h100-8", "--ep", "4"], "give ep and gpus in the cluster SPEC"),
+        (["tiny", "--ep", "0"], "argument --ep: expected a positive int"),
+        (["tiny", "--ep", "3"], "ep (3) must divide dp_shard"),
+        (["tiny", "--tokens-per-step", "100"], "tokens_per_step (100) must be a multiple"),
+        (["tiny", "--dtype", "int8"], "dtype must be one of"),
+        (["tiny", "--colour"], "unrecognized arguments: --colour"),
+    ],
+)
 def test_cli_errors_are_one_line(capsys, args, message):
     assert budget.main(args) == 2
     cap = capsys.readouterr()
@@ -279,7 +314,7 @@ def _doc_commands() -> list[tuple[str, str]]:
     for block in blocks:
         first, _, rest = block.partition("\n")
         assert first.startswith("$ python -m smelt_model.budget "), first
-        out.append((first[len("$ python -m smelt_model.budget "):], rest))
+        out.append((first[len("$ python -m smelt_model.budget ") :], rest))
     return out
 
 

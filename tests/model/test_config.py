@@ -2,13 +2,22 @@ import json
 
 import pytest
 
-from smelt_model.config import LoopSpec, ModelConfig, middle_loop
 from smelt_model import presets
+from smelt_model.config import LoopSpec, ModelConfig, middle_loop
 
 
 def _cfg(**kw):
-    base = dict(vocab_size=128, hidden_size=64, n_layers=4, n_heads=4, n_kv_heads=2,
-                head_dim=16, n_experts=8, expert_size=32, top_k=2)
+    base = dict(
+        vocab_size=128,
+        hidden_size=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_experts=8,
+        expert_size=32,
+        top_k=2,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -30,8 +39,7 @@ def test_middle_loop_odd_and_fraction():
 
 def test_execution_plan_and_depth():
     cfg = _cfg(n_layers=5, loop=LoopSpec(1, 3, 2))
-    assert cfg.execution_plan() == (
-        (0, 0), (1, 0), (2, 0), (3, 0), (1, 1), (2, 1), (3, 1), (4, 0))
+    assert cfg.execution_plan() == ((0, 0), (1, 0), (2, 0), (3, 0), (1, 1), (2, 1), (3, 1), (4, 0))
     assert cfg.executed_layers == 8 == len(cfg.execution_plan())
     assert cfg.residual_scale(2) == 0.5 and cfg.residual_scale(0) == 1.0
     base = _cfg(n_layers=5)

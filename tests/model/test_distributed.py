@@ -16,9 +16,19 @@ WORLD = 2
 
 
 def _cfg():
-    return ModelConfig(vocab_size=97, hidden_size=48, n_layers=4, n_heads=4, n_kv_heads=2,
-                       head_dim=16, n_experts=8, expert_size=24, top_k=2, loop=LoopSpec(1, 2, 2),
-                       aux_loss_weight=0.0)
+    return ModelConfig(
+        vocab_size=97,
+        hidden_size=48,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_experts=8,
+        expert_size=24,
+        top_k=2,
+        loop=LoopSpec(1, 2, 2),
+        aux_loss_weight=0.0,
+    )
 
 
 def _batch():
@@ -29,14 +39,13 @@ def _batch():
 def _worker(rank, init_file, out_file):
     from smelt_model.parallel import shard, units
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         torch.manual_seed(0)
         model = SmeltLM(_cfg(), backend="torch").double()
         shard(model)  # the shared span: gathered once, used r times
         assert model.span in units(model) and all(hasattr(u, "unshard") for u in units(model))
-        ids = _batch()[2 * rank: 2 * rank + 2]
+        ids = _batch()[2 * rank : 2 * rank + 2]
         out = model(ids, labels=ids)
         out.loss.backward()
         loss = out.loss.detach().clone()
@@ -48,13 +57,16 @@ def _worker(rank, init_file, out_file):
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                    reason="torch.distributed with gloo is not available")
+@pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with gloo is not available",
+)
 def test_fsdp2_two_processes_match_single_process():
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.pt")
-        mp.start_processes(_worker, args=(init_file, out_file), nprocs=WORLD, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            _worker, args=(init_file, out_file), nprocs=WORLD, join=True, start_method="spawn"
+        )
         loss, grads = torch.load(out_file)
     torch.manual_seed(0)
     model = SmeltLM(_cfg(), backend="torch").double()

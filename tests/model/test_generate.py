@@ -27,8 +27,18 @@ def test_cached_greedy_equals_full_recompute(name):
 
 def test_decode_logits_match_full_forward():
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=97, hidden_size=48, n_layers=4, n_heads=4, n_kv_heads=2,
-                      head_dim=16, n_experts=8, expert_size=24, top_k=2, loop=LoopSpec(1, 2, 2))
+    cfg = ModelConfig(
+        vocab_size=97,
+        hidden_size=48,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_experts=8,
+        expert_size=24,
+        top_k=2,
+        loop=LoopSpec(1, 2, 2),
+    )
     model = SmeltLM(cfg, backend="torch").double().eval()
     ids = torch.randint(0, 97, (2, 10))
     full = model(ids).logits
@@ -36,8 +46,9 @@ def test_decode_logits_match_full_forward():
     pre = model(ids[:, :6], cache=cache, cache_pos=0).logits
     torch.testing.assert_close(pre, full[:, :6])
     for n in range(6, 10):
-        step = model(ids[:, n:n + 1], torch.zeros(2, 1, dtype=torch.long), cache=cache,
-                     cache_pos=n).logits
+        step = model(
+            ids[:, n : n + 1], torch.zeros(2, 1, dtype=torch.long), cache=cache, cache_pos=n
+        ).logits
         torch.testing.assert_close(step[:, 0], full[:, n])
 
 
@@ -119,8 +130,18 @@ def test_compiled_decode_equals_eager_and_recompute(cheap_compiler):
 
 
 def test_decode_step_logits_match_the_model(cheap_compiler):
-    cfg = ModelConfig(vocab_size=97, hidden_size=48, n_layers=4, n_heads=4, n_kv_heads=2,
-                      head_dim=16, n_experts=8, expert_size=24, top_k=2, loop=LoopSpec(1, 2, 2))
+    cfg = ModelConfig(
+        vocab_size=97,
+        hidden_size=48,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_experts=8,
+        expert_size=24,
+        top_k=2,
+        loop=LoopSpec(1, 2, 2),
+    )
     model = SmeltLM(cfg).eval()  # the default kernels: the ones a user's decode runs
     ids = torch.randint(0, 97, (2, 9))
     with torch.no_grad():
@@ -132,8 +153,9 @@ def test_decode_step_logits_match_the_model(cheap_compiler):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback to eager would warn
         for n in range(5, 9):
-            torch.testing.assert_close(step(ids[:, n:n + 1], zero, cache, n), full[:, n],
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                step(ids[:, n : n + 1], zero, cache, n), full[:, n], rtol=1e-5, atol=1e-5
+            )
     assert step.compiled and step.reason is None
     # the compiled step wrote its K/V into the cache's own buffers, as the eager step does
     eager = KVCache.for_model(model, 2, 9)
@@ -141,8 +163,12 @@ def test_decode_step_logits_match_the_model(cheap_compiler):
     with torch.no_grad():
         model(ids[:, :5], cache=eager, cache_pos=0)
     for n in range(5, 9):
-        eager_step(ids[:, n:n + 1], zero, eager, n)
-    for got, want in ((cache.k, eager.k), (cache.v, eager.v), (cache.segment_ids, eager.segment_ids)):
+        eager_step(ids[:, n : n + 1], zero, eager, n)
+    for got, want in (
+        (cache.k, eager.k),
+        (cache.v, eager.v),
+        (cache.segment_ids, eager.segment_ids),
+    ):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="holds 9 positions"):  # bad input is not hidden
         step(ids[:, :1], zero, cache, 9)
@@ -168,6 +194,7 @@ def test_decode_step_falls_back_to_eager_with_a_reason(monkeypatch):
     def broken(backend):
         def fn(*args):
             raise RuntimeError("inductor exploded")
+
         return fn
 
     monkeypatch.setattr(generation, "_compiled", broken)
@@ -178,7 +205,8 @@ def test_decode_step_falls_back_to_eager_with_a_reason(monkeypatch):
     with pytest.warns(UserWarning, match="inductor exploded"):
         got = step(prompt[:, -1:], zero, cache, 6)
     assert not step.compiled and "RuntimeError" in step.reason
-    torch.testing.assert_close(got, model(prompt[:, -1:], zero, cache=cache, cache_pos=6)
-                               .logits[:, -1])
+    torch.testing.assert_close(
+        got, model(prompt[:, -1:], zero, cache=cache, cache_pos=6).logits[:, -1]
+    )
     with pytest.raises(ValueError, match="compile"):
         generate(model, prompt, 2, compile="yes")

@@ -14,8 +14,18 @@ from smelt_model.model import SmeltLM
 
 
 def micro(loop=LoopSpec(1, 2, 2), **kw):
-    base = dict(vocab_size=97, hidden_size=48, n_layers=4, n_heads=4, n_kv_heads=2,
-                head_dim=16, n_experts=8, expert_size=24, top_k=2, loop=loop)
+    base = dict(
+        vocab_size=97,
+        hidden_size=48,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_experts=8,
+        expert_size=24,
+        top_k=2,
+        loop=loop,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -62,8 +72,14 @@ def unrolled_logits(model: SmeltLM, ids, seg):
 
 @pytest.mark.parametrize(
     "loop",
-    [None, LoopSpec(1, 2, 2), LoopSpec(0, 4, 2), LoopSpec(3, 1, 3), LoopSpec(0, 1, 1),
-     LoopSpec(1, 3, 4)],
+    [
+        None,
+        LoopSpec(1, 2, 2),
+        LoopSpec(0, 4, 2),
+        LoopSpec(3, 1, 3),
+        LoopSpec(0, 1, 1),
+        LoopSpec(1, 3, 4),
+    ],
     ids=["baseline", "middle-x2", "whole-x2", "last-x3", "first-x1", "wide-x4"],
 )
 def test_forward_equals_unrolled_reference(loop):
@@ -111,8 +127,9 @@ def test_shared_weight_gradients_are_the_sum_over_visits():
         for name, p in shared.items():
             summed = sum(dict(copies[(i, v)].named_parameters())[name].grad for v in range(r))
             torch.testing.assert_close(p.grad, summed, rtol=1e-9, atol=1e-12)
-            assert all(dict(copies[(i, v)].named_parameters())[name].grad.abs().sum() > 0
-                       for v in range(r)), name
+            assert all(
+                dict(copies[(i, v)].named_parameters())[name].grad.abs().sum() > 0 for v in range(r)
+            ), name
     torch.testing.assert_close(looped.embed.weight.grad, unrolled.embed.weight.grad)
 
 
@@ -189,19 +206,34 @@ def test_parameter_names_follow_the_hf_layout_and_old_checkpoints_load(tmp_path)
 
     model = SmeltLM(micro(), backend="torch")
     names = set(model.state_dict())
-    for name in ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight",
-                 "attn.o_proj.weight", "moe.router.weight", "moe.gate_up_proj",
-                 "moe.down_proj", "attn_norm.weight", "moe_norm.weight"):
+    for name in (
+        "attn.q_proj.weight",
+        "attn.k_proj.weight",
+        "attn.v_proj.weight",
+        "attn.o_proj.weight",
+        "moe.router.weight",
+        "moe.gate_up_proj",
+        "moe.down_proj",
+        "attn_norm.weight",
+        "moe_norm.weight",
+    ):
         assert f"prelude.0.{name}" in names and f"span.layers.1.{name}" in names, name
     assert not any(".wq." in n or n.endswith(".w1") for n in names)
     cfg = model.cfg
-    assert model.layer(0).moe.gate_up_proj.shape == (cfg.n_experts, 2 * cfg.expert_size,
-                                                     cfg.hidden_size)
+    assert model.layer(0).moe.gate_up_proj.shape == (
+        cfg.n_experts,
+        2 * cfg.expert_size,
+        cfg.hidden_size,
+    )
     # a checkpoint written with the earlier names (wq/wk/wv/wo, w1/w2) still loads
     path = model.save_pretrained(tmp_path / "ckpt")
-    old = {k.replace(".attn.q_proj.", ".attn.wq.").replace(".attn.o_proj.", ".attn.wo.")
-            .replace(".moe.gate_up_proj", ".moe.w1").replace(".moe.down_proj", ".moe.w2"): v
-           for k, v in load_file(str(path / "model.safetensors")).items()}
+    old = {
+        k.replace(".attn.q_proj.", ".attn.wq.")
+        .replace(".attn.o_proj.", ".attn.wo.")
+        .replace(".moe.gate_up_proj", ".moe.w1")
+        .replace(".moe.down_proj", ".moe.w2"): v
+        for k, v in load_file(str(path / "model.safetensors")).items()
+    }
     save_file(old, str(path / "model.safetensors"))
     loaded = SmeltLM.from_pretrained(path, backend="torch")
     ids, seg = packed_batch()

@@ -37,12 +37,18 @@ def _pip_installs(script: str) -> list[list[str]]:
 
 def _setup_requirements() -> dict[str, list[str]]:
     tree = ast.parse((ROOT / "setup.py").read_text())
-    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
-                and getattr(n.func, "id", None) == "setup")
+    call = next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup"
+    )
     kw = {k.arg: k.value for k in call.keywords}
     extras = ast.literal_eval(kw["extras_require"])
-    return {"install": ast.literal_eval(kw["install_requires"]), **extras,
-            "license": [ast.literal_eval(kw["license"])]}
+    return {
+        "install": ast.literal_eval(kw["install_requires"]),
+        **extras,
+        "license": [ast.literal_eval(kw["license"])],
+    }
 
 
 def _name(req: str) -> str:

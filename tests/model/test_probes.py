@@ -11,8 +11,18 @@ from smelt_model.probes import PROBES
 
 
 def micro():
-    return ModelConfig(vocab_size=97, hidden_size=48, n_layers=4, n_heads=4, n_kv_heads=2,
-                       head_dim=16, n_experts=8, expert_size=24, top_k=2, loop=LoopSpec(1, 2, 2))
+    return ModelConfig(
+        vocab_size=97,
+        hidden_size=48,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_experts=8,
+        expert_size=24,
+        top_k=2,
+        loop=LoopSpec(1, 2, 2),
+    )
 
 
 def test_records_every_executed_layer_and_visit():
@@ -23,7 +33,7 @@ def test_records_every_executed_layer_and_visit():
     with capture(model) as rec:
         logits = model(ids, seg).logits
     assert rec.keys() == list(model.plan.pairs())
-    for (layer, visit) in rec.keys():
+    for layer, visit in rec.keys():
         r = rec[(layer, visit)]
         assert set(r) == set(PROBES)
         scale = model.plan.steps[0].scale if layer == 0 else (0.5 if layer in (1, 2) else 1.0)

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from scipy.optimize import brentq, minimize_scalar
 
-from smelt_model import presets
+from smelt_model import presets, scaling, scaling_stats
 from smelt_model.budget import ledger
-from smelt_model import scaling, scaling_stats
 from smelt_model.scaling import (
     PAPER_BASELINE,
     PAPER_SMELT,
@@ -85,8 +84,9 @@ def test_paper_tpp_reproduced():
 
 def test_ce_gain_anchor_ref_is_the_other_reading():
     # C fixed for the reference instead: smaller gains here, outside the paper's 0.3 points
-    ref = 100 * np.asarray(ce_gain(PAPER_BASELINE, PAPER_SMELT, C_PAPER[:, None], S_PAPER,
-                                   anchor="ref"))
+    ref = 100 * np.asarray(
+        ce_gain(PAPER_BASELINE, PAPER_SMELT, C_PAPER[:, None], S_PAPER, anchor="ref")
+    )
     tgt = 100 * np.asarray(ce_gain(PAPER_BASELINE, PAPER_SMELT, C_PAPER[:, None], S_PAPER))
     assert np.all(ref < tgt)
     assert np.all(np.abs(ref - CE_PAPER) > 0.3)
@@ -101,9 +101,11 @@ def test_frontier_minimises_loss_at_fixed_compute(C, S):
         f = frontier(surf, C, S)
         assert f.F * f.D == pytest.approx(C, rel=1e-12)
         assert f.L == pytest.approx(surf.loss(f.F, S, f.D), rel=1e-14)
-        res = minimize_scalar(lambda lf: surf.loss(math.exp(lf), S, C / math.exp(lf)),
-                              bracket=(math.log(f.F) - 1, math.log(f.F) + 1),
-                              options={"xtol": 1e-12})
+        res = minimize_scalar(
+            lambda lf: surf.loss(math.exp(lf), S, C / math.exp(lf)),
+            bracket=(math.log(f.F) - 1, math.log(f.F) + 1),
+            options={"xtol": 1e-12},
+        )
         assert res.x == pytest.approx(math.log(f.F), abs=1e-5)
         assert f.L <= res.fun + 1e-14
 
@@ -129,19 +131,22 @@ def test_ce_gain_by_root_finding_both_anchors():
     ref, tgt, S = PAPER_BASELINE, PAPER_SMELT, 0.97
     for C in (2e19, 1e21):
         lt = frontier(tgt, C, S).L
-        c_ref = math.exp(brentq(lambda lc: frontier(ref, math.exp(lc), S).L - lt, 20, 150,
-                                xtol=1e-13))
+        c_ref = math.exp(
+            brentq(lambda lc: frontier(ref, math.exp(lc), S).L - lt, 20, 150, xtol=1e-13)
+        )
         assert ce_gain(ref, tgt, C, S) == pytest.approx(1 - C / c_ref, abs=1e-9)
         lr = frontier(ref, C, S).L
-        c_tgt = math.exp(brentq(lambda lc: frontier(tgt, math.exp(lc), S).L - lr, 20, 150,
-                                xtol=1e-13))
+        c_tgt = math.exp(
+            brentq(lambda lc: frontier(tgt, math.exp(lc), S).L - lr, 20, 150, xtol=1e-13)
+        )
         assert ce_gain(ref, tgt, C, S, anchor="ref") == pytest.approx(1 - c_tgt / C, abs=1e-9)
 
 
 def test_ce_gain_edge_cases_and_broadcast():
     assert ce_gain(PAPER_SMELT, PAPER_SMELT, 1e21, 0.9) == pytest.approx(0.0, abs=1e-12)
-    g = ce_gain(PAPER_BASELINE, PAPER_SMELT, np.geomspace(1e19, 1e22, 5)[:, None],
-                np.array([0.5, 0.9]))
+    g = ce_gain(
+        PAPER_BASELINE, PAPER_SMELT, np.geomspace(1e19, 1e22, 5)[:, None], np.array([0.5, 0.9])
+    )
     assert g.shape == (5, 2) and np.all(np.diff(g, axis=0) > 0)  # gains grow with compute
     # a reference that can never reach the target's loss: everything is saved
     never = Surface(E=3.0, A=1e3, K=1e6, a=0.4, b=0.1, c=0.7)
@@ -170,8 +175,9 @@ def test_fit_recovers_ce_gain_from_noisy_endpoints(noisy):
     got = 100 * np.asarray(ce_gain(fits["baseline"], fits["smelt"], C_PAPER[:, None], S_PAPER))
     np.testing.assert_allclose(got, truth, atol=1.0)
     for arch in fits:
-        np.testing.assert_allclose(tpp(fits[arch], 1e21, S_PAPER),
-                                   tpp(SURFACES[arch], 1e21, S_PAPER), rtol=0.03)
+        np.testing.assert_allclose(
+            tpp(fits[arch], 1e21, S_PAPER), tpp(SURFACES[arch], 1e21, S_PAPER), rtol=0.03
+        )
 
 
 def test_fit_huber_resists_an_outlier():
@@ -190,7 +196,8 @@ def test_fit_single_sparsity_level():
     fit = fit_surface(F, S, D, PAPER_SMELT.loss(F, S, D))
     # b is not identified at one sparsity; everything else is, and A absorbs (1-S)^b
     assert (fit.E, fit.a, fit.c, fit.K) == pytest.approx(
-        (PAPER_SMELT.E, PAPER_SMELT.a, PAPER_SMELT.c, PAPER_SMELT.K), rel=1e-4)
+        (PAPER_SMELT.E, PAPER_SMELT.a, PAPER_SMELT.c, PAPER_SMELT.K), rel=1e-4
+    )
     assert fit.A * 0.05**fit.b == pytest.approx(PAPER_SMELT.A * 0.05**PAPER_SMELT.b, rel=1e-4)
     assert Surface(*PAPER_SMELT.params, rmse=None).rmse != PAPER_SMELT.rmse  # NaN
 
@@ -211,8 +218,12 @@ BAD_FITS = [
 
 @pytest.mark.parametrize("change,match", BAD_FITS)
 def test_fit_validates_inputs(change, match):
-    args = dict(F=np.geomspace(1e9, 1e10, 8), S=[0.9] * 8, D=np.geomspace(1e10, 1e11, 8)[::-1],
-                loss=[2.0] * 8)
+    args = dict(
+        F=np.geomspace(1e9, 1e10, 8),
+        S=[0.9] * 8,
+        D=np.geomspace(1e10, 1e11, 8)[::-1],
+        loss=[2.0] * 8,
+    )
     args.update(change)
     delta = args.pop("delta", 1e-3)
     with pytest.raises(ValueError, match=match):
@@ -254,8 +265,14 @@ def test_bootstrap_resamples_whole_cells_for_both_archs(noisy, monkeypatch):
         return real_take(self, idx)
 
     monkeypatch.setattr(scaling_stats.Endpoints, "take", spy)
-    res = bootstrap(data["baseline"], data["smelt"], n=3, seed=1, ref_fit=fits["baseline"],
-                    tgt_fit=fits["smelt"])
+    res = bootstrap(
+        data["baseline"],
+        data["smelt"],
+        n=3,
+        seed=1,
+        ref_fit=fits["baseline"],
+        tgt_fit=fits["smelt"],
+    )
     assert len(res.cells) == 12 and len(taken) == 6
     for cells_ref, cells_tgt in zip(taken[::2], taken[1::2]):
         assert sorted(cells_ref) == sorted(cells_tgt)  # the same cells, same multiplicity
@@ -275,8 +292,9 @@ def test_bootstrap_is_seeded_and_refits_to_the_optimum(noisy):
     assert a.failed == 0 and a.draws["ce_gain"].shape == (4, 2, 3)
     lo, hi = a.interval("ce_gain")
     assert lo.shape == (2, 3) and np.all(lo <= hi)
-    np.testing.assert_allclose(a.point["ce_gain"],
-                               ce_gain(fits["baseline"], fits["smelt"], C_PAPER[:, None], S_PAPER))
+    np.testing.assert_allclose(
+        a.point["ce_gain"], ce_gain(fits["baseline"], fits["smelt"], C_PAPER[:, None], S_PAPER)
+    )
     # the warm-started refit of draw 0 is the optimum a fresh grid fit finds
     pick = np.random.default_rng(3).integers(12, size=12)
     e = data["baseline"]
@@ -377,11 +395,16 @@ def test_cli_tables_and_bootstrap(tmp_path, capsys, noisy):
     rc = scaling.main([str(p), "--bootstrap", "3", "--seed", "0"])
     out = capsys.readouterr().out
     assert rc == 0
-    for heading in ("## Coefficients", "## Frontier exponents", "## CE Gain of smelt over baseline",
-                    "## Compute-optimal tokens", "## Downstream calibration", "3-draw"):
+    for heading in (
+        "## Coefficients",
+        "## Frontier exponents",
+        "## CE Gain of smelt over baseline",
+        "## Compute-optimal tokens",
+        "## Downstream calibration",
+        "3-draw",
+    ):
         assert heading in out
-    row = next(line for line in out.splitlines() if line.startswith("| 1e+21 | ")
-               and "%" in line)
+    row = next(line for line in out.splitlines() if line.startswith("| 1e+21 | ") and "%" in line)
     gains = [float(c.split("%")[0]) for c in row.split("|")[2:5]]
     np.testing.assert_allclose(gains, CE_PAPER[1], atol=1.0)
 
@@ -412,8 +435,13 @@ def test_cli_errors(tmp_path, capsys, monkeypatch):
 
 
 def test_cli_module_entry_point_paper_tables():
-    out = subprocess.run([sys.executable, "-m", "smelt_model.scaling", "--paper"],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "smelt_model.scaling", "--paper"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     rows = [line for line in out.splitlines() if line.startswith("| 1e+2") and "%" in line]
     got = [[float(c.strip().rstrip("%")) for c in r.split("|")[2:5]] for r in rows]
     np.testing.assert_allclose(got, CE_PAPER, atol=0.3)
@@ -423,19 +451,27 @@ def test_cli_module_entry_point_paper_tables():
 def test_cli_on_too_few_runs_says_what_it_needs(tmp_path, capsys):
     # one run of each architecture: five evaluations, one F
     p = tmp_path / "one_run.csv"
-    rows = ["arch,F,S,D,loss"] + [f"{a},{f},0.9,{d:.0f},{3 - d / 1e6}" for a, f in
-                                  (("baseline", 1e6), ("smelt", 1.02e6))
-                                  for d in (1e5, 2e5, 3e5, 4e5, 5e5)]
+    rows = ["arch,F,S,D,loss"] + [
+        f"{a},{f},0.9,{d:.0f},{3 - d / 1e6}"
+        for a, f in (("baseline", 1e6), ("smelt", 1.02e6))
+        for d in (1e5, 2e5, 3e5, 4e5, 5e5)
+    ]
     p.write_text("\n".join(rows) + "\n")
     assert scaling.main([str(p)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: cannot fit 'baseline'"), err
-    for fragment in ("need at least 7 points, got 5", "5 endpoints: 1 distinct F, 5 distinct D",
-                     "--eval-every", "--preset", "endpoints.csv"):
+    for fragment in (
+        "need at least 7 points, got 5",
+        "5 endpoints: 1 distinct F, 5 distinct D",
+        "--eval-every",
+        "--preset",
+        "endpoints.csv",
+    ):
         assert fragment in err, err
     # more evaluations, still one model size: the exponent of F cannot be fitted
-    rows = ["arch,F,S,D,loss"] + [f"baseline,1e6,0.9,{d},{3 - d / 1e7}"
-                                  for d in range(100000, 1000001, 100000)]
+    rows = ["arch,F,S,D,loss"] + [
+        f"baseline,1e6,0.9,{d},{3 - d / 1e7}" for d in range(100000, 1000001, 100000)
+    ]
     p.write_text("\n".join(rows) + "\n")
     assert scaling.main([str(p)]) == 1
     err = capsys.readouterr().err

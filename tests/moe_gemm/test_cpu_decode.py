@@ -5,13 +5,14 @@ and the 16-bit types."""
 
 import pytest
 import torch
-
 from helpers_moe import cpu_has_avx512
+
 from smelt_kernels import reference
 from smelt_kernels.moe_gemm import cpu, moe_ffn
 
-pytestmark = pytest.mark.skipif(cpu.missing("moe_ffn_fwd") is not None,
-                                reason="smelt_kernels._cpu without moe kernels")
+pytestmark = pytest.mark.skipif(
+    cpu.missing("moe_ffn_fwd") is not None, reason="smelt_kernels._cpu without moe kernels"
+)
 
 # max |err| / max |ref| per dtype (fp64 reference from the same low-precision inputs)
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
@@ -20,8 +21,8 @@ TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 def make_case(T, H, de, E, k, dtype, ids=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)
-    w1 = torch.randn(E, 2 * de, H, generator=g) * H ** -0.5
-    w2 = torch.randn(E, H, de, generator=g) * de ** -0.5
+    w1 = torch.randn(E, 2 * de, H, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, de, generator=g) * de**-0.5
     if ids is None:
         tw, ids = reference.route(torch.randn(T, E, generator=g), k)
     else:
@@ -48,13 +49,15 @@ def assert_close(got, want, dtype):
         assert not torch.isnan(a).any(), f"{name} has NaN"
         err = (a.double() - b).abs().max().item()
         scale = max(b.abs().max().item(), 1e-6)
-        assert err <= TOL[dtype] * scale, f"{name}: max err {err:.3g} vs scale {scale:.3g} ({dtype})"
+        assert err <= TOL[dtype] * scale, (
+            f"{name}: max err {err:.3g} vs scale {scale:.3g} ({dtype})"
+        )
 
 
 def skewed_ids(kind, T, E, k):
-    if kind == "one_expert":   # every token on expert E-1
+    if kind == "one_expert":  # every token on expert E-1
         return torch.full((T, 1), E - 1, dtype=torch.int32)
-    if kind == "first_k":      # every token on the same k experts; the other experts get no rows
+    if kind == "first_k":  # every token on the same k experts; the other experts get no rows
         return torch.arange(k, dtype=torch.int32).flip(0).repeat(T, 1)
     if kind == "half_on_one":  # slot 0 always expert 0, the others spread
         g = torch.Generator().manual_seed(T)
@@ -78,7 +81,9 @@ def kernel(request, monkeypatch):
 @pytest.mark.parametrize("T", [1, 3, 8, 16, 17, 64])
 def test_decode_random_routing(T, dtype, kernel):
     # odd H and d_e exercise the tails of the 8-lane dot products and the 4-row blocks
-    assert_close(run(make_case(T, 37, 21, 24, 4, dtype)), oracle(make_case(T, 37, 21, 24, 4, dtype)), dtype)
+    assert_close(
+        run(make_case(T, 37, 21, 24, 4, dtype)), oracle(make_case(T, 37, 21, 24, 4, dtype)), dtype
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -99,8 +104,10 @@ def test_decode_target_shape(T):
 
 # (H, d_e) with 3 H d_e fp32 weights under 256 KiB, under 512 KiB, under 1 MiB, and above;
 # the limits on an AVX-512 CPU (where the other paths compute faster) and elsewhere
-@pytest.mark.parametrize("H, de, avx512, other", [(96, 40, 6, 16), (256, 128, 8, 32), (384, 128, 12, 32),
-                                                  (360, 248, 16, 48)])
+@pytest.mark.parametrize(
+    "H, de, avx512, other",
+    [(96, 40, 6, 16), (256, 128, 8, 32), (384, 128, 12, 32), (360, 248, 16, 48)],
+)
 def test_few_rows_limit_by_expert_size(H, de, avx512, other):
     limit = avx512 if cpu_has_avx512() else other
     assert cpu.few_rows_limit(H, de, torch.float32) == limit

@@ -6,13 +6,14 @@ import threading
 
 import pytest
 import torch
-
 from helpers_moe import has_cpu_kernel
-from smelt_kernels.moe_gemm import cpu_pool_stats, release_cpu_pool
-from smelt_kernels.moe_gemm import moe_ffn, route
 
-pytestmark = pytest.mark.skipif(not has_cpu_kernel() or cpu_pool_stats() is None,
-                                reason="smelt_kernels._cpu without the block pool")
+from smelt_kernels.moe_gemm import cpu_pool_stats, moe_ffn, release_cpu_pool, route
+
+pytestmark = pytest.mark.skipif(
+    not has_cpu_kernel() or cpu_pool_stats() is None,
+    reason="smelt_kernels._cpu without the block pool",
+)
 
 # dW1 (E, 2 d_e, H) is 8 MiB and dW2 4 MiB: both at least the pool's 4 MiB threshold
 T, H, DE, E, K = 256, 256, 64, 64, 4
@@ -21,8 +22,8 @@ T, H, DE, E, K = 256, 256, 64, 64, 4
 def _case():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(T, H, generator=g).requires_grad_()
-    w1 = (torch.randn(E, 2 * DE, H, generator=g) * H ** -0.5).requires_grad_()
-    w2 = (torch.randn(E, H, DE, generator=g) * DE ** -0.5).requires_grad_()
+    w1 = (torch.randn(E, 2 * DE, H, generator=g) * H**-0.5).requires_grad_()
+    w2 = (torch.randn(E, H, DE, generator=g) * DE**-0.5).requires_grad_()
     w, ids = route(torch.randn(T, E, generator=g), K, True)
     return x, w1, w2, w.requires_grad_(), ids
 

@@ -11,11 +11,22 @@ from smelt_kernels.moe_gemm import route as _route
 def cpu_route(logits, k, renormalize):
     return _route(logits, k, renormalize, backend="cpu")
 
-pytestmark = pytest.mark.skipif(cpu.missing("moe_route_fwd") is not None,
-                                reason="smelt_kernels._cpu without the routing kernel")
 
-SHAPES = [(1, 8, 1), (1, 288, 8), (3, 8, 8), (17, 33, 4), (64, 64, 8), (257, 288, 8), (1000, 100, 2),
-          (4096, 288, 8), (4096, 8, 3)]
+pytestmark = pytest.mark.skipif(
+    cpu.missing("moe_route_fwd") is not None, reason="smelt_kernels._cpu without the routing kernel"
+)
+
+SHAPES = [
+    (1, 8, 1),
+    (1, 288, 8),
+    (3, 8, 8),
+    (17, 33, 4),
+    (64, 64, 8),
+    (257, 288, 8),
+    (1000, 100, 2),
+    (4096, 288, 8),
+    (4096, 8, 3),
+]
 
 
 def distinct_logits(T, E, seed=0, dtype=torch.float32, step=0.02):
@@ -38,7 +49,9 @@ def test_route_matches_reference(T, E, k, renormalize):
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("T,E,k", [(1, 8, 1), (5, 8, 8), (33, 64, 4), (300, 288, 8), (4096, 288, 8)])
+@pytest.mark.parametrize(
+    "T,E,k", [(1, 8, 1), (5, 8, 8), (33, 64, 4), (300, 288, 8), (4096, 288, 8)]
+)
 def test_route_gradient_matches_reference(T, E, k, renormalize):
     logits = distinct_logits(T, E, seed=1)
     g = torch.randn(T, k, generator=torch.Generator().manual_seed(2))
@@ -55,8 +68,13 @@ def test_route_gradient_fp64_gradcheck(renormalize):
     """The gradient formula by finite differences (fp64 logits; the kernel computes in fp32,
     so the check uses fp32-sized steps and tolerances)."""
     logits = distinct_logits(4, 12, seed=3).double().requires_grad_()
-    torch.autograd.gradcheck(lambda l: cpu_route(l, 3, renormalize)[0].double(), (logits,), eps=1e-3,
-                             atol=1e-3, rtol=1e-2)
+    torch.autograd.gradcheck(
+        lambda l: cpu_route(l, 3, renormalize)[0].double(),
+        (logits,),
+        eps=1e-3,
+        atol=1e-3,
+        rtol=1e-2,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
@@ -75,7 +93,7 @@ def test_route_tie_rule():
     """Exact ties go to the lower expert index; the weights of tied experts are equal."""
     T, E, k = 3, 10, 4
     logits = torch.zeros(T, E)
-    logits[1, [2, 7]] = 1.0          # two tied leaders, then eight tied zeros
+    logits[1, [2, 7]] = 1.0  # two tied leaders, then eight tied zeros
     logits[2] = torch.tensor([0.5, 3.0, 0.5, 3.0, 0.5, -1.0, 3.0, 0.5, 0.5, 0.5])
     w, ids = cpu_route(logits, k, False)
     assert ids.tolist() == [[0, 1, 2, 3], [2, 7, 0, 1], [1, 3, 6, 0]]
@@ -90,15 +108,17 @@ def tie_heavy_logits(T, E, seed):
     logits = torch.randint(-4, 5, (T, E), generator=g).float() * 0.5
     masked = torch.rand(T, E, generator=g) < 0.3
     logits[masked & (torch.arange(T) % 3 == 0)[:, None]] = float("-inf")
-    logits[T // 2, 1:] = float("-inf")                  # one finite logit
-    logits[T // 2 + 1] = float("-inf")                  # none
+    logits[T // 2, 1:] = float("-inf")  # one finite logit
+    logits[T // 2 + 1] = float("-inf")  # none
     logits[T // 3, E // 2] = float("nan")
     return logits
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "generic"])
-@pytest.mark.parametrize("E,k", [(8, 8), (9, 3), (15, 8), (16, 1), (17, 8), (33, 9), (104, 8),
-                                 (104, 16), (288, 8), (40, 20)])
+@pytest.mark.parametrize(
+    "E,k",
+    [(8, 8), (9, 3), (15, 8), (16, 1), (17, 8), (33, 9), (104, 8), (104, 16), (288, 8), (40, 20)],
+)
 def test_route_vector_topk_matches_scan(isa, E, k, monkeypatch):
     """The vector top-k forms (AVX-512, AVX2; SMELT_ROUTE_ISA picks one, per call) give the
     scan's ids and weights exactly: tie rule, -inf entries, NaN rows (which take the scan)."""
@@ -152,9 +172,15 @@ def test_route_traces_under_compile():
     torch.testing.assert_close(ga, gb)
 
 
-@pytest.mark.parametrize("bad,err", [(dict(logits=torch.randn(4)), ValueError),
-                                     (dict(logits=torch.ones(4, 8, dtype=torch.int32)), TypeError),
-                                     (dict(top_k=0), ValueError), (dict(top_k=9), ValueError)])
+@pytest.mark.parametrize(
+    "bad,err",
+    [
+        (dict(logits=torch.randn(4)), ValueError),
+        (dict(logits=torch.ones(4, 8, dtype=torch.int32)), TypeError),
+        (dict(top_k=0), ValueError),
+        (dict(top_k=9), ValueError),
+    ],
+)
 def test_route_kernel_rejects(bad, err):
     args = dict(logits=torch.randn(4, 8), top_k=2)
     args.update(bad)

@@ -4,14 +4,18 @@ torch.compile(fullgraph=True) on the native and on the pure-torch backend."""
 
 import pytest
 import torch
-
 from helpers import device_for
 from helpers_moe import check, grouped_case, has_cpu_kernel, make_case, run
+
 from smelt_kernels import backends
 from smelt_kernels.moe_gemm import moe_ffn, route, select_backend
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-needs_cpu_kernel = pytest.mark.skipif(not has_cpu_kernel(), reason="smelt_kernels._cpu without moe kernels")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
+needs_cpu_kernel = pytest.mark.skipif(
+    not has_cpu_kernel(), reason="smelt_kernels._cpu without moe kernels"
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -32,7 +36,11 @@ def test_empty_batch():
     case = make_case(0, 16, 8, 4, 2, torch.float32)
     y = moe_ffn(case["x"], case["w1"], case["w2"], case["tw"], case["ids"], backend="torch")
     assert y.shape == (0, 16)
-    names = ["torch"] + (["cpu"] if has_cpu_kernel() else []) + (["triton"] if backends.triton_interpret() else [])
+    names = (
+        ["torch"]
+        + (["cpu"] if has_cpu_kernel() else [])
+        + (["triton"] if backends.triton_interpret() else [])
+    )
     for name in names:
         y, dx, dw1, dw2, dtw = run(case, name)
         assert y.shape == (0, 16) and dx.shape == (0, 16) and dtw.shape == (0, 2)
@@ -71,14 +79,31 @@ def test_opcheck(name):
     case = make_case(6, 16, 8, 4, 2, torch.float32, device=dev)
     torch.library.opcheck(torch.ops.smelt.moe_ffn_fwd.default, _op_args(case, name))
     y, pre, order, rev, offsets = torch.ops.smelt.moe_ffn_fwd(*_op_args(case, name, grad=False))
-    torch.library.opcheck(torch.ops.smelt.moe_ffn_bwd.default,
-                          (case["dy"], case["x"], case["w1"], case["w2"], case["tw"], case["ids"].int(), pre,
-                           order, rev, offsets, name))
+    torch.library.opcheck(
+        torch.ops.smelt.moe_ffn_bwd.default,
+        (
+            case["dy"],
+            case["x"],
+            case["w1"],
+            case["w2"],
+            case["tw"],
+            case["ids"].int(),
+            pre,
+            order,
+            rev,
+            offsets,
+            name,
+        ),
+    )
     a, b, ends, idx, dc = grouped_case(torch.float32, dev, True)
     starts = torch.cat([ends.new_zeros(1), ends])
-    torch.library.opcheck(torch.ops.smelt.grouped_mm.default,
-                          (a.requires_grad_(), b.requires_grad_(), starts, idx.int(), True, name))
-    torch.library.opcheck(torch.ops.smelt.grouped_mm_wgrad.default, (dc, a.detach(), starts, idx.int(), name))
+    torch.library.opcheck(
+        torch.ops.smelt.grouped_mm.default,
+        (a.requires_grad_(), b.requires_grad_(), starts, idx.int(), True, name),
+    )
+    torch.library.opcheck(
+        torch.ops.smelt.grouped_mm_wgrad.default, (dc, a.detach(), starts, idx.int(), name)
+    )
 
 
 class _MoELayer(torch.nn.Module):
@@ -86,8 +111,8 @@ class _MoELayer(torch.nn.Module):
         super().__init__()
         self.k, self.backend = k, backend
         self.router = torch.nn.Linear(H, E, bias=False)
-        self.w1 = torch.nn.Parameter(torch.randn(E, 2 * de, H) * H ** -0.5)
-        self.w2 = torch.nn.Parameter(torch.randn(E, H, de) * de ** -0.5)
+        self.w1 = torch.nn.Parameter(torch.randn(E, 2 * de, H) * H**-0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(E, H, de) * de**-0.5)
 
     def forward(self, x):
         w, ids = route(self.router(x), self.k)

@@ -4,20 +4,37 @@ independence and non-contiguous inputs."""
 
 import pytest
 import torch
+from helpers_moe import (
+    DTYPES,
+    assert_deterministic,
+    check,
+    cpu_has_avx512,
+    has_cpu_kernel,
+    make_case,
+    run,
+    skewed_ids,
+)
 
-from helpers_moe import (DTYPES, assert_deterministic, check, cpu_has_avx512, has_cpu_kernel, make_case, run,
-                         skewed_ids)
 from smelt_kernels.moe_gemm import cpu_forward_kernel, moe_ffn
 
-pytestmark = pytest.mark.skipif(not has_cpu_kernel(), reason="smelt_kernels._cpu without moe kernels")
+pytestmark = pytest.mark.skipif(
+    not has_cpu_kernel(), reason="smelt_kernels._cpu without moe kernels"
+)
 
 # (130, 150, 70) and (400, 320, 96) run the rows kernel with d_e in (64, 128]: token rows
 # read in place and gate and up as one pass (140 columns: two blocks and a tail; 192: three
 # full blocks); the last one splits each expert's 1100 rows into two items (more than the
 # forward's 1024 rows per item) and walks the native kernel's column blocks past their edges
 # (d_e > 128 hidden units, H > 256 output columns)
-CPU_SHAPES = [(1, 16, 8, 1, 1), (7, 33, 17, 8, 2), (63, 40, 24, 64, 8), (200, 67, 35, 288, 8),
-              (130, 150, 70, 8, 8), (400, 320, 96, 4, 2), (1100, 260, 136, 2, 2)]
+CPU_SHAPES = [
+    (1, 16, 8, 1, 1),
+    (7, 33, 17, 8, 2),
+    (63, 40, 24, 64, 8),
+    (200, 67, 35, 288, 8),
+    (130, 150, 70, 8, 8),
+    (400, 320, 96, 4, 2),
+    (1100, 260, 136, 2, 2),
+]
 
 
 @pytest.fixture(params=["auto", "generic"])
@@ -81,7 +98,9 @@ def test_cpu_results_do_not_depend_on_thread_count(skewed, cpu_kernel):
     T, H, de, E, k = 600, 72, 40, 16, 4
     ids = None
     if skewed:
-        ids = torch.stack([torch.full((T,), 5), torch.randint(6, 9, (T,)), torch.zeros(T), torch.ones(T)], 1).int()
+        ids = torch.stack(
+            [torch.full((T,), 5), torch.randint(6, 9, (T,)), torch.zeros(T), torch.ones(T)], 1
+        ).int()
     case = make_case(T, H, de, E, k, torch.float32, ids=ids)
     before = torch.get_num_threads()
     try:

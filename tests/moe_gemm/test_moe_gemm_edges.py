@@ -10,14 +10,18 @@ kernels run, SMELT_POISON=1).
 
 import pytest
 import torch
-
 from helpers import device_for
 from helpers_moe import check, has_cpu_kernel
+
 from smelt_kernels.moe_gemm import grouped_gemm, moe_ffn, reference, route
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 BACKENDS = ["torch", "cpu", "triton"]
-needs_cpu_kernel = pytest.mark.skipif(not has_cpu_kernel(), reason="smelt_kernels._cpu without moe kernels")
+needs_cpu_kernel = pytest.mark.skipif(
+    not has_cpu_kernel(), reason="smelt_kernels._cpu without moe kernels"
+)
 
 
 def _device(backend):
@@ -91,7 +95,9 @@ def test_native_moe_ops_zero_sizes(T, H, de, save_preact):
         assert torch.equal(pre, torch.zeros_like(pre)) or H > 0
     if not save_preact:
         pre = torch.zeros(T * k, 2 * de)
-    grads = torch.ops.smelt_cpu.moe_ffn_bwd(torch.randn(T, H), x, w1, w2, tw, ids, pre, order, rev, offsets)
+    grads = torch.ops.smelt_cpu.moe_ffn_bwd(
+        torch.randn(T, H), x, w1, w2, tw, ids, pre, order, rev, offsets
+    )
     for g, like in zip(grads, (x, w1, w2, tw)):
         assert g.shape == like.shape and torch.equal(g, torch.zeros_like(like))
 
@@ -127,7 +133,9 @@ def test_grouped_gemm_edge_shapes(backend, case, gather):
     dc = torch.randn(c.shape, generator=torch.Generator().manual_seed(9)).to(dev)
     da, db = torch.autograd.grad(c, (a, b), dc)
     ar, br = a.detach().cpu().double().requires_grad_(), b.detach().cpu().double().requires_grad_()
-    cr = grouped_gemm(ar, br, ends_t.cpu(), gather_idx=idx.cpu() if gather else None, backend="torch")
+    cr = grouped_gemm(
+        ar, br, ends_t.cpu(), gather_idx=idx.cpu() if gather else None, backend="torch"
+    )
     dar, dbr = torch.autograd.grad(cr, (ar, br), dc.cpu().double())
     for name, x, y in (("c", c, cr), ("da", da, dar), ("db", db, dbr)):
         assert x.shape == y.shape and torch.isfinite(x).all(), name
@@ -188,12 +196,18 @@ def test_route_nan_logits_give_nan(isa, E, k, renormalize, monkeypatch):
     logits = _nan_logits(E, seed=E + k)
     a = logits.clone().requires_grad_()
     w, ids = route(a, k, renormalize, backend="cpu")
-    (ga,) = torch.autograd.grad(w, a, torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+    (ga,) = torch.autograd.grad(
+        w, a, torch.randn(w.shape, generator=torch.Generator().manual_seed(1))
+    )
     b = logits.clone().requires_grad_()
     rw, _ = reference.route(b, k, renormalize)
-    (gb,) = torch.autograd.grad(rw, b, torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+    (gb,) = torch.autograd.grad(
+        rw, b, torch.randn(w.shape, generator=torch.Generator().manual_seed(1))
+    )
     good = [r for r in range(logits.shape[0]) if r not in BAD_ROWS]
-    assert torch.isnan(rw[BAD_ROWS]).all() and torch.isnan(gb[BAD_ROWS]).all()  # what the reference does
+    assert (
+        torch.isnan(rw[BAD_ROWS]).all() and torch.isnan(gb[BAD_ROWS]).all()
+    )  # what the reference does
     assert torch.isnan(w[BAD_ROWS]).all()
     assert torch.isnan(ga[BAD_ROWS]).all()
     torch.testing.assert_close(w[good], rw[good], rtol=2e-6, atol=1e-7)

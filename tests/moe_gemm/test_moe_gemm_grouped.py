@@ -3,12 +3,14 @@ without a row gather, an empty group and tail rows), and its input checks."""
 
 import pytest
 import torch
-
 from helpers import assert_all_close, device_for, fp64_oracle, run_with_grads
 from helpers_moe import grouped_case, grouped_loop, has_cpu_kernel
+
 from smelt_kernels.moe_gemm import grouped_gemm
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -25,8 +27,13 @@ def test_grouped_gemm_matches_reference(name, gather, dtype):
     got = (c,) + torch.autograd.grad(c, (a_, b_), dc)
     assert (c[33:] == 0).all()
     rest = (ends.cpu(), None if idx is None else idx.cpu())
-    assert_all_close(("c", "da", "db"), got, fp64_oracle(grouped_loop, (a, b), dc, *rest),
-                     run_with_grads(grouped_loop, (a, b), dc, *rest), dtype)
+    assert_all_close(
+        ("c", "da", "db"),
+        got,
+        fp64_oracle(grouped_loop, (a, b), dc, *rest),
+        run_with_grads(grouped_loop, (a, b), dc, *rest),
+        dtype,
+    )
 
 
 def test_grouped_gemm_rejects():
@@ -62,4 +69,6 @@ def test_grouped_gemm_gpu_rejects_bad_offsets_before_launch():
     with pytest.raises(ValueError, match="non-decreasing"):
         grouped_gemm(a, b, torch.tensor([4, 3, 15, 30, 33], device="cuda"), backend="triton")
     with pytest.raises(ValueError, match="gather_idx must lie"):
-        grouped_gemm(a, b, ends, gather_idx=torch.tensor([0, 99] * 18, device="cuda"), backend="triton")
+        grouped_gemm(
+            a, b, ends, gather_idx=torch.tensor([0, 99] * 18, device="cuda"), backend="triton"
+        )

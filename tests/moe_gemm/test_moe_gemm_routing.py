@@ -9,7 +9,9 @@ from smelt_kernels.moe_gemm import reference as moe_reference
 from smelt_kernels.moe_gemm import route
 from smelt_kernels.moe_gemm import routing as moe_routing
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 
 
 def test_route_matches_reference_and_trains_the_router():
@@ -35,10 +37,17 @@ def test_route_gradient_matches_fp64():
     assert torch.allclose(g, g64, atol=1e-6)
 
 
-@pytest.mark.parametrize("bad, err", [
-    (dict(logits=torch.randn(4)), ValueError), (dict(logits=torch.zeros(3, 4, dtype=torch.long)), TypeError),
-    (dict(logits=[[0.0, 1.0]]), TypeError),
-    (dict(top_k=0), ValueError), (dict(top_k=9), ValueError), (dict(top_k=2.0), TypeError)])
+@pytest.mark.parametrize(
+    "bad, err",
+    [
+        (dict(logits=torch.randn(4)), ValueError),
+        (dict(logits=torch.zeros(3, 4, dtype=torch.long)), TypeError),
+        (dict(logits=[[0.0, 1.0]]), TypeError),
+        (dict(top_k=0), ValueError),
+        (dict(top_k=9), ValueError),
+        (dict(top_k=2.0), TypeError),
+    ],
+)
 def test_route_rejects(bad, err):
     args = dict(logits=torch.randn(3, 8), top_k=2)
     args.update(bad)

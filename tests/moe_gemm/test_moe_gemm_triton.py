@@ -5,18 +5,23 @@ launch and CUDA-graph capture."""
 
 import pytest
 import torch
-
 from helpers_moe import DTYPES, assert_deterministic, check, make_case, run, skewed_ids
+
 from smelt_kernels import backends
 from smelt_kernels.moe_gemm import moe_ffn
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 TRITON_CASES = [
-    ((1, 16, 8, 1, 1), torch.float32), ((7, 24, 12, 8, 2), torch.float16),
-    ((7, 20, 9, 64, 8), torch.bfloat16), ((63, 20, 12, 64, 8), torch.float32),
-    ((63, 18, 10, 8, 8), torch.float16), ((200, 16, 8, 288, 8), torch.float32),
+    ((1, 16, 8, 1, 1), torch.float32),
+    ((7, 24, 12, 8, 2), torch.float16),
+    ((7, 20, 9, 64, 8), torch.bfloat16),
+    ((63, 20, 12, 64, 8), torch.float32),
+    ((63, 18, 10, 8, 8), torch.float16),
+    ((200, 16, 8, 288, 8), torch.float32),
     ((200, 17, 11, 8, 1), torch.bfloat16),
 ]
 
@@ -30,7 +35,9 @@ def test_triton_matches_reference(shape, dtype, triton_device):
 @pytest.mark.parametrize("kind,k", [("one_expert", 1), ("first_k", 8)])
 def test_triton_skewed_routing(kind, k, triton_device):
     T, H, de, E = 40, 20, 12, 8
-    case = make_case(T, H, de, E, k, torch.float32, device=triton_device, ids=skewed_ids(kind, T, E, k))
+    case = make_case(
+        T, H, de, E, k, torch.float32, device=triton_device, ids=skewed_ids(kind, T, E, k)
+    )
     check(run(case, "triton"), case)
 
 
@@ -48,7 +55,9 @@ def _skip_without(name):
 @needs_gpu
 @pytest.mark.parametrize("name", ["triton", "cuda"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(200, 256, 64, 288, 8), (63, 72, 40, 8, 2), (1, 64, 32, 1, 1)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(200, 256, 64, 288, 8), (63, 72, 40, 8, 2), (1, 64, 32, 1, 1)], ids=str
+)
 def test_gpu_matches_reference(name, dtype, shape):
     _skip_without(name)
     if name == "cuda" and dtype == torch.float32:

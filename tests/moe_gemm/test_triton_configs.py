@@ -11,7 +11,9 @@ import torch
 from smelt_kernels import reference
 from smelt_kernels.moe_gemm import triton as moe_triton
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 
 CUDA = torch.device("cuda")
 SHAPES = {"smelt": (1056, 352, 288), "baseline": (1280, 432, 192)}
@@ -54,8 +56,8 @@ def test_tile_key_includes_tokens_per_expert():
 def _case(T, H, de, E, k, dtype, ids=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)
-    w1 = torch.randn(E, 2 * de, H, generator=g) * H ** -0.5
-    w2 = torch.randn(E, H, de, generator=g) * de ** -0.5
+    w1 = torch.randn(E, 2 * de, H, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, de, generator=g) * de**-0.5
     if ids is None:
         tw, ids = reference.route(torch.randn(T, E, generator=g), k)
     else:
@@ -115,7 +117,9 @@ def test_gpu_tiles_all_tokens_on_one_expert(gpu_tiles):
     x, w1, w2, tw, ids, dy = _case(40, 176, 44, 4, 1, torch.float32, ids=ids)
     y, pre, order, rev, offsets = moe_triton.forward(x, w1, w2, tw, ids)
     grads = moe_triton.backward(dy, x, w1, w2, tw, pre, order, rev, offsets)
-    for name, got, ref in zip(("y", "dx", "dw1", "dw2", "dtw"), (y,) + grads, _oracle(x, w1, w2, tw, ids, dy)):
+    for name, got, ref in zip(
+        ("y", "dx", "dw1", "dw2", "dtw"), (y,) + grads, _oracle(x, w1, w2, tw, ids, dy)
+    ):
         _close(name, got, ref, 1e-4, 1e-5)
 
 
@@ -143,7 +147,7 @@ def _emulated_forward(x, w1, w2, tw, ids):
         g, u = pre[:, :de], pre[:, de:]
         h = bf(g * torch.sigmoid(g) * u)
         o = bf(torch.einsum("tn,thn->th", h, w264[e]))
-        y += tw[:, j:j + 1].double() * o
+        y += tw[:, j : j + 1].double() * o
     return bf(y)
 
 
@@ -155,7 +159,7 @@ def test_bf16_against_emulated_reference(gpu_tiles):
     if torch.cuda.is_available():  # tensor cores: bf16 products, wgmma accumulation order
         _close("y", y.cpu(), emulated, 0.0, 4e-2)
     else:  # fp32 dots on the rounded inputs: at most a rounding or two apart
-        _close("y", y, emulated, 2.0 ** -7, 1e-5)
+        _close("y", y, emulated, 2.0**-7, 1e-5)
     grads = moe_triton.backward(dy, x, w1, w2, tw, pre, order, rev, offsets)
     want = _oracle(x, w1, w2, tw, ids, dy)
     for name, got, ref in zip(("dx", "dw1", "dw2", "dtw"), grads, want[1:]):

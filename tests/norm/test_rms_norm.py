@@ -5,8 +5,8 @@ rows); which path a call takes; thread-count independence; bad input."""
 
 import pytest
 import torch
-
 from helpers import assert_close, fp64_oracle, run_with_grads
+
 from smelt_kernels.layers import RMSNorm
 from smelt_kernels.norm import implementation, native_missing, reference, rms_norm
 
@@ -74,15 +74,18 @@ def test_other_inputs_take_the_reference():
     assert torch.equal(mixed, reference.rms_norm(x, w.bfloat16()))
 
 
-@pytest.mark.parametrize("args, error, match", [
-    ((torch.randn(4, 8), torch.ones(7)), ValueError, "weight must be"),
-    ((torch.randn(4, 8), torch.ones(8, 1)), ValueError, "weight must be"),
-    ((torch.randn(4, 0), torch.ones(0)), ValueError, "H > 0"),
-    ((torch.randn(()), torch.ones(1)), ValueError, "H > 0"),
-    ((torch.ones(4, 8, dtype=torch.int32), torch.ones(8)), TypeError, "floating point"),
-    (([1.0, 2.0], torch.ones(2)), TypeError, "must be tensors"),
-    ((torch.randn(4, 8), torch.ones(8), -1.0), ValueError, "eps"),
-])
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((torch.randn(4, 8), torch.ones(7)), ValueError, "weight must be"),
+        ((torch.randn(4, 8), torch.ones(8, 1)), ValueError, "weight must be"),
+        ((torch.randn(4, 0), torch.ones(0)), ValueError, "H > 0"),
+        ((torch.randn(()), torch.ones(1)), ValueError, "H > 0"),
+        ((torch.ones(4, 8, dtype=torch.int32), torch.ones(8)), TypeError, "floating point"),
+        (([1.0, 2.0], torch.ones(2)), TypeError, "must be tensors"),
+        ((torch.randn(4, 8), torch.ones(8), -1.0), ValueError, "eps"),
+    ],
+)
 def test_bad_input(args, error, match):
     with pytest.raises(error, match=match):
         rms_norm(*args)

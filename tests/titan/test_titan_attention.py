@@ -6,12 +6,19 @@ import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
-from torchtitan.models.common.attention import (FlexAttention, VarlenAttention,  # noqa: E402
-                                                create_varlen_metadata_for_document)
+from torchtitan.models.common.attention import (
+    FlexAttention,
+    VarlenAttention,  # noqa: E402
+    create_varlen_metadata_for_document,
+)
 
-from smelt_model.titan.attention import (SmeltVarlenAttention, segment_ids_from_cu_seqlens,  # noqa: E402
-                                         segment_ids_from_positions, smelt_attention,
-                                         smelt_attention_from_varlen)
+from smelt_model.titan.attention import (
+    SmeltVarlenAttention,
+    segment_ids_from_cu_seqlens,  # noqa: E402
+    segment_ids_from_positions,
+    smelt_attention,
+    smelt_attention_from_varlen,
+)
 
 
 def _positions(doc_lengths_per_row):

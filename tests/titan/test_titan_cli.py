@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
 import titan_helpers as th  # noqa: E402
+
 from smelt_model import presets  # noqa: E402
 from smelt_model.titan import __main__ as launcher  # noqa: E402
 from smelt_model.titan import export, shims  # noqa: E402
@@ -21,31 +22,51 @@ def _one_line_error(capsys, code, *needles):
         assert needle in err[0], err[0]
 
 
-@pytest.mark.parametrize("argv,needles", [
-    (["--config", "tiny-nothing"], ["unknown preset 'tiny-nothing'", "tiny-smelt"]),
-    ([], ["--config PRESET is required"]),
-    (["--config", "tiny-smelt", "--training.steps", "many"], ["many"]),
-    (["--config", "tiny-smelt", "--no.such.option", "1"], ["no.such.option"]),
-    (["--config", "tiny-smelt", "--parallelism.expert_parallel_degree", "3"],
-     ["expert_parallel_degree 3"]),
-    (["--config", "tiny-smelt", "--parallelism.tensor_parallel_degree", "2"],
-     ["= 2 does not divide the 1 processes"]),
-    (["--config", "tiny-smelt", "--activation_checkpoint:memory-budget"], ["memory-budget"]),
-    (["--config", "tiny-smelt", "--training.steps", "0"], ["--training.steps"]),
-])
+@pytest.mark.parametrize(
+    "argv,needles",
+    [
+        (["--config", "tiny-nothing"], ["unknown preset 'tiny-nothing'", "tiny-smelt"]),
+        ([], ["--config PRESET is required"]),
+        (["--config", "tiny-smelt", "--training.steps", "many"], ["many"]),
+        (["--config", "tiny-smelt", "--no.such.option", "1"], ["no.such.option"]),
+        (
+            ["--config", "tiny-smelt", "--parallelism.expert_parallel_degree", "3"],
+            ["expert_parallel_degree 3"],
+        ),
+        (
+            ["--config", "tiny-smelt", "--parallelism.tensor_parallel_degree", "2"],
+            ["= 2 does not divide the 1 processes"],
+        ),
+        (["--config", "tiny-smelt", "--activation_checkpoint:memory-budget"], ["memory-budget"]),
+        (["--config", "tiny-smelt", "--training.steps", "0"], ["--training.steps"]),
+    ],
+)
 def test_bad_launcher_options_are_one_line(argv, needles, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     _one_line_error(capsys, launcher.main(argv), *needles)
 
 
 def test_bad_options_from_the_command_line_exit_2_without_a_traceback(tmp_path):
-    proc = th.run([sys.executable, "-m", "smelt_model.titan", "--config", "200M-S95-smelt",
-                   "--parallelism.expert_parallel_degree", "5"], cwd=tmp_path, timeout=120,
-                  WORLD_SIZE=5)
+    proc = th.run(
+        [
+            sys.executable,
+            "-m",
+            "smelt_model.titan",
+            "--config",
+            "200M-S95-smelt",
+            "--parallelism.expert_parallel_degree",
+            "5",
+        ],
+        cwd=tmp_path,
+        timeout=120,
+        WORLD_SIZE=5,
+    )
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
-    assert err == ["smelt_model.titan: error: --parallelism.expert_parallel_degree 5 must "
-                   "divide the 288 experts"], proc.stderr
+    assert err == [
+        "smelt_model.titan: error: --parallelism.expert_parallel_degree 5 must "
+        "divide the 288 experts"
+    ], proc.stderr
 
 
 def test_the_launcher_names_the_shims_this_process_needs():
@@ -71,8 +92,11 @@ def test_the_launcher_names_the_shims_this_process_needs():
 def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     not_dcp = tmp_path / "model.pt"
     not_dcp.write_bytes(b"not a checkpoint")
-    for argv in ([str(not_dcp), str(tmp_path / "out")], [str(tmp_path), str(tmp_path / "o")],
-                 [str(tmp_path)]):
+    for argv in (
+        [str(not_dcp), str(tmp_path / "out")],
+        [str(tmp_path), str(tmp_path / "o")],
+        [str(tmp_path)],
+    ):
         code = export.main(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1
@@ -113,8 +137,7 @@ def test_seed_and_export_round_trip_in_one_process(tmp_path, capsys):
     model = SmeltLM(cfg)
     model.save_pretrained(tmp_path / "smelt")
     assert export.main([str(tmp_path / "seed"), "--seed-from", str(tmp_path / "smelt")]) == 0
-    assert export.main([str(tmp_path / "seed"), str(tmp_path / "back"),
-                        "--dtype", "bfloat16"]) == 0
+    assert export.main([str(tmp_path / "seed"), str(tmp_path / "back"), "--dtype", "bfloat16"]) == 0
     capsys.readouterr()
     from safetensors.torch import load_file
 
@@ -127,12 +150,15 @@ def test_seed_and_export_round_trip_in_one_process(tmp_path, capsys):
         torch.testing.assert_close(value, original[name].to(torch.bfloat16), rtol=0, atol=0)
 
 
-def test_without_torchtitan_the_launcher_says_so_and_export_still_works(tmp_path, capsys,
-                                                                          monkeypatch):
+def test_without_torchtitan_the_launcher_says_so_and_export_still_works(
+    tmp_path, capsys, monkeypatch
+):
     from smelt_model.model import SmeltLM
 
     monkeypatch.setitem(sys.modules, "torchtitan", None)  # import torchtitan -> ImportError
-    _one_line_error(capsys, launcher.main(["--config", "tiny-smelt"]), "torchtitan is not installed")
+    _one_line_error(
+        capsys, launcher.main(["--config", "tiny-smelt"]), "torchtitan is not installed"
+    )
     cfg = presets.get("tiny-smelt").replace(n_layers=2, n_experts=8, loop=None)
     SmeltLM(cfg).save_pretrained(tmp_path / "smelt")
     assert export.main([str(tmp_path / "seed"), "--seed-from", str(tmp_path / "smelt")]) == 0

@@ -6,20 +6,26 @@ import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
+import titan_helpers as th  # noqa: E402
 from torchtitan.components.tokenizer import HuggingFaceTokenizer  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
 
-import titan_helpers as th  # noqa: E402
-from smelt_model.titan.data import (IGNORE_INDEX, PackedDocuments, SmeltTokenizer,  # noqa: E402
-                                    batch_from_packed, smelt_data, smelt_tokenizer)
+from smelt_model.titan.data import (
+    IGNORE_INDEX,
+    PackedDocuments,
+    SmeltTokenizer,  # noqa: E402
+    batch_from_packed,
+    smelt_data,
+    smelt_tokenizer,
+)
 from smelt_model.train import tokenizer as smelt_tok  # noqa: E402
 
 
 def _loader(dataset, rank=0, world=1, batch=2, seq_len=32, **cfg):
     tok = SmeltTokenizer.Config().build()
     return PackedDocuments.Config(dataset=dataset, **cfg).build(
-        dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=seq_len,
-        local_batch_size=batch)
+        dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=seq_len, local_batch_size=batch
+    )
 
 
 def _take(loader, n):
@@ -36,8 +42,10 @@ def test_batches_follow_smelts_packing_rules():
     assert inputs["input"].tolist() == ids[:, :-1].tolist()
     assert inputs["positions"].tolist() == [[0, 1, 2, 0, 1, 2, 3], [0, 1, 0, 1, 2, 3, 4]]
     # a target in another document than its input, or padding, is ignored
-    assert target.tolist() == [[11, 12, -100, 21, 22, 23, -100], [31, -100, -100, -100, -100,
-                                                                   -100, -100]]
+    assert target.tolist() == [
+        [11, 12, -100, 21, 22, 23, -100],
+        [31, -100, -100, -100, -100, -100, -100],
+    ]
 
 
 def test_loader_is_deterministic_and_splits_contexts_between_ranks(tmp_path):
@@ -73,13 +81,14 @@ def test_loader_resumes_from_its_state(tmp_path):
 
 
 def test_python_stdlib_is_a_corpus_and_bad_corpora_are_refused(tmp_path):
-    (inputs, labels), = _take(_loader("python-stdlib", seq_len=16), 1)
+    ((inputs, labels),) = _take(_loader("python-stdlib", seq_len=16), 1)
     assert inputs["input"].shape == (2, 16) and (labels != IGNORE_INDEX).any()
     with pytest.raises(ValueError, match="no such file"):
         _loader(str(tmp_path / "missing.jsonl"))
     with pytest.raises(TypeError, match="SmeltTokenizer"):
         PackedDocuments.Config(dataset=th.SMALL_CORPUS).build(
-            dp_world_size=1, dp_rank=0, tokenizer=object(), seq_len=8, local_batch_size=1)
+            dp_world_size=1, dp_rank=0, tokenizer=object(), seq_len=8, local_batch_size=1
+        )
 
 
 def test_saved_smelt_tokenizer_and_stock_config_overrides(tmp_path):
@@ -100,10 +109,12 @@ def test_train_and_val_sides_are_smelts_split(tmp_path):
     sides = {}
     for split in ("all", "train", "val"):
         loader = PackedDocuments.Config(dataset=str(corpus), split=split, val_fraction=0.2).build(
-            dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=8, local_batch_size=1)
+            dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=8, local_batch_size=1
+        )
         sides[split] = {d.key for d in loader.docs}
     assert sides["train"] | sides["val"] == sides["all"] and not sides["train"] & sides["val"]
     assert 0 < len(sides["val"]) < len(sides["train"])
     with pytest.raises(ValueError, match="split"):
         PackedDocuments.Config(dataset=str(corpus), split="test").build(
-            dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=8, local_batch_size=1)
+            dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=8, local_batch_size=1
+        )

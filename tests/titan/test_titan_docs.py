@@ -66,5 +66,7 @@ def test_the_documented_commands_run(tmp_path):
     comm_out = [p for body, p in runs.items() if "comm.read" in body][0].stdout.split()
     assert int(comm_out[0]) > 0 and int(comm_out[1]) == 6  # tiny-smelt executes 6 layers
     torch_run = [p for line, p in runs.items() if "torch_kernels" in line][0]
-    assert "[Override] smelt_model.titan.overrides.torch_kernels: model_spec.model" in \
-        torch_run.stdout + torch_run.stderr
+    assert (
+        "[Override] smelt_model.titan.overrides.torch_kernels: model_spec.model"
+        in torch_run.stdout + torch_run.stderr
+    )

@@ -31,8 +31,9 @@ def _pair(E=5, F=24, D=16):
     return stock, ours
 
 
-@pytest.mark.parametrize("counts", [[5, 0, 7, 3, 1], [0, 0, 9, 0, 0], [1, 1, 1, 1, 1],
-                                    [0, 0, 0, 0, 0]])
+@pytest.mark.parametrize(
+    "counts", [[5, 0, 7, 3, 1], [0, 0, 9, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]
+)
 def test_override_equals_stock_forward_and_every_gradient(counts):
     stock, ours = _pair()
     counts = torch.tensor(counts, dtype=torch.int64)
@@ -40,8 +41,10 @@ def test_override_equals_stock_forward_and_every_gradient(counts):
     x = torch.randn(rows, 16)
     grad_out = torch.randn(rows, 16)
     outs, grads = [], []
-    for module, fwd in ((stock, lambda m, a, c: _stock_fp32(m, a, c)),
-                        (ours, lambda m, a, c: m(a, c))):
+    for module, fwd in (
+        (stock, lambda m, a, c: _stock_fp32(m, a, c)),
+        (ours, lambda m, a, c: m(a, c)),
+    ):
         xi = x.clone().requires_grad_(True)
         y = fwd(module, xi, counts)
         y.backward(grad_out)
@@ -50,8 +53,9 @@ def test_override_equals_stock_forward_and_every_gradient(counts):
         assert y.dtype == torch.float32 and torch.isfinite(y).all()
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}"
+        )
     # an expert without rows gets an exactly zero gradient
     for e in torch.nonzero(counts == 0).flatten().tolist():
         for n in ("w1_EFD", "w2_EDF", "w3_EFD"):
@@ -76,8 +80,9 @@ def test_count_shape_is_checked():
 
 
 def test_runs_in_the_input_dtype():
-    ours = derive(GroupedExperts.Config(dim=16, hidden_dim=24, num_experts=5),
-                  SmeltGroupedExperts.Config).build()
+    ours = derive(
+        GroupedExperts.Config(dim=16, hidden_dim=24, num_experts=5), SmeltGroupedExperts.Config
+    ).build()
     for p in ours.parameters():
         torch.nn.init.normal_(p)
     y = ours(torch.randn(6, 16, dtype=torch.float64), torch.tensor([2, 0, 4, 0, 0]))

@@ -6,8 +6,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
-from torchtitan.distributed.activation_checkpoint import (FullAC, MemoryBudgetAC,  # noqa: E402
-                                                          SelectiveAC)
+from torchtitan.distributed.activation_checkpoint import (
+    FullAC,
+    MemoryBudgetAC,  # noqa: E402
+    SelectiveAC,
+)
 from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
 
 from smelt_kernels.layers import MoE as SmeltLayerMoE  # noqa: E402
@@ -21,16 +24,31 @@ from smelt_model.titan.experts import SmeltGroupedExperts  # noqa: E402
 from smelt_model.titan.moe import moe_config  # noqa: E402
 from smelt_model.titan.overrides import torch_kernels  # noqa: E402
 from smelt_model.titan.parallelize import recompute_policy, update_model_config  # noqa: E402
-from smelt_model.titan.state_dict import (arch_from_config_json, config_bytes,  # noqa: E402
-                                          from_smelt, to_smelt)
+from smelt_model.titan.state_dict import (
+    arch_from_config_json,
+    config_bytes,  # noqa: E402
+    from_smelt,
+    to_smelt,
+)
 
 SmeltTitan = titan_model.SmeltTitan
 
 
 def _cfg(**kw):
-    base = dict(vocab_size=61, hidden_size=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
-                n_experts=8, expert_size=16, top_k=2, loop=LoopSpec(1, 2, 2),
-                aux_loss_weight=0.05, z_loss_weight=0.01)
+    base = dict(
+        vocab_size=61,
+        hidden_size=32,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        n_experts=8,
+        expert_size=16,
+        top_k=2,
+        loop=LoopSpec(1, 2, 2),
+        aux_loss_weight=0.05,
+        z_loss_weight=0.01,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -48,8 +66,9 @@ def _pair(cfg, **config_fields):
 def _batch(cfg, B=2, T=12):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3],
-                              [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])[:B, :T]
+    positions = torch.tensor(
+        [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]]
+    )[:B, :T]
     labels = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     labels[0, 2] = -100
     return tokens, positions, labels
@@ -74,8 +93,9 @@ def test_same_model_as_smeltlm_forward_aux_and_gradients(loop):
     _objective(out.logits, out.aux_loss, labels).backward()
     grads = to_smelt({n: p.grad for n, p in titan.named_parameters()})
     for name, p in smelt.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-7,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}"
+        )
     titan.eval()
     assert titan(tokens, positions=positions).aux_loss is None
 
@@ -90,8 +110,7 @@ def test_router_loss_share_equals_smelt_router_loss_in_one_process():
     a = layer.router_loss(logits, ids)
     b = ours.router_loss(logits, counts)
     torch.testing.assert_close(b, a)
-    torch.testing.assert_close(torch.autograd.grad(b, logits)[0],
-                               torch.autograd.grad(a, logits)[0])
+    torch.testing.assert_close(torch.autograd.grad(b, logits)[0], torch.autograd.grad(a, logits)[0])
 
 
 def test_grad_accumulation_scales_the_aux_share():
@@ -99,8 +118,10 @@ def test_grad_accumulation_scales_the_aux_share():
     _, titan = _pair(cfg)
     _, titan4 = _pair(cfg, grad_accum_steps=4)
     tokens, positions, _ = _batch(cfg)
-    torch.testing.assert_close(titan4(tokens, positions=positions).aux_loss,
-                               titan(tokens, positions=positions).aux_loss / 4)
+    torch.testing.assert_close(
+        titan4(tokens, positions=positions).aux_loss,
+        titan(tokens, positions=positions).aux_loss / 4,
+    )
 
 
 def test_state_dict_names_round_trip_and_config_travels():
@@ -174,8 +195,9 @@ def test_torch_kernels_switch_is_one_flag_and_keeps_the_weights():
     assert all(type(m.routed_experts.inner_experts) is GroupedExperts.Config for m in both.moe)
     experts_only = torch_kernels(base, attention="smelt")
     assert experts_only.attention == "smelt"
-    assert all(isinstance(m.routed_experts.inner_experts, SmeltGroupedExperts.Config)
-               for m in base.moe)  # the source config is left alone
+    assert all(
+        isinstance(m.routed_experts.inner_experts, SmeltGroupedExperts.Config) for m in base.moe
+    )  # the source config is left alone
     with pytest.raises(ValueError, match="experts"):
         torch_kernels(base, experts="cuda")
     smelt, ours = _pair(cfg)
@@ -202,8 +224,9 @@ def test_flex_attention_core_matches_segment_attention(monkeypatch):
     seg = torch.tensor([[0] * 5 + [1] * 11 + [2] * 8, [0] * 24], dtype=torch.int32)
     out, sink = core(q, k, v, seg)
     assert sink is None
-    torch.testing.assert_close(out, segment_attention(q, k, v, seg, backend="torch"),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        out, segment_attention(q, k, v, seg, backend="torch"), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_stock_dispatchers_can_count_their_all_to_alls():
@@ -214,5 +237,6 @@ def test_stock_dispatchers_can_count_their_all_to_alls():
     new = count_all_to_all(AllToAllTokenDispatcher.Config(num_experts=4, top_k=2))
     assert isinstance(new, CountingAllToAllTokenDispatcher.Config)
     assert (new.num_experts, new.top_k) == (4, 2)
-    assert isinstance(moe_config(_cfg()).routed_experts.token_dispatcher,
-                      CountingAllToAllTokenDispatcher.Config)
+    assert isinstance(
+        moe_config(_cfg()).routed_experts.token_dispatcher, CountingAllToAllTokenDispatcher.Config
+    )

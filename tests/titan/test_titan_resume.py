@@ -10,17 +10,33 @@ import torch
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
 import titan_helpers as th  # noqa: E402
+
 from smelt_model import presets  # noqa: E402
 from smelt_model.model import SmeltLM  # noqa: E402
 from smelt_model.titan.state_dict import restrict_dcp_loading, write_seed  # noqa: E402
 
 
 def _args(dump, steps):
-    return ["-m", "smelt_model.titan", "--config", "tiny-smelt", "--training.steps", str(steps),
-            "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--dataloader.dataset", th.SMALL_CORPUS, "--checkpoint.enable",
-            "--checkpoint.interval", "1", "--checkpoint.no-last-save-model-only",
-            "--dump_folder", str(dump)]
+    return [
+        "-m",
+        "smelt_model.titan",
+        "--config",
+        "tiny-smelt",
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--dataloader.dataset",
+        th.SMALL_CORPUS,
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.no-last-save-model-only",
+        "--dump_folder",
+        str(dump),
+    ]
 
 
 def test_a_run_resumes_from_its_checkpoint(tmp_path):

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
+import titan_helpers as th  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-import titan_helpers as th  # noqa: E402
 from smelt_model import presets  # noqa: E402
 from smelt_model.model import SmeltLM  # noqa: E402
 from smelt_model.titan import comm  # noqa: E402
@@ -33,19 +33,43 @@ def run(tmp_path_factory):
     model = SmeltLM(presets.get(PRESET))
     model.save_pretrained(tmp / "smelt0")
     write_seed(model, tmp / "seed")
-    args = [str(th.HERE / "titan_worker.py"), str(tmp / "out"), "--config", PRESET,
-            "--training.steps", str(STEPS), "--training.seq_len", "64",
-            "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
-            "--dataloader.dataset", th.SMALL_CORPUS, "--dump_folder", str(tmp / "dump"),
-            "--training.mixed_precision_param", "float32", "--training.max_norm", "1e9",
-            "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable",
-            "--checkpoint.initial_load_path", str(tmp / "seed"),
-            "--checkpoint.interval", "1000"]
+    args = [
+        str(th.HERE / "titan_worker.py"),
+        str(tmp / "out"),
+        "--config",
+        PRESET,
+        "--training.steps",
+        str(STEPS),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--dataloader.dataset",
+        th.SMALL_CORPUS,
+        "--dump_folder",
+        str(tmp / "dump"),
+        "--training.mixed_precision_param",
+        "float32",
+        "--training.max_norm",
+        "1e9",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(tmp / "seed"),
+        "--checkpoint.interval",
+        "1000",
+    ]
     proc = th.torchrun(args, cwd=tmp, SMELT_TITAN_COMM=tmp / "comm")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {"dir": tmp, "log": proc.stdout + proc.stderr,
-            "json": json.loads((tmp / "out" / "run.json").read_text()),
-            "tensors": load_file(str(tmp / "out" / "step1.safetensors"))}
+    return {
+        "dir": tmp,
+        "log": proc.stdout + proc.stderr,
+        "json": json.loads((tmp / "out" / "run.json").read_text()),
+        "tensors": load_file(str(tmp / "out" / "step1.safetensors")),
+    }
 
 
 def test_first_step_equals_a_single_process_smeltlm(run):
@@ -54,17 +78,17 @@ def test_first_step_equals_a_single_process_smeltlm(run):
     ref.train()
     out = ref(t["input"], segment_ids_from_positions(t["positions"]))
     V = out.logits.shape[-1]
-    ce = F.cross_entropy(out.logits.reshape(-1, V), t["labels"].reshape(-1),
-                         ignore_index=-100)
+    ce = F.cross_entropy(out.logits.reshape(-1, V), t["labels"].reshape(-1), ignore_index=-100)
     objective = ce + out.aux_loss
     objective.backward()
     assert run["json"]["losses"][0] == pytest.approx(objective.item(), rel=1e-5)
-    grads = to_smelt({k[len("grad."):]: v for k, v in t.items() if k.startswith("grad.")})
+    grads = to_smelt({k[len("grad.") :]: v for k, v in t.items() if k.startswith("grad.")})
     names = dict(ref.named_parameters())
     assert set(grads) == set(names)
     for name, p in names.items():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=2e-6,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads[name], p.grad, rtol=1e-4, atol=2e-6, msg=lambda m: f"{name}: {m}"
+        )
 
 
 def test_a_few_steps_with_falling_loss(run):
@@ -76,10 +100,16 @@ def test_a_few_steps_with_falling_loss(run):
 
 def test_the_looped_span_is_gathered_once_per_forward_and_reduced_once(run):
     events = [e for e in run["json"]["collectives"] if e["step"] is not None]
-    gathers = Counter((e["step"], e["phase"]) for e in events
-                      if e["kind"] == "all_gather" and e["units"] == ["span"])
-    reduces = Counter((e["step"], e["group_size"]) for e in events
-                      if e["kind"] == "reduce_scatter" and e["units"] == ["span"])
+    gathers = Counter(
+        (e["step"], e["phase"])
+        for e in events
+        if e["kind"] == "all_gather" and e["units"] == ["span"]
+    )
+    reduces = Counter(
+        (e["step"], e["group_size"])
+        for e in events
+        if e["kind"] == "reduce_scatter" and e["units"] == ["span"]
+    )
     for step in range(1, STEPS):  # the last step also ran the export-check forward
         assert gathers[(step, "forward")] == 1, gathers
         assert gathers[(step, "backward")] == 1, gathers
@@ -101,8 +131,9 @@ def test_all_to_all_counts_follow_the_realised_routing(run):
         assert len(calls) == cfg.executed_layers
         for c in calls:
             assert sum(c["routing"]) == tokens * cfg.top_k
-        by_rank[r["ep_rank"]] = {(ev["call"], ev["kind"], ev["phase"]): ev
-                                 for ev in r["events"] if ev["step"] == 1}
+        by_rank[r["ep_rank"]] = {
+            (ev["call"], ev["kind"], ev["phase"]): ev for ev in r["events"] if ev["step"] == 1
+        }
     matrices = comm.routing_matrices(records, step=1)
     assert len(matrices) == cfg.executed_layers and len(matrices[0]) == 2
     for i in (0, 1):
@@ -111,18 +142,26 @@ def test_all_to_all_counts_follow_the_realised_routing(run):
                 continue
             assert ev["row_bytes"] == cfg.hidden_size * 4
             routing = matrices[call]  # step 1 holds the first calls of the run
-            sent = [sum(routing[i][j * e:(j + 1) * e]) for j in (0, 1)]
-            received = [sum(routing[j][i * e:(i + 1) * e]) for j in (0, 1)]
+            sent = [sum(routing[i][j * e : (j + 1) * e]) for j in (0, 1)]
+            received = [sum(routing[j][i * e : (i + 1) * e]) for j in (0, 1)]
             # dispatch forward and combine backward carry this rank's own rows out;
             # combine forward and dispatch backward carry the rows it received back
-            expect = sent if (kind, phase) in (("dispatch", "forward"),
-                                               ("combine", "backward")) else received
+            expect = (
+                sent
+                if (kind, phase) in (("dispatch", "forward"), ("combine", "backward"))
+                else received
+            )
             assert ev["rows_to"] == expect, (i, call, kind, phase)
             assert ev["bytes_to_others"] == expect[1 - i] * ev["row_bytes"]
             assert ev["bytes_total"] == sum(expect) * ev["row_bytes"]
     steps = records[0]["steps"]["1"]
-    assert {"dispatch_forward", "combine_forward", "dispatch_backward", "combine_backward",
-            "dispatch_forward_including_self"} <= set(steps)
+    assert {
+        "dispatch_forward",
+        "combine_forward",
+        "dispatch_backward",
+        "combine_backward",
+        "dispatch_forward_including_self",
+    } <= set(steps)
 
 
 def test_the_ledger_counts_the_bytes_the_dispatcher_sent(run):
@@ -135,8 +174,14 @@ def test_the_ledger_counts_the_bytes_the_dispatcher_sent(run):
     cfg = presets.get(PRESET)
     # (the last step also holds the worker's extra forward for the export check)
     for step in range(1, STEPS):
-        led = budget.comm(cfg, 2 * 64 * 2, ep=2, dp_shard=2, dtype="float32",
-                          routing=comm.routing_matrices(records, step=step))
+        led = budget.comm(
+            cfg,
+            2 * 64 * 2,
+            ep=2,
+            dp_shard=2,
+            dtype="float32",
+            routing=comm.routing_matrices(records, step=step),
+        )
         for r in records:
             sent = r["steps"][str(step)]
             rank = r["ep_rank"]
@@ -151,8 +196,11 @@ def test_the_ledger_counts_the_bytes_the_dispatcher_sent(run):
 def test_export_gives_the_torchtitan_models_logits(run):
     ckpt = run["dir"] / "dump" / "checkpoint" / f"step-{STEPS}"
     out = run["dir"] / "exported"
-    proc = th.run([sys.executable, "-m", "smelt_model.titan.export", str(ckpt), str(out)],
-                  cwd=run["dir"], timeout=120)
+    proc = th.run(
+        [sys.executable, "-m", "smelt_model.titan.export", str(ckpt), str(out)],
+        cwd=run["dir"],
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     t = run["tensors"]
     model = SmeltLM.from_pretrained(out).eval()

@@ -24,15 +24,22 @@ def env(**extra) -> dict:
 
 def run(cmd, cwd, timeout=170, **extra) -> subprocess.CompletedProcess:
     """Run ``cmd`` (a list) and return the finished process (output captured as text)."""
-    return subprocess.run(cmd, cwd=cwd, env=env(**extra), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=cwd, env=env(**extra), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def torchrun(args, cwd, nproc=2, timeout=170, **extra) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node nproc ARGS`` (ARGS: ``-m module ...`` or a
     script and its arguments)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *args,
+    ]
     return run(cmd, cwd, timeout=timeout, **extra)
 
 
@@ -41,7 +48,6 @@ def losses(log: str) -> list[float]:
     import re
 
     seen = {}
-    for m in re.finditer(r"(?<!validate )step:\s+(\d+)\s+\S*loss:\s+([-+0-9.eE]+|nan|inf)",
-                         log):
+    for m in re.finditer(r"(?<!validate )step:\s+(\d+)\s+\S*loss:\s+([-+0-9.eE]+|nan|inf)", log):
         seen.setdefault(int(m.group(1)), float(m.group(2)))
     return [seen[k] for k in sorted(seen)]

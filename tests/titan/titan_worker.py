@@ -61,9 +61,17 @@ def main() -> None:
             group = a[group_arg] if len(a) > group_arg else None
             size = group.size() if hasattr(group, "size") else None
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-            collectives.append({"kind": kind, "units": fqns, "phase": phase,
-                                "step": sl.get_step(), "group_size": size})
+            collectives.append(
+                {
+                    "kind": kind,
+                    "units": fqns,
+                    "phase": phase,
+                    "step": sl.get_step(),
+                    "group_size": size,
+                }
+            )
             return real(fsdp_params, *a, **k)
+
         return call
 
     fpg.foreach_all_gather = recording("all_gather", fpg.foreach_all_gather, 0)
@@ -77,8 +85,9 @@ def main() -> None:
     stock_fb = trainer.forward_backward_step
 
     def forward_backward_step(*, input_dict, labels, global_valid_tokens):
-        loss = stock_fb(input_dict=input_dict, labels=labels,
-                        global_valid_tokens=global_valid_tokens)
+        loss = stock_fb(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(float(total))
@@ -114,10 +123,12 @@ def main() -> None:
         from safetensors.torch import save_file
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()},
-                  str(out_dir / "step1.safetensors"))
-        (out_dir / "run.json").write_text(json.dumps({"losses": losses,
-                                                      "collectives": collectives}))
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "step1.safetensors")
+        )
+        (out_dir / "run.json").write_text(
+            json.dumps({"losses": losses, "collectives": collectives})
+        )
     dist.barrier()
     dist.destroy_process_group()
 

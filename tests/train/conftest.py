@@ -7,8 +7,20 @@ import pytest
 
 from smelt_model.train.data import stdlib_root
 
-MODULES = ("textwrap", "string", "glob", "fnmatch", "shlex", "bisect", "heapq", "colorsys",
-           "keyword", "copy", "abc", "numbers")
+MODULES = (
+    "textwrap",
+    "string",
+    "glob",
+    "fnmatch",
+    "shlex",
+    "bisect",
+    "heapq",
+    "colorsys",
+    "keyword",
+    "copy",
+    "abc",
+    "numbers",
+)
 
 
 @pytest.fixture(scope="session")
@@ -18,5 +30,3 @@ def corpus(tmp_path_factory) -> Path:
     for name in MODULES:
         shutil.copy(stdlib_root() / f"{name}.py", root / f"{name}.py")
     return root
-
-

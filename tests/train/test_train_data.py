@@ -23,7 +23,7 @@ def test_pack_keeps_every_token_once_and_separates_documents(seq_len):
     real = p.labels.reshape(-1) != -100
     # every token of every document exactly once, in order; padding only at the very end
     np.testing.assert_array_equal(flat_ids[real], np.concatenate(docs))
-    assert real[: real.sum()].all() and not real[real.sum():].any()
+    assert real[: real.sum()].all() and not real[real.sum() :].any()
     assert (flat_ids[~real] == 256).all()
     # a new segment exactly where a new document (or the padding) starts inside a row
     starts = np.cumsum([0] + [len(d) for d in docs])
@@ -47,8 +47,17 @@ def test_targets_across_a_boundary_are_ignored():
 
     p = data.pack([np.array([1, 2, 3]), np.array([4, 5])], 8, pad_id=0)
     assert valid_targets(p.segment_ids, p.labels) == 2 + 1  # (1->2, 2->3) and (4->5)
-    cfg = ModelConfig(vocab_size=8, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                      head_dim=8, n_experts=2, expert_size=8, top_k=1)
+    cfg = ModelConfig(
+        vocab_size=8,
+        hidden_size=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=8,
+        n_experts=2,
+        expert_size=8,
+        top_k=1,
+    )
     ids, seg, lab = (torch.from_numpy(a).long() for a in (p.input_ids, p.segment_ids, p.labels))
     logits = torch.randn(1, 8, 8)
     loss = SmeltLM.lm_loss(logits, lab, seg)
@@ -89,12 +98,15 @@ def test_loaders(tmp_path):
     assert not any("site-packages" in k for k in keys)
 
 
-@pytest.mark.parametrize("content,fragment", [
-    (None, "no such file"),
-    ("", "corpus is empty"),
-    ("{bad json\n", "not valid JSON"),
-    ('{"txt": "x"}\n', "string \"text\""),
-])
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        (None, "no such file"),
+        ("", "corpus is empty"),
+        ("{bad json\n", "not valid JSON"),
+        ('{"txt": "x"}\n', 'string "text"'),
+    ],
+)
 def test_loader_errors(tmp_path, content, fragment):
     path = tmp_path / "c.jsonl"
     if content is not None:
@@ -135,7 +147,7 @@ def test_pack_matches_a_direct_construction():
     stream = [(int(t), d) for d, doc in enumerate(docs) for t in doc]
     stream += [(256, len(docs))] * (p.input_ids.size - len(stream))
     for r in range(len(p)):
-        row = stream[r * 10:(r + 1) * 10]
+        row = stream[r * 10 : (r + 1) * 10]
         seg, want = 0, []
         for j, (_, d) in enumerate(row):
             seg += j > 0 and d != row[j - 1][1]

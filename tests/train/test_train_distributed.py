@@ -9,22 +9,48 @@ import sys
 
 import pytest
 import torch.distributed as dist
+from train_helpers import REPO, losses, micro_config
 
 from smelt_model.train import checkpoint
 from smelt_model.train.__main__ import main
 
-from train_helpers import REPO, losses, micro_config
-
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with gloo is not available",
+)
 
 
 def _args(cfg, corpus, out):
-    return [str(a) for a in ("--config", cfg, "--data", corpus, "--seq-len", "32",
-                             "--tokens-per-step", "256", "--batch-size", "2", "--steps", "6",
-                             "--eval-every", "3", "--save-every", "2", "--eval-tokens", "256",
-                             "--threads", "1", "--val-fraction", "0.25", "--quiet",
-                             "--out", out)]
+    return [
+        str(a)
+        for a in (
+            "--config",
+            cfg,
+            "--data",
+            corpus,
+            "--seq-len",
+            "32",
+            "--tokens-per-step",
+            "256",
+            "--batch-size",
+            "2",
+            "--steps",
+            "6",
+            "--eval-every",
+            "3",
+            "--save-every",
+            "2",
+            "--eval-tokens",
+            "256",
+            "--threads",
+            "1",
+            "--val-fraction",
+            "0.25",
+            "--quiet",
+            "--out",
+            out,
+        )
+    ]
 
 
 def _torchrun(args, env_extra=None):
@@ -33,9 +59,23 @@ def _torchrun(args, env_extra=None):
         port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env_extra or {}))
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(port), "-m", "smelt_model.train", *args],
-        env=env, capture_output=True, text=True, timeout=400)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            "-m",
+            "smelt_model.train",
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -4,18 +4,42 @@ resumed logs bitwise the same losses as an uninterrupted run (CPU backends)."""
 import signal
 
 import pytest
+from train_helpers import losses, micro_config, run_cli
 
 from smelt_model.train import checkpoint
 from smelt_model.train.__main__ import main
 
-from train_helpers import losses, micro_config, run_cli
-
 
 def _args(corpus, cfg, out):
-    return ["--config", cfg, "--data", corpus, "--seq-len", "32", "--tokens-per-step", "256",
-            "--batch-size", "4", "--steps", "8", "--eval-every", "4", "--save-every", "2",
-            "--eval-tokens", "128", "--val-fraction", "0.25", "--lr", "3e-3", "--threads", "1",
-            "--quiet", "--out", out]
+    return [
+        "--config",
+        cfg,
+        "--data",
+        corpus,
+        "--seq-len",
+        "32",
+        "--tokens-per-step",
+        "256",
+        "--batch-size",
+        "4",
+        "--steps",
+        "8",
+        "--eval-every",
+        "4",
+        "--save-every",
+        "2",
+        "--eval-tokens",
+        "128",
+        "--val-fraction",
+        "0.25",
+        "--lr",
+        "3e-3",
+        "--threads",
+        "1",
+        "--quiet",
+        "--out",
+        out,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +109,7 @@ def test_a_finished_run_extends_with_a_larger_steps(corpus, reference, tmp_path,
     assert err.count("\n") == 1 and "now stops at step 12 (it was 8)" in err, err
     got = losses(out)
     assert got[: len(expected)] == expected
-    tail = [r for r in got[len(expected):] if len(r) == 4]
+    tail = [r for r in got[len(expected) :] if len(r) == 4]
     assert [r[0] for r in tail] == [9, 10, 11, 12]
     assert all(r[3] == pytest.approx(3e-3 * 0.1) for r in tail)  # the schedule's final lr
     spec = json.loads((out / "run.json").read_text())
@@ -109,8 +133,10 @@ def test_threads_and_backend_are_recorded_and_checked(corpus, reference, tmp_pat
     base = [str(a) for a in _args(corpus, cfg, out)] + ["--resume"]
     threads = torch.get_num_threads()
     try:
-        for extra, fragment in ((["--threads", "2"], "--threads 1"),
-                                (["--backend", "torch"], "--backend auto")):
+        for extra, fragment in (
+            (["--threads", "2"], "--threads 1"),
+            (["--backend", "torch"], "--backend auto"),
+        ):
             capsys.readouterr()
             assert main(base + extra) != 0
             err = capsys.readouterr().err

@@ -2,27 +2,61 @@
 
 import json
 
+from train_helpers import micro_config, run_cli
 
 from smelt_model.train import data, tokenizer
 from smelt_model.train.__main__ import main, merge_endpoints
 
-from train_helpers import micro_config, run_cli
-
 
 def _base(corpus, cfg, out, *extra):
-    return [str(a) for a in ("--config", cfg, "--data", corpus, "--threads", "1", "--quiet",
-                             "--val-fraction", "0.25", "--out", out, *extra)]
+    return [
+        str(a)
+        for a in (
+            "--config",
+            cfg,
+            "--data",
+            corpus,
+            "--threads",
+            "1",
+            "--quiet",
+            "--val-fraction",
+            "0.25",
+            "--out",
+            out,
+            *extra,
+        )
+    ]
 
 
 def test_short_run_learns_below_the_unigram_entropy(corpus, tmp_path):
     cfg = micro_config(tmp_path / "micro.json")
     out = tmp_path / "run"
-    assert main(_base(corpus, cfg, out, "--seq-len", "64", "--tokens-per-step", "1024",
-                      "--steps", "64", "--eval-every", "32", "--eval-tokens", "4096",
-                      "--lr", "6e-3", "--plot", tmp_path / "loss.png")) == 0
+    assert (
+        main(
+            _base(
+                corpus,
+                cfg,
+                out,
+                "--seq-len",
+                "64",
+                "--tokens-per-step",
+                "1024",
+                "--steps",
+                "64",
+                "--eval-every",
+                "32",
+                "--eval-tokens",
+                "4096",
+                "--lr",
+                "6e-3",
+                "--plot",
+                tmp_path / "loss.png",
+            )
+        )
+        == 0
+    )
     docs = data.load_documents(str(corpus))
-    entropy = data.unigram_entropy(tokenizer.BytesTokenizer().encode_batch(
-        [d.text for d in docs]))
+    entropy = data.unigram_entropy(tokenizer.BytesTokenizer().encode_batch([d.text for d in docs]))
     recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     evals = [r for r in recs if "val_loss" in r]
     steps = [r for r in recs if "loss" in r]
@@ -47,9 +81,28 @@ def test_endpoints_are_read_by_the_scaling_tool(corpus, tmp_path, capsys):
         cfg = micro_config(tmp_path / f"cfg{looped}.json", looped=looped, hidden=32)
         for seq in (16, 32):  # a different context length changes F (the attention term)
             out = tmp_path / f"run{looped}{seq}"
-            assert main(_base(corpus, cfg, out, "--seq-len", seq, "--tokens-per-step", "128",
-                              "--steps", "4", "--eval-every", "1", "--eval-tokens", "64",
-                              "--save-every", "4")) == 0
+            assert (
+                main(
+                    _base(
+                        corpus,
+                        cfg,
+                        out,
+                        "--seq-len",
+                        seq,
+                        "--tokens-per-step",
+                        "128",
+                        "--steps",
+                        "4",
+                        "--eval-every",
+                        "1",
+                        "--eval-tokens",
+                        "64",
+                        "--save-every",
+                        "4",
+                    )
+                )
+                == 0
+            )
             runs.append(out / "endpoints.csv")
     single = scaling.read_csv(runs[0])
     assert list(single) == ["baseline"] and len(single["baseline"]) == 4
@@ -63,7 +116,7 @@ def test_endpoints_are_read_by_the_scaling_tool(corpus, tmp_path, capsys):
 def test_bad_input_stops_with_one_line(corpus, tmp_path, capsys):
     cfg = micro_config(tmp_path / "micro.json")
     small_vocab = micro_config(tmp_path / "small.json", vocab=100)
-    (tmp_path / "broken.json").write_text("{\"hidden_size\": 3")
+    (tmp_path / "broken.json").write_text('{"hidden_size": 3')
     (tmp_path / "empty").mkdir()
     ok = ["--steps", "1", "--seq-len", "16", "--tokens-per-step", "32"]
     done = tmp_path / "done"
@@ -96,8 +149,21 @@ def test_a_model_too_large_is_refused_before_the_data(tmp_path, capsys):
     # the data path does not exist: the refusal must come before anything reads it
     for extra in (["--arch", "smelt"], ["--arch", "both"]):
         capsys.readouterr()
-        rc = main(["--preset", "1.6B-S97", *extra, "--data", str(tmp_path / "absent"),
-                   "--steps", "1", "--threads", "1", "--out", str(tmp_path / "big")])
+        rc = main(
+            [
+                "--preset",
+                "1.6B-S97",
+                *extra,
+                "--data",
+                str(tmp_path / "absent"),
+                "--steps",
+                "1",
+                "--threads",
+                "1",
+                "--out",
+                str(tmp_path / "big"),
+            ]
+        )
         err = capsys.readouterr().err
         assert rc != 0 and err.count("\n") == 1, err
         assert "--preset 1.6B-S97 needs an estimated" in err and "GiB" in err
@@ -105,7 +171,8 @@ def test_a_model_too_large_is_refused_before_the_data(tmp_path, capsys):
 
 
 def test_resume_with_another_preset_says_different_setup_without_building(
-        corpus, tmp_path, capsys, monkeypatch):
+    corpus, tmp_path, capsys, monkeypatch
+):
     from smelt_model import model as model_mod
 
     cfg = micro_config(tmp_path / "micro.json")
@@ -118,9 +185,25 @@ def test_resume_with_another_preset_says_different_setup_without_building(
 
     monkeypatch.setattr(model_mod.SmeltLM, "__init__", no_model)
     capsys.readouterr()
-    rc = main([str(a) for a in ("--preset", "1.6B-S97", "--arch", "baseline", "--data",
-                                tmp_path / "absent", "--threads", "1", "--out", out, *ok,
-                                "--resume")])
+    rc = main(
+        [
+            str(a)
+            for a in (
+                "--preset",
+                "1.6B-S97",
+                "--arch",
+                "baseline",
+                "--data",
+                tmp_path / "absent",
+                "--threads",
+                "1",
+                "--out",
+                out,
+                *ok,
+                "--resume",
+            )
+        ]
+    )
     err = capsys.readouterr().err
     assert rc != 0 and err.count("\n") == 1 and "different setup (config" in err, err
 
@@ -138,8 +221,24 @@ def test_choices_come_from_the_registries():
 def test_default_cadence_suits_a_short_run(corpus, tmp_path):
     cfg = micro_config(tmp_path / "micro.json")
     out = tmp_path / "run"
-    assert main(_base(corpus, cfg, out, "--steps", "5", "--seq-len", "16",
-                      "--tokens-per-step", "32", "--eval-tokens", "64")) == 0
+    assert (
+        main(
+            _base(
+                corpus,
+                cfg,
+                out,
+                "--steps",
+                "5",
+                "--seq-len",
+                "16",
+                "--tokens-per-step",
+                "32",
+                "--eval-tokens",
+                "64",
+            )
+        )
+        == 0
+    )
     recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "val_loss" in r] == [0, 5]
     assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_00000005"]

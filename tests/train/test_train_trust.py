@@ -12,21 +12,46 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import losses, micro_config, run_cli
 
 from smelt_model.train import checkpoint, plainstate
 from smelt_model.train.__main__ import main
-
-from train_helpers import losses, micro_config, run_cli
 
 STEPS = 8
 
 
 def _args(corpus, cfg, out, *extra):
-    return [str(a) for a in (
-        "--config", cfg, "--data", corpus, "--seq-len", "32", "--tokens-per-step", "128",
-        "--batch-size", "4", "--steps", STEPS, "--eval-every", "4", "--save-every", "2",
-        "--eval-tokens", "64", "--val-fraction", "0.25", "--threads", "1", "--quiet",
-        "--out", out, *extra)]
+    return [
+        str(a)
+        for a in (
+            "--config",
+            cfg,
+            "--data",
+            corpus,
+            "--seq-len",
+            "32",
+            "--tokens-per-step",
+            "128",
+            "--batch-size",
+            "4",
+            "--steps",
+            STEPS,
+            "--eval-every",
+            "4",
+            "--save-every",
+            "2",
+            "--eval-tokens",
+            "64",
+            "--val-fraction",
+            "0.25",
+            "--threads",
+            "1",
+            "--quiet",
+            "--out",
+            out,
+            *extra,
+        )
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +74,11 @@ def run(finished, tmp_path):
 
 
 def _snapshot(out: Path) -> dict:
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and not p.is_symlink()}
+    return {
+        p.relative_to(out).as_posix(): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 def _resume(corpus, cfg, out, capsys, *extra):
@@ -69,8 +97,13 @@ def _refused(rc, err, *fragments):
 def _rehash(ckpt: Path, names=None) -> None:
     """Rewrite the manifest so that it matches whatever the files now hold."""
     names = names or checkpoint.FILES
-    files = {f: {"bytes": (ckpt / f).stat().st_size,
-                 "sha256": hashlib.sha256((ckpt / f).read_bytes()).hexdigest()} for f in names}
+    files = {
+        f: {
+            "bytes": (ckpt / f).stat().st_size,
+            "sha256": hashlib.sha256((ckpt / f).read_bytes()).hexdigest(),
+        }
+        for f in names
+    }
     (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": 0, "files": files}))
 
 
@@ -80,12 +113,17 @@ def _ckpts(out: Path) -> list[Path]:
 
 # ----------------------------------------------------------------------------- the state files
 def test_plain_state_round_trip_and_refusals(tmp_path):
-    from safetensors.torch import save_file
     import numpy as np
+    from safetensors.torch import save_file
 
-    state = {"step": 3, 7: {"m": torch.randn(2, 3), "step": torch.tensor(4.0)},
-             "groups": [{"betas": (0.9, 0.95), "params": [0, 1], "fused": None}],
-             "rng": np.random.get_state(), "nan": float("nan"), "flag": True}
+    state = {
+        "step": 3,
+        7: {"m": torch.randn(2, 3), "step": torch.tensor(4.0)},
+        "groups": [{"betas": (0.9, 0.95), "params": [0, 1], "fused": None}],
+        "rng": np.random.get_state(),
+        "nan": float("nan"),
+        "flag": True,
+    }
     doc, tensors = plainstate.dump(state)
     (tmp_path / "s.json").write_bytes(doc)
     save_file(tensors, str(tmp_path / "s.safetensors"))
@@ -95,13 +133,15 @@ def test_plain_state_round_trip_and_refusals(tmp_path):
     torch.testing.assert_close(back[7]["m"], state[7]["m"], rtol=0, atol=0)
     assert back["rng"][0] == "MT19937" and (back["rng"][1] == state["rng"][1]).all()
     assert back["nan"] != back["nan"]
-    bad = [b"\x80\x04K\x01.",  # a pickle
-           b'{"format": "smelt-train-state/1", "state": {"object": ["os", "system"]}}',
-           b'{"format": "smelt-train-state/1", "state": {"tensor": "absent"}}',
-           b'{"format": "smelt-train-state/1", "state": {"ndarray": {"dtype": "O", '
-           b'"shape": [1], "data": [1]}}}',
-           b'{"format": "other", "state": 1}']
-    for i, content in enumerate(bad):
+    bad = [
+        b"\x80\x04K\x01.",  # a pickle
+        b'{"format": "smelt-train-state/1", "state": {"object": ["os", "system"]}}',
+        b'{"format": "smelt-train-state/1", "state": {"tensor": "absent"}}',
+        b'{"format": "smelt-train-state/1", "state": {"ndarray": {"dtype": "O", '
+        b'"shape": [1], "data": [1]}}}',
+        b'{"format": "other", "state": 1}',
+    ]
+    for content in bad:
         (tmp_path / "s.json").write_bytes(content)
         with pytest.raises(plainstate.StateFileError, match="s.json"):
             plainstate.load(tmp_path / "s.json", tmp_path / "s.safetensors")
@@ -128,7 +168,7 @@ def test_pickled_state_with_a_matching_manifest_runs_nothing(corpus, run, tmp_pa
             return (open, (str(marker), "w"))
 
     blob = pickle.dumps({"step": 8, "x": Payload()})
-    with pytest.raises(Exception):  # the payload is live: unpickling it creates a file
+    with pytest.raises(RuntimeError):  # the payload is live: unpickling it creates a file
         torch.load(_write(tmp_path / "p.pt", blob), weights_only=False)
     assert marker.exists()
     marker.unlink()
@@ -186,8 +226,9 @@ def test_all_checkpoints_corrupt_is_refused_and_logs_stay(corpus, run, capsys):
         w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
     before = _snapshot(out)
     rc, err = _resume(corpus, cfg, out, capsys)
-    _refused(rc, err, "no loadable checkpoint", "step_00000008", "step_00000006",
-             "model.safetensors")
+    _refused(
+        rc, err, "no loadable checkpoint", "step_00000008", "step_00000006", "model.safetensors"
+    )
     assert _snapshot(out) == before
 
 
@@ -235,9 +276,15 @@ def _garbage_manifest(ckpt):
     (ckpt / "manifest.json").write_text("{{{")
 
 
-@pytest.mark.parametrize("damage,name", [
-    (_garbage_state_json, "state.json"), (_garbage_state_tensors, "state.safetensors"),
-    (_garbage_weights, "model.safetensors"), (_garbage_manifest, "manifest.json")])
+@pytest.mark.parametrize(
+    "damage,name",
+    [
+        (_garbage_state_json, "state.json"),
+        (_garbage_state_tensors, "state.safetensors"),
+        (_garbage_weights, "model.safetensors"),
+        (_garbage_manifest, "manifest.json"),
+    ],
+)
 def test_garbage_in_every_checkpoint_names_the_file(corpus, run, capsys, damage, name):
     cfg, out, _ = run
     for ckpt in _ckpts(out):
@@ -248,10 +295,17 @@ def test_garbage_in_every_checkpoint_names_the_file(corpus, run, capsys, damage,
     assert _snapshot(out) == before
 
 
-@pytest.mark.parametrize("name,content", [
-    ("run.json", b"\x00garbage"), ("run.json", b'{"arch": "baseline"}'),
-    ("tokenizer.json", b"[1, 2"), ("checkpoints/latest", b"\xff\xfe"),
-    ("log.jsonl", None), ("endpoints.csv", None)])
+@pytest.mark.parametrize(
+    "name,content",
+    [
+        ("run.json", b"\x00garbage"),
+        ("run.json", b'{"arch": "baseline"}'),
+        ("tokenizer.json", b"[1, 2"),
+        ("checkpoints/latest", b"\xff\xfe"),
+        ("log.jsonl", None),
+        ("endpoints.csv", None),
+    ],
+)
 def test_garbage_in_a_run_file_names_it(corpus, run, capsys, name, content):
     cfg, out, _ = run
     path = out / name

@@ -11,9 +11,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def micro_config(path: Path, looped: bool = False, vocab: int = 258, hidden: int = 64) -> Path:
-    cfg = {"vocab_size": vocab, "hidden_size": hidden, "n_layers": 4 if looped else 2,
-           "n_heads": 4, "n_kv_heads": 1, "head_dim": 16, "n_experts": 8, "expert_size": 32,
-           "top_k": 2}
+    cfg = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "n_layers": 4 if looped else 2,
+        "n_heads": 4,
+        "n_kv_heads": 1,
+        "head_dim": 16,
+        "n_experts": 8,
+        "expert_size": 32,
+        "top_k": 2,
+    }
     if looped:
         cfg["loop"] = {"start": 1, "length": 2, "count": 2}
     path.write_text(json.dumps(cfg))
@@ -24,8 +32,13 @@ def run_cli(args, env_extra=None, timeout=300) -> subprocess.CompletedProcess:
     """``python -m smelt_model.train ARGS`` in a fresh interpreter."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "smelt_model.train", *map(str, args)],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "smelt_model.train", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def losses(run: Path) -> list[tuple]:
@@ -33,6 +46,9 @@ def losses(run: Path) -> list[tuple]:
     out = []
     for line in (run / "log.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out.append((r["step"], r["val_loss"]) if "val_loss" in r else
-                   (r["step"], r["loss"], r["grad_norm"], r["lr"]))
+        out.append(
+            (r["step"], r["val_loss"])
+            if "val_loss" in r
+            else (r["step"], r["loss"], r["grad_norm"], r["lr"])
+        )
     return out

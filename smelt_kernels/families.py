@@ -1,0 +1,263 @@
+"""Backend families, the native extensions they build, and smelt's environment variables.
+
+A backend family is one registered :class:`Family` (its devices, its extension, its own
+check): ``"torch"``, ``"cpu"``, ``"triton"`` and ``"cuda"`` ship, :func:`register_family`
+adds one. The native extensions are imported behind a guard (:func:`extension`): without
+them everything imports and the registry says why. :data:`ENVIRONMENT` lists every
+environment variable smelt reads at run time; Python code reads them through :func:`env`
+only (native code through ``csrc/env.h``). :mod:`smelt_kernels.backends` re-exports all of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = [
+    "ENVIRONMENT",
+    "env",
+    "env_flag",
+    "triton_interpret",
+    "extension",
+    "extension_error",
+    "extension_op_missing",
+    "register_native_fake",
+    "Family",
+    "register_family",
+    "families",
+    "choices",
+    "BACKENDS",
+    "unavailable_reason",
+    "lazy",
+]
+
+# ----------------------------------------------------------------------------- environment
+#: every environment variable smelt reads at run time, and what it changes
+ENVIRONMENT: dict[str, str] = {
+    "TRITON_INTERPRET": "1 runs Triton kernels on CPU tensors in the interpreter",
+    "SMELT_CPU_GENERIC": "1: the CPU MoE forward uses the packed-panel kernels, never the "
+    "AVX-512 rows kernel",
+    "SMELT_CPU_DECODE": "0: the CPU MoE forward never takes the few-rows (decode) path",
+    "SMELT_ATTENTION_ISA": "avx2, avx2-wide or generic: the CPU attention kernel's vector form "
+    "(read once, when the extension loads)",
+    "SMELT_ROUTE_ISA": "avx2 or generic: the CPU router's top-k form",
+    "SMELT_CPU_POOL_MB": "what the CPU kernels' block pool keeps unused, in MB (default 1024; "
+    "0 turns it off)",
+    "SMELT_POISON": "1 fills every kernel output with NaN before the kernel writes it (tests)",
+    "SMELT_HF_STRICT": "1: the transformers experts integration raises instead of falling back",
+    "SMELT_TRAIN_CRASH": "step:N or checkpoint:N kills the trainer there (fault injection, tests)",
+}
+
+
+def env(name: str) -> Optional[str]:
+    """The value of environment variable ``name`` (one of :data:`ENVIRONMENT`), or None."""
+    if name not in ENVIRONMENT:
+        raise KeyError(
+            f"{name} is not one of smelt's environment variables ({', '.join(ENVIRONMENT)})"
+        )
+    return os.environ.get(name)
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """Whether ``name`` is set to something other than empty, "0", "false" or "no"."""
+    value = env(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def triton_interpret() -> bool:
+    return env_flag("TRITON_INTERPRET")
+
+
+# ----------------------------------------------------------------------------- extensions
+_EXT_CACHE: dict[str, object] = {}
+_EXT_ERRORS: dict[str, str] = {}
+
+
+def extension(name: str):
+    """The native extension ``smelt_kernels.<name>`` (``"_cpu"`` or ``"_cuda"``), or None."""
+    if name in _EXT_CACHE:
+        return _EXT_CACHE[name]
+    try:
+        mod = importlib.import_module(f"smelt_kernels.{name}")
+    except Exception as e:  # ImportError, or an undefined symbol from a stale build
+        mod = None
+        _EXT_ERRORS[name] = (
+            f"smelt_kernels.{name} is not built or failed to load ({type(e).__name__}: {e}); "
+            "reinstall with `pip install --no-build-isolation -e .` on a machine that can build it"
+        )
+    _EXT_CACHE[name] = mod
+    return mod
+
+
+def extension_error(name: str) -> Optional[str]:
+    """Why :func:`extension` returned None, or None if it loaded."""
+    extension(name)
+    return _EXT_ERRORS.get(name)
+
+
+def _library(ext: str) -> str:
+    for fam in _FAMILIES.values():
+        if fam.extension == ext:
+            return fam.library
+    raise ValueError(f"no backend family builds the extension {ext!r}")
+
+
+def extension_op_missing(name: str, op: str, source: str) -> Optional[str]:
+    """None if extension ``name`` loaded and registered ``torch.ops.<lib>.<op>``, else why not.
+    ``source`` names the file that defines the op (for the message)."""
+    if extension(name) is None:
+        return extension_error(name)
+    lib = _library(name)
+    if not hasattr(getattr(torch.ops, lib), op):
+        return f"smelt_kernels.{name} was built without {source} (no {lib}.{op})"
+    return None
+
+
+def register_native_fake(name: str, op: str, fake) -> bool:
+    """Register ``fake`` as the fake (meta) kernel of native op ``torch.ops.<lib>.<op>`` of
+    extension ``name`` when it is built, so that ``torch.compile`` can trace a direct call
+    to it (what the no-autograd entry points make). True if registered."""
+    if extension_op_missing(name, op, "") is not None:
+        return False
+    torch.library.register_fake(f"{_library(name)}::{op}", fake)
+    return True
+
+
+# ----------------------------------------------------------------------------- families
+def _device(device) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A backend family: ``devices`` it can run on (None: any), the native ``extension`` it
+    builds (with its ``torch.ops`` ``library``) and whether every implementation needs it
+    (``needs_extension``), and ``check(device)`` for anything else (None or the reason)."""
+
+    name: str
+    doc: str
+    devices: Optional[tuple[str, ...]] = None
+    extension: Optional[str] = None
+    library: Optional[str] = None
+    needs_extension: bool = False
+    check: Optional[Callable[[torch.device], Optional[str]]] = None
+
+    def unavailable(self, device) -> Optional[str]:
+        dev = _device(device)
+        if self.devices is not None and dev.type not in self.devices:
+            kind = "/".join(self.devices)
+            return f"the {self.name!r} backend runs on {kind} tensors, got device {dev}"
+        if self.needs_extension and extension(self.extension) is None:
+            return extension_error(self.extension)
+        return None if self.check is None else self.check(dev)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add a backend family (a new kind of kernel: its implementations then register under
+    its name). Registering a name twice is an error."""
+    if family.name in _FAMILIES or family.name == "auto":
+        raise ValueError(f"register_family: {family.name!r} is already a backend name")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> tuple[Family, ...]:
+    return tuple(_FAMILIES.values())
+
+
+def choices() -> tuple[str, ...]:
+    """What a ``--backend`` option takes: ``"auto"`` and every family."""
+    return ("auto",) + tuple(_FAMILIES)
+
+
+_TRITON_ERROR: list[Optional[str]] = []
+
+
+def _triton_import_error() -> Optional[str]:
+    if not _TRITON_ERROR:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401  (the interpreter and compiler live there)
+
+            _TRITON_ERROR.append(None)
+        except Exception as e:
+            _TRITON_ERROR.append(f"triton is not importable ({type(e).__name__}: {e})")
+    return _TRITON_ERROR[0]
+
+
+def _triton_check(dev: torch.device) -> Optional[str]:
+    reason = _triton_import_error()
+    if reason is None and dev.type == "cpu" and not triton_interpret():
+        return "Triton on CPU tensors needs TRITON_INTERPRET=1 (the interpreter)"
+    return reason
+
+
+register_family(Family("torch", "the pure-torch reference of every op (any device)"))
+register_family(
+    Family(
+        "cpu",
+        "native C++ kernels (smelt_kernels._cpu) and ATen fast paths",
+        devices=("cpu",),
+        extension="_cpu",
+        library="smelt_cpu",
+    )
+)
+register_family(
+    Family(
+        "triton",
+        "Triton kernels (CUDA; CPU under TRITON_INTERPRET=1)",
+        devices=("cpu", "cuda"),
+        check=_triton_check,
+    )
+)
+register_family(
+    Family(
+        "cuda",
+        "hand-written CUDA kernels (smelt_kernels._cuda)",
+        devices=("cuda",),
+        extension="_cuda",
+        library="smelt_cuda",
+        needs_extension=True,
+    )
+)
+
+#: the shipped backend families (:func:`choices` adds ``"auto"`` and any registered later)
+BACKENDS = tuple(_FAMILIES)
+
+
+def unavailable_reason(backend: str, device) -> Optional[str]:
+    """None if the backend family ``backend`` can run on ``device`` at all; otherwise why
+    not (what an op's implementation needs beyond it is its ``requires`` check)."""
+    if backend not in _FAMILIES:
+        return f"unknown backend {backend!r}; choose one of {tuple(_FAMILIES)} or None"
+    return _FAMILIES[backend].unavailable(device)
+
+
+def lazy(module: str, attr: str) -> Callable[..., Any]:
+    """A callable that imports ``module`` on first use and calls its ``attr``: lets an op
+    register a Triton implementation without importing Triton."""
+    target: list[Callable[..., Any]] = []
+
+    def call(*args, **kwargs):
+        if not target:
+            target.append(getattr(importlib.import_module(module), attr))
+        return target[0](*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"{module}.{attr}"
+    return call
+
+
+# Probe the optional pieces once, at import, so that backend selection inside a
+# torch.compile'd region is a plain lookup (dynamo does not trace imports).
+for _name in ("_cpu", "_cuda"):
+    extension(_name)
+_triton_import_error()
