@@ -336,8 +336,8 @@ def target_rows(args) -> list[dict]:
             fns[(shape, "fwd")] = lambda q=q, k=k, v=v, s=start, c=scale: (
                 attention_cpu.native_forward(q, k, v, s, c, False)
             )
-            args = (do, q, k, v, o, lse, start, end, scale)
-            fns[(shape, "bwd")] = lambda args=args: attention_cpu.native_backward(*args)
+            saved = (do, q, k, v, o, lse, start, end, scale)
+            fns[(shape, "bwd")] = lambda saved=saved: attention_cpu.native_backward(*saved)
             flops[(shape, "fwd")] = useful_flops(docs, n_q, d_h)
             flops[(shape, "bwd")] = 2.5 * flops[(shape, "fwd")]
         t = measure_interleaved(fns, warmup=args.warmup, repeats=args.repeats)
