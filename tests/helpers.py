@@ -1,5 +1,5 @@
-"""Helpers shared by the kernel tests: the Triton device, the fp64 oracle and the one
-tolerance rule.
+"""Helpers shared by the tests: the Triton device, the fp64 oracle, the one tolerance rule
+and the model tests' micro config.
 
 The rule (flash-attn's): a kernel's error against the float64 oracle may be at most twice
 the error plain PyTorch makes on the same inputs in the same low precision, plus a tiny
@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from smelt_kernels import backends
+from smelt_model.config import LoopSpec, ModelConfig
 
-#: the floor of the tolerance rule, relative to max(1, max |oracle|): FLOOR_ULPS units of
-#: the compute dtype's epsilon, at least FLOOR_MIN
 #: Python source that makes both native extensions unloadable: the prelude of a subprocess
 #: that checks what a pure-Python install does
 BLOCK_NATIVE = (
@@ -30,8 +29,32 @@ BLOCK_NATIVE = (
     "            raise ImportError('blocked for the test')\n"
     "sys.meta_path.insert(0, Block())\n"
 )
+
+#: the floor of the tolerance rule, relative to max(1, max |oracle|): FLOOR_ULPS units of
+#: the compute dtype's epsilon, at least FLOOR_MIN
 FLOOR_ULPS = 2
 FLOOR_MIN = 1e-5
+
+
+def micro_config(loop=LoopSpec(1, 2, 2), **overrides):
+    """The model tests' micro config: 4 layers of hidden 48 (4 heads, 2 KV heads of 16), 8
+    experts of 24 with top-2, vocabulary 97, the middle two layers looped twice unless
+    ``loop`` says otherwise (None: the unlooped baseline); ``overrides`` replace any other
+    field."""
+    fields = dict(
+        vocab_size=97,
+        hidden_size=48,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_experts=8,
+        expert_size=24,
+        top_k=2,
+        loop=loop,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
 
 
 def triton_device() -> torch.device:

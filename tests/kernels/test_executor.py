@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import micro_config
 
 from smelt_kernels.executor import (
     CapturedCall,
@@ -18,18 +19,7 @@ from smelt_model.model import SmeltLM
 
 
 def micro(loop=LoopSpec(1, 2, 2)):
-    return ModelConfig(
-        vocab_size=97,
-        hidden_size=48,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        n_experts=8,
-        expert_size=24,
-        top_k=2,
-        loop=loop,
-    )
+    return micro_config(loop)
 
 
 def test_plan_for_the_paper_loop():

@@ -5,27 +5,17 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import micro_config
 from safetensors.torch import save_file
 
 from smelt_kernels import reference as R
 from smelt_model import analysis, capture
-from smelt_model.config import LoopSpec, ModelConfig
+from smelt_model.config import LoopSpec
 from smelt_model.model import SmeltLM
 
 
 def micro(loop=LoopSpec(1, 2, 2)):
-    return ModelConfig(
-        vocab_size=97,
-        hidden_size=48,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        n_experts=8,
-        expert_size=24,
-        top_k=2,
-        loop=loop,
-    )
+    return micro_config(loop)
 
 
 def test_expert_overlap_identical_and_disjoint():

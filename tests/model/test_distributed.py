@@ -8,27 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import micro_config
 
-from smelt_model.config import LoopSpec, ModelConfig
 from smelt_model.model import SmeltLM
 
 WORLD = 2
 
 
 def _cfg():
-    return ModelConfig(
-        vocab_size=97,
-        hidden_size=48,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        n_experts=8,
-        expert_size=24,
-        top_k=2,
-        loop=LoopSpec(1, 2, 2),
-        aux_loss_weight=0.0,
-    )
+    return micro_config(aux_loss_weight=0.0)
 
 
 def _batch():

@@ -4,9 +4,9 @@ import warnings
 
 import pytest
 import torch
+from helpers import micro_config
 
 from smelt_model import budget, presets
-from smelt_model.config import LoopSpec, ModelConfig
 from smelt_model.generation import DecodeStep, KVCache, generate
 from smelt_model.model import SmeltLM
 
@@ -27,18 +27,7 @@ def test_cached_greedy_equals_full_recompute(name):
 
 def test_decode_logits_match_full_forward():
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=97,
-        hidden_size=48,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        n_experts=8,
-        expert_size=24,
-        top_k=2,
-        loop=LoopSpec(1, 2, 2),
-    )
+    cfg = micro_config()
     model = SmeltLM(cfg, backend="torch").double().eval()
     ids = torch.randint(0, 97, (2, 10))
     full = model(ids).logits
@@ -130,18 +119,7 @@ def test_compiled_decode_equals_eager_and_recompute(cheap_compiler):
 
 
 def test_decode_step_logits_match_the_model(cheap_compiler):
-    cfg = ModelConfig(
-        vocab_size=97,
-        hidden_size=48,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        n_experts=8,
-        expert_size=24,
-        top_k=2,
-        loop=LoopSpec(1, 2, 2),
-    )
+    cfg = micro_config()
     model = SmeltLM(cfg).eval()  # the default kernels: the ones a user's decode runs
     ids = torch.randint(0, 97, (2, 9))
     with torch.no_grad():

@@ -5,29 +5,17 @@ import math
 
 import pytest
 import torch
+from helpers import micro_config
 
 from smelt_kernels import reference as R
 from smelt_model import budget, presets
-from smelt_model.config import LoopSpec, ModelConfig
+from smelt_model.config import LoopSpec
 from smelt_model.layers import Rotary
 from smelt_model.model import SmeltLM
 
 
 def micro(loop=LoopSpec(1, 2, 2), **kw):
-    base = dict(
-        vocab_size=97,
-        hidden_size=48,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        n_experts=8,
-        expert_size=24,
-        top_k=2,
-        loop=loop,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
+    return micro_config(loop, **kw)
 
 
 def packed_batch(B=2, T=24, V=97, cuts=(7, 15)):

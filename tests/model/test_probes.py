@@ -2,27 +2,16 @@
 
 import pytest
 import torch
+from helpers import micro_config
 
 from smelt_kernels import reference as R
 from smelt_model import capture
-from smelt_model.config import LoopSpec, ModelConfig
 from smelt_model.model import SmeltLM
 from smelt_model.probes import PROBES
 
 
 def micro():
-    return ModelConfig(
-        vocab_size=97,
-        hidden_size=48,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        n_experts=8,
-        expert_size=24,
-        top_k=2,
-        loop=LoopSpec(1, 2, 2),
-    )
+    return micro_config()
 
 
 def test_records_every_executed_layer_and_visit():
