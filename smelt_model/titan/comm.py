@@ -218,22 +218,21 @@ class CountingAllToAllTokenDispatcher(AllToAllTokenDispatcher):
 
     def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
         out = super()._dispatch_token_exchange(routed_input_ND, pg, output_splits, input_splits)
-        if not RECORDER.enabled:
-            return out
-        row = routed_input_ND.shape[-1] * routed_input_ND.element_size()
-        RECORDER.add("dispatch", "forward", input_splits, row, self._call)
-        if out.requires_grad:
-            out = _CountBackward.apply(out, "dispatch", list(output_splits), self._call)
-        return out
+        return self._count("dispatch", routed_input_ND, out, input_splits, output_splits)
 
     def _combine_token_exchange(self, routed_output_RD, pg, input_splits, output_splits):
         out = super()._combine_token_exchange(routed_output_RD, pg, input_splits, output_splits)
+        return self._count("combine", routed_output_RD, out, output_splits, input_splits)
+
+    def _count(self, kind, sent, out, sent_splits, received_splits):
+        """Record one exchange's forward bytes (``sent_splits`` rows of ``sent``'s width) and,
+        through ``out``'s gradient, its backward (the rows received, sent back)."""
         if not RECORDER.enabled:
             return out
-        row = routed_output_RD.shape[-1] * routed_output_RD.element_size()
-        RECORDER.add("combine", "forward", output_splits, row, self._call)
+        row = sent.shape[-1] * sent.element_size()
+        RECORDER.add(kind, "forward", sent_splits, row, self._call)
         if out.requires_grad:
-            out = _CountBackward.apply(out, "combine", list(input_splits), self._call)
+            out = _CountBackward.apply(out, kind, list(received_splits), self._call)
         return out
 
 
