@@ -47,15 +47,13 @@ import torch
 import torch.nn.functional as F
 
 from smelt_kernels import backends, moe_gemm
+from smelt_kernels.cli import Parser, UsageError, run_cli
 from smelt_kernels.timing import (
-    Parser,
     Timing,
-    UsageError,
     check_device,
     environment,
     markdown_table,
     measure,
-    run_cli,
     tflops,
     write_results,
 )

@@ -10,27 +10,27 @@
   (:func:`cpu_name`: the processor's model name).
 * :func:`write_results` writes ``<name>.json`` (every number plus the environment) and
   ``<name>.md`` (a Markdown table) under an output folder.
-* :class:`Parser` and :func:`run_cli`: a benchmark's bad option or unusable setting is one
-  line on stderr and exit status 2, never a usage block or a traceback.
+* :func:`check_device`: a benchmark's ``--device`` as a device it can run on, or a
+  :class:`~smelt_kernels.cli.UsageError` naming the option.
 
 This module needs only torch; it imports nothing from the model layer.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+from .cli import UsageError
 
 __all__ = [
     "Timing",
@@ -46,9 +46,6 @@ __all__ = [
     "write_results",
     "markdown_table",
     "tflops",
-    "UsageError",
-    "Parser",
-    "run_cli",
     "check_device",
 ]
 
@@ -380,18 +377,6 @@ def write_results(
 
 
 # ----------------------------------------------------------------------------- command line
-class UsageError(ValueError):
-    """A bad option or a setting the benchmark cannot run: one line on stderr, exit 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors raise :class:`UsageError` (one line, no usage
-    block) instead of printing and exiting."""
-
-    def error(self, message):
-        raise UsageError(message)
-
-
 def check_device(name: str, option: str = "--device") -> torch.device:
     """``name`` as a device a benchmark can run on: ``cpu``, or ``cuda[:N]`` where CUDA is
     available (a :class:`UsageError` naming ``option`` otherwise)."""
@@ -404,18 +389,3 @@ def check_device(name: str, option: str = "--device") -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"{option} {name}, but no CUDA device is available")
     return dev
-
-
-def run_cli(
-    prog: str,
-    main: Callable[[Optional[Sequence[str]]], Optional[int]],
-    argv: Optional[Sequence[str]] = None,
-) -> int:
-    """Run ``main(argv)``; a :class:`UsageError` becomes ``"<prog>: error: <message>"`` on
-    stderr and exit status 2. Returns the exit status (``main``'s, 0 when it returns None)."""
-    try:
-        rc = main(argv)
-    except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    return 0 if rc is None else int(rc)

@@ -33,13 +33,14 @@ Bad input gives one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+
+from smelt_kernels.cli import ExitParser
 
 from .probes import capture
 
@@ -396,16 +397,10 @@ def _load_model(path: Path, backend: str):
         raise ValueError(f"{path}: {_first_line(e)}") from None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from smelt_kernels import backends
 
-    ap = _Parser(
+    ap = ExitParser(
         prog="python -m smelt_model.analysis",
         description="Mechanism probes for a SMELT (and baseline) checkpoint.",
     )

@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 import torch
 
 from smelt_kernels import backends
+from smelt_kernels.cli import Parser, UsageError
 from smelt_kernels.executor import RECOMPUTE_POLICIES
-from smelt_kernels.timing import Parser, UsageError, environment
+from smelt_kernels.timing import environment
 from smelt_model import presets
 
 from . import driver, report
@@ -119,7 +120,7 @@ def _parser() -> Parser:
 
 def parse_args(argv: Optional[Sequence[str]] = None):
     """The options with the device's defaults filled in, every one checked (a
-    :class:`~smelt_kernels.timing.UsageError` naming the first bad one)."""
+    :class:`~smelt_kernels.cli.UsageError` naming the first bad one)."""
     args = _parser().parse_args(argv)
     cuda = args.device == "cuda"
     defaults = dict(

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from smelt_kernels.timing import UsageError
+from smelt_kernels.cli import UsageError
 from smelt_model import memory
 from smelt_model.config import ModelConfig
 

@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from ..timing import Parser, UsageError, environment, measure_interleaved
+from ..cli import Parser, UsageError
+from ..timing import environment, measure_interleaved
 
 CONFIGS = (("eager", "sdpa"), ("grouped_mm", "sdpa"), ("smelt", "sdpa"), ("smelt", "smelt"))
 BASELINE = ("grouped_mm", "sdpa")

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from ..cli import Parser, UsageError
 from .results import FAIL, Result, failed, format_failures, format_table, summary, to_json
 
 __all__ = ["main"]
@@ -30,21 +31,12 @@ PROG = "python -m smelt_kernels.selftest"
 _INTERRUPTED = 130  # a worker's exit status after Ctrl-C
 
 
-class _BadOption(Exception):
-    pass
-
-
 class _Stopped(Exception):
     """SIGTERM arrived (a time limit): finish with the rows that ran."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit status 2, not usage and a traceback
-        raise _BadOption(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog=PROG,
         description="Every smelt kernel that can run on the device against "
         "its float64 reference, forward and backward, per dtype. Exit status 0: all "
@@ -299,7 +291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
-    except _BadOption as e:
+    except UsageError as e:
         return _bad(str(e))
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         return _bad(f"--json: the folder of {args.json!r} does not exist")

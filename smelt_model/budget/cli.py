@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from smelt_kernels.cli import Parser
+
 from ..config import ModelConfig
 from .cluster import TOKENS_PER_GPU, parse_cluster, project, project_pair
 from .comm import Comm, comm, ratios
@@ -174,17 +176,8 @@ def _positive(text: str) -> int:
     return v
 
 
-class _ArgumentError(ValueError):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # main() prints it as one line, never a usage dump
-        raise _ArgumentError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(
+    ap = Parser(
         prog="python -m smelt_model.budget",
         description="Print the FLOPs / params / KV ledger and the communication ledger of a "
         "matched pair, project its step time on a cluster, or match a baseline.",
@@ -332,7 +325,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except MatchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (OSError, TypeError, ValueError) as e:  # _ArgumentError is a ValueError
+    except (OSError, TypeError, ValueError) as e:  # a UsageError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(text)

@@ -10,11 +10,12 @@ or ``cell`` (grouping for the bootstrap) and ``score`` (a downstream metric).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional, Sequence
 
 import numpy as np
+
+from smelt_kernels.cli import ExitParser
 
 from .endpoints import (
     BootstrapResult,
@@ -290,14 +291,8 @@ def plot_frontiers(
 # ----------------------------------------------------------------------------- command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = _Parser(
+    ap = ExitParser(
         prog="python -m smelt_model.scaling",
         description="Fit loss surfaces per architecture; print coefficients, frontier "
         "exponents, CE Gain and TPP tables (with bootstrap intervals).",

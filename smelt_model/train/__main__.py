@@ -21,13 +21,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from smelt_kernels.cli import ExitParser
+
 __all__ = ["main", "build_parser"]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def default_every(steps: int) -> int:
@@ -41,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     from smelt_kernels import backends
     from smelt_kernels.executor import RECOMPUTE_POLICIES
 
-    ap = _Parser(
+    ap = ExitParser(
         prog="python -m smelt_model.train",
         description="Train baseline / SMELT models on packed documents.",
     )

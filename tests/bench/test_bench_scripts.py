@@ -17,6 +17,7 @@ from lvb import cli
 
 from smelt_kernels import timing
 from smelt_kernels.backends import BACKENDS
+from smelt_kernels.cli import run_cli
 from smelt_kernels.executor import RECOMPUTE_POLICIES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def nothing_runs(monkeypatch):
 
 
 def _one_line(prog, main, argv, capsys):
-    rc = timing.run_cli(prog, main, argv)
+    rc = run_cli(prog, main, argv)
     err = capsys.readouterr().err.strip()
     assert rc == 2, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err and "usage:" not in err, err
