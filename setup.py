@@ -64,10 +64,14 @@ def native_extensions():
         from torch.utils import cpp_extension
     except ImportError:
         if native:
-            sys.exit("SMELT_BUILD_NATIVE=1 but torch is not importable at build time "
-                     "(install torch first and use `pip install --no-build-isolation -e .`)")
-        _note("torch not importable at build time: pure-Python install "
-              "(use --no-build-isolation to build the native extensions)")
+            sys.exit(
+                "SMELT_BUILD_NATIVE=1 but torch is not importable at build time "
+                "(install torch first and use `pip install --no-build-isolation -e .`)"
+            )
+        _note(
+            "torch not importable at build time: pure-Python install "
+            "(use --no-build-isolation to build the native extensions)"
+        )
         return [], {}
 
     exts = []
@@ -106,16 +110,23 @@ def native_extensions():
         _note("SMELT_BUILD_CUDA=0: skipping the CUDA extension")
     elif cuda_sources and has_cuda_torch and has_nvcc:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
-        _note(f"building the CUDA extension for TORCH_CUDA_ARCH_LIST="
-              f"{os.environ['TORCH_CUDA_ARCH_LIST']}")
+        _note(
+            f"building the CUDA extension for TORCH_CUDA_ARCH_LIST="
+            f"{os.environ['TORCH_CUDA_ARCH_LIST']}"
+        )
         exts.append(
             cpp_extension.CUDAExtension(
                 "smelt_kernels._cuda",
                 cuda_sources,
                 extra_compile_args={
                     "cxx": cxx_flags,
-                    "nvcc": ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo",
-                             "--expt-relaxed-constexpr"],
+                    "nvcc": [
+                        "-O3",
+                        "-std=c++20",
+                        "--use_fast_math",
+                        "-lineinfo",
+                        "--expt-relaxed-constexpr",
+                    ],
                 },
             )
         )
@@ -131,7 +142,9 @@ def native_extensions():
 
     if not exts:
         return [], {}
-    return exts, {"build_ext": _with_progress(cpp_extension.BuildExtension.with_options(use_ninja=True))}
+    return exts, {
+        "build_ext": _with_progress(cpp_extension.BuildExtension.with_options(use_ninja=True))
+    }
 
 
 def _with_progress(build_ext):
@@ -142,8 +155,10 @@ def _with_progress(build_ext):
     class BuildWithProgress(build_ext):
         def build_extension(self, ext):
             n = len(ext.sources)
-            _note(f"compiling {ext.name} ({n} source files; ninja lists each as "
-                  "[done/to-do elapsed-seconds] when it finishes; several minutes on 2 cores)")
+            _note(
+                f"compiling {ext.name} ({n} source files; ninja lists each as "
+                "[done/to-do elapsed-seconds] when it finishes; several minutes on 2 cores)"
+            )
             start = time.time()
             super().build_extension(ext)
             _note(f"built {ext.name} in {time.time() - start:.0f} s")
@@ -157,15 +172,17 @@ setup(
     name="smelt",
     version="0.1.0",
     description="Kernels, a looped-block executor and a thin model layer for SMELT looped MoE "
-                "transformers, with wall-clock against FLOPs benchmarks",
+    "transformers, with wall-clock against FLOPs benchmarks",
     long_description=open(os.path.join(ROOT, "README.md")).read()
-    if os.path.exists(os.path.join(ROOT, "README.md")) else "",
+    if os.path.exists(os.path.join(ROOT, "README.md"))
+    else "",
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     license_files=["LICENSE"],
     python_requires=">=3.10",
-    packages=find_packages(include=["smelt_kernels", "smelt_kernels.*",
-                                    "smelt_model", "smelt_model.*"]),
+    packages=find_packages(
+        include=["smelt_kernels", "smelt_kernels.*", "smelt_model", "smelt_model.*"]
+    ),
     install_requires=[
         "torch>=2.5",
         "triton>=3.6; platform_system == 'Linux'",
