@@ -60,6 +60,13 @@ def _tile_pid(pid, n_tiles, n_cols, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(TILE_R0, TILE_R1, t, BM: tl.constexpr):
+    # the sorted rows of tile t (a tile never spans two experts) and which of them exist
+    rows = tl.load(TILE_R0 + t) + tl.arange(0, BM)
+    return rows, rows < tl.load(TILE_R1 + t)
+
+
+@triton.jit
 def _up_kernel(X, W1, TOK, TILE_E, TILE_R0, TILE_R1, PRE, HID,
                n_tiles, H, DE, s_x, s_we, s_wn,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
@@ -68,10 +75,7 @@ def _up_kernel(X, W1, TOK, TILE_E, TILE_R0, TILE_R1, PRE, HID,
     e = tl.load(TILE_E + t)
     if e < 0:
         return
-    r0 = tl.load(TILE_R0 + t)
-    r1 = tl.load(TILE_R1 + t)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
+    rows, rmask = _tile_rows(TILE_R0, TILE_R1, t, BM)
     tok = tl.load(TOK + rows, mask=rmask, other=0).to(tl.int64)
     cols = nb * BN + tl.arange(0, BN)
     cmask = cols < DE
@@ -113,10 +117,7 @@ def _rows_kernel(A, B, C, IDX, TILE_E, TILE_R0, TILE_R1,
     e = tl.load(TILE_E + t)
     if e < 0:
         return
-    r0 = tl.load(TILE_R0 + t)
-    r1 = tl.load(TILE_R1 + t)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
+    rows, rmask = _tile_rows(TILE_R0, TILE_R1, t, BM)
     cols = nb * BN + tl.arange(0, BN)
     cmask = cols < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -172,10 +173,7 @@ def _dh_kernel(DY, W2, PRE, TW, ORDER, TOK, TILE_E, TILE_R0, TILE_R1, DP, HW, DT
     e = tl.load(TILE_E + t)
     if e < 0:
         return
-    r0 = tl.load(TILE_R0 + t)
-    r1 = tl.load(TILE_R1 + t)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
+    rows, rmask = _tile_rows(TILE_R0, TILE_R1, t, BM)
     tok = tl.load(TOK + rows, mask=rmask, other=0).to(tl.int64)
     cols = nb * BN + tl.arange(0, BN)
     cmask = cols < DE
