@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run on a GPU machine (written for one H200): build the CUDA extension, run the
-# self-test, the GPU tests, the kernel benchmarks, the peers (bench/bench_peers.py) and the
-# main job, and write every result into one folder.
+# self-test, the GPU tests, the kernel benchmarks, the peers (bench/bench_peers.py), the
+# main job and a short run of SMELT tiny on torchtitan, and write every result into one folder.
 #
 #   bash bench/gpu_check.sh OUT_DIR          # under 8 minutes: the stage limits sum to 480 s
 #                                            (the GPU tests get 40 s: the self-test checks the kernels)
@@ -20,7 +20,9 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.X --dest wheels <package>
 # (or build the wheel there), put them in ./wheels at the repository root and carry that
 # folder with the run; this script installs them offline (pip --no-index --find-links wheels).
-# Without ./wheels those peers are listed as not importable. Each stage has its own time limit
+# Without ./wheels those peers are listed as not importable. torchtitan (extra `titan`) travels
+# the same way, with the dependencies it names that the image lacks; without it the torchtitan
+# stage is skipped and summary.md says so. Each stage has its own time limit
 # and a failed stage does not stop the others; OUT_DIR/summary.md says what ran, how long it
 # took and how it ended. Logs are merged into one file; nothing is written more than
 # two folders down (summary, log, and each benchmark's JSON and Markdown).
@@ -49,7 +51,7 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...
   return 0
 }
 
-stage environment 20 bash -c 'nvidia-smi; $0 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"; nvcc --version' "$PY"
+stage environment 10 bash -c 'nvidia-smi; $0 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"; nvcc --version' "$PY"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-16}
 if compgen -G "wheels/*.whl" >/dev/null; then
@@ -69,9 +71,18 @@ stage gpu_tests 40 "$PY" -m pytest tests -q -rfE -k "cuda or gpu or capture or t
 stage bench_moe_gemm 40 "$PY" bench/bench_moe_gemm.py --device cuda --dtypes bfloat16 --out "$OUT"
 stage bench_attention 40 "$PY" bench/bench_attention.py --device cuda --out "$OUT"
 # the peers a user would pick instead, timed on the same GPU in the same run
-stage bench_peers 80 "$PY" bench/bench_peers.py --out "$OUT"
+stage bench_peers 60 "$PY" bench/bench_peers.py --out "$OUT"
 stage looped_vs_baseline 40 "$PY" bench/looped_vs_baseline.py --preset 200M-S95 --device cuda \
   --tokens 32768 --quiet --json "$OUT/looped_vs_baseline_cuda.json"
+# SMELT tiny through torchtitan's trainer on one GPU: smelt's kernels inside its loop (a few
+# steps; the loss and throughput lines are in the log)
+if "$PY" -c "import torchtitan" 2>/dev/null; then
+  stage titan_smelt_tiny 30 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
+    -m smelt_model.titan --config tiny-smelt --training.steps 6 --training.seq_len 256 \
+    --training.local_batch_size 4 --dump_folder "$(mktemp -d)"
+else
+  echo "| titan_smelt_tiny | 0 | skipped: torchtitan is not importable (carry it in ./wheels) |" >>"$SUMMARY"
+fi
 echo >>"$SUMMARY"
 echo "Full output: log.txt. Tables: *.md; every number: *.json." >>"$SUMMARY"
 ls -la "$OUT" >>"$LOG"
