@@ -15,6 +15,7 @@ extends a finished run.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -322,15 +323,24 @@ def run(args) -> int:
             merge_endpoints([d / "endpoints.csv" for d in dirs.values()], out / "endpoints.csv")
         if args.plot:
             plot_mod.plot_runs(list(dirs.values()), args.plot)
-        for t in trainers:
-            last = f"{t.last_val:.4f}" if t.last_val is not None else "n/a"
-            print(
-                f"{t.spec.arch}: {t.step_count} steps, {t.tokens} tokens, {t.flops:.3e} "
-                f"FLOPs, {t.seconds:.1f} s, val loss {last} -> {t.out}"
-            )
+        print("\n".join(_summary_line(t) for t in trainers))
     if dist.is_initialized():
+        # an orderly teardown: every rank past its last file write, and the sharded models
+        # (which hold the process group) released while the interpreter is fully alive, so
+        # no rank's communication threads are torn down at interpreter exit
+        dist.barrier()
+        trainers.clear()
+        gc.collect()
         dist.destroy_process_group()
     return 0
+
+
+def _summary_line(t) -> str:
+    last = f"{t.last_val:.4f}" if t.last_val is not None else "n/a"
+    return (
+        f"{t.spec.arch}: {t.step_count} steps, {t.tokens} tokens, {t.flops:.3e} "
+        f"FLOPs, {t.seconds:.1f} s, val loss {last} -> {t.out}"
+    )
 
 
 def build_trainers(args, dirs: dict, device: str, rank: int = 0):
