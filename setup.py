@@ -181,7 +181,14 @@ setup(
     license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(
-        include=["smelt_kernels", "smelt_kernels.*", "smelt_model", "smelt_model.*"]
+        include=[
+            "smelt_kernels",
+            "smelt_kernels.*",
+            "smelt_tools",
+            "smelt_tools.*",
+            "smelt_model",
+            "smelt_model.*",
+        ]
     ),
     install_requires=[
         "torch>=2.5",

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from smelt_kernels import backends
 from smelt_kernels.attention import cpu as attention_cpu
 from smelt_kernels.attention import segment_attention, segment_bounds
-from smelt_kernels.cli import Parser, UsageError, run_cli
-from smelt_kernels.timing import (
+from smelt_tools.cli import Parser, UsageError, run_cli
+from smelt_tools.timing import (
     check_device,
     environment,
     markdown_table,

@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from smelt_kernels import backends, moe_gemm
-from smelt_kernels.cli import Parser, UsageError, run_cli
-from smelt_kernels.timing import (
+from smelt_tools.cli import Parser, UsageError, run_cli
+from smelt_tools.timing import (
     Timing,
     check_device,
     environment,

@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from smelt_kernels.cli import Parser, UsageError, run_cli
+from smelt_tools.cli import Parser, UsageError, run_cli
 
 
 def _moe_cases(T, dev):

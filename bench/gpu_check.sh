@@ -6,7 +6,7 @@
 #   bash bench/gpu_check.sh OUT_DIR          # under 8 minutes: the stage limits sum to 480 s
 #                                            (the GPU tests get 40 s: the self-test checks the kernels)
 #
-# The self-test runs first, right after the build: `python -m smelt_kernels.selftest --device
+# The self-test runs first, right after the build: `python -m smelt_tools.selftest --device
 # cuda --quick` (a few cases per op in float32 and bfloat16; --quick because every case shape
 # and dtype is a Triton compile on a fresh machine) under a 60 s limit. Its table goes to
 # OUT_DIR/selftest_cuda.txt (and the log), every row to selftest_cuda.json; stopped by the
@@ -60,7 +60,7 @@ else
   echo "| wheels | 0 | skipped: no ./wheels/*.whl |" >>"$SUMMARY"
 fi
 stage build 120 env SMELT_BUILD_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
-stage selftest 60 bash -c 'exec "$0" -m smelt_kernels.selftest --device cuda --quick \
+stage selftest 60 bash -c 'exec "$0" -m smelt_tools.selftest --device cuda --quick \
   --json "$1/selftest_cuda.json" >"$1/selftest_cuda.txt"' "$PY" "$OUT"
 cat "$OUT/selftest_cuda.txt" >>"$LOG" 2>/dev/null
 stage extension 20 "$PY" -c "from smelt_kernels import backends; print(backends.report('cuda')); assert backends.extension('_cuda') is not None, backends.extension_error('_cuda')"

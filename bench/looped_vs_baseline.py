@@ -25,7 +25,7 @@ How it measures, and why:
   need ~12 GB each to train); rebuilding costs seconds, not timed.
 * **Components add up to the step.** The step and its components (attention, MoE GEMMs,
   routing, norms, embedding + head + loss, the optimizer) are timed round-robin in one loop
-  at the step's shapes and thread count (:func:`smelt_kernels.timing.measure_parts`). Timed
+  at the step's shapes and thread count (:func:`smelt_tools.timing.measure_parts`). Timed
   at other moments, as separate measurements after the step, they met other load on a shared
   machine and summed to up to 3.6x the step. Where the components still exceed the step by
   more than ``--tolerance``, the measurement is repeated (``--max-tries``) and the row says so.

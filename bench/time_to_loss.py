@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from smelt_kernels.cli import Parser, UsageError, run_cli
-from smelt_kernels.timing import cpu_name
+from smelt_tools.cli import Parser, UsageError, run_cli
+from smelt_tools.timing import cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -38,26 +38,25 @@ from .checks import (
     require_tensor,
 )
 from .families import (
-    _EXT_CACHE,
-    _FAMILIES,
     BACKENDS,
     ENVIRONMENT,
     Family,
-    _device,
+    as_device,
     choices,
     env,
     env_flag,
     extension,
     extension_error,
     extension_op_missing,
+    extensions_state,
     families,
+    family,
     lazy,
     register_family,
     register_native_fake,
     triton_interpret,
     unavailable_reason,
 )
-from .families import _EXT_ERRORS as _EXT_ERRORS  # what a test or a user may patch
 
 __all__ = [
     "BACKENDS",
@@ -157,7 +156,7 @@ class Implementation:
 
     def unavailable(self, device) -> Optional[str]:
         """None if this implementation can run on ``device``, else why not."""
-        dev = _device(device)
+        dev = as_device(device)
         if self.devices is not None and dev.type not in self.devices:
             return (
                 f"{self.op}: backend {self.backend!r} runs on {'/'.join(self.devices)} "
@@ -259,8 +258,8 @@ def register(
     """Register ``backend``'s implementation of ``op`` (see :class:`Implementation`).
     Registering the same (op, backend) twice is an error unless ``replace=True`` (for
     experiments: a user's own kernel under an existing name)."""
-    if backend not in _FAMILIES:
-        raise ValueError(f"register: backend must be one of {tuple(_FAMILIES)}, got {backend!r}")
+    if family(backend) is None:
+        raise ValueError(f"register: backend must be one of {choices()[1:]}, got {backend!r}")
     if backward is not None and backward_via:
         raise ValueError("register: give backward or backward_via, not both")
     impls = _REGISTRY.setdefault(op, {})
@@ -294,8 +293,8 @@ def register(
 def put(impl: Implementation) -> Implementation:
     """Register an :class:`Implementation` object as it is, replacing its op's entry for its
     backend (e.g. to put back the one a ``register(..., replace=True)`` replaced)."""
-    if impl.backend not in _FAMILIES:
-        raise ValueError(f"put: backend must be one of {tuple(_FAMILIES)}, got {impl.backend!r}")
+    if family(impl.backend) is None:
+        raise ValueError(f"put: backend must be one of {choices()[1:]}, got {impl.backend!r}")
     _REGISTRY.setdefault(impl.op, {})[impl.backend] = impl
     _CACHE.clear()
     return impl
@@ -355,12 +354,7 @@ def _auto(op, dev, dtype, features) -> tuple[Implementation, str]:
 def _state() -> tuple:
     # what availability depends on besides the registry: tests and users may load, replace
     # or drop an extension, or switch the Triton interpreter, in a running process
-    return (
-        os.environ.get("TRITON_INTERPRET"),
-        id(_EXT_CACHE.get("_cpu")),
-        id(_EXT_CACHE.get("_cuda")),
-        len(_EXT_CACHE),
-    )
+    return (os.environ.get("TRITON_INTERPRET"),) + extensions_state()
 
 
 def select(
@@ -389,13 +383,9 @@ def select(
             raise TypeError("select: give the op's inputs, or backend and device=, not both")
         if inputs:
             backend = inputs[0]
-        dev, inputs = _device(device), ()
-    if backend is not None and not (
-        isinstance(backend, str) and (backend in _FAMILIES or backend == "auto")
-    ):
-        raise ValueError(
-            f"backend must be one of {tuple(_FAMILIES)}, 'auto' or None; got {backend!r}"
-        )
+        dev, inputs = as_device(device), ()
+    if backend is not None and not (isinstance(backend, str) and (backend in choices())):
+        raise ValueError(f"backend must be one of {choices()[1:]}, 'auto' or None; got {backend!r}")
     why = None
     if backend is not None and backend != "auto":
         info = _OPS.get(op)

@@ -23,6 +23,9 @@ __all__ = [
     "env_flag",
     "triton_interpret",
     "extension",
+    "extensions_state",
+    "as_device",
+    "family",
     "extension_error",
     "extension_op_missing",
     "register_native_fake",
@@ -95,6 +98,13 @@ def extension(name: str):
     return mod
 
 
+def extensions_state() -> tuple:
+    """What the loaded extensions are right now (their identities): availability answers
+    cached by the registry hold while this stays the same (a test or a user may load,
+    replace or drop an extension in a running process)."""
+    return (id(_EXT_CACHE.get("_cpu")), id(_EXT_CACHE.get("_cuda")), len(_EXT_CACHE))
+
+
 def extension_error(name: str) -> Optional[str]:
     """Why :func:`extension` returned None, or None if it loaded."""
     extension(name)
@@ -130,7 +140,8 @@ def register_native_fake(name: str, op: str, fake) -> bool:
 
 
 # ----------------------------------------------------------------------------- families
-def _device(device) -> torch.device:
+def as_device(device) -> torch.device:
+    """``device`` (a ``torch.device`` or what ``torch.device`` takes) as a ``torch.device``."""
     return device if isinstance(device, torch.device) else torch.device(device)
 
 
@@ -149,7 +160,7 @@ class Family:
     check: Optional[Callable[[torch.device], Optional[str]]] = None
 
     def unavailable(self, device) -> Optional[str]:
-        dev = _device(device)
+        dev = as_device(device)
         if self.devices is not None and dev.type not in self.devices:
             kind = "/".join(self.devices)
             return f"the {self.name!r} backend runs on {kind} tensors, got device {dev}"
@@ -172,6 +183,11 @@ def register_family(family: Family) -> Family:
 
 def families() -> tuple[Family, ...]:
     return tuple(_FAMILIES.values())
+
+
+def family(name: str) -> Optional[Family]:
+    """The registered family ``name``, or None."""
+    return _FAMILIES.get(name)
 
 
 def choices() -> tuple[str, ...]:

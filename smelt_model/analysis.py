@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from smelt_kernels.cli import ExitParser
+from smelt_tools.cli import ExitParser
 
 from .probes import capture
 

@@ -15,8 +15,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from smelt_kernels.executor import Step
 from smelt_kernels.layers import MoE, RMSNorm, Rotary, SegmentAttention
+from smelt_model.executor import Step
 
 from .config import ModelConfig
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from smelt_kernels.plan import LoopPlan
+from smelt_model.plan import LoopPlan
 
 __all__ = ["LoopSpec", "ModelConfig", "middle_loop", "IGNORE_INDEX"]
 
@@ -166,7 +166,7 @@ class ModelConfig:
 
     @property
     def plan(self) -> LoopPlan:
-        """The execution schedule (:class:`smelt_kernels.executor.LoopPlan`)."""
+        """The execution schedule (:class:`smelt_model.executor.LoopPlan`)."""
         return LoopPlan(self.n_layers, self.loop)
 
     def execution_plan(self) -> tuple[tuple[int, int], ...]:

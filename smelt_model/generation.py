@@ -209,19 +209,10 @@ class DecodeStep:
     with ``compiler`` (what ``torch.compile`` takes as ``backend=``; default
     :data:`DEFAULT_COMPILER`); False runs eager. When compiling is unavailable or fails, the
     step runs eager, warns once, and keeps the reason in :attr:`reason`; :attr:`compiled`
-    says which one runs. ``backend=`` is the old name of ``compiler=``.
+    says which one runs.
     """
 
-    def __init__(self, model, compile: bool = True, compiler=None, *, backend=None):
-        if backend is not None:
-            if compiler is not None:
-                raise TypeError("DecodeStep: give compiler= (backend= is its old name), not both")
-            warnings.warn(
-                "DecodeStep(backend=) is now DecodeStep(compiler=)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            compiler = backend
+    def __init__(self, model, compile: bool = True, compiler=None):
         self.model = model
         self.compiler = DEFAULT_COMPILER if compiler is None else compiler
         self.reason: Optional[str] = None if compile else "compile=False"

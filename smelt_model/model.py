@@ -3,7 +3,7 @@
 ``SmeltLM(cfg)`` builds the baseline (``cfg.loop is None``) or the SMELT model (a loop):
 token embedding, pre-norm blocks (RMSNorm -> GQA attention with RoPE -> residual; RMSNorm ->
 top-k MoE -> residual), final RMSNorm and an untied LM head. The blocks are held as
-``prelude``, ``span`` (a :class:`smelt_kernels.executor.LoopedSpan` that runs its visits in
+``prelude``, ``span`` (a :class:`smelt_model.executor.LoopedSpan` that runs its visits in
 one call) and ``coda``; the executor runs them along the plan. Inside the span every sublayer
 update is scaled by 1/r on every visit.
 """
@@ -19,35 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from smelt_kernels import backends
-from smelt_kernels.executor import Executor, LoopedSpan, LoopPlan
+from smelt_model.executor import Executor, LoopedSpan, LoopPlan
 
 from .block import Block, ForwardContext, MoE, RMSNorm, Rotary, SegmentAttention, init_weights
 from .budget.ledger import layer_params
 from .config import IGNORE_INDEX, ModelConfig
 
 __all__ = ["SmeltLM", "SmeltOutput", "IGNORE_INDEX", "valid_targets"]
-
-#: parameter names of checkpoints written before the layers took Hugging Face's names,
-#: mapped to today's (what :meth:`SmeltLM.from_pretrained` reads)
-_OLD_NAMES = {
-    ".attn.wq.": ".attn.q_proj.",
-    ".attn.wk.": ".attn.k_proj.",
-    ".attn.wv.": ".attn.v_proj.",
-    ".attn.wo.": ".attn.o_proj.",
-    ".moe.w1": ".moe.gate_up_proj",
-    ".moe.w2": ".moe.down_proj",
-}
-
-
-def _renamed(state: dict) -> dict:
-    """``state`` with any old-style parameter names mapped to today's."""
-    out = {}
-    for key, value in state.items():
-        for old, new in _OLD_NAMES.items():
-            if old in key and (key.endswith(old) or old.endswith(".")):
-                key = key.replace(old, new)
-        out[key] = value
-    return out
 
 
 def valid_targets(labels: torch.Tensor, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -274,7 +252,23 @@ class SmeltLM(nn.Module):
                 raise FileNotFoundError(f"{src / f} not found (expected a save_pretrained folder)")
         cfg = ModelConfig.from_json(src / "config.json")
         model = cls(cfg, **kwargs)
-        model.load_state_dict(_renamed(load_file(str(src / "model.safetensors"))))
+        state = load_file(str(src / "model.safetensors"))
+        expected = model.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"{src / 'model.safetensors'} does not hold this config's parameters: "
+                f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}, "
+                f"unexpected {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}"
+            )
+        for name, t in state.items():
+            if t.shape != expected[name].shape:
+                raise ValueError(
+                    f"{src / 'model.safetensors'}: {name} has shape {tuple(t.shape)}, the "
+                    f"config's model has {tuple(expected[name].shape)}"
+                )
+        model.load_state_dict(state)
         if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
         return model

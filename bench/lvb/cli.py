@@ -14,10 +14,10 @@ from typing import Optional, Sequence
 import torch
 
 from smelt_kernels import backends
-from smelt_kernels.cli import Parser, UsageError
-from smelt_kernels.executor import RECOMPUTE_POLICIES
-from smelt_kernels.timing import environment
 from smelt_model import presets
+from smelt_model.executor import RECOMPUTE_POLICIES
+from smelt_tools.cli import Parser, UsageError
+from smelt_tools.timing import environment
 
 from . import driver, report
 from .workload import MODES, check_environment, make_workload
@@ -120,7 +120,7 @@ def _parser() -> Parser:
 
 def parse_args(argv: Optional[Sequence[str]] = None):
     """The options with the device's defaults filled in, every one checked (a
-    :class:`~smelt_kernels.cli.UsageError` naming the first bad one)."""
+    :class:`~smelt_tools.cli.UsageError` naming the first bad one)."""
     args = _parser().parse_args(argv)
     cuda = args.device == "cuda"
     defaults = dict(

@@ -15,10 +15,10 @@ from typing import Any, Optional
 
 import torch
 
-from smelt_kernels.timing import PartsTiming, Timing, merge
 from smelt_model import budget, presets
 from smelt_model.config import ModelConfig
 from smelt_model.memory import available as available_memory
+from smelt_tools.timing import PartsTiming, Timing, merge
 
 from . import runners, verdict
 from .accounting import component_flops, decode_bytes, flops_for

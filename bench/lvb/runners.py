@@ -12,10 +12,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from smelt_kernels.executor import activation_memory, maybe_capture
-from smelt_kernels.timing import measure, measure_parts, release_memory
 from smelt_model.config import ModelConfig
+from smelt_model.executor import activation_memory, maybe_capture
 from smelt_model.memory import peak_rss
+from smelt_tools.timing import measure, measure_parts, release_memory
 
 from .workload import Workload, decode_cache_len, decode_warmup, packed_segments, steps_per_block
 
@@ -199,7 +199,7 @@ def measure_block(
     """One architecture's block of one round: build it, measure every mode, free it.
 
     Train and prefill time the step and its components round-robin
-    (:func:`smelt_kernels.timing.measure_parts`); the first block of a run also records the
+    (:func:`smelt_tools.timing.measure_parts`); the first block of a run also records the
     activations a step saves and, on CUDA, its peak allocation."""
     model = build(cfg, device, dtype, args.backend, args.recompute)
     timed = dict(

@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from smelt_kernels.cli import UsageError
 from smelt_model import memory
 from smelt_model.config import ModelConfig
+from smelt_tools.cli import UsageError
 
 __all__ = [
     "MODES",

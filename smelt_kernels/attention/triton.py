@@ -71,7 +71,7 @@ from .triton_tiles import (
     _store_split,
 )
 
-__all__ = ["forward", "backward", "head_dim_split", "head_dim_pad", "block_config", "audit_launches"]
+__all__ = ["forward", "backward", "head_dim_split", "head_dim_pad", "block_config"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -398,7 +398,7 @@ def block_config(kind: str, d: int, device: torch.device,
     """Tile sizes per kernel (``kind`` 'fwd', 'dq' or 'dkdv') at head dim ``d``. The
     interpreter gets small tiles (so small tests cross many tile edges). The GPU values are
     FlashAttention-2-style choices for Hopper, each compiled by ``python -m
-    smelt_kernels.audit`` for sm_90a without register spills and with shared memory under the
+    smelt_tools.audit`` for sm_90a without register spills and with shared memory under the
     limit, but not timed on the device; fp32 inputs (exact "ieee" products) get small tiles."""
     if device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
@@ -515,10 +515,3 @@ def backward(do, q, k, v, o, lse, start, end, scale: float):
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return dq, dk, dv
-
-
-def audit_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
-    """The GPU launches the static audit compiles: :func:`smelt_kernels.audit.attention_launches`."""
-    from ..audit import attention_launches
-
-    return attention_launches(head_dims, heads, tokens)

@@ -45,7 +45,7 @@ from .. import _alloc
 from ..backends import triton_interpret
 from . import routing as moe_routing
 
-__all__ = ["forward", "backward", "grouped_mm", "grouped_wgrad", "config", "tile_key", "audit_launches"]
+__all__ = ["forward", "backward", "grouped_mm", "grouped_wgrad", "config", "tile_key"]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -273,7 +273,7 @@ def config(device: torch.device, rows_per_group: float = 0.0, n: int | None = No
     128 above; BN (128 or 64; 64 with two accumulators) and BK (64 or 32) fitted to n and k
     with masked tails: the largest block whose tail wastes at most 1/8 (BN) or 1/16 (BK) of
     the padded work (at d_e 352: BN 64, 9% unused in the last column block; K 352: BK 32,
-    which divides it; K 1056: BK 64, 3%), rather than a fixed 128. Every configuration is compiled by ``python -m smelt_kernels.audit`` without spills;
+    which divides it; K 1056: BK 64, 3%), rather than a fixed 128. Every configuration is compiled by ``python -m smelt_tools.audit`` without spills;
     none is timed on a device yet."""
     if device.type != "cuda":
         return dict(BM=16, BN=16, BK=16, GROUP=4, num_warps=1, num_stages=1)
@@ -439,84 +439,3 @@ def grouped_wgrad(dc, a, offsets, gather):
     db = _alloc.empty((E, N, K), a.dtype, a.device)
     _wgrad(dc, a, db, None, gather, offsets, N, K, db.stride(0), db.stride(1))
     return db
-
-
-def audit_launches(shapes: dict, tokens, top_k: int) -> list[dict]:
-    """The GPU launches the static audit compiles: every kernel of forward, backward and
-    the grouped GEMM, bf16, at each shape ({name: dict(H, de, E)}) and token count, with
-    the arguments the launchers above pass (meta tensors: nothing is allocated)."""
-    meta, cuda, bf16, i32, f32 = torch.device("meta"), torch.device("cuda"), torch.bfloat16, torch.int32, torch.float32
-
-    def t(*shape, dtype=bf16):
-        return torch.empty(shape, dtype=dtype, device=meta)
-
-    jobs, ms = [], dict(PREC=None, UPCAST=False)
-
-    def job(kernel, fn, args, kwargs, label, hot=False):
-        cfg = " ".join(f"{k}{v}" for k, v in kwargs.items() if k[:2] in ("BM", "BN", "BK", "BI", "BC"))
-        jobs.append(dict(kernel=f"moe.{kernel}", fn=fn, args=args, kwargs=kwargs, hot=hot,
-                         config=f"bf16 {label} {cfg}"))
-
-    for name, sh in shapes.items():
-        H, de, E = sh["H"], sh["de"], sh["E"]
-        for T in tokens:
-            TK = T * top_k
-            m = TK / E
-            label = f"{name} H{H} d_e{de} E{E} T{T} ({m:.0f} rows/expert)"
-            x, w1, w2, dy = t(T, H), t(E, 2 * de, H), t(E, H, de), t(T, H)
-            pre, hid, out, idx, tiles = t(TK, 2 * de), t(TK, de), t(TK, H), t(TK, dtype=i32), t(64, dtype=i32)
-            up = config(cuda, m, de, H, kind="up")
-            job("up_proj", _up_kernel, (x, w1, idx, tiles, tiles, tiles, pre, hid, 64, H, de, x.stride(0),
-                                        w1.stride(0), w1.stride(1)), dict(up, **ms), label, hot=True)
-            down = dict(config(cuda, m, H, de), BM=up["BM"])
-            job("down_proj", _rows_kernel, (hid, w2, out, tiles, tiles, tiles, tiles, 64, H, de, hid.stride(0),
-                                            w2.stride(0), w2.stride(2), w2.stride(1), out.stride(0), -1),
-                dict(down, GATHER=False, **ms), label, hot=True)
-            job("combine", _combine_kernel, (out, idx, t(TK, dtype=f32), dy, T, H, top_k),
-                dict(HAS_W=True, BT=32, BH=128), label)
-            job("dgrad_swiglu", _dh_kernel, (dy, w2, pre, t(TK, dtype=f32), idx, idx, tiles, tiles, tiles, pre,
-                                             hid, t(8, TK, dtype=f32), 64, TK, H, de, dy.stride(0), w2.stride(0)),
-                dict(config(cuda, m, de, H, kind="dgrad"), **ms), label)
-            dx = dict(config(cuda, m, H, 2 * de), BM=up["BM"])
-            job("dgrad_x", _rows_kernel, (pre, w1, out, tiles, tiles, tiles, tiles, 64, H, 2 * de, pre.stride(0),
-                                          w1.stride(0), w1.stride(1), w1.stride(2), out.stride(0), -1),
-                dict(dx, GATHER=False, **ms), label)
-            offs = t(E + 1, dtype=i32)
-            for kname, L, R, il, ir, NI, NC, out_w in (("wgrad_w1", pre, x, None, idx, 2 * de, H, w1),
-                                                       ("wgrad_w2", dy, hid, idx, None, H, de, w2)):
-                wc = _wgrad_config(cuda, NI, NC)
-                job(kname, _wgrad_kernel, (L, R, out_w, il if il is not None else offs,
-                                           ir if ir is not None else offs, offs, NI, NC, L.stride(0),
-                                           R.stride(0), out_w.stride(0), out_w.stride(1)),
-                    dict(wc, GATHER_L=il is not None, GATHER_R=ir is not None, **ms), label)
-            gm = config(cuda, m, de, H)
-            job("grouped_mm", _rows_kernel, (x, w1, hid, idx, tiles, tiles, tiles, 64, de, H, x.stride(0),
-                                             w1.stride(0), w1.stride(2), w1.stride(1), hid.stride(0), E),
-                dict(gm, GATHER=True, **ms), label)
-    # fp32 (IEEE products) at the first shape and token count: the up, down and dgrad GEMMs
-    name, sh = next(iter(shapes.items()))
-    H, de, E, T = sh["H"], sh["de"], sh["E"], tokens[0]
-    m, fp = T * top_k / E, dict(PREC="ieee", UPCAST=False)
-    x, w1, w2 = t(T, H, dtype=f32), t(E, 2 * de, H, dtype=f32), t(E, H, de, dtype=f32)
-    pre, hid, tiles, idx = t(T * top_k, 2 * de, dtype=f32), t(T * top_k, de, dtype=f32), t(64, dtype=i32), \
-        t(T * top_k, dtype=i32)
-    label = f"float32 {name} T{T}"
-    up = config(cuda, m, de, H, kind="up")
-    jobs.append(dict(kernel="moe.up_proj", fn=_up_kernel, hot=False, config=f"{label} BM{up['BM']} BN{up['BN']}",
-                     args=(x, w1, idx, tiles, tiles, tiles, pre, hid, 64, H, de, x.stride(0), w1.stride(0),
-                           w1.stride(1)), kwargs=dict(up, **fp)))
-    down = dict(config(cuda, m, H, de, dtype=f32), BM=up["BM"])
-    jobs.append(dict(kernel="moe.down_proj", fn=_rows_kernel, hot=False,
-                     config=f"{label} BM{down['BM']} BN{down['BN']}",
-                     args=(hid, w2, x, tiles, tiles, tiles, tiles, 64, H, de, hid.stride(0), w2.stride(0),
-                           w2.stride(2), w2.stride(1), x.stride(0), -1), kwargs=dict(down, GATHER=False, **fp)))
-    dh = config(cuda, m, de, H, kind="dgrad")
-    jobs.append(dict(kernel="moe.dgrad_swiglu", fn=_dh_kernel, hot=False, config=f"{label} BM{dh['BM']} BN{dh['BN']}",
-                     args=(x, w2, pre, t(T * top_k, dtype=f32), idx, idx, tiles, tiles, tiles, pre, hid,
-                           t(8, T * top_k, dtype=f32), 64, T * top_k, H, de, x.stride(0), w2.stride(0)),
-                     kwargs=dict(dh, **fp)))
-    count, scatter = moe_routing._kernels()
-    ids = t(4096 * top_k, dtype=i32)
-    job("route_count", count, (ids, ids, ids.numel(), 288), dict(BLOCK=64, EB=64), "routing")
-    job("route_scatter", scatter, (ids, ids, ids, ids, ids, ids.numel(), 288, top_k), dict(BLOCK=64), "routing")
-    return jobs

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from smelt_kernels.cli import Parser
+from smelt_tools.cli import Parser
 
 from ..config import ModelConfig
 from .cluster import TOKENS_PER_GPU, parse_cluster, project, project_pair

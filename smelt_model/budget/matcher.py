@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from smelt_kernels.plan import LoopPlan
+from smelt_model.plan import LoopPlan
 
 from ..config import LoopSpec, ModelConfig, middle_loop
 from .ledger import Ratios, _shared, _train_flops, compare, layer_counts, ledger, mean_attended

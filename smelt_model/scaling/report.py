@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from smelt_kernels.cli import ExitParser
+from smelt_tools.cli import ExitParser
 
 from .endpoints import (
     BootstrapResult,

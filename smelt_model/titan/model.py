@@ -105,7 +105,7 @@ class SmeltTitan(SmeltLM, BaseModel):
         #: "smelt" (segment_attention) or "flex" (torchtitan's FlexAttention)
         attention: Literal["smelt", "flex"] = "smelt"
         flex: FlexSegmentAttention.Config = field(default_factory=FlexSegmentAttention.Config)
-        #: smelt's activation policy (smelt_kernels.executor.RECOMPUTE_POLICIES)
+        #: smelt's activation policy (smelt_model.executor.RECOMPUTE_POLICIES)
         recompute: str = "none"
         #: gradient-accumulation steps of the run (scales the router-loss share)
         grad_accum_steps: int = 1

@@ -14,7 +14,7 @@ span as ONE unit: its shared weights gathered once per forward and used r times,
 gradients reduced once; the root last), expert weights on torchtitan's expert-FSDP mesh.
 
 Activation checkpointing (``--activation_checkpoint`` choices -> smelt's policies,
-:data:`smelt_kernels.executor.RECOMPUTE_POLICIES`): ``none`` -> ``"none"``; ``full`` ->
+:data:`smelt_model.executor.RECOMPUTE_POLICIES`): ``none`` -> ``"none"``; ``full`` ->
 ``"all"`` (every executed layer recomputed); ``selective`` -> ``"visit1"`` (the span's
 first visit recomputed: its activations are held longest). ``memory-budget`` needs
 torch.compile and is refused.

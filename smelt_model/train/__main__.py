@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from smelt_kernels.cli import ExitParser
+from smelt_tools.cli import ExitParser
 
 __all__ = ["main", "build_parser"]
 
@@ -36,7 +36,7 @@ def default_every(steps: int) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from smelt_kernels import backends
-    from smelt_kernels.executor import RECOMPUTE_POLICIES
+    from smelt_model.executor import RECOMPUTE_POLICIES
 
     ap = ExitParser(
         prog="python -m smelt_model.train",

@@ -15,10 +15,10 @@ import time_to_loss
 import torch
 from lvb import cli
 
-from smelt_kernels import timing
 from smelt_kernels.backends import BACKENDS
-from smelt_kernels.cli import run_cli
-from smelt_kernels.executor import RECOMPUTE_POLICIES
+from smelt_model.executor import RECOMPUTE_POLICIES
+from smelt_tools import timing
+from smelt_tools.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -154,7 +154,7 @@ def test_no_script_or_package_touches_sys_path():
     """``python bench/x.py`` puts bench/ on the path by itself; tests/conftest.py is the one
     place tests set it."""
     offenders = []
-    for top in ("bench", "smelt_kernels", "smelt_model"):
+    for top in ("bench", "smelt_kernels", "smelt_tools", "smelt_model"):
         for path in (ROOT / top).rglob("*.py"):
             if "sys.path" in path.read_text():
                 offenders.append(str(path.relative_to(ROOT)))
@@ -162,11 +162,9 @@ def test_no_script_or_package_touches_sys_path():
 
 
 def test_the_timing_helpers_live_in_one_place():
-    import timing as bench_timing  # bench/timing.py: the old import path
+    from smelt_tools import hf_bench
 
-    from smelt_kernels.hf import bench as hf_bench
-
-    assert bench_timing.measure is timing.measure and bench_timing.Timing is timing.Timing
+    assert not (ROOT / "bench" / "timing.py").exists()
     assert hf_bench.environment is timing.environment
     assert not hasattr(hf_bench, "_cpu_name") and not hasattr(hf_bench, "_q")
     t = timing.Timing.of([3.0, 1.0, 2.0])

@@ -7,7 +7,7 @@ import json
 import pytest
 from lvb import cli, driver, runners
 
-from smelt_kernels import timing
+from smelt_tools import timing
 
 
 def _fake_clock(monkeypatch, durations):

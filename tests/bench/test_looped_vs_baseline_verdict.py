@@ -7,8 +7,8 @@ import math
 import pytest
 from lvb import cli, driver, runners, verdict
 
-from smelt_kernels import timing
 from smelt_model import budget, presets
+from smelt_tools import timing
 
 
 def test_the_targets_are_the_projects():

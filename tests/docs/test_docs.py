@@ -46,7 +46,7 @@ COMMANDS = [
     ("model.md", "python -m smelt_model.budget 200M-S95"),
     ("model.md", "python -m smelt_model.budget 200M-S95-baseline --match"),
     ("training.md", "python -m smelt_model.scaling --paper"),
-    ("gpu.md", "python -m smelt_kernels.selftest --quick"),
+    ("gpu.md", "python -m smelt_tools.selftest --quick"),
     ("README.md", "python -m smelt_model.budget 200M-S95 --cluster h100-64"),
 ]
 

@@ -12,7 +12,7 @@ import helpers
 import pytest
 import torch
 
-from smelt_kernels import backends
+from smelt_kernels import backends, families
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CU_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*", "*.cu")))
@@ -153,8 +153,8 @@ def test_report_lists_every_op_and_backend():
 
 
 def test_report_says_why_a_backend_is_unavailable(monkeypatch):
-    monkeypatch.setitem(backends._EXT_CACHE, "_cpu", None)
-    monkeypatch.setitem(backends._EXT_ERRORS, "_cpu", "smelt_kernels._cpu is not built (test)")
+    monkeypatch.setitem(families._EXT_CACHE, "_cpu", None)
+    monkeypatch.setitem(families._EXT_ERRORS, "_cpu", "smelt_kernels._cpu is not built (test)")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     rep = backends.report("cpu")
     assert (

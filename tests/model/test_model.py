@@ -9,8 +9,8 @@ from helpers import micro_config
 
 from smelt_kernels import reference as R
 from smelt_model import budget, presets
+from smelt_model.block import Rotary
 from smelt_model.config import LoopSpec
-from smelt_model.layers import Rotary
 from smelt_model.model import SmeltLM
 
 
@@ -98,8 +98,8 @@ def test_shared_weight_gradients_are_the_sum_over_visits():
         return copies[(i, visit)] if s <= i < e else unrolled.layer(i)
 
     # run the same executed sequence with separate weights per visit
-    from smelt_kernels.executor import LoopPlan
-    from smelt_model.layers import ForwardContext
+    from smelt_model.block import ForwardContext
+    from smelt_model.executor import LoopPlan
 
     B, T = ids.shape
     cos, sin = unrolled.rotary.tables(0, T, ids.device)
@@ -213,8 +213,11 @@ def test_parameter_names_follow_the_hf_layout_and_old_checkpoints_load(tmp_path)
         2 * cfg.expert_size,
         cfg.hidden_size,
     )
-    # a checkpoint written with the earlier names (wq/wk/wv/wo, w1/w2) still loads
+    # a folder round-trips; one with other parameter names is refused, naming them
     path = model.save_pretrained(tmp_path / "ckpt")
+    loaded = SmeltLM.from_pretrained(path, backend="torch")
+    ids, seg = packed_batch()
+    torch.testing.assert_close(loaded(ids, seg).logits, model(ids, seg).logits, rtol=0, atol=0)
     old = {
         k.replace(".attn.q_proj.", ".attn.wq.")
         .replace(".attn.o_proj.", ".attn.wo.")
@@ -223,9 +226,8 @@ def test_parameter_names_follow_the_hf_layout_and_old_checkpoints_load(tmp_path)
         for k, v in load_file(str(path / "model.safetensors")).items()
     }
     save_file(old, str(path / "model.safetensors"))
-    loaded = SmeltLM.from_pretrained(path, backend="torch")
-    ids, seg = packed_batch()
-    torch.testing.assert_close(loaded(ids, seg).logits, model(ids, seg).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"missing .*unexpected .*attn\.wo\.weight"):
+        SmeltLM.from_pretrained(path, backend="torch")
 
 
 def test_bad_inputs_fail_clearly():

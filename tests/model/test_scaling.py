@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.optimize import brentq, minimize_scalar
 
-from smelt_model import presets, scaling, scaling_stats
+from smelt_model import presets, scaling
 from smelt_model.budget import ledger
 from smelt_model.scaling import (
     PAPER_BASELINE,
@@ -264,7 +264,7 @@ def test_bootstrap_resamples_whole_cells_for_both_archs(noisy, monkeypatch):
         taken.append(self.cell[idx])
         return real_take(self, idx)
 
-    monkeypatch.setattr(scaling_stats.Endpoints, "take", spy)
+    monkeypatch.setattr(Endpoints, "take", spy)
     res = bootstrap(
         data["baseline"],
         data["smelt"],

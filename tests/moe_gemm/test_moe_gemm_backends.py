@@ -7,7 +7,7 @@ import torch
 from helpers import device_for
 from helpers_moe import check, grouped_case, has_cpu_kernel, make_case, run
 
-from smelt_kernels import backends
+from smelt_kernels import backends, families
 from smelt_kernels.moe_gemm import moe_ffn, route, select_backend
 
 pytestmark = pytest.mark.filterwarnings(
@@ -55,8 +55,8 @@ def test_auto_backend():
 
 
 def test_auto_falls_back_without_the_extension(monkeypatch):
-    monkeypatch.setitem(backends._EXT_CACHE, "_cpu", None)
-    monkeypatch.setitem(backends._EXT_ERRORS, "_cpu", "smelt_kernels._cpu is not built")
+    monkeypatch.setitem(families._EXT_CACHE, "_cpu", None)
+    monkeypatch.setitem(families._EXT_ERRORS, "_cpu", "smelt_kernels._cpu is not built")
     assert select_backend(torch.randn(2, 4)) == "torch"
     with pytest.raises(backends.BackendUnavailableError, match="not built"):
         select_backend(torch.randn(2, 4), "cpu")

@@ -210,7 +210,7 @@ def test_resume_with_another_preset_says_different_setup_without_building(
 
 def test_choices_come_from_the_registries():
     from smelt_kernels.backends import BACKENDS
-    from smelt_kernels.executor import RECOMPUTE_POLICIES
+    from smelt_model.executor import RECOMPUTE_POLICIES
     from smelt_model.train.__main__ import build_parser
 
     actions = {a.dest: a for a in build_parser()._actions}

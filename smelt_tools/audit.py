@@ -1,6 +1,6 @@
 """Static kernel audit for Hopper (sm_90a): what the compilers say, no GPU needed.
 
-    python -m smelt_kernels.audit [--json PATH] [--markdown PATH] [--only triton|cuda]
+    python -m smelt_tools.audit [--json PATH] [--markdown PATH] [--only triton|cuda]
 
 Every shipped Triton kernel configuration is compiled ahead of time the way a launch on an
 H100/H200 would compile it: the launcher's real arguments at SMELT's shapes go through
@@ -198,12 +198,330 @@ class TritonCompiler:
 def triton_jobs(shapes=None, head_dims=None) -> list[dict]:
     """Every shipped GPU configuration of the Triton kernels (or those at the named MoE
     shapes and head dims), as launch descriptions: dict(kernel, config, fn, args, kwargs, hot)."""
-    from .moe_gemm import triton as moe_triton
-
     shapes = {n: MOE_SHAPES[n] for n in (shapes or MOE_SHAPES)}
-    return moe_triton.audit_launches(shapes, MOE_TOKENS, TOP_K) + attention_launches(
+    return moe_launches(shapes, MOE_TOKENS, TOP_K) + attention_launches(
         head_dims or ATTENTION_HEAD_DIMS, ATTENTION_HEADS
     )
+
+
+def moe_launches(shapes: dict, tokens, top_k: int) -> list[dict]:
+    """The GPU launches of the MoE Triton kernels the static audit compiles: every kernel
+    of forward, backward and the grouped GEMM, bf16, at each shape ({name: dict(H, de, E)})
+    and token count, with the arguments their launchers pass (meta tensors: nothing is
+    allocated)."""
+    import torch
+
+    from smelt_kernels.moe_gemm import routing
+    from smelt_kernels.moe_gemm import triton as mt
+
+    meta, cuda, bf16, i32, f32 = (
+        torch.device("meta"),
+        torch.device("cuda"),
+        torch.bfloat16,
+        torch.int32,
+        torch.float32,
+    )
+
+    def t(*shape, dtype=bf16):
+        return torch.empty(shape, dtype=dtype, device=meta)
+
+    jobs, ms = [], dict(PREC=None, UPCAST=False)
+
+    def job(kernel, fn, args, kwargs, label, hot=False):
+        cfg = " ".join(
+            f"{k}{v}" for k, v in kwargs.items() if k[:2] in ("BM", "BN", "BK", "BI", "BC")
+        )
+        jobs.append(
+            dict(
+                kernel=f"moe.{kernel}",
+                fn=fn,
+                args=args,
+                kwargs=kwargs,
+                hot=hot,
+                config=f"bf16 {label} {cfg}",
+            )
+        )
+
+    for name, sh in shapes.items():
+        H, de, E = sh["H"], sh["de"], sh["E"]
+        for T in tokens:
+            TK = T * top_k
+            m = TK / E
+            label = f"{name} H{H} d_e{de} E{E} T{T} ({m:.0f} rows/expert)"
+            x, w1, w2, dy = t(T, H), t(E, 2 * de, H), t(E, H, de), t(T, H)
+            pre, hid, out, idx, tiles = (
+                t(TK, 2 * de),
+                t(TK, de),
+                t(TK, H),
+                t(TK, dtype=i32),
+                t(64, dtype=i32),
+            )
+            up = mt.config(cuda, m, de, H, kind="up")
+            job(
+                "up_proj",
+                mt._up_kernel,
+                (
+                    x,
+                    w1,
+                    idx,
+                    tiles,
+                    tiles,
+                    tiles,
+                    pre,
+                    hid,
+                    64,
+                    H,
+                    de,
+                    x.stride(0),
+                    w1.stride(0),
+                    w1.stride(1),
+                ),
+                dict(up, **ms),
+                label,
+                hot=True,
+            )
+            down = dict(mt.config(cuda, m, H, de), BM=up["BM"])
+            job(
+                "down_proj",
+                mt._rows_kernel,
+                (
+                    hid,
+                    w2,
+                    out,
+                    tiles,
+                    tiles,
+                    tiles,
+                    tiles,
+                    64,
+                    H,
+                    de,
+                    hid.stride(0),
+                    w2.stride(0),
+                    w2.stride(2),
+                    w2.stride(1),
+                    out.stride(0),
+                    -1,
+                ),
+                dict(down, GATHER=False, **ms),
+                label,
+                hot=True,
+            )
+            job(
+                "combine",
+                mt._combine_kernel,
+                (out, idx, t(TK, dtype=f32), dy, T, H, top_k),
+                dict(HAS_W=True, BT=32, BH=128),
+                label,
+            )
+            job(
+                "dgrad_swiglu",
+                mt._dh_kernel,
+                (
+                    dy,
+                    w2,
+                    pre,
+                    t(TK, dtype=f32),
+                    idx,
+                    idx,
+                    tiles,
+                    tiles,
+                    tiles,
+                    pre,
+                    hid,
+                    t(8, TK, dtype=f32),
+                    64,
+                    TK,
+                    H,
+                    de,
+                    dy.stride(0),
+                    w2.stride(0),
+                ),
+                dict(mt.config(cuda, m, de, H, kind="dgrad"), **ms),
+                label,
+            )
+            dx = dict(mt.config(cuda, m, H, 2 * de), BM=up["BM"])
+            job(
+                "dgrad_x",
+                mt._rows_kernel,
+                (
+                    pre,
+                    w1,
+                    out,
+                    tiles,
+                    tiles,
+                    tiles,
+                    tiles,
+                    64,
+                    H,
+                    2 * de,
+                    pre.stride(0),
+                    w1.stride(0),
+                    w1.stride(1),
+                    w1.stride(2),
+                    out.stride(0),
+                    -1,
+                ),
+                dict(dx, GATHER=False, **ms),
+                label,
+            )
+            offs = t(E + 1, dtype=i32)
+            for kname, L, R, il, ir, NI, NC, out_w in (
+                ("wgrad_w1", pre, x, None, idx, 2 * de, H, w1),
+                ("wgrad_w2", dy, hid, idx, None, H, de, w2),
+            ):
+                wc = mt._wgrad_config(cuda, NI, NC)
+                job(
+                    kname,
+                    mt._wgrad_kernel,
+                    (
+                        L,
+                        R,
+                        out_w,
+                        il if il is not None else offs,
+                        ir if ir is not None else offs,
+                        offs,
+                        NI,
+                        NC,
+                        L.stride(0),
+                        R.stride(0),
+                        out_w.stride(0),
+                        out_w.stride(1),
+                    ),
+                    dict(wc, GATHER_L=il is not None, GATHER_R=ir is not None, **ms),
+                    label,
+                )
+            gm = mt.config(cuda, m, de, H)
+            job(
+                "grouped_mm",
+                mt._rows_kernel,
+                (
+                    x,
+                    w1,
+                    hid,
+                    idx,
+                    tiles,
+                    tiles,
+                    tiles,
+                    64,
+                    de,
+                    H,
+                    x.stride(0),
+                    w1.stride(0),
+                    w1.stride(2),
+                    w1.stride(1),
+                    hid.stride(0),
+                    E,
+                ),
+                dict(gm, GATHER=True, **ms),
+                label,
+            )
+    # fp32 (IEEE products) at the first shape and token count: the up, down and dgrad GEMMs
+    name, sh = next(iter(shapes.items()))
+    H, de, E, T = sh["H"], sh["de"], sh["E"], tokens[0]
+    m, fp = T * top_k / E, dict(PREC="ieee", UPCAST=False)
+    x, w1, w2 = t(T, H, dtype=f32), t(E, 2 * de, H, dtype=f32), t(E, H, de, dtype=f32)
+    pre, hid, tiles, idx = (
+        t(T * top_k, 2 * de, dtype=f32),
+        t(T * top_k, de, dtype=f32),
+        t(64, dtype=i32),
+        t(T * top_k, dtype=i32),
+    )
+    label = f"float32 {name} T{T}"
+    up = mt.config(cuda, m, de, H, kind="up")
+    jobs.append(
+        dict(
+            kernel="moe.up_proj",
+            fn=mt._up_kernel,
+            hot=False,
+            config=f"{label} BM{up['BM']} BN{up['BN']}",
+            args=(
+                x,
+                w1,
+                idx,
+                tiles,
+                tiles,
+                tiles,
+                pre,
+                hid,
+                64,
+                H,
+                de,
+                x.stride(0),
+                w1.stride(0),
+                w1.stride(1),
+            ),
+            kwargs=dict(up, **fp),
+        )
+    )
+    down = dict(mt.config(cuda, m, H, de, dtype=f32), BM=up["BM"])
+    jobs.append(
+        dict(
+            kernel="moe.down_proj",
+            fn=mt._rows_kernel,
+            hot=False,
+            config=f"{label} BM{down['BM']} BN{down['BN']}",
+            args=(
+                hid,
+                w2,
+                x,
+                tiles,
+                tiles,
+                tiles,
+                tiles,
+                64,
+                H,
+                de,
+                hid.stride(0),
+                w2.stride(0),
+                w2.stride(2),
+                w2.stride(1),
+                x.stride(0),
+                -1,
+            ),
+            kwargs=dict(down, GATHER=False, **fp),
+        )
+    )
+    dh = mt.config(cuda, m, de, H, kind="dgrad")
+    jobs.append(
+        dict(
+            kernel="moe.dgrad_swiglu",
+            fn=mt._dh_kernel,
+            hot=False,
+            config=f"{label} BM{dh['BM']} BN{dh['BN']}",
+            args=(
+                x,
+                w2,
+                pre,
+                t(T * top_k, dtype=f32),
+                idx,
+                idx,
+                tiles,
+                tiles,
+                tiles,
+                pre,
+                hid,
+                t(8, T * top_k, dtype=f32),
+                64,
+                T * top_k,
+                H,
+                de,
+                x.stride(0),
+                w2.stride(0),
+            ),
+            kwargs=dict(dh, **fp),
+        )
+    )
+    count, scatter = routing._kernels()
+    ids = t(4096 * top_k, dtype=i32)
+    job("route_count", count, (ids, ids, ids.numel(), 288), dict(BLOCK=64, EB=64), "routing")
+    job(
+        "route_scatter",
+        scatter,
+        (ids, ids, ids, ids, ids, ids.numel(), 288, top_k),
+        dict(BLOCK=64),
+        "routing",
+    )
+    return jobs
 
 
 def attention_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
@@ -212,7 +530,7 @@ def attention_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
     sequence (nothing is allocated)."""
     import torch
 
-    from .attention import triton as at
+    from smelt_kernels.attention import triton as at
 
     meta, cuda = torch.device("meta"), torch.device("cuda")
     hq, hkv = heads
@@ -450,7 +768,7 @@ def to_markdown(rows: list[dict], tools: dict) -> str:
 # ----------------------------------------------------------------------------- command line
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m smelt_kernels.audit", description=__doc__.split("\n\n")[0]
+        prog="python -m smelt_tools.audit", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--json", help="write the rows as a JSON list here")
     ap.add_argument("--markdown", help="write a Markdown table here")
@@ -485,9 +803,9 @@ def main(argv=None) -> int:
         # kernels defined under the interpreter cannot be compiled: rerun without it
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.call(
-            [sys.executable, "-m", "smelt_kernels.audit", *sys.argv[1:]]
+            [sys.executable, "-m", "smelt_tools.audit", *sys.argv[1:]]
             if argv is None
-            else [sys.executable, "-m", "smelt_kernels.audit", *argv],
+            else [sys.executable, "-m", "smelt_tools.audit", *argv],
             env=env,
         )
     need_triton, need_cuda = args.only in (None, "triton"), args.only in (None, "cuda")

@@ -14,10 +14,10 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from ..attention import apply_rotary, segment_attention
-from ..attention import reference as attention_reference
-from ..moe_gemm import grouped_gemm, moe_ffn, route
-from ..norm import rms_norm
+from smelt_kernels.attention import apply_rotary, segment_attention
+from smelt_kernels.attention import reference as attention_reference
+from smelt_kernels.moe_gemm import grouped_gemm, moe_ffn, route
+from smelt_kernels.norm import rms_norm
 
 __all__ = ["Case", "CASES"]
 

@@ -1,7 +1,7 @@
 """The persistent looped-block executor.
 
 A looped model executes ``prelude -> span x r -> coda``. :class:`LoopPlan` (defined in
-:mod:`smelt_kernels.plan`, re-exported here) turns that recipe into a static sequence of
+:mod:`smelt_model.plan`, re-exported here) turns that recipe into a static sequence of
 :class:`Step` s (physical layer, visit, KV-cache slot, residual scale); this module runs any
 stack of blocks along it:
 

@@ -1,4 +1,4 @@
-"""The static kernel audit (``python -m smelt_kernels.audit``): the Triton kernels compile for
+"""The static kernel audit (``python -m smelt_tools.audit``): the Triton kernels compile for
 Hopper (sm_90a) ahead of time with their GPU configurations (LLVM and Triton's bundled ptxas,
 no GPU; the interpreter accepts code a real compile rejects), the CUDA kernels with nvcc, and
 the shipped configurations do not spill, fit in shared memory and use wgmma where it matters.
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from smelt_kernels import audit
+from smelt_tools import audit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOT = {"moe.up_proj", "moe.down_proj", "attention.forward"}
@@ -23,7 +23,7 @@ HOT = {"moe.up_proj", "moe.down_proj", "attention.forward"}
 def _run(args, env=None, timeout=900):
     env = dict(os.environ if env is None else env, PYTHONPATH=ROOT)
     return subprocess.run(
-        [sys.executable, "-m", "smelt_kernels.audit", *args],
+        [sys.executable, "-m", "smelt_tools.audit", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -1,12 +1,12 @@
 """smelt's self-test: every kernel that can run here against its reference. Run it first on a
 new machine or GPU::
 
-    python -m smelt_kernels.selftest --device cuda --quick  # the GPU backends (Triton, CUDA)
-    python -m smelt_kernels.selftest --device cuda          # every case, float16 too
-    python -m smelt_kernels.selftest                        # the CPU backends (under a minute)
-    python -m smelt_kernels.selftest --quick                # a few cases each (seconds)
-    TRITON_INTERPRET=1 python -m smelt_kernels.selftest --quick   # Triton too, interpreted
-    python -m smelt_kernels.selftest --op moe_ffn --backend cpu triton --json selftest.json
+    python -m smelt_tools.selftest --device cuda --quick  # the GPU backends (Triton, CUDA)
+    python -m smelt_tools.selftest --device cuda          # every case, float16 too
+    python -m smelt_tools.selftest                        # the CPU backends (under a minute)
+    python -m smelt_tools.selftest --quick                # a few cases each (seconds)
+    TRITON_INTERPRET=1 python -m smelt_tools.selftest --quick   # Triton too, interpreted
+    python -m smelt_tools.selftest --op moe_ffn --backend cpu triton --json selftest.json
 
 Every implementation the registry (:mod:`smelt_kernels.backends`) holds for every op --
 ``route``, ``moe_ffn``, ``grouped_gemm``, ``segment_attention``, ``rotary``, ``rms_norm`` and
@@ -20,7 +20,7 @@ and H = 0; for attention length-1 segments, one segment filling the context, GQA
 decode form (Tq < Tk), head dims 7 and 88 and no positions; empty inputs wherever an op
 defines them. Each output is compared with the op's ``"torch"`` backend computed in
 float64 from the same (rounded) inputs, under the one tolerance table
-:data:`~smelt_kernels.selftest.results.TOLERANCES`: an error may be at most twice what plain
+:data:`~smelt_tools.selftest.results.TOLERANCES`: an error may be at most twice what plain
 PyTorch makes in the same low precision, plus a floor of two units of that precision (at
 least 1e-5) at the output's scale ("plain PyTorch" is the ``"torch"`` backend in that
 precision, or for attention, whose backend computes in float32 inside, the reference computed

@@ -6,15 +6,15 @@ import pytest
 import torch
 from helpers import micro_config
 
-from smelt_kernels.executor import (
+from smelt_model import presets
+from smelt_model.config import LoopSpec, ModelConfig, middle_loop
+from smelt_model.executor import (
     CapturedCall,
     Executor,
     LoopPlan,
     activation_memory,
     maybe_capture,
 )
-from smelt_model import presets
-from smelt_model.config import LoopSpec, ModelConfig, middle_loop
 from smelt_model.model import SmeltLM
 
 
@@ -190,30 +190,3 @@ def test_plan_answers_the_config_ledger_and_matcher():
     assert budget.ledger(cfg).executed_layers == plan.executed_layers == 8
     with pytest.raises(IndexError, match="layer 4"):
         plan.residual_scale(4)
-
-
-def test_layering_executor_below_the_model_plan_without_torch():
-    """The executor and the layers import nothing from smelt_model; the plan (and with it
-    the budget tools) needs no torch."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    below = (
-        "import sys\n"
-        "import smelt_kernels.executor, smelt_kernels.layers\n"
-        "assert not [m for m in sys.modules if m.startswith('smelt_model')]\n"
-        "print('ok')\n"
-    )
-    light = (
-        "import sys\n"
-        "from smelt_model import budget, presets\n"
-        "budget.ledger(presets.get('tiny-smelt'))\n"
-        "assert 'torch' not in sys.modules, 'the plan or the ledger imported torch'\n"
-        "print('ok')\n"
-    )
-    for code in (below, light):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.strip() == "ok"

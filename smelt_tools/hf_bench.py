@@ -1,4 +1,4 @@
-"""Benchmark smelt inside transformers: ``python -m smelt_kernels.hf.bench``.
+"""Benchmark smelt inside transformers: ``python -m smelt_tools.hf_bench``.
 
 Builds a small Mixtral-shaped ``MixtralForCausalLM`` from a config (random O(1)-scale
 weights; nothing downloads) and times, on one model whose implementations are switched
@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from ..cli import Parser, UsageError
-from ..timing import environment, measure_interleaved
+from .cli import Parser, UsageError
+from .timing import environment, measure_interleaved
 
 CONFIGS = (("eager", "sdpa"), ("grouped_mm", "sdpa"), ("smelt", "sdpa"), ("smelt", "smelt"))
 BASELINE = ("grouped_mm", "sdpa")
@@ -78,7 +78,7 @@ MEMORY_LIMIT_BYTES = 8 * 2**30
 
 def _fail(msg: str) -> "None":
     """One line on stderr and exit status 2."""
-    print(f"smelt_kernels.hf.bench: error: {msg}", file=sys.stderr)
+    print(f"smelt_tools.hf_bench: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -123,8 +123,8 @@ def interleaved(
     repeats: int,
     label: str,
 ) -> dict:
-    """Each callable's :class:`~smelt_kernels.timing.Timing`, timed round-robin
-    (:func:`smelt_kernels.timing.measure_interleaved`), with a progress line per round."""
+    """Each callable's :class:`~smelt_tools.timing.Timing`, timed round-robin
+    (:func:`smelt_tools.timing.measure_interleaved`), with a progress line per round."""
 
     def progress(r: int) -> None:
         print(f"  {label}: round {r}/{repeats}", file=sys.stderr, flush=True)
@@ -289,7 +289,7 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = Parser(
-        prog="python -m smelt_kernels.hf.bench",
+        prog="python -m smelt_tools.hf_bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -15,7 +15,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from .. import backends
+from smelt_kernels import backends
+
 from .cases import CASES, Case
 from .results import FAIL, PASS, SKIPPED, TOLERANCES, Result
 
@@ -204,7 +205,7 @@ def compare(
     floor_dtype: Optional[torch.dtype] = None,
 ) -> tuple[float, Optional[str]]:
     """(normalised error, None or what failed) of one output against the reference, by the
-    tolerance table (:class:`~smelt_kernels.selftest.results.Tolerance`) of ``dtype``, the
+    tolerance table (:class:`~smelt_tools.selftest.results.Tolerance`) of ``dtype``, the
     dtype the inputs were given in; ``floor_dtype``: the precision the floor is counted in,
     when not ``dtype``'s (an output computed in float32 whatever the inputs)."""
     got = got.detach().cpu()
@@ -377,7 +378,7 @@ def run(
     progress: Optional[Callable[[Unit], None]] = None,
 ) -> list[Result]:
     """Every registered implementation that can run on ``device`` against its op's
-    reference; one :class:`~smelt_kernels.selftest.results.Result` per op, backend and
+    reference; one :class:`~smelt_tools.selftest.results.Result` per op, backend and
     dtype (see :func:`units`). ``progress(unit)`` is called before each row runs."""
     todo = units(device, ops, backends, quick)
     out = []

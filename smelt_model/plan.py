@@ -4,7 +4,7 @@ A looped model executes ``prelude -> span x r -> coda``. :class:`LoopPlan` turns
 into a static sequence of :class:`Step` s (physical layer, visit, KV-cache slot, residual
 scale). The model config, the budget ledger, the matcher and the executor all ask it.
 This module needs nothing but the standard library (the budget tools import it without
-torch); :mod:`smelt_kernels.executor` re-exports both names.
+torch); :mod:`smelt_model.executor` re-exports both names.
 """
 
 from __future__ import annotations

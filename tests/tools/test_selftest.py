@@ -1,4 +1,4 @@
-"""The self-test (``python -m smelt_kernels.selftest``): ``--quick`` passes on the CPU and
+"""The self-test (``python -m smelt_tools.selftest``): ``--quick`` passes on the CPU and
 lists every op and backend; broken implementations (a forward off by 1e-2, a backward that
 returns NaN, a forward that kills its process or loses the device) fail their rows by name
 with exit status 1 and the other rows still run; bad options are one line and exit status
@@ -15,16 +15,17 @@ import textwrap
 import pytest
 import torch
 
-from smelt_kernels import backends, selftest
-from smelt_kernels.selftest import cli, runner
-from smelt_kernels.selftest.cases import CASES
+from smelt_kernels import backends
+from smelt_tools import selftest
+from smelt_tools.selftest import cli, runner
+from smelt_tools.selftest.cases import CASES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _command(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "smelt_kernels.selftest", *args],
+        [sys.executable, "-m", "smelt_tools.selftest", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

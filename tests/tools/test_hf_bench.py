@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
-from smelt_kernels.hf import bench  # noqa: E402
+from smelt_tools import hf_bench as bench  # noqa: E402
 
 
 @pytest.mark.parametrize(

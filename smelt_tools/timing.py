@@ -11,7 +11,7 @@
 * :func:`write_results` writes ``<name>.json`` (every number plus the environment) and
   ``<name>.md`` (a Markdown table) under an output folder.
 * :func:`check_device`: a benchmark's ``--device`` as a device it can run on, or a
-  :class:`~smelt_kernels.cli.UsageError` naming the option.
+  :class:`~smelt_tools.cli.UsageError` naming the option.
 
 This module needs only torch; it imports nothing from the model layer.
 """
@@ -273,7 +273,7 @@ def release_memory() -> None:
 
     gc.collect()
     try:
-        from .moe_gemm import release_cpu_pool
+        from smelt_kernels.moe_gemm import release_cpu_pool
 
         release_cpu_pool()  # the native kernels' unused output blocks
     except ImportError:

@@ -1,4 +1,4 @@
-"""The command line of the self-test, ``python -m smelt_kernels.selftest`` (see the package
+"""The command line of the self-test, ``python -m smelt_tools.selftest`` (see the package
 docstring for what it checks).
 
 The command reads its options and runs the rows in a worker process (the same command with
@@ -27,7 +27,7 @@ from .results import FAIL, Result, failed, format_failures, format_table, summar
 
 __all__ = ["main"]
 
-PROG = "python -m smelt_kernels.selftest"
+PROG = "python -m smelt_tools.selftest"
 _INTERRUPTED = 130  # a worker's exit status after Ctrl-C
 
 
@@ -136,7 +136,8 @@ class _Run:
 
 
 def _in_process(args, run: _Run) -> int:
-    from .. import backends
+    from smelt_kernels import backends
+
     from . import runner
 
     try:
@@ -158,7 +159,8 @@ def _worker(args) -> int:
     """Run rows ``args.start`` on, reporting on the pipe ``args.worker_fd``: ``units`` first,
     then ``unit`` (a row starts), ``case`` (a case starts, with the row so far), ``result``
     per row, ``done``."""
-    from .. import backends
+    from smelt_kernels import backends
+
     from . import runner
 
     out = os.fdopen(args.worker_fd, "w")
@@ -210,7 +212,7 @@ def _work(run: _Run, argv: list[str], start: int):
     cmd = [
         sys.executable,
         "-m",
-        "smelt_kernels.selftest",
+        "smelt_tools.selftest",
         *argv,
         "--worker-fd",
         str(write),
