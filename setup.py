@@ -207,6 +207,17 @@ setup(
         "build": ["ninja"],  # torch ships the pybind11 headers
         "titan": ["torchtitan==0.3.0"],  # smelt_model.titan; its shims are for this release
     },
+    entry_points={
+        # the commands users run most, by name (each is also python -m <module>)
+        "console_scripts": [
+            "smelt-selftest=smelt_tools.selftest.cli:main",
+            "smelt-budget=smelt_model.budget.cli:main",
+            "smelt-train=smelt_model.train.__main__:main",
+            "smelt-scaling=smelt_model.scaling.report:main",
+            "smelt-analysis=smelt_model.analysis:main",
+            "smelt-export=smelt_model.titan.export:main",
+        ]
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -52,6 +52,8 @@ ENVIRONMENT: dict[str, str] = {
     "0 turns it off)",
     "SMELT_POISON": "1 fills every kernel output with NaN before the kernel writes it (tests)",
     "SMELT_HF_STRICT": "1: the transformers experts integration raises instead of falling back",
+    "SMELT_TRACEBACK": "1: a command re-raises the error it would print as one line (for a bug "
+    "report)",
     "SMELT_TRAIN_CRASH": "step:N or checkpoint:N kills the trainer there (fault injection, tests)",
 }
 

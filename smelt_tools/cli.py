@@ -1,23 +1,65 @@
-"""The command-line conventions every smelt command shares: a bad option is one line on
-stderr and exit status 2, never a usage block or a traceback.
+"""The one command-line convention of every smelt command.
 
-:class:`Parser` raises :class:`UsageError` so that a command's ``main`` reports it beside
-its other refusals (:func:`run_cli` does that for the benchmarks); :class:`ExitParser`
-prints ``error: <message>`` and exits 2 itself, for commands that have nothing else to
-report at parse time.
+A command is a function ``run(argv) -> int | None`` whose options come from a
+:class:`Parser`; :func:`command` turns it into the entry point ``main(argv=None) -> int``
+(what ``python -m`` calls and what a console script names)::
+
+    PROG = "smelt-budget"
+
+    def _run(argv):
+        args = _parser().parse_args(argv)     # a Parser: a bad option raises UsageError
+        ...
+
+    main = command(PROG, _run)
+
+What a user sees when something is wrong, in every command:
+
+* a bad option, or a setting the command cannot run with (:class:`UsageError`, raised by
+  the parser or by the command's own checks before any work starts): one line
+  ``<prog>: error: <message>`` on stderr and exit status 2;
+* a failure the user caused while the command runs (a missing or malformed file, a
+  checkpoint that does not fit: :class:`CommandError`, or the ``ValueError`` /
+  ``TypeError`` smelt's own checks raise, or an ``OSError``, which reads
+  ``<path>: <reason>``): one line ``<prog>: error: <message>`` and exit status 1;
+* the message is one line whatever it carries (white space is folded), with no usage block
+  and no traceback; ``SMELT_TRACEBACK=1`` re-raises instead, for a bug report.
+
+Anything else is a bug and keeps its traceback. The helpers below keep the options the
+commands share alike: :func:`add_threads`, :func:`output_path` (a file a command will
+write, checked before the work) and :func:`unknown` (a name that is not one of the known
+ones, with the closest as a suggestion).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
-from typing import Callable, NoReturn, Optional, Sequence
+from pathlib import Path
+from typing import Callable, Iterable, NoReturn, Optional, Sequence, Union
 
-__all__ = ["UsageError", "Parser", "ExitParser", "run_cli"]
+__all__ = [
+    "UsageError",
+    "CommandError",
+    "Parser",
+    "ExitParser",
+    "command",
+    "run_cli",
+    "one_line",
+    "add_threads",
+    "threads",
+    "output_path",
+    "unknown",
+]
 
 
 class UsageError(ValueError):
-    """A bad option or a setting the command cannot run: one line on stderr, exit 2."""
+    """A bad option or a setting the command cannot run with: one line, exit status 2."""
+
+
+class CommandError(ValueError):
+    """A failure the user caused while the command ran: one line, exit status 1."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -29,24 +71,109 @@ class Parser(argparse.ArgumentParser):
 
 
 class ExitParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors print ``error: <message>`` (one line, no usage
-    block) and exit with status 2."""
+    """The older form (prints ``error: <message>`` and exits 2 itself); commands move to
+    :class:`Parser` and :func:`command`, and this goes when the last one has."""
 
     def error(self, message: str) -> NoReturn:
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
 
+def one_line(message: object) -> str:
+    """``message`` as one line (white space folded)."""
+    return " ".join(str(message).split())
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        where = e.filename if e.filename is not None else ""
+        return f"{where}: {e.strerror}" if where else e.strerror
+    return str(e) or type(e).__name__
+
+
 def run_cli(
     prog: str,
-    main: Callable[[Optional[Sequence[str]]], Optional[int]],
+    run: Callable[[Optional[Sequence[str]]], Optional[int]],
     argv: Optional[Sequence[str]] = None,
 ) -> int:
-    """Run ``main(argv)``; a :class:`UsageError` becomes ``"<prog>: error: <message>"`` on
-    stderr and exit status 2. Returns the exit status (``main``'s, 0 when it returns None)."""
+    """Run ``run(argv)`` under the convention (module docstring); returns the exit status
+    (``run``'s, 0 when it returns None)."""
     try:
-        rc = main(argv)
+        rc = run(argv)
     except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    return 0 if rc is None else int(rc)
+        status, message = 2, str(e)
+    except (ValueError, TypeError, OSError) as e:
+        status, message = 1, _describe(e)
+    else:
+        return 0 if rc is None else int(rc)
+    if os.environ.get("SMELT_TRACEBACK") == "1":
+        raise
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
+    return status
+
+
+def command(
+    prog: str, run: Callable[[Optional[Sequence[str]]], Optional[int]]
+) -> Callable[[Optional[Sequence[str]]], int]:
+    """The entry point ``main(argv=None) -> int`` of the command ``run`` (see the module
+    docstring)."""
+
+    def main(argv: Optional[Sequence[str]] = None) -> int:
+        return run_cli(prog, run, argv)
+
+    main.__doc__ = run.__doc__
+    main.__wrapped__ = run  # type: ignore[attr-defined]
+    return main
+
+
+def add_threads(parser: argparse.ArgumentParser, default: Optional[int] = None) -> None:
+    """The ``--threads N`` option every timed or training command takes (torch's and the
+    native kernels' CPU threads); check it with :func:`threads`."""
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=default,
+        help="CPU threads for torch and the native kernels"
+        + (" (default: torch's)" if default is None else f" (default {default})"),
+    )
+
+
+def threads(value: Optional[int]) -> Optional[int]:
+    """``--threads``, checked: None or a positive int (else :class:`UsageError`)."""
+    if value is not None and value < 1:
+        raise UsageError(f"--threads must be a positive integer, got {value}")
+    return value
+
+
+def output_path(
+    value: Union[str, os.PathLike, None], option: str, suffixes: Iterable[str] = ()
+) -> Optional[Path]:
+    """A file the command will write, checked before any work (else :class:`UsageError`
+    naming ``option``): not a folder, in a folder that exists (or can be made: its nearest
+    existing parent is a folder), with one of ``suffixes`` when given. None passes."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_dir():
+        raise UsageError(f"{option} {value}: is a folder, expected a file to write")
+    suffixes = tuple(suffixes)
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise UsageError(f"{option} {value}: expected a {' or '.join(suffixes)} file")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{option} {value}: {parent} is not a folder")
+    return path
+
+
+def unknown(what: str, name: str, known: Sequence[str]) -> UsageError:
+    """A :class:`UsageError` for a ``name`` that is not one of ``known`` (the closest as a
+    suggestion, then every known name)."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    if not close:
+        lowered = {k.lower(): k for k in known}
+        close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
+        close = [lowered[c] for c in close]
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return UsageError(f"unknown {what} {name!r}{hint}; known: {', '.join(known)}")
