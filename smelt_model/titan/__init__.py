@@ -16,7 +16,9 @@ Inside: ``model`` (:class:`~smelt_model.titan.model.SmeltTitan`: a ``SmeltLM`` t
 torchtitan model), ``moe`` (smelt's routing on torchtitan's MoE seam), ``parallelize``
 (EP, FSDP units, recompute), ``loss``, ``data`` (smelt's packed documents as torchtitan's
 loader), ``checkpoint`` and ``export`` (state-dict adapter, seeds, export to
-``SmeltLM``), ``comm`` (all-to-all byte counting), ``overrides`` (the switch back to
+``SmeltLM``), ``dispatch`` (the token dispatchers: stock rows with byte recording, or
+de-duplicated, both split in phases for overlap), ``exchange`` (all-to-alls left in flight,
+forward and backward), ``traffic`` (the byte recorder), ``overrides`` (the switch back to
 torchtitan's kernels) and ``config_registry``. Importing a submodule needs torchtitan;
 this package itself imports nothing heavy.
 """

@@ -18,7 +18,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from smelt_model import presets  # noqa: E402
 from smelt_model.model import SmeltLM  # noqa: E402
-from smelt_model.titan import comm  # noqa: E402
+from smelt_model.titan import traffic  # noqa: E402
 from smelt_model.titan.attention import segment_ids_from_positions  # noqa: E402
 from smelt_model.titan.state_dict import to_smelt, write_seed  # noqa: E402
 
@@ -120,7 +120,7 @@ def test_the_looped_span_is_gathered_once_per_forward_and_reduced_once(run):
 
 
 def test_all_to_all_counts_follow_the_realised_routing(run):
-    records = comm.read(run["dir"] / "comm")
+    records = traffic.read(run["dir"] / "comm")
     cfg = presets.get(PRESET)
     assert [r["ep_rank"] for r in records] == [0, 1] and records[0]["ep_size"] == 2
     tokens = 2 * 64  # local batch x seq_len
@@ -134,7 +134,7 @@ def test_all_to_all_counts_follow_the_realised_routing(run):
         by_rank[r["ep_rank"]] = {
             (ev["call"], ev["kind"], ev["phase"]): ev for ev in r["events"] if ev["step"] == 1
         }
-    matrices = comm.routing_matrices(records, step=1)
+    matrices = traffic.routing_matrices(records, step=1)
     assert len(matrices) == cfg.executed_layers and len(matrices[0]) == 2
     for i in (0, 1):
         for (call, kind, phase), ev in by_rank[i].items():
@@ -170,7 +170,7 @@ def test_the_ledger_counts_the_bytes_the_dispatcher_sent(run):
     mirror of each."""
     from smelt_model import budget
 
-    records = comm.read(run["dir"] / "comm")
+    records = traffic.read(run["dir"] / "comm")
     cfg = presets.get(PRESET)
     # (the last step also holds the worker's extra forward for the export check)
     for step in range(1, STEPS):
@@ -180,7 +180,7 @@ def test_the_ledger_counts_the_bytes_the_dispatcher_sent(run):
             ep=2,
             dp_shard=2,
             dtype="float32",
-            routing=comm.routing_matrices(records, step=step),
+            routing=traffic.routing_matrices(records, step=step),
         )
         for r in records:
             sent = r["steps"][str(step)]
