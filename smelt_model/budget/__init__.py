@@ -26,6 +26,7 @@ from .cluster import (
     project_pair,
 )
 from .comm import DTYPE_BYTES, Comm, CommRatios, comm, dtype_bytes, ratios
+from .layout import ParallelPlan, parse_plan
 from .ledger import (
     PARTS,
     Ledger,
@@ -62,6 +63,8 @@ __all__ = [
     "comm",
     "ratios",
     "dtype_bytes",
+    "ParallelPlan",
+    "parse_plan",
     "CLUSTER_PRESETS",
     "TOKENS_PER_GPU",
     "Cluster",
