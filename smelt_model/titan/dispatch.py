@@ -320,12 +320,13 @@ class DedupAllToAllTokenDispatcher(CountingAllToAllTokenDispatcher):
             counts = torch.cat([counts_E.view(ep, e), has.sum(0).view(ep, 1)], dim=1)
             received = all_to_all_single(counts.contiguous(), None, None, group=pg)
             received = torch.ops._c10d_functional.wait_tensor(received)
-            in_splits = counts[:, e].tolist()
-            out_splits = received[:, e].tolist()
-            n_expanded = int(received[:, :e].sum())
             counts_e = received[:, :e].sum(0)
-        # the rows to send, rank-major, tokens in order within a rank
-        sent = has.t().reshape(-1).nonzero().squeeze(1)
+            in_splits = counts[:, e].tolist()
+            table = received.tolist()  # the one wait for the host: the split sizes
+            out_splits = [row[e] for row in table]
+            n_expanded = sum(sum(row[:e]) for row in table)
+        # the rows to send, rank-major, tokens in order within a rank (sizes known: no sync)
+        sent = torch.nonzero_static(has.t().reshape(-1), size=sum(in_splits)).squeeze(1)
         token_of_S = sent % T
         dest_of_S = sent // T
         own = dest[token_of_S] == dest_of_S.view(-1, 1)  # (S, K): the slots for that rank

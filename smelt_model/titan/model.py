@@ -124,6 +124,8 @@ class SmeltTitan(SmeltLM, BaseModel):
         #: the parallel plan the run uses (a smelt_model.budget.ParallelPlan; None: every
         #: layer expert-parallel, torchtitan's layout)
         plan: Any = None
+        #: ranks per node of the run (a gather layer's experts with gather_group "node")
+        node_size: int = 1
 
         def __post_init__(self) -> None:
             if not isinstance(self.arch, ModelConfig):

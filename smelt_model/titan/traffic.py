@@ -301,3 +301,73 @@ def token_rank_matrices(
     [i][j] is how many of rank i's tokens have at least one expert on EP rank j (the same
     ``records`` and ``step`` as :func:`routing_matrices`)."""
     return _per_call(records, step, "token_ranks")
+
+
+# ----------------------------------------------------------------------------- FSDP
+def _phase() -> str:
+    import torch
+
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+def _group_name(mesh_info: Any) -> str:
+    names = mesh_info.mesh.mesh_dim_names or ()
+    dim = mesh_info.shard_mesh_dim
+    return names[dim] if dim is not None and dim < len(names) else "shard"
+
+
+class _Counted:
+    """An FSDP communication (all-gather or reduce-scatter) of one parameter group, passed
+    through to the group's own, that reports its bytes (see the module docstring)."""
+
+    def __init__(self, inner: Any, kind: str, group: Any, expert_numel: int, total_numel: int):
+        self.inner, self.kind = inner, kind
+        self.mesh_info = group.mesh_info
+        self.expert_numel, self.total_numel = expert_numel, total_numel
+        self.hsdp = hasattr(self.mesh_info, "replicate_process_group")
+
+    def allocate(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.allocate(*args, **kwargs)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, *args: Any, **kw: Any):
+        n = group.size()
+        elem = input_tensor.element_size()
+        shard = input_tensor.numel() if self.kind == "all_gather" else output_tensor.numel()
+        part = self.expert_numel / self.total_numel if self.total_numel else 0.0
+        name = _group_name(self.mesh_info)
+        sent = (n - 1) * shard * elem
+        RECORDER.add_fsdp(self.kind, _phase(), name, n, sent, sent * part)
+        if self.kind == "reduce_scatter" and self.hsdp:  # the replicas then all-reduce it
+            m = self.mesh_info.replicate_process_group.size()
+            sent = 2 * (m - 1) / m * shard * elem
+            RECORDER.add_fsdp("all_reduce", "backward", name + "_replicas", m, sent, sent * part)
+        return self.inner(output_tensor, input_tensor, group, *args, **kw)
+
+
+def record_fsdp(model: Any, gather_params: set) -> int:
+    """Report the FSDP collectives of every parameter group of ``model`` (sharded with FSDP2)
+    that holds a parameter of ``gather_params`` (the ``gather`` layers' experts, as the
+    sharded parameters); returns how many groups. Nothing happens while recording is off."""
+    if not RECORDER.enabled:
+        return 0
+    from torch.distributed.fsdp import FSDPModule
+
+    ids = {id(p) for p in gather_params}
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            sizes = [(fp.padded_sharded_param_size.numel(), fp) for fp in group.fsdp_params]
+            experts = sum(n for n, fp in sizes if id(fp.sharded_param) in ids)
+            if not experts:
+                continue
+            total = sum(n for n, _ in sizes)
+            group._all_gather_comm = _Counted(
+                group._all_gather_comm, "all_gather", group, experts, total
+            )
+            group._reduce_scatter_comm = _Counted(
+                group._reduce_scatter_comm, "reduce_scatter", group, experts, total
+            )
+            count += 1
+    return count
