@@ -71,7 +71,7 @@ def _parse(args: list[str]):
 def _check(config) -> None:
     """What the parser cannot know: the mesh against the world and the model."""
     from .model import SmeltTitan
-    from .parallelize import _check_parallelism, recompute_policy
+    from .parallelize import _check_parallelism, recompute_policy, run_plan
 
     p = config.parallelism
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -113,7 +113,7 @@ def _check(config) -> None:
     model = config.model_spec.model if config.model_spec is not None else None
     if isinstance(model, SmeltTitan.Config):
         _check_parallelism(model.arch, p)
-        recompute_policy(config.activation_checkpoint)
+        run_plan(config, model.arch, recompute_policy(config.activation_checkpoint))
     if (
         config.training.steps < 1
         or config.training.local_batch_size < 1

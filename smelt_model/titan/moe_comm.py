@@ -84,7 +84,10 @@ class RunMesh:
     def of(cls, parallelism: Any, training: Any = None) -> "RunMesh":
         import torch.distributed as dist
 
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        if dist.is_initialized():
+            world = dist.get_world_size()
+        else:  # before the process group: what torchrun said
+            world = int(os.environ.get("WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         tokens = 0 if training is None else training.local_batch_size * training.seq_len
         return cls(
@@ -101,19 +104,20 @@ def run_cluster(spec: str, mesh: RunMesh) -> Any:
     name, then ``key=value`` pairs), the mesh for the rest of ``gpus``, ``gpus_per_node`` and
     ``ep``; ValueError if the SPEC's ``gpus`` or ``ep`` disagree with the run."""
     text = (spec or "").strip()
-    given: set[str] = set()
-    for i, item in enumerate(p.strip() for p in text.split(",") if p.strip()):
-        if "=" in item:
-            given.add(item.split("=", 1)[0].strip())
-        elif i == 0 and item in budget.CLUSTER_PRESETS:
-            given |= {kv.split("=", 1)[0] for kv in budget.CLUSTER_PRESETS[item].split(",")}
+    ran = {"gpus": mesh.world, "gpus_per_node": mesh.local_world, "ep": mesh.ep}
+    items = [item.strip() for item in text.split(",") if item.strip()]
     try:
-        cluster = budget.parse_cluster(text) if text else budget.Cluster()
-        ran = {"gpus": mesh.world, "gpus_per_node": mesh.local_world, "ep": mesh.ep}
+        if items and "=" not in items[0]:  # a preset: its pairs, then the given ones
+            if items[0] not in budget.CLUSTER_PRESETS:
+                budget.parse_cluster(items[0])  # raises the ledger's own message
+            items = budget.CLUSTER_PRESETS[items[0]].split(",") + items[1:]
+        given = dict(item.split("=", 1) if "=" in item else (item, "") for item in items)
+        given = {k.strip(): v.strip() for k, v in given.items()}
         for key in ("gpus", "ep"):
-            if key in given and getattr(cluster, key) != ran[key]:
-                raise ValueError(f"{key}={getattr(cluster, key)}, but the run has {ran[key]}")
-        return dataclasses.replace(cluster, **{k: v for k, v in ran.items() if k not in given})
+            if key in given and given[key] != str(ran[key]):
+                raise ValueError(f"{key}={given[key]}, but the run has {ran[key]}")
+        merged = {**{k: str(v) for k, v in ran.items()}, **given}
+        return budget.parse_cluster(",".join(f"{k}={v}" for k, v in merged.items()))
     except (ValueError, TypeError) as e:
         raise ValueError(f"--moe_comm.cluster {text or '(from the mesh)'}: {e}") from None
 

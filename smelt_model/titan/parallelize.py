@@ -54,6 +54,7 @@ __all__ = [
     "update_model_config",
     "parallelize_smelt",
     "recompute_policy",
+    "run_plan",
     "clip_grad_norm_by_mesh",
 ]
 
@@ -115,6 +116,22 @@ def _dispatcher(kind: str, plan: Any) -> type:
     return DedupAllToAllTokenDispatcher if plan.dedup else CountingAllToAllTokenDispatcher
 
 
+def run_plan(config: Any, arch: Any, recompute: str) -> tuple[Any, RunMesh]:
+    """The parallel plan of a run (``Trainer.Config`` ``config``, model ``arch``, smelt
+    recompute policy ``recompute``) and the mesh it resolved against; ValueError (one line)
+    for a plan the run cannot use."""
+    section = getattr(config, "moe_comm", None) or MoECommConfig()
+    training = getattr(config, "training", None)
+    mesh = with_node(RunMesh.of(config.parallelism, training), section)
+    plan = resolve(arch, section, mesh, recompute)
+    if plan.overlap and training is not None and training.local_batch_size < 2:
+        raise ValueError(
+            f"--moe_comm.overlap splits each rank's batch in two chunks: "
+            f"--training.local_batch_size must be 2 or more, got {training.local_batch_size}"
+        )
+    return plan, mesh
+
+
 def update_model_config(model_cfg: Any, config: Any) -> None:
     """Apply a ``Trainer.Config`` to a ``SmeltTitan.Config`` (see the module docstring)."""
     parallelism = config.parallelism
@@ -123,9 +140,7 @@ def update_model_config(model_cfg: Any, config: Any) -> None:
     training = getattr(config, "training", None)
     if training is not None:
         model_cfg.recompute = recompute_policy(getattr(config, "activation_checkpoint", None))
-    section = getattr(config, "moe_comm", None) or MoECommConfig()
-    mesh = with_node(RunMesh.of(parallelism, training), section)
-    plan = resolve(arch, section, mesh, model_cfg.recompute)
+    plan, mesh = run_plan(config, arch, model_cfg.recompute)
     ep = parallelism.expert_parallel_degree
     for i, moe_cfg in enumerate(model_cfg.moe):
         kind = plan.kind(i)
@@ -143,11 +158,6 @@ def update_model_config(model_cfg: Any, config: Any) -> None:
     model_cfg.node_size = mesh.local_world
     if training is None:
         return
-    if plan.overlap and training.local_batch_size < 2:
-        raise ValueError(
-            f"--moe_comm.overlap splits each rank's batch in two chunks: "
-            f"--training.local_batch_size must be 2 or more, got {training.local_batch_size}"
-        )
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     per_step = training.local_batch_size * _batch_degree(parallelism, world)
     if training.global_batch_size > 0:
