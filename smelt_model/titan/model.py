@@ -62,7 +62,8 @@ class FlexSegmentAttention(Module):
 
     Called as smelt's attention op is: ``(q, k, v, segment_ids, check_values) ->
     (out, None)`` with q (B, T, Hq, D), k and v (B, T, Hkv, D). The block mask is built
-    once per ``segment_ids`` tensor (every layer of a forward shares it).
+    once per ``segment_ids`` tensor (every layer of a forward shares it; the two chunks of
+    an overlapped forward keep one each).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -73,11 +74,12 @@ class FlexSegmentAttention(Module):
         super().__init__()
         self.flex = config.flex.build()
         self.block_size = config.flex.block_size
-        self._mask: Optional[tuple[Any, Any]] = None
+        self._masks: list[tuple[Any, Any]] = []  # (weakref to segment_ids, mask), newest last
 
     def _block_mask(self, segment_ids: torch.Tensor, B: int, T: int, device):
-        if self._mask is not None and self._mask[0]() is segment_ids:
-            return self._mask[1]
+        for ref, mask in self._masks:
+            if ref() is segment_ids:
+                return mask
         seg = segment_ids
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -90,7 +92,7 @@ class FlexSegmentAttention(Module):
             mask_mod, B, None, T, T, device=device, BLOCK_SIZE=self.block_size
         )
         if segment_ids is not None:
-            self._mask = (weakref.ref(segment_ids), mask)
+            self._masks = self._masks[-1:] + [(weakref.ref(segment_ids), mask)]
         return mask
 
     def forward(self, q, k, v, segment_ids, check_values=None):
