@@ -15,17 +15,9 @@ on paper) and ``cli`` (``python -m smelt_model.budget``).
 """
 
 from .cli import main
-from .cluster import (
-    CLUSTER_PRESETS,
-    TOKENS_PER_GPU,
-    Cluster,
-    PairProjection,
-    Projection,
-    parse_cluster,
-    project,
-    project_pair,
-)
+from .cluster import CLUSTER_PRESETS, TOKENS_PER_GPU, Cluster, parse_cluster
 from .comm import Comm, CommRatios, comm, ratios
+from .footprint import Footprint
 from .layout import ParallelPlan, parse_plan
 from .ledger import (
     PARTS,
@@ -41,6 +33,7 @@ from .ledger import (
     mean_attended,
 )
 from .matcher import MatchError, match
+from .projection import PairProjection, PlanError, Projection, plan, project, project_pair
 from .routing import dedup_factor
 from .workload import DTYPE_BYTES, Workload, dtype_bytes
 
@@ -77,4 +70,7 @@ __all__ = [
     "parse_cluster",
     "project",
     "project_pair",
+    "plan",
+    "PlanError",
+    "Footprint",
 ]
