@@ -6,27 +6,12 @@ import shlex
 from pathlib import Path
 
 import pytest
+from helpers_budget import small_config as _small
 
 from smelt_model import budget, presets
-from smelt_model.config import LoopSpec, ModelConfig
+from smelt_model.config import LoopSpec
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "comm.md"
-
-
-def _small(**changes) -> ModelConfig:
-    # per layer: attention 2*4*4 + 2*4*4 = 64, router 4*4 = 16, norms 8, experts 4*3*4*2 = 96
-    cfg = ModelConfig(
-        vocab_size=10,
-        hidden_size=4,
-        n_layers=2,
-        n_heads=1,
-        n_kv_heads=1,
-        head_dim=4,
-        n_experts=4,
-        expert_size=2,
-        top_k=2,
-    )
-    return cfg.replace(**changes)
 
 
 # ----------------------------------------------------------------------------- EP bytes

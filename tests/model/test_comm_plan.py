@@ -6,30 +6,10 @@ import dataclasses
 import math
 
 import pytest
+from helpers_budget import small_config as _small
+from helpers_budget import small_looped as _looped
 
 from smelt_model import budget, presets
-from smelt_model.config import LoopSpec, ModelConfig
-
-
-def _small(**changes) -> ModelConfig:
-    # per layer: experts 4 x 3 x 4 x 2 = 96 parameters; H = 4 (a bf16 row is 8 bytes)
-    cfg = ModelConfig(
-        vocab_size=10,
-        hidden_size=4,
-        n_layers=2,
-        n_heads=1,
-        n_kv_heads=1,
-        head_dim=4,
-        n_experts=4,
-        expert_size=2,
-        top_k=2,
-    )
-    return cfg.replace(**changes)
-
-
-def _looped() -> ModelConfig:
-    # executed: 0, 1, 2, 1, 2, 3 (span 1..2 twice)
-    return _small(n_layers=4, loop=LoopSpec(start=1, length=2, count=2))
 
 
 # ----------------------------------------------------------------------------- parse_plan
