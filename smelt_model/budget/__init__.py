@@ -18,7 +18,7 @@ from .cli import main
 from .cluster import CLUSTER_PRESETS, TOKENS_PER_GPU, Cluster, parse_cluster
 from .comm import Comm, CommRatios, comm, ratios
 from .footprint import Footprint
-from .layout import ParallelPlan, parse_plan
+from .layout import ParallelPlan, overlap_conflict, parse_plan
 from .ledger import (
     PARTS,
     Ledger,
@@ -61,6 +61,7 @@ __all__ = [
     "Workload",
     "ParallelPlan",
     "parse_plan",
+    "overlap_conflict",
     "dedup_factor",
     "CLUSTER_PRESETS",
     "TOKENS_PER_GPU",

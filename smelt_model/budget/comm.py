@@ -52,10 +52,10 @@ and the parameters by part. What is counted, and how:
   FSDP once per step whatever the visits; with ``"node"`` over several nodes each rank then
   all-reduces its reduced shard with its replicas on the other nodes (``gather_all_reduce``,
   in ``reduce_dtype``). When the span is gathered one layer at a time
-  (``plan.span_gather == "layer"``) each span layer's experts (of either kind) are a unit of
-  their own: gathered before each visit, forward and backward, and reduce-scattered after
-  each visit's backward; the all-reduce between node replicas still runs once, after the
-  layer's last backward, on the accumulated shard.
+  (``plan.span_gather == "layer"``) each span ``gather`` layer's experts are a unit of
+  their own: gathered before each visit, forward and backward, and reduce-scattered (and
+  all-reduced between replicas) after each visit's backward, as FSDP2 does for a module
+  called more than once.
 * Collectives follow the ring convention: over ``n`` ranks a rank sends ``(n - 1) / n`` of
   the gathered (or reduced) buffer; an all-reduce sends twice that.
 """
@@ -251,13 +251,15 @@ def _recomputed(cfg: ModelConfig, policy: str) -> set[int]:
     return set()
 
 
-def _passes(cfg: ModelConfig, plan: ParallelPlan, layers) -> tuple[int, ...]:
+def _passes(cfg: ModelConfig, plan: ParallelPlan, layers, own: bool) -> tuple[int, ...]:
     """(forward gathers, backward gathers, reductions) of the experts of ``layers``, summed:
-    once per step each, or once per visit for a span layer gathered on its own."""
+    once per step each, or once per visit for a span layer that is a unit of its ``own``
+    (a ``gather`` layer of a span gathered layer by layer)."""
     loop = loop_of(cfg)
     fwd = bwd = red = 0
     for layer in layers:
-        again = loop.count if loop.in_span(layer) and plan.span_gather == "layer" else 1
+        alone = own and loop.in_span(layer) and plan.span_gather == "layer"
+        again = loop.count if alone else 1
         fwd += again if plan.reshard_after_forward else 1
         bwd += again if plan.reshard_after_forward else 0
         red += again
@@ -345,7 +347,7 @@ def comm(
     del dense["experts"]
     experts = layer_params(cfg)["experts_total"]
     ep_layer = _ring(dp_shard // ep) * experts / ep
-    e_fwd, e_bwd, e_red = _passes(cfg, plan_, plan_.ep_layers)
+    e_fwd, e_bwd, e_red = _passes(cfg, plan_, plan_.ep_layers, own=False)
     again = 2 if plan_.reshard_after_forward else 1
     by_part = {part: n * (again * act + red) for part, n in dense.items()}
     by_part["experts"] = ep_layer * ((e_fwd + e_bwd) * act + e_red * red)
@@ -353,7 +355,7 @@ def comm(
 
     group = dp_shard if plan_.gather_group == "all" else min(node, dp_shard)
     replicas = dp_shard // group
-    g_fwd, g_bwd, g_red = _passes(cfg, plan_, plan_.gather_layers)
+    g_fwd, g_bwd, g_red = _passes(cfg, plan_, plan_.gather_layers, own=True)
     return Comm(
         tokens_per_step=tokens_per_step,
         ep=ep,
@@ -380,7 +382,7 @@ def comm(
         gather_all_gather_forward=g_fwd * _ring(group) * experts * act,
         gather_all_gather_backward=g_bwd * _ring(group) * experts * act,
         gather_reduce_scatter=g_red * _ring(group) * experts * red,
-        gather_all_reduce=len(plan_.gather_layers) * 2 * _ring(replicas) * experts / group * red,
+        gather_all_reduce=g_red * 2 * _ring(replicas) * experts / group * red,
     )
 
 

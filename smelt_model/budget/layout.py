@@ -44,6 +44,7 @@ __all__ = [
     "PLAN_NAMES",
     "ParallelPlan",
     "parse_plan",
+    "overlap_conflict",
 ]
 
 LAYER_KINDS = ("ep", "gather")
@@ -212,6 +213,20 @@ def parse_plan(
     )
     plan.check(cfg)
     return plan
+
+
+def overlap_conflict(plan: ParallelPlan, cfg: ModelConfig) -> Optional[str]:
+    """Why smelt's trainer cannot run ``plan``'s two-chunk overlap on ``cfg``, or None: it
+    runs without activation recompute, and not with span layers gathered one at a time
+    (each chunk would gather them again)."""
+    if not plan.overlap:
+        return None
+    if plan.recompute != "none":
+        return "the two-chunk overlap runs without activation recompute"
+    loop = loop_of(cfg)
+    if plan.span_gather == "layer" and any(loop.in_span(i) for i in plan.gather_layers):
+        return "the two-chunk overlap would gather span layers gathered one at a time per chunk"
+    return None
 
 
 def stock_plan(cfg: ModelConfig, ep: int) -> ParallelPlan:

@@ -14,8 +14,11 @@ the others, gather their experts instead of moving their tokens (spread evenly t
 their group; layers of one group are alike), the gather group (``node`` or ``all``), the
 span gathered as one unit or layer by layer, and the lightest activation recompute
 (``none``, ``visit1``, ``all``) that fits the cluster's memory per GPU
-(:mod:`.footprint`). Each candidate's step is replayed by :mod:`.schedule` (compute, the
-in-node links and the NIC as separate resources, the two-chunk overlap, FSDP prefetch);
+(:mod:`.footprint`); where smelt's trainer cannot overlap a candidate
+(:func:`~smelt_model.budget.layout.overlap_conflict`: recompute, or span layers gathered
+one at a time), it is projected without the overlap. Each candidate's step is replayed
+by :mod:`.schedule` (compute, the in-node links and the NIC as separate resources, the
+two-chunk overlap, FSDP prefetch);
 the shortest step wins (near ties, equal to six digits: fewer gathered layers, then less
 memory). ``dedup`` and ``overlap`` are what
 smelt's trainer runs (both on by default).
@@ -35,7 +38,7 @@ from ..config import ModelConfig
 from .cluster import TOKENS_PER_GPU, Cluster, parse_cluster
 from .comm import Comm, _bytes, comm
 from .footprint import Footprint, footprint
-from .layout import ParallelPlan, loop_of, parse_plan, stock_plan
+from .layout import ParallelPlan, loop_of, overlap_conflict, parse_plan, stock_plan
 from .ledger import compare
 from .schedule import StepModel, simulate
 from .workload import Workload, workload_of
@@ -206,6 +209,8 @@ class _Search:
         for candidate in self._variants(layers):
             for policy in _recomputes(cfg):
                 p = dataclasses.replace(candidate, recompute=policy)
+                if overlap_conflict(p, cfg):  # the trainer runs this one without overlap
+                    p = dataclasses.replace(p, overlap=False)
                 c = comm(
                     cfg,
                     self.tokens,

@@ -30,8 +30,9 @@ What waits for what (the schedule the runtime runs):
   exists in its slot.
 * **FSDP units.** The root (the embeddings, final norm and head) first, every prelude and
   coda layer a unit, the looped span one unit. A span gathered one layer at a time
-  (``plan.span_gather == "layer"``) keeps its dense weights as that unit, and each span
-  layer's experts become a unit gathered before each visit. A unit's all-gather is issued
+  (``plan.span_gather == "layer"``) keeps its dense weights and its ``ep`` layers' experts in
+  that unit, and each span ``gather`` layer's experts become a unit gathered before each
+  visit and reduced after each visit's backward. A unit's all-gather is issued
   when the unit before it starts computing (FSDP2's prefetch of one unit) and must be in
   before the unit's first layer runs; the backward re-gathers (with
   ``plan.reshard_after_forward``) the same way in reverse, and a unit's gradients are
@@ -92,8 +93,7 @@ class _Unit:
 
 def fsdp_units(cfg: ModelConfig, plan: ParallelPlan):
     """The FSDP units of one step: (forward gathers, backward gathers, reductions), lists
-    of ``(position, unit)`` in program order (a reduction also says whether it is the unit's
-    last of the step). A forward position is an index into the
+    of ``(position, unit)`` in program order. A forward position is an index into the
     executed layers, a backward position one into them reversed; a gather must be in before
     its position runs, a reduction starts once its position's backward is done."""
     loop, p = loop_of(cfg), layer_params(cfg)
@@ -104,22 +104,19 @@ def fsdp_units(cfg: ModelConfig, plan: ParallelPlan):
     def block(layers) -> _Unit:
         u = _Unit(dense=dense * len(layers))
         for layer in layers:
-            if not as_unit and loop.in_span(layer):
-                continue  # the span layer's experts are a unit of their own
             if plan.kind(layer) == "ep":
                 u.efsdp += experts
-            else:
+            elif as_unit or not loop.in_span(layer):
                 u.gathered += experts
+            # else: the span layer's gathered experts are a unit of their own
         return u
 
     root = _Unit(dense=embedding_params(cfg) + cfg.hidden_size)
     blocks = {i: block([i]) for i in range(cfg.n_layers) if not loop.in_span(i)}
     span = block(range(loop.start, loop.end)) if loop.length else None
-    # with the span gathered layer by layer, each span layer's experts are their own unit
+    # with the span gathered layer by layer, each span gather layer's experts are a unit
     own = {
-        i: _Unit(efsdp=experts) if plan.kind(i) == "ep" else _Unit(gathered=experts)
-        for i in range(loop.start, loop.end)
-        if not as_unit
+        i: _Unit(gathered=experts) for i in plan.gather_layers if loop.in_span(i) and not as_unit
     }
     forward, backward, reductions = [(0, root)], [(0, root)] if reshard else [], []
     for pos, s in enumerate(loop.steps):
@@ -134,16 +131,16 @@ def fsdp_units(cfg: ModelConfig, plan: ParallelPlan):
     for pos, s in enumerate(reversed(loop.steps)):
         if not s.in_span:
             backward += [(pos, blocks[s.layer])] if reshard else []
-            reductions.append((pos, blocks[s.layer], True))
+            reductions.append((pos, blocks[s.layer]))
             continue
         if s.visit == loop.count - 1 and s.layer == loop.end - 1 and reshard:
             backward.append((pos, span))
         if s.layer in own:
             backward += [(pos, own[s.layer])] if reshard else []
-            reductions.append((pos, own[s.layer], s.visit == 0))
+            reductions.append((pos, own[s.layer]))
         if s.visit == 0 and s.layer == loop.start:
-            reductions.append((pos, span, True))
-    reductions.append((last, root, True))
+            reductions.append((pos, span))
+    reductions.append((last, root))
     return forward, backward, reductions
 
 
@@ -290,12 +287,12 @@ class _Replay:
                 out.append(self.g.add_transfer(stream, kind, secs, after))
         return out
 
-    def reduce(self, unit: _Unit, after: Optional[int], final: bool) -> None:
-        """Reduce-scatter ``unit``'s gradients; after its ``final`` one of the step, the
-        all-reduce between node replicas of its gathered experts."""
+    def reduce(self, unit: _Unit, after: Optional[int]) -> None:
+        """Reduce-scatter ``unit``'s gradients, then all-reduce the reduced shard of its
+        gathered experts between node replicas."""
         done = self.collective("reduce", unit, self.w.reduce_bytes, after)
         replicas, group = self.comm.gather_replicas, self.comm.gather_group_size
-        if final and unit.gathered and replicas > 1:
+        if unit.gathered and replicas > 1:
             shard = 2 * _ring(replicas) * unit.gathered / group * self.w.reduce_bytes
             secs = self._seconds("gather", {"inter": shard})
             self.g.add_transfer("reduce", "gather", secs, *done)
@@ -342,9 +339,9 @@ class _Replay:
             if step.slot in again:  # rebuilt once the gradient reaches the layer
                 heads = self.forward(step.layer, heads, wait)
             heads = self.backward(step.layer, heads, wait)
-            for at, unit, final in reductions:
+            for at, unit in reductions:
                 if at == pos:
-                    self.reduce(unit, heads[-1], final)
+                    self.reduce(unit, heads[-1])
         return heads
 
 

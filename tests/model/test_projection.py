@@ -213,3 +213,24 @@ def test_the_paper_cell_on_one_node():
     assert best.gap() < stock.gap()
     for p in (best.baseline, best.looped):
         assert p.fits and p.step_s == pytest.approx(p.compute_s + p.exposed_s)
+
+
+def test_plans_are_ones_the_trainer_runs():
+    cfg = _looped()
+    p = budget.parse_plan("span-gather", cfg, ep=2)
+    assert budget.overlap_conflict(p, cfg) is None
+    assert "without activation recompute" in budget.overlap_conflict(
+        dataclasses.replace(p, recompute="visit1"), cfg
+    )
+    assert "per chunk" in budget.overlap_conflict(dataclasses.replace(p, span_gather="layer"), cfg)
+    assert (
+        budget.overlap_conflict(dataclasses.replace(p, overlap=False, recompute="all"), cfg) is None
+    )
+    # a memory limit that forces recompute gives a plan without the overlap
+    tokens = 4 * 2**16
+    free, _ = budget.plan(cfg, SMALL, tokens)
+    assert free.recompute == "none" and free.overlap
+    need = budget.project(cfg, SMALL, tokens, plan=free).memory.total
+    tight, proj = budget.plan(cfg, SMALL, tokens, memory_limit=need)
+    assert tight.recompute != "none" and not tight.overlap and proj.fits
+    assert budget.overlap_conflict(tight, cfg) is None
