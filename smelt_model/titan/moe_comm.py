@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from .. import budget
 from ..config import ModelConfig
@@ -99,12 +99,15 @@ class RunMesh:
         )
 
 
-def run_cluster(spec: str, mesh: RunMesh) -> Any:
+def run_cluster(spec: str, mesh: RunMesh, memory: Optional[float] = None) -> Any:
     """The :class:`smelt_model.budget.Cluster` of the run: what ``spec`` sets (a preset
     name, then ``key=value`` pairs), the mesh for the rest of ``gpus``, ``gpus_per_node`` and
-    ``ep``; ValueError if the SPEC's ``gpus`` or ``ep`` disagree with the run."""
+    ``ep``, and ``memory`` (bytes per rank) unless the SPEC sets it; ValueError if the
+    SPEC's ``gpus`` or ``ep`` disagree with the run."""
     text = (spec or "").strip()
     ran = {"gpus": mesh.world, "gpus_per_node": mesh.local_world, "ep": mesh.ep}
+    if memory is not None:
+        ran["memory"] = f"{max(memory, 1e9) / 1e9:.6f}GB"  # the ledger plans for 1 GB or more
     items = [item.strip() for item in text.split(",") if item.strip()]
     try:
         if items and "=" not in items[0]:  # a preset: its pairs, then the given ones
@@ -114,7 +117,7 @@ def run_cluster(spec: str, mesh: RunMesh) -> Any:
         given = dict(item.split("=", 1) if "=" in item else (item, "") for item in items)
         given = {k.strip(): v.strip() for k, v in given.items()}
         for key in ("gpus", "ep"):
-            if key in given and given[key] != str(ran[key]):
+            if key in given and int(given[key]) != ran[key]:
                 raise ValueError(f"{key}={given[key]}, but the run has {ran[key]}")
         merged = {**{k: str(v) for k, v in ran.items()}, **given}
         return budget.parse_cluster(",".join(f"{k}={v}" for k, v in merged.items()))
@@ -127,26 +130,41 @@ def _choice(option: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"--moe_comm.{option} {value!r}: choose one of {', '.join(choices)}")
 
 
-def resolve(arch: ModelConfig, section: MoECommConfig, mesh: RunMesh, recompute: str) -> Any:
-    """The :class:`~smelt_model.budget.ParallelPlan` of a run (see the module docstring);
-    ``recompute`` is the run's activation policy. ValueError (one line) when the plan cannot
-    run on ``mesh``."""
+def resolve(
+    arch: ModelConfig,
+    section: MoECommConfig,
+    mesh: RunMesh,
+    recompute: str,
+    *,
+    reshard_after_forward: bool = True,
+    workload: Any = None,
+    available: Optional[float] = None,
+) -> Any:
+    """The :class:`~smelt_model.budget.ParallelPlan` of a run (see the module docstring).
+
+    ``recompute``: the run's activation policy; ``reshard_after_forward``: its FSDP
+    resharding (an ``auto`` plan chooses its own); ``workload``: a
+    :class:`smelt_model.budget.Workload` of the run (dtypes, sequence length);
+    ``available``: bytes one rank may use (None: not known, nothing refused for memory).
+    ValueError (one line) when the plan cannot run on ``mesh`` or does not fit in memory.
+    """
     _choice("gather_group", section.gather_group, ("node", "all"))
     _choice("span_gather", section.span_gather, ("unit", "layer"))
+    w = workload if workload is not None else budget.Workload()
+    tokens = mesh.tokens_per_rank * mesh.world or None
     if section.plan == "auto":
-        cluster = run_cluster(section.cluster, mesh)
-        plan, _ = budget.plan(
-            arch,
-            cluster,
-            mesh.tokens_per_rank * mesh.world or None,
-            dedup=section.dedup,
-            overlap=section.overlap,
-        )
+        cluster = run_cluster(section.cluster, mesh, available)
+        try:
+            plan, _ = budget.plan(
+                arch, cluster, tokens, dedup=section.dedup, overlap=section.overlap, workload=w
+            )
+        except ValueError as e:
+            raise ValueError(f"--moe_comm.plan auto: {e}") from None
         if plan.recompute != recompute:
             raise ValueError(
-                f"--moe_comm.plan auto: the best plan on this cluster recomputes "
-                f"{plan.recompute!r}; run with the matching --activation_checkpoint "
-                f"(none, selective = visit1, full = all) or give the plan"
+                f"--moe_comm.plan auto: the best plan on this cluster ({plan!r}) recomputes "
+                f"{plan.recompute!r}; run it with the matching activation_checkpoint (none, "
+                f"selective = visit1, full = all) or give the plan"
             )
     else:
         try:
@@ -159,27 +177,41 @@ def resolve(arch: ModelConfig, section: MoECommConfig, mesh: RunMesh, recompute:
                 dedup=section.dedup,
                 overlap=section.overlap,
                 recompute=recompute,
+                reshard_after_forward=reshard_after_forward,
             )
         except (ValueError, TypeError) as e:
             raise ValueError(f"--moe_comm.plan {section.plan}: {e}") from None
     _check_runnable(plan, arch, mesh)
+    if tokens is not None and (available is not None or "memory=" in section.cluster):
+        _check_memory(plan, arch, run_cluster(section.cluster, mesh, available), tokens, w)
     return plan
 
 
+def _check_memory(plan: Any, arch: ModelConfig, cluster: Any, tokens: int, w: Any) -> None:
+    """MemoryRefusal (a ValueError, one line) when ``plan`` does not fit a rank's memory."""
+    from .. import memory
+
+    try:
+        need = budget.project(arch, cluster, tokens, plan=plan, workload=w).memory
+    except ValueError as e:
+        raise ValueError(f"--moe_comm.plan {plan.spec}: {e}") from None
+    parts = {k: int(getattr(need, k)) for k in ("state", "gathered", "activations", "runtime")}
+    memory.check(
+        {"sharded": parts},
+        int(cluster.memory),
+        what=f"the plan {plan!r}",
+        where="each rank",
+        hint="gather fewer layers (--moe_comm.plan), gather the span layer by layer "
+        "(--moe_comm.span_gather layer), recompute activations, or use more ranks",
+    )
+
+
 def _check_runnable(plan: Any, arch: ModelConfig, mesh: RunMesh) -> None:
-    if plan.overlap and plan.recompute != "none":
+    conflict = budget.overlap_conflict(plan, arch)
+    if conflict is not None:
         raise ValueError(
-            "--moe_comm.overlap runs without activation recompute: drop "
-            "--activation_checkpoint or the overlap"
-        )
-    if (
-        plan.overlap
-        and plan.span_gather == "layer"
-        and any(arch.plan.in_span(i) for i in plan.gather_layers)
-    ):
-        raise ValueError(
-            "--moe_comm.overlap with --moe_comm.span_gather layer would gather each span "
-            "layer once per chunk: choose span_gather unit, or no overlap"
+            f"--moe_comm.overlap: {conflict}; drop the overlap, or use "
+            f"--moe_comm.span_gather unit and no activation_checkpoint"
         )
     if plan.gather_layers and mesh.replicate > 1:
         raise ValueError(
@@ -218,4 +250,8 @@ def describe(plan: Any, mesh: RunMesh) -> str:
         )
     parts.append("dedup" if plan.dedup else "stock rows")
     parts.append("overlap" if plan.overlap else "no overlap")
+    if plan.recompute != "none":
+        parts.append(f"recompute {plan.recompute}")
+    if not plan.reshard_after_forward:
+        parts.append("weights kept gathered from the forward to the backward")
     return "smelt plan: " + "; ".join(parts)

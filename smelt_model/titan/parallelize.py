@@ -123,13 +123,63 @@ def run_plan(config: Any, arch: Any, recompute: str) -> tuple[Any, RunMesh]:
     section = getattr(config, "moe_comm", None) or MoECommConfig()
     training = getattr(config, "training", None)
     mesh = with_node(RunMesh.of(config.parallelism, training), section)
-    plan = resolve(arch, section, mesh, recompute)
+    workload, available = None, None
+    if training is not None:
+        workload = _workload(config, arch)
+        available = _available_per_rank(mesh)
+    plan = resolve(
+        arch,
+        section,
+        mesh,
+        recompute,
+        reshard_after_forward=_reshard_after_forward(config.parallelism),
+        workload=workload,
+        available=available,
+    )
     if plan.overlap and training is not None and training.local_batch_size < 2:
         raise ValueError(
             f"--moe_comm.overlap splits each rank's batch in two chunks: "
             f"--training.local_batch_size must be 2 or more, got {training.local_batch_size}"
         )
     return plan, mesh
+
+
+def _workload(config: Any, arch: Any) -> Any:
+    """The ledger's :class:`~smelt_model.budget.Workload` of a run: the dtypes its weights
+    are gathered and its gradients reduced in, and its sequence length."""
+    from ..budget import Workload
+
+    training = config.training
+    model = getattr(getattr(config, "model_spec", None), "model", None)
+    seq_len = training.seq_len
+    return Workload(
+        dtype=training.mixed_precision_param,
+        reduce_dtype=training.mixed_precision_reduce,
+        mean_doc_len=min(float(getattr(model, "mean_doc_len", 800.0)), seq_len),
+        seq_len=seq_len,
+    )
+
+
+def _reshard_after_forward(parallelism: Any) -> bool:
+    import torchtitan.distributed.fsdp as tt_fsdp
+
+    return tt_fsdp.get_fsdp_reshard_after_forward_policy(
+        parallelism.fsdp_reshard_after_forward, pp_enabled=False
+    )
+
+
+def _available_per_rank(mesh: RunMesh) -> Any:
+    """Bytes one rank may use: its GPU's free memory, or on the CPU the machine's available
+    memory shared by the ranks of the node (None when the platform does not say)."""
+    import os
+
+    from .. import memory
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return memory.available(device)
+    free = memory.available()
+    return None if free is None else free // max(1, mesh.local_world)
 
 
 def update_model_config(model_cfg: Any, config: Any) -> None:
@@ -327,8 +377,9 @@ def parallelize_smelt(
             reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
             cast_forward_inputs=False,
         ),
-        "reshard_after_forward": tt_fsdp.get_fsdp_reshard_after_forward_policy(
-            parallelism.fsdp_reshard_after_forward, pp_enabled=False
+        # the plan's choice (an auto plan may keep the weights from the forward)
+        "reshard_after_forward": (
+            plan.reshard_after_forward if plan is not None else _reshard_after_forward(parallelism)
         ),
     }
     if training.enable_cpu_offload:

@@ -73,7 +73,7 @@ def test_the_cluster_comes_from_the_mesh_and_the_spec():
         (dict(cluster="ep=4"), "ep=4, but the run has 2"),
         (
             dict(plan="span-gather", overlap=True, span_gather="layer"),
-            "would gather each span layer once per chunk",
+            "would gather span layers gathered one at a time per chunk",
         ),
     ],
 )
@@ -102,3 +102,35 @@ def test_the_launcher_says_it_in_one_line_before_any_process_starts(tmp_path):
         "the model has 4 physical layers"
     )
     assert "Traceback" not in proc.stderr and not (tmp_path / "outputs").exists()
+
+
+def test_a_plan_that_does_not_fit_a_rank_is_refused(monkeypatch):
+    """The ledger's memory per rank of the plan against the memory the SPEC gives (else
+    what the machine has available), before anything is built."""
+    from smelt_model.memory import MemoryRefusal
+
+    config = _config(monkeypatch, plan="gather", cluster="memory=1GB")
+    with pytest.raises(MemoryRefusal) as e:
+        run_plan(config, config.model_spec.model.arch, "none")
+    message = str(e.value)
+    assert "ParallelPlan('gggg'" in message and "on each rank" in message
+    assert "--moe_comm.span_gather layer" in message and "\n" not in message
+    config = _config(monkeypatch, plan="gather", cluster="memory=80GB")
+    assert run_plan(config, config.model_spec.model.arch, "none")[0].letters == "gggg"
+
+
+def test_auto_runs_the_ledgers_best_plan_for_the_run(monkeypatch):
+    from smelt_model import budget
+
+    config = _config(monkeypatch, world=8, ep=8, plan="auto", cluster="memory=80GB")
+    config.training.seq_len, config.training.local_batch_size = 256, 4
+    arch = config.model_spec.model.arch
+    plan, mesh = run_plan(config, arch, "none")
+    expect, _ = budget.plan(
+        arch,
+        "gpus=8,gpus_per_node=8,ep=8,memory=80GB",
+        8 * 4 * 256,
+        workload=budget.Workload(dtype="bfloat16", mean_doc_len=256, seq_len=256),
+        overlap=False,
+    )
+    assert plan == expect and mesh.world == 8
