@@ -70,6 +70,29 @@ def test_overlap_equals_the_forward_without_it(ep_mesh, loop, dedup):
         )
 
 
+@pytest.mark.parametrize("recompute", ["visit1", "all"])
+def test_recomputed_layers_exchange_again_with_the_same_gradients(ep_mesh, recompute):
+    """Without overlap, a recomputed layer runs its (de-duplicated) exchanges again in the
+    backward; the gradients are those of SmeltLM."""
+    cfg = _cfg()
+    smelt, titan = _pair(cfg, recompute=recompute)
+    for i in range(cfg.n_layers):
+        routed = titan.layer(i).moe.routed_experts
+        cls = DedupAllToAllTokenDispatcher
+        routed.token_dispatcher = cls(cls.Config(num_experts=cfg.n_experts, top_k=cfg.top_k))
+        routed.token_dispatcher.wire_meshes(ep_mesh=ep_mesh)
+    tokens, positions, labels = _batch(cfg)
+    ref = smelt(tokens, segment_ids_from_positions(positions))
+    out = titan(tokens, positions=positions)
+    _objective(ref.logits, ref.aux_loss, labels).backward()
+    _objective(out.logits, out.aux_loss, labels).backward()
+    grads = to_smelt({n: p.grad for n, p in titan.named_parameters()})
+    for name, p in smelt.named_parameters():
+        torch.testing.assert_close(
+            grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}"
+        )
+
+
 def test_overlap_refuses_recompute():
     with pytest.raises(ValueError, match="overlap"):
         _pair(_cfg(), overlap=True, recompute="visit1")
