@@ -18,7 +18,8 @@ torchtitan model), ``moe`` (smelt's routing on torchtitan's MoE seam), ``paralle
 loader), ``checkpoint`` and ``export`` (state-dict adapter, seeds, export to
 ``SmeltLM``), ``dispatch`` (the token dispatchers: stock rows with byte recording, or
 de-duplicated, both split in phases for overlap), ``exchange`` (all-to-alls left in flight,
-forward and backward), ``traffic`` (the byte recorder), ``overrides`` (the switch back to
+forward and backward), ``traffic`` (the byte recorder), ``moe_comm`` (the ``--moe_comm``
+options: the per-layer parallel plan, de-duplication, overlap), ``overrides`` (the switch back to
 torchtitan's kernels) and ``config_registry``. Importing a submodule needs torchtitan;
 this package itself imports nothing heavy.
 """

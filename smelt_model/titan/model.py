@@ -20,9 +20,9 @@ router losses in training, scaled by 1 / gradient-accumulation steps).
 With ``Config.overlap`` (and a batch of two rows or more) the forward splits the batch into
 two chunks of rows and interleaves them through every executed layer
 (:class:`smelt_model.executor.Interleaved`): each MoE layer's dispatch and combine of one
-chunk are in flight while the other chunk computes, forward and backward (the schedule is
-in docs/comm.md). The result equals the forward without overlap; the router losses are
-computed over both chunks together.
+chunk are in flight while the other chunk computes, forward and backward (the schedule is in
+docs/titan.md, *Communication*). The result equals the forward without overlap; the router
+losses are computed over both chunks together.
 
 Parameters and FLOPs come from the ledger (:func:`smelt_model.budget.ledger`); the model
 config travels inside every checkpoint as the uint8 buffer ``config_json`` (its JSON), so
