@@ -83,9 +83,10 @@ def _run_config(model_sd: dict) -> Optional[ModelConfig]:
     return arch_from_config_json(buf.detach().cpu()) if isinstance(buf, torch.Tensor) else None
 
 
-def precheck(manager: Any, path: Path, hf: bool = False) -> None:
-    """:class:`CheckpointError` unless the folder ``path`` can hold the run's model (see
-    the module docstring, step 1)."""
+def precheck(manager: Any, path: Path, hf: bool = False, states: tuple[str, ...] = ()) -> None:
+    """:class:`CheckpointError` unless the folder ``path`` can hold the run's model and
+    has an entry for each of the training ``states`` to load (see the module docstring,
+    step 1)."""
     model_sd = manager.states[MODEL].state_dict()
     mine = _run_config(model_sd)
     if hf:  # a SmeltLM save_pretrained folder: its config.json against the run's
@@ -130,6 +131,19 @@ def precheck(manager: Any, path: Path, hf: bool = False) -> None:
             f"{path}: {len(odd)} tensors do not fit the model, e.g. {key}: stored {stored}, "
             f"the model's {want}"
         )
+    absent = [k for k in states if not any(e.startswith(k + ".") for e in entries)]
+    if absent:
+        raise CheckpointError(
+            f"{path}: holds the model only, no {', '.join(absent)} state (torchtitan saves "
+            "a run's last step so unless --checkpoint.no-last-save-model-only is given): a "
+            "run cannot resume from it"
+        )
+
+
+def _states(manager: Any) -> tuple[str, ...]:
+    """The training states a full load reads (those the run has and does not exclude)."""
+    skip = set(getattr(manager, "exclude_from_loading", ()) or ())
+    return tuple(k for k in _HELD if manager.states.get(k) is not None and k not in skip)
 
 
 # ----------------------------------------------------------------------------- step 2
@@ -248,7 +262,7 @@ def _attempt(manager: Any, step: int, path: Path) -> tuple[Optional[str], bool]:
     whether DCP read any of it into the model)."""
     problem = None
     try:
-        precheck(manager, path)
+        precheck(manager, path, states=() if step == 0 else _states(manager))
     except CheckpointError as e:
         problem = str(e)
     problem = _agree(problem)
@@ -318,8 +332,9 @@ def _initial_load(manager: Any) -> bool:
     if not folder.is_dir():
         raise CheckpointError(f"--checkpoint.initial_load_path {path}: no such folder")
     problem = None
+    full = not (manager.initial_load_model_only or manager.initial_load_in_hf)
     try:
-        precheck(manager, folder, hf=manager.initial_load_in_hf)
+        precheck(manager, folder, manager.initial_load_in_hf, _states(manager) if full else ())
     except CheckpointError as e:
         problem = str(e)
     problem = _agree(problem)

@@ -89,6 +89,7 @@ def _craft(stock, dump, marker, only=None) -> dict[int, str]:
         ),
         ("step not its folder", None),
         ("truncated shard", "truncate"),
+        ("model only", "model"),
         ("tensor payload", "tensor"),
         (".metadata payload", "metadata"),
     ]
@@ -102,6 +103,8 @@ def _craft(stock, dump, marker, only=None) -> dict[int, str]:
             state["lr_scheduler"]["last_epoch"] = n
         if callable(change):
             change(state)
+        if change == "model":  # what a run's model-only last step holds
+            state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         folder = ckpt / f"step-{n}"
         th.write_all(state, folder)
         if change == "truncate":
@@ -151,6 +154,7 @@ def test_every_crafted_checkpoint_is_passed_over_and_the_resume_is_exact(stock, 
         "data position": ["_num_yielded = 1000000000000"],
         "step not its folder": ["train_state.step is 1, its folder is step-10"],
         "truncated shard": [".distcp", "truncated"],
+        "model only": ["holds the model only", "cannot resume"],
         "tensor payload": ["norm.weight", "it names"],
         ".metadata payload": [".metadata", "refused, nothing was run"],
     }
@@ -163,19 +167,21 @@ def test_every_crafted_checkpoint_is_passed_over_and_the_resume_is_exact(stock, 
 
 
 def test_a_checkpoint_named_explicitly_is_not_replaced_and_fails_once(stock, tmp_path):
+    """Two processes started by the launcher itself (``--nproc_per_node``): the failure is
+    one line on stderr, printed by one of them, and the status is the workers' (1)."""
     marker = tmp_path / "ran"
     dump = tmp_path / "dump"
     (step,) = _craft(stock, dump, marker, only=".metadata payload")
-    args = _stock_args(dump, 3) + ["--checkpoint.load_step", str(step)]
-    proc = th.torchrun(args, cwd=stock["dir"], HF_HOME=stock["dir"] / "hf")
-    assert proc.returncode != 0
-    ours = [line for line in proc.stderr.splitlines() if line.startswith(PREFIX)]
-    assert len(ours) == 1, proc.stderr[-3000:]  # once, not once per rank
-    assert f"step-{step}/.metadata" in ours[0] and "refused, nothing was run" in ours[0]
-    assert not any(
-        line.strip().startswith("File ") and "smelt_model" in line
-        for line in proc.stderr.splitlines()
-    ), proc.stderr[-3000:]
+    args = _stock_args(dump, 3)[2:] + ["--checkpoint.load_step", str(step)]
+    proc = th.run(
+        [sys.executable, "-m", "smelt_model.titan", "--nproc_per_node", "2", *args],
+        cwd=stock["dir"],
+        HF_HOME=stock["dir"] / "hf",
+    )
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(PREFIX), proc.stderr[-3000:]
+    assert f"step-{step}/.metadata" in err[0] and "refused, nothing was run" in err[0]
     assert not marker.exists()
 
 
@@ -219,18 +225,24 @@ def _smelt_args(dump, *extra):
     ]
 
 
-def test_a_smelt_data_position_beyond_its_step_is_refused(tmp_path):
-    """A SMELT run's loader skips the batches its state says: a crafted 10**12 must not
-    make the resume spin."""
+def _smelt_step(folder, preset, batches):
+    """A SMELT checkpoint folder of ``preset`` at step 1 whose data position is
+    ``batches`` (model, train state and data position; no optimizer state)."""
     torch.manual_seed(0)
-    model = SmeltLM(presets.get("tiny-smelt"))
-    folder = tmp_path / "dump" / "checkpoint" / "step-1"
-    write_seed(model, folder)
+    write_seed(SmeltLM(presets.get(preset)), folder)
     state = th.read_all(folder)
     state["train_state"] = {"step": 1, "ntokens_seen": 32}
-    state["dataloader"] = {"dp_rank_0": {"batches": 10**12}, "world_size": 1}
+    state["dataloader"] = {"dp_rank_0": {"batches": batches}, "world_size": 1}
     shutil.rmtree(folder)
     th.write_all(state, folder)
+
+
+def test_a_smelt_data_position_beyond_its_step_and_another_preset_are_refused(tmp_path):
+    """A SMELT run's loader skips the batches its state says: a crafted 10**12 must not make
+    the resume spin; a checkpoint of another preset says which. One process, no torchrun."""
+    ckpt = tmp_path / "dump" / "checkpoint"
+    _smelt_step(ckpt / "step-2", "tiny-baseline", 2)
+    _smelt_step(ckpt / "step-1", "tiny-smelt", 10**12)
     args = _smelt_args(
         tmp_path / "dump", "--checkpoint.exclude_from_loading", "optimizer,lr_scheduler"
     )
@@ -238,17 +250,36 @@ def test_a_smelt_data_position_beyond_its_step_is_refused(tmp_path):
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(PREFIX + "no loadable checkpoint"), proc.stderr
-    assert "dataloader.dp_rank_0.batches = 1000000000000" in err[0]
+    assert "step-2: holds preset 'tiny-baseline'" in err[0]
+    assert "this run is preset 'tiny-smelt'" in err[0]
+    assert "step-1: the data position dataloader.dp_rank_0.batches = 1000000000000" in err[0]
 
 
-def test_another_presets_checkpoint_says_which_preset_it_holds(tmp_path):
+def test_another_presets_initial_load_path_says_which_preset_it_holds(tmp_path):
+    from types import SimpleNamespace
+
+    from smelt_model.errors import CheckpointError
+    from smelt_model.titan import resume
+    from smelt_model.titan.state_dict import config_bytes
+
     write_seed(SmeltLM(presets.get("tiny-baseline")), tmp_path / "seed")
-    args = _smelt_args(tmp_path / "dump", "--checkpoint.initial_load_path", str(tmp_path / "seed"))
-    proc = th.run([sys.executable, *args], cwd=tmp_path, timeout=170)
-    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
-    err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(PREFIX), proc.stderr
-    assert "preset 'tiny-baseline'" in err[0] and "this run is preset 'tiny-smelt'" in err[0]
+    mine = {"config_json": config_bytes(presets.get("tiny-smelt"))}
+    manager = SimpleNamespace(
+        folder=str(tmp_path / "none"),
+        initial_load_path=str(tmp_path / "seed"),
+        initial_load_in_hf=False,
+        initial_load_model_only=True,
+        exclude_from_loading=[],
+        states={"model": SimpleNamespace(state_dict=lambda: mine)},
+    )
+    with pytest.raises(CheckpointError) as info:
+        resume.checked_load(manager)
+    assert str(info.value) == (
+        f"--checkpoint.initial_load_path: {tmp_path / 'seed'}: holds "
+        f"{resume.describe(presets.get('tiny-baseline'))}, but this run is "
+        f"{resume.describe(presets.get('tiny-smelt'))}"
+    )
+    assert "preset 'tiny-baseline'" in str(info.value)
 
 
 def test_a_smelt_run_resumes_from_its_checkpoint_in_one_process(tmp_path):
