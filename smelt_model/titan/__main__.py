@@ -5,7 +5,7 @@ Three ways to start it, the same run each way:
 
 * ``python -m smelt_model.titan --config tiny-smelt ...``: one process;
 * ``python -m smelt_model.titan --nproc_per_node N --config ...``: N processes on this
-  machine, started by torch's elastic agent as torchrun starts them;
+  machine, started by torch's elastic launcher as torchrun starts them;
 * ``torchrun [torchrun options] -m smelt_model.titan --config ...``: any torchrun launch
   (several nodes, a rendezvous of your own).
 
@@ -204,7 +204,7 @@ def _one_process_env() -> None:
 
 def _first_to_fail() -> bool:
     """Whether this process reports the failure: the first of the processes on this node
-    to fail under torch's elastic agent (a marker beside their error files), else rank 0."""
+    to fail under torch's elastic launcher (a marker beside their error files), else rank 0."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         marker = Path(error_file).parent.parent / "smelt-reported"
@@ -243,14 +243,14 @@ def _report(error: BaseException, status: int) -> int:
 
 
 def _start(nproc: int, args: list[str]) -> int:
-    """Run ``args`` in ``nproc`` local processes through torch's elastic agent (torchrun's
+    """Run ``args`` in ``nproc`` local processes through torch's elastic launcher (torchrun's
     own); the workers report their failures, this returns the first one's status."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    for name in list(logging.root.manager.loggerDict):  # the agent's own failure report
+    for name in list(logging.root.manager.loggerDict):  # the launcher's own failure report
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     launch = get_args_parser().parse_args(
@@ -292,20 +292,20 @@ def _train(args: list[str]) -> int:
 
 
 def _run(argv: Optional[Sequence[str]] = None) -> int:
-    nproc, args = _take_nproc(list(sys.argv[1:] if argv is None else argv))
-    try:
-        import torchtitan  # noqa: F401
-    except ImportError:
-        raise UsageError(
-            "torchtitan is not installed (pip install -c constraints.txt 'smelt[titan]')"
-        ) from None
     torchrun = _under_torchrun()
-    if nproc is not None and torchrun:
-        raise UsageError("--nproc_per_node is torchrun's own here: give it before -m")
-    world = nproc or int(os.environ.get("WORLD_SIZE", "1") or 1)
     try:
+        nproc, args = _take_nproc(list(sys.argv[1:] if argv is None else argv))
+        try:
+            import torchtitan  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "torchtitan is not installed (pip install -c constraints.txt 'smelt[titan]')"
+            ) from None
+        if nproc is not None and torchrun:
+            raise UsageError("--nproc_per_node is torchrun's own here: give it before -m")
+        world = nproc or int(os.environ.get("WORLD_SIZE", "1") or 1)
         return _prepare_and_run(args, nproc, world, torchrun)
-    except UsageError as e:
+    except UsageError as e:  # under torchrun: printed by one process, not by each
         if os.environ.get("SMELT_TRACEBACK") == "1" or not torchrun:
             raise
         return _report(e, 2)
