@@ -21,8 +21,8 @@ OVERRIDES = ",".join(
     [
         "smelt_model.titan.experts.smelt_experts",
         "smelt_model.titan.attention.smelt_attention",
-        "smelt_model.titan.data.smelt_data",
-        "smelt_model.titan.data.smelt_tokenizer",
+        "smelt_model.titan.loader.smelt_data",
+        "smelt_model.titan.loader.smelt_tokenizer",
         "smelt_model.titan.dispatch.dedup_all_to_all",
     ]
 )
