@@ -124,7 +124,7 @@ def test_a_script_run_as_a_command_fails_in_one_line():
     for script, argv in (
         ("time_to_loss.py", ["--evals", "0"]),
         ("bench_moe_gemm.py", ["--modes", "sideways"]),
-        ("looped_vs_baseline.py", ["--rounds", "0"]),
+        ("looped_vs_baseline.py", ["--min-rounds", "0"]),
     ):
         proc = subprocess.run(
             [sys.executable, str(ROOT / "bench" / script), *argv],
