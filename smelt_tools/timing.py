@@ -185,6 +185,8 @@ def measure_interleaved(
     device: Optional[torch.device | str] = None,
     warmup: int = 2,
     repeats: int = 5,
+    min_time_s: float = 0.0,
+    max_repeats: int = 1000,
     on_round: Optional[Callable[[int], None]] = None,
     watch: Optional["Watch"] = None,
 ) -> dict[Any, Timing]:
@@ -192,8 +194,10 @@ def measure_interleaved(
 
     Drift of a shared machine (other load, clocks) then hits every callable alike, so the
     ratios of their medians are far steadier than those of back-to-back :func:`measure` runs.
-    ``on_round(r)`` is called after round ``r`` (1-based) completes, e.g. to show progress.
-    With a ``watch``, every timing's :attr:`~Timing.load` is that of the whole timed loop.
+    At least ``repeats`` rounds run, more (up to ``max_repeats``) until every callable has
+    been timed for ``min_time_s`` seconds. ``on_round(r)`` is called after round ``r``
+    (1-based) completes, e.g. to show progress. With a ``watch``, every timing's
+    :attr:`~Timing.load` is that of the whole timed loop.
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     cuda = dev.type == "cuda"
@@ -204,11 +208,15 @@ def measure_interleaved(
         torch.cuda.synchronize(dev)
     mark = watch.start() if watch is not None else None
     samples: dict[Any, list[float]] = {name: [] for name in fns}
-    for r in range(repeats):
+    r = 0
+    while r < repeats or (
+        r < max_repeats and min((sum(xs) for xs in samples.values()), default=0) < min_time_s * 1e3
+    ):
         for name, fn in fns.items():
             samples[name].append(_time_call(fn, cuda))
+        r += 1
         if on_round is not None:
-            on_round(r + 1)
+            on_round(r)
     load = watch.stop(mark) if watch is not None else None
     out = {name: _timing(xs) for name, xs in samples.items()}
     for t in out.values():

@@ -1,4 +1,4 @@
-"""Synthetic blocks for the main job's tests: timings with a machine load, and a stand-in for
+"""Synthetic blocks for the main job's tests: machine loads, timings with one, and a stand-in for
 ``lvb.runners.measure_block`` whose times and contention a test scripts. Nothing is built or
 timed."""
 
@@ -8,8 +8,9 @@ from smelt_tools.watch import Load
 COMPONENTS = ("attention", "moe_gemm", "routing", "norms", "embed_head")
 
 
-def load(others: float = 0.0, steal: float = 0.0, cores: int = 2, threads: int = 2) -> Load:
-    """One second watched: other processes held ``others`` cores, the hypervisor ``steal``."""
+def load(others=0.0, steal=0.0, threads=2, cores=2, throttled=0.0, slack=0.0) -> Load:
+    """One second watched: other processes held ``others`` cores, the hypervisor ``steal``,
+    a CPU quota ``throttled`` seconds; ``slack`` cores of tick-counting error."""
     return Load(
         wall_s=1.0,
         cpu_s=max(0.0, min(threads, cores) - others - steal),
@@ -17,8 +18,9 @@ def load(others: float = 0.0, steal: float = 0.0, cores: int = 2, threads: int =
         cores=cores,
         others_cores=others,
         steal_cores=steal,
-        throttled_s=0.0,
+        throttled_s=throttled,
         load_average=others,
+        slack_cores=slack,
     )
 
 

@@ -2,36 +2,23 @@
 quota readings, and from synthetic /proc and cgroup files. Nothing is timed for speed."""
 
 import pytest
+from helpers_lvb import load
 
 from smelt_tools import timing
 from smelt_tools.watch import CONTENTION_LIMIT, Load, Watch
 
 
-def _load(others, steal=0.0, threads=2, cores=2, throttled=0.0, slack=0.0, wall=1.0):
-    return Load(
-        wall_s=wall,
-        cpu_s=1.0,
-        threads=threads,
-        cores=cores,
-        others_cores=others,
-        steal_cores=steal,
-        throttled_s=throttled,
-        load_average=1.0,
-        slack_cores=slack,
-    )
-
-
 @pytest.mark.parametrize(
     "load, lost, contended",
     [
-        (_load(0.03), 0.015, False),  # an idle machine's daemons
-        (_load(1.0), 0.5, True),  # another process on one of two cores
-        (_load(0.1, steal=0.2), 0.15, True),  # the hypervisor took a fifth of a core
-        (_load(0.8, threads=1), 0.0, False),  # one thread, and a core left for it
-        (_load(1.3, threads=1), 0.3, True),  # one thread, and not a whole core left
-        (_load(0.25, slack=0.2), 0.025, False),  # within what tick counting can misread
-        (_load(0.0, throttled=0.3), 0.3, True),  # a CPU quota held it back 30% of the time
-        (_load(3.0, threads=8, cores=4), 0.75, True),  # more threads than cores: 4 needed
+        (load(0.03), 0.015, False),  # an idle machine's daemons
+        (load(1.0), 0.5, True),  # another process on one of two cores
+        (load(0.1, steal=0.2), 0.15, True),  # the hypervisor took a fifth of a core
+        (load(0.8, threads=1), 0.0, False),  # one thread, and a core left for it
+        (load(1.3, threads=1), 0.3, True),  # one thread, and not a whole core left
+        (load(0.25, slack=0.2), 0.025, False),  # within what tick counting can misread
+        (load(0.0, throttled=0.3), 0.3, True),  # a CPU quota held it back 30% of the time
+        (load(3.0, threads=8, cores=4), 0.75, True),  # more threads than cores: 4 needed
     ],
 )
 def test_a_contended_region_is_told_from_its_readings(load, lost, contended):
