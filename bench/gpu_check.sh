@@ -3,7 +3,7 @@
 # self-test, the GPU tests, the kernel benchmarks, the peers (bench/bench_peers.py), the
 # main job and a short run of SMELT tiny on torchtitan, and write every result into one folder.
 #
-#   bash bench/gpu_check.sh OUT_DIR          # under 8 minutes: the stage limits sum to 480 s
+#   bash bench/gpu_check.sh [OUT_DIR]        # under 8 minutes: the stage limits sum to 480 s
 #                                            (the GPU tests get 40 s: the self-test checks the kernels)
 #
 # The self-test runs first, right after the build: `python -m smelt_tools.selftest --device
@@ -27,7 +27,7 @@
 # took and how it ended. Logs are merged into one file; nothing is written more than
 # two folders down (summary, log, and each benchmark's JSON and Markdown).
 set -u
-OUT=${1:-${OUT:-gpu_results}}
+OUT=${1:-${OUT:-$(dirname "$0")/../runs/gpu_check}}  # runs/ is git-ignored
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the script moves to the repository root
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}  # the interpreter that has torch (CUDA), triton and pytest
