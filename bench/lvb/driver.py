@@ -73,7 +73,8 @@ def run_pair(args, log: Optional[Callable[[str], None]] = _log) -> dict[str, Any
     ratios = budget.compare(cfgs["baseline"], cfgs["smelt"], wl.mean_doc_len, wl.seq_len)
     modes = modes_of(args)
     needed = min_pairs(args.confidence)
-    watch = Watch()
+    # on the CPU the work runs on torch's threads; on CUDA one host thread drives the device
+    watch = Watch(threads=1 if device.type == "cuda" else None)
     blocks: dict[str, list[dict[str, Any]]] = {a: [] for a in ARCHS}
     start = time.monotonic()
     stop = None
@@ -95,8 +96,9 @@ def run_pair(args, log: Optional[Callable[[str], None]] = _log) -> dict[str, Any
         now = time.monotonic()
         if log is not None:
             log(progress_line(r + 1, now - start, states, seen))
+        busy = sum(s == "busy" for s, _ in states.values())
         if r + 1 >= args.min_rounds and all(s != "open" for s, _ in states.values()):
-            stop = "every row settled"
+            stop = "every row settled" + (f" ({busy} given up: machine busy)" if busy else "")
         elif r + 1 >= args.max_rounds:
             stop = f"--max-rounds {args.max_rounds} reached"
         elif now - start + (now - began) > args.max_time:

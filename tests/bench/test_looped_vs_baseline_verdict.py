@@ -125,6 +125,7 @@ def test_a_busy_machine_ends_the_run_without_a_number(monkeypatch, capsys):
     line = next(x for x in out.splitlines() if x.strip().startswith("train") and "busy" in x)
     assert "machine busy: 3 of 3 pairs contended (other processes busy on 1.50 of 2 cores" in line
     assert "n/a" in next(x for x in out.splitlines() if "gap (wall / F)" in x)
+    assert "every row settled (1 given up: machine busy)" in out
 
 
 def test_contended_pairs_are_left_out_of_the_estimate(monkeypatch, capsys):
