@@ -82,9 +82,9 @@ class Load:
         seen = []
         if self.others_cores is not None:
             seen.append(f"other processes busy on {self.others_cores:.2f} of {self.cores} cores")
-        if self.steal_cores:
+        if self.steal_cores and self.steal_cores >= 0.005:
             seen.append(f"steal {self.steal_cores:.2f} cores")
-        if self.throttled_s:
+        if self.throttled_s and self.throttled_s >= 0.005:
             seen.append(f"CPU quota throttled {self.throttled_s:.2f} s")
         wall = self.wall_s if self.wall_s > 0 else float("nan")
         seen.append(f"this process ran {self.cpu_s / wall:.2f} cores on {self.threads} threads")

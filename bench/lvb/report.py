@@ -164,7 +164,8 @@ def _machine_line(res: dict[str, Any]) -> str:
         else "not watched (no /proc/stat here): no block could be left out"
     )
     return (
-        f"machine: {how}; stopped after {sch['rounds']} rounds, {sch['elapsed_s']:.0f} s: "
+        f"machine: {how}; stopped after {sch['rounds']} round{'s' * (sch['rounds'] != 1)}, "
+        f"{sch['elapsed_s']:.0f} s: "
         f"{sch['stopped']}"
     )
 
