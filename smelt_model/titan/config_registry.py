@@ -9,7 +9,7 @@ Defaults (all overridable on the command line): smelt's packed-document loader o
 ``python-stdlib`` with the bytes tokenizer (training on smelt's train split, validation with
 ``--validator.enable`` on its 5% validation split), AdamW, a linear warmup, the SMELT loss
 (cross-entropy plus router losses), smelt's recompute policy ``none``, checkpointing off,
-``spmd_backend partial_dtensor`` and CUDA graphs off (:mod:`smelt_model.titan.shims`
+``spmd_backend partial_dtensor`` and CUDA graphs off (:mod:`smelt_model.titan.patches`
 says why), and the sequence length and batch of the preset's scale (256 x 8 for the tiny
 pair, 4096 x 8 for the paper's cells).
 """
@@ -28,9 +28,9 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
 from .. import presets
-from . import shims
-from .checkpoint import SmeltStateDictAdapter
-from .data import PackedDocuments, SmeltTokenizer
+from . import patches
+from .adapter import SmeltStateDictAdapter
+from .loader import PackedDocuments, SmeltTokenizer
 from .loss import SmeltLoss
 from .model import SmeltTitan
 from .parallelize import parallelize_smelt
@@ -78,7 +78,7 @@ def trainer_config(preset: str) -> Trainer.Config:
         activation_checkpoint=None,
         validator=Validator.Config(dataloader=PackedDocuments.Config(split="val", infinite=False)),
     )
-    return shims.config_defaults(config)
+    return patches.config_defaults(config)
 
 
 def __getattr__(name: str) -> Callable[[], Trainer.Config]:
