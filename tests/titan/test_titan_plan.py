@@ -97,7 +97,8 @@ def test_the_launcher_says_it_in_one_line_before_any_process_starts(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].endswith(
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.endswith(
         "smelt_model.titan: error: --moe_comm.plan ep,gather: plan 'ep,gather' has 2 entries; "
         "the model has 4 physical layers"
     )
