@@ -55,6 +55,8 @@ ENVIRONMENT: dict[str, str] = {
     "SMELT_TRACEBACK": "1: a command re-raises the error it would print as one line (for a bug "
     "report)",
     "SMELT_TRAIN_CRASH": "step:N or checkpoint:N kills the trainer there (fault injection, tests)",
+    "SMELT_TITAN_COMM": "a folder: every rank of a torchtitan run records the bytes its "
+    "collectives send there (smelt_model.titan.traffic)",
 }
 
 

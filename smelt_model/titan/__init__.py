@@ -18,10 +18,13 @@ torchtitan model), ``moe`` (smelt's routing on torchtitan's MoE seam), ``paralle
 tokenizer and dataloader), ``adapter`` (the state-dict adapter), ``state_dict`` and
 ``export`` (seeds, export to ``SmeltLM``; torch only), ``dcp_reader`` (reading a checkpoint
 without running anything in it; torch only), ``resume`` (torchtitan's checkpoint load,
-checked, with a fall-back), ``comm`` (all-to-all byte counting), ``overrides`` (the switch
-back to torchtitan's kernels), ``stock`` (a stock model at CPU size) and
-``config_registry``. Importing a submodule needs torchtitan unless it says torch only; this
-package itself imports nothing heavy.
+checked, with a fall-back), ``moe_comm`` (the ``--moe_comm`` options: the per-layer
+parallel plan, de-duplication, overlap), ``dispatch`` (the token dispatchers: stock rows
+with byte recording, or de-duplicated, both split in phases for overlap), ``exchange``
+(all-to-alls left in flight, forward and backward), ``traffic`` (the byte recorder),
+``overrides`` (the switch back to torchtitan's kernels), ``stock`` (a stock model at CPU
+size) and ``config_registry``. Importing a submodule needs torchtitan unless it says torch
+only; this package itself imports nothing heavy.
 """
 
 __all__: list[str] = []
