@@ -166,6 +166,17 @@ def _layout(cfg: ModelConfig, n_span: int, n_rest: int) -> tuple[str, ...]:
     return tuple("gather" if i in gathered else "ep" for i in range(cfg.n_layers))
 
 
+#: the chunk counts the search gives the overlap (each must divide the sequences a GPU holds)
+CHUNKS = (2, 4)
+
+
+def overlap_chunks(tokens_per_gpu: int, seq_len: int) -> tuple[int, ...]:
+    """The chunk counts of :data:`CHUNKS` the overlap can split a GPU's batch into: equal
+    chunks of whole sequences (none when the batch is not whole sequences)."""
+    rows, rest = divmod(tokens_per_gpu, seq_len)
+    return () if rest else tuple(n for n in CHUNKS if rows % n == 0 and rows >= n)
+
+
 def _recomputes(cfg: ModelConfig) -> tuple[str, ...]:
     return ("none", "visit1", "all") if cfg.is_looped else ("none", "all")
 
@@ -173,29 +184,55 @@ def _recomputes(cfg: ModelConfig) -> tuple[str, ...]:
 class _Search:
     """The best plan over layouts (see the module docstring), each layout tried once."""
 
-    def __init__(self, cfg, cl: Cluster, tokens: int, w: Workload, reshards, **fixed):
+    def __init__(
+        self, cfg, cl: Cluster, tokens: int, w: Workload, reshards, span_units=True, **fixed
+    ):
         self.cfg, self.cl, self.tokens, self.w = cfg, cl, tokens, w
-        self.reshards, self.fixed = reshards, fixed
+        self.reshards, self.span_units, self.fixed = reshards, span_units, fixed
         self.best: Optional[tuple[tuple, Projection]] = None
         self.smallest: Optional[Footprint] = None
         self.tried: dict[tuple[str, ...], float] = {}
+        self.memory: dict[ParallelPlan, tuple[Comm, Footprint]] = {}
 
     def _variants(self, layers: tuple[str, ...]):
-        """Gather group x span mode x resharding (recompute is tried by :meth:`layout`)."""
+        """Gather group x span gathering x chunks x resharding (recompute is tried by
+        :meth:`layout`); a looped span's layers are FSDP units of their own."""
         cfg, cl = self.cfg, self.cl
         gathered = [i for i, k in enumerate(layers) if k == "gather"]
         groups = ("node", "all") if gathered and cl.gpus > cl.node_size else ("node",)
         in_span = cfg.is_looped and any(loop_of(cfg).in_span(i) for i in gathered)
+        fixed = dict(self.fixed)
+        chunks = overlap_chunks(self.tokens // cl.gpus, self.w.seq_len)
+        if not chunks:
+            fixed["overlap"] = False
+        if not fixed.get("overlap"):
+            chunks = (2,)
+        span_units = "layer" if cfg.is_looped and self.span_units else "span"
         for group in groups:
             for mode in ("unit", "layer") if in_span else ("unit",):
-                for reshard in self.reshards:
-                    yield ParallelPlan(
-                        layers=layers,
-                        gather_group=group,
-                        span_gather=mode,
-                        reshard_after_forward=reshard,
-                        **self.fixed,
-                    )
+                for n in chunks:
+                    for reshard in self.reshards:
+                        yield ParallelPlan(
+                            layers=layers,
+                            gather_group=group,
+                            span_gather=mode,
+                            reshard_after_forward=reshard,
+                            span_units=span_units,
+                            chunks=n,
+                            **fixed,
+                        )
+
+    def _memory(self, p: ParallelPlan) -> tuple[Comm, Footprint]:
+        """``p``'s ledger and memory; neither depends on the overlap or its chunks."""
+        key = dataclasses.replace(p, overlap=False, chunks=2)
+        if key not in self.memory:
+            cfg, cl, w = self.cfg, self.cl, self.w
+            c = comm(
+                cfg, self.tokens, dp_shard=cl.gpus, gpus_per_node=cl.node_size, plan=key, workload=w
+            )
+            self.memory[key] = (c, footprint(cfg, key, cl, c, w))
+        c, mem = self.memory[key]
+        return dataclasses.replace(c, plan=p), mem
 
     def layout(self, layers: tuple[str, ...]) -> float:
         """The shortest step of ``layers`` that fits (inf where none does or it cannot run)."""
@@ -211,22 +248,15 @@ class _Search:
                 p = dataclasses.replace(candidate, recompute=policy)
                 if overlap_conflict(p, cfg):  # the trainer runs this one without overlap
                     p = dataclasses.replace(p, overlap=False)
-                c = comm(
-                    cfg,
-                    self.tokens,
-                    dp_shard=cl.gpus,
-                    gpus_per_node=cl.node_size,
-                    plan=p,
-                    workload=w,
-                )
-                mem = footprint(cfg, p, cl, c, w)
+                c, mem = self._memory(p)
                 if self.smallest is None or mem.total < self.smallest.total:
                     self.smallest = mem
                 if not mem.fits(cl.memory):
                     continue
                 proj = Projection(cl, p, c, mem, simulate(cfg, p, cl, c, w))
-                # near ties (six digits) go to fewer gathered layers, then less memory
-                key = (float(f"{proj.step_s:.6g}"), len(p.gather_layers), mem.total)
+                # near ties (six digits) go to fewer gathered layers, fewer chunks, then
+                # less memory
+                key = (float(f"{proj.step_s:.6g}"), len(p.gather_layers), p.chunks, mem.total)
                 if self.best is None or key < self.best[0]:
                     self.best = (key, proj)
                 out = min(out, proj.step_s)
@@ -277,9 +307,12 @@ class _Search:
         )
 
 
-def _best(cfg, cl, tokens, w, layers=None, reshards=(True, False), **fixed) -> Projection:
-    """The best plan with the layer kinds ``layers`` (None: searched)."""
-    search = _Search(cfg, cl, tokens, w, reshards, **fixed)
+def _best(
+    cfg, cl, tokens, w, layers=None, reshards=(True, False), span_units=True, **fixed
+) -> Projection:
+    """The best plan with the layer kinds ``layers`` (None: searched); ``span_units``:
+    whether span layers may be FSDP units of their own (else the span is one unit)."""
+    search = _Search(cfg, cl, tokens, w, reshards, span_units, **fixed)
     if layers is None:
         search.counts()
         layers = _layout(cfg, 0, 0)
@@ -339,7 +372,7 @@ def project(
         return _evaluate(cfg, parse_plan(plan, cfg), cl, tokens, w)
     if plan is None:
         stock = stock_plan(cfg, cl.ep)  # torchtitan's defaults, resharding included
-        return _best(cfg, cl, tokens, w, stock.layers, reshards=(True,), ep=cl.ep)
+        return _best(cfg, cl, tokens, w, stock.layers, (True,), False, ep=cl.ep)
     layers = None if plan == "auto" else parse_plan(plan, cfg, ep=cl.ep).layers
     return _best(cfg, cl, tokens, w, layers, ep=cl.ep, dedup=True, overlap=True)
 
