@@ -429,12 +429,16 @@ def moe_ffn(
     """
     _validate(x, w1, w2, topk_weights, topk_ids)
     backends.check_values_flag(_OP, check_values)
-    if topk_ids.dtype == torch.int64 and (
-        x.device.type == "cpu" or (check_values is not False and backends.can_read_values(topk_ids))
-    ):
-        _check_ids(topk_ids, w1.shape[0])  # before narrowing: e + 2**32 is not e
-        check_values = False
-    ids = topk_ids.to(torch.int32).contiguous()
+    ids = topk_ids
+    if topk_ids.dtype == torch.int64:
+        if torch.compiler.is_compiling():  # no host read: ids past int32 stay out of range
+            ids = topk_ids.clamp(-(2**31), 2**31 - 1)
+        elif x.device.type == "cpu" or (
+            check_values is not False and backends.can_read_values(topk_ids)
+        ):
+            _check_ids(topk_ids, w1.shape[0])  # before narrowing: e + 2**32 is not e
+            check_values = False
+    ids = ids.to(torch.int32).contiguous()
     return _MOE(
         x.contiguous(),
         w1.contiguous(),
