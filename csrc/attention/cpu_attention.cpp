@@ -28,6 +28,7 @@
 //   one, for tests and comparisons; =avx2-wide runs the AVX-512 variant's code on AVX2).
 #include <ATen/ATen.h>
 #include "../env.h"
+#include "../settings.h"
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -172,8 +173,6 @@ const Isa& isa() {
   }();
   return chosen;
 }
-
-std::string attention_isa() { return isa().name; }
 
 int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
@@ -568,6 +567,9 @@ void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at
 }
 
 }  // namespace
+
+std::string attention_isa() { return isa().name; }
+
 }  // namespace smelt_att
 
 TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {

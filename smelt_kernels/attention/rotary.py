@@ -51,6 +51,7 @@ def _cpu_supports(tables_fp32: bool, tables_grad: bool) -> Optional[str]:
 
 
 def _native(x, cos, sin, inverse: bool):
+    backends.check_env("SMELT_POISON")
     return torch.ops.smelt_cpu.rotary(x, cos, sin, inverse)
 
 
