@@ -431,11 +431,12 @@ def moe_ffn(
     backends.check_values_flag(_OP, check_values)
     ids = topk_ids
     if topk_ids.dtype == torch.int64:
-        if torch.compiler.is_compiling():  # no host read: ids past int32 stay out of range
+        cpu = x.device.type == "cpu"
+        if cpu and not backends.can_read_values(topk_ids):
+            # compiled: no host read here; the op checks the narrowed ids itself, and ids
+            # past int32 stay out of range instead of wrapping onto an expert
             ids = topk_ids.clamp(-(2**31), 2**31 - 1)
-        elif x.device.type == "cpu" or (
-            check_values is not False and backends.can_read_values(topk_ids)
-        ):
+        elif cpu or (check_values is not False and backends.can_read_values(topk_ids)):
             _check_ids(topk_ids, w1.shape[0])  # before narrowing: e + 2**32 is not e
             check_values = False
     ids = ids.to(torch.int32).contiguous()
