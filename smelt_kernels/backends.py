@@ -247,9 +247,9 @@ def register(
     backward: Optional[Callable[..., Any]] = None,
     *,
     backward_via: Sequence[str] = (),
-    devices: Optional[Sequence[str]] = ("cpu", "cuda"),
+    devices: Optional[Sequence[str]] | str = "family",
     auto: Optional[Sequence[str]] = None,
-    priority: int = 0,
+    priority: Optional[int] = None,
     dtypes: Optional[Sequence[torch.dtype]] = None,
     requires: Optional[Callable[[torch.device], Optional[str]]] = None,
     supports: Optional[Callable[..., Optional[str]]] = None,
@@ -262,11 +262,17 @@ def register(
     replace: bool = False,
     **info: Any,
 ) -> Implementation:
-    """Register ``backend``'s implementation of ``op`` (see :class:`Implementation`).
+    """Register ``backend``'s implementation of ``op`` (see :class:`Implementation`);
+    ``devices`` and ``priority`` default to the backend family's (:class:`Family`).
     Registering the same (op, backend) twice is an error unless ``replace=True`` (for
     experiments: a user's own kernel under an existing name)."""
-    if family(backend) is None:
+    fam = family(backend)
+    if fam is None:
         raise ValueError(f"register: backend must be one of {choices()[1:]}, got {backend!r}")
+    if devices == "family":
+        devices = fam.devices
+    if priority is None:
+        priority = fam.priority
     if backward is not None and backward_via:
         raise ValueError("register: give backward or backward_via, not both")
     impls = _REGISTRY.setdefault(op, {})

@@ -248,7 +248,9 @@ def as_device(device) -> torch.device:
 class Family:
     """A backend family: ``devices`` it can run on (None: any), the native ``extension`` it
     builds (with its ``torch.ops`` ``library``) and whether every implementation needs it
-    (``needs_extension``), and ``check(device)`` for anything else (None or the reason)."""
+    (``needs_extension``), ``check(device)`` for anything else (None or the reason), and
+    the ``priority`` its implementations get by default (``"auto"`` tries the highest
+    first)."""
 
     name: str
     doc: str
@@ -257,6 +259,7 @@ class Family:
     library: Optional[str] = None
     needs_extension: bool = False
     check: Optional[Callable[[torch.device], Optional[str]]] = None
+    priority: int = 0
 
     def unavailable(self, device) -> Optional[str]:
         dev = as_device(device)
@@ -326,6 +329,7 @@ register_family(
         devices=("cpu",),
         extension="_cpu",
         library="smelt_cpu",
+        priority=10,
     )
 )
 register_family(
@@ -334,6 +338,7 @@ register_family(
         "Triton kernels (CUDA; CPU under TRITON_INTERPRET=1)",
         devices=("cpu", "cuda"),
         check=_triton_check,
+        priority=30,
     )
 )
 register_family(
@@ -344,6 +349,7 @@ register_family(
         extension="_cuda",
         library="smelt_cuda",
         needs_extension=True,
+        priority=20,
     )
 )
 
