@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from .cli import Parser, UsageError
+from .cli import Parser, UsageError, add_threads, command, threads
 from .timing import environment, measure_interleaved
 
 CONFIGS = (("eager", "sdpa"), ("grouped_mm", "sdpa"), ("smelt", "sdpa"), ("smelt", "smelt"))
@@ -76,10 +76,7 @@ SHAPES = {
 MEMORY_LIMIT_BYTES = 8 * 2**30
 
 
-def _fail(msg: str) -> "None":
-    """One line on stderr and exit status 2."""
-    print(f"smelt_tools.hf_bench: error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
+PROG = "python -m smelt_tools.hf_bench"
 
 
 def build_model(shape: dict, device: torch.device, seed: int = 0):
@@ -134,6 +131,22 @@ def interleaved(
     )
 
 
+def shape_for(device: torch.device, quick: bool) -> dict:
+    """The model and workload the benchmark runs on ``device`` (``quick``: a smoke run's);
+    UsageError when it would need more memory than the command allows itself."""
+    shape = dict(SHAPES[device.type])
+    if quick:
+        shape.update(batch=1, seq=64, prompt=16, new_tokens=4)
+        shape["model"] = dict(shape["model"], num_hidden_layers=2)
+    need = estimate_bytes(shape)
+    if need > MEMORY_LIMIT_BYTES:
+        raise UsageError(
+            f"the benchmark model needs about {need / 2**30:.1f} GiB, over the "
+            f"{MEMORY_LIMIT_BYTES / 2**30:.0f} GiB this command allows itself"
+        )
+    return shape
+
+
 def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
     import transformers
 
@@ -141,16 +154,7 @@ def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
     from smelt_kernels.attention import select_backend as attn_backend
     from smelt_kernels.moe_gemm import select_backend as moe_backend
 
-    shape = dict(SHAPES[device.type])
-    if quick:
-        shape.update(batch=1, seq=64, prompt=16, new_tokens=4)
-        shape["model"] = dict(shape["model"], num_hidden_layers=2)
-    need = estimate_bytes(shape)
-    if need > MEMORY_LIMIT_BYTES:
-        _fail(
-            f"the benchmark model needs about {need / 2**30:.1f} GiB, over the "
-            f"{MEMORY_LIMIT_BYTES / 2**30:.0f} GiB this command allows itself"
-        )
+    shape = shape_for(device, quick)
     print(f"building a Mixtral-shaped model on {device} ({shape['dtype']})", file=sys.stderr)
     model = build_model(shape, device)
     V = shape["model"]["vocab_size"]
@@ -287,42 +291,34 @@ def markdown(result: dict) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = Parser(
-        prog="python -m smelt_tools.hf_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch (default: torch's own choice); on a shared "
-        "machine 1 avoids threads waiting on each other",
-    )
-    ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run")
-    ap.add_argument("--out", default=None, help="folder for hf_bench_<device>.json/.md")
-    try:
-        args = ap.parse_args(argv)
-    except UsageError as e:
-        _fail(str(e))
+def _parser() -> Parser:
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    add_threads(p)
+    p.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run")
+    p.add_argument("--out", default=None, help="folder for hf_bench_<device>.json/.md")
+    return p
+
+
+def _run(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    dev = args.device or "cpu"
+    if dev not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {dev!r}")
+    if args.repeats < 1 or args.warmup < 0:
+        raise UsageError("--repeats must be >= 1 and --warmup >= 0")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out}: is a file, expected a folder to write into")
     try:
         import transformers  # noqa: F401
     except ImportError:
-        _fail("transformers is not installed (pip install -e '.[hf]')")
-    dev = args.device or "cpu"
-    if dev not in ("cpu", "cuda"):
-        _fail(f"--device must be cpu or cuda, got {dev!r}")
+        raise UsageError("transformers is not installed (pip install -e '.[hf]')") from None
     if dev == "cuda" and not torch.cuda.is_available():
-        _fail("--device cuda asked for, but no CUDA device is available")
-    if args.repeats < 1 or args.warmup < 0:
-        _fail("--repeats must be >= 1 and --warmup >= 0")
-    if args.threads is not None:
-        if args.threads < 1:
-            _fail("--threads must be >= 1")
+        raise UsageError("--device cuda asked for, but no CUDA device is available")
+    shape_for(torch.device(dev), args.quick)  # refuses a model that does not fit, before work
+    if threads(args.threads) is not None:
         torch.set_num_threads(args.threads)
     result = run(torch.device(dev), args.repeats, args.warmup, args.quick)
     text = markdown(result)
@@ -335,6 +331,8 @@ def main(argv=None) -> int:
         print(f"wrote {out / f'hf_bench_{dev}.json'} and .md", file=sys.stderr)
     return 0
 
+
+main = command(PROG, _run)
 
 if __name__ == "__main__":
     raise SystemExit(main())
