@@ -126,6 +126,10 @@ ENVIRONMENT: dict[str, Variable] = {
         "kills the trainer at that step or checkpoint (fault injection, tests)",
         pattern=r"(step|checkpoint):\d+",
     ),
+    "SMELT_TITAN_COMM": Variable(
+        "a folder: every rank of a torchtitan run records the bytes its collectives send "
+        "there (smelt_model.titan.traffic)"
+    ),
 }
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from smelt_kernels.layers import MoE, RMSNorm, Rotary, SegmentAttention
-from smelt_model.executor import Step
+from smelt_model.executor import Interleaved, Step
 
 from .config import ModelConfig
 
@@ -40,6 +40,7 @@ class ForwardContext:
     segment_ids: Optional[torch.Tensor]  # (B, T) for the tokens of this call
     cache: Any = None  # a smelt_model.generation.KVCache, or None
     cache_pos: int = 0  # where this call's tokens start in the cache
+    chunk: int = 0  # which part of the batch these tokens are (two-chunk overlap: 0 or 1)
 
 
 class Block(nn.Module):
@@ -48,7 +49,9 @@ class Block(nn.Module):
     ``forward(x, ctx, step)`` returns ``(x, aux)``: the new residual stream and the MoE's
     weighted router loss of this execution (None outside training), which the executor sums
     over executed layers. With a cache in ``ctx`` the attention reads and writes the step's
-    own slot (each visit of a span layer has its own K/V).
+    own slot (each visit of a span layer has its own K/V). Handed an
+    :class:`~smelt_model.executor.Interleaved` in place of ``x``, it runs the chunks through
+    :meth:`phases` instead and returns ``(chunks, None)``.
     """
 
     def __init__(self, cfg: ModelConfig, backend: Optional[str] = None):
@@ -78,6 +81,8 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, ctx: ForwardContext, step: Step
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if isinstance(x, Interleaved):  # chunks of a batch, each paused where it left off
+            return x.advance(lambda layer: self, [step]), None
         kv = None if ctx.cache is None else ctx.cache.slot(step.slot, ctx.cache_pos)
         # the model checked segment_ids once for the whole forward (SmeltLM._check_inputs)
         a = self.attn(
@@ -92,6 +97,21 @@ class Block(nn.Module):
         m, aux = self.moe(self.moe_norm(x), return_aux=True)
         x = torch.add(x, m, alpha=step.scale)
         return x, aux
+
+    def phases(self, x: torch.Tensor, ctx: ForwardContext, step: Step):
+        """``forward`` as a generator (:mod:`smelt_model.executor`, *Phases*): it pauses where
+        the MoE does, when the MoE has ``phases`` of its own (an expert-parallel exchange in
+        flight); the residual stream is part of the carry. Returns ``(x, extra)``, where
+        ``extra`` is what the MoE's phases return for the router losses."""
+        rope = (ctx.cos, ctx.sin)
+        a = self.attn(self.attn_norm(x), ctx.segment_ids, rope=rope, check_values=False)
+        x = torch.add(x, a, alpha=step.scale)
+        moe_phases = getattr(self.moe, "phases", None)
+        if moe_phases is None:
+            m, extra = self.moe(self.moe_norm(x), return_aux=True)
+        else:
+            (x,), m, extra = yield from moe_phases(self.moe_norm(x), keep=(x,), chunk=ctx.chunk)
+        return torch.add(x, m, alpha=step.scale), extra
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig, std: float = 0.02) -> None:

@@ -9,6 +9,9 @@ stack of blocks along it:
   ``forward`` call, so a sharding wrapper (FSDP2 ``fully_shard``) can treat the span as one
   unit that is gathered once and used r times; gradients of every visit accumulate into the
   shared weights through ordinary autograd.
+* :class:`Interleaved` runs several chunks of a batch through the blocks at once, switching
+  between them where a block waits on an exchange (two-chunk overlap of expert-parallel
+  all-to-alls with compute): a block that offers ``phases`` is run as a generator.
 * :class:`Executor` runs the plan with an activation policy (``recompute``): ``"none"``
   keeps every activation, ``"visit1"`` recomputes the span's first visit in backward (its
   activations are the ones held longest), ``"all"`` recomputes every executed layer.
@@ -24,6 +27,16 @@ per-forward context the model passes through (rotary tables, segment ids, KV cac
 ``extra`` a scalar tensor to sum over executed layers (e.g. a router loss) or None.
 Returning it, rather than stashing it in ``ctx``, keeps the step a pure function, as
 activation checkpointing and torch.compile need.
+
+**Phases.** A block may also offer ``block.phases(x, ctx, step)``: a generator that does
+the same work, pausing where it has started an exchange whose result it needs later. At
+each pause it yields its *carry* (the tensors it holds across the pause, those that need
+gradients among them) and is resumed with the same tensors sent back; it returns ``(x,
+extra)``. :class:`Interleaved` drives such generators, one per chunk, round-robin: chunk
+a runs to its next pause, then chunk b, then a again... so one chunk's exchange is in flight
+while the other computes. Passed between sharded units in place of ``x``, an ``Interleaved``
+keeps every carried tensor in its ``carries`` field, where FSDP2's hooks see them (their
+gradients trigger the unit's backward gather and gradient reduction as ``x``'s would).
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ __all__ = [
     "Step",
     "LoopPlan",
     "LoopedSpan",
+    "Interleaved",
     "Executor",
     "RECOMPUTE_POLICIES",
     "activation_memory",
@@ -119,10 +133,101 @@ class LoopedSpan(nn.Module):
     def forward(
         self, x: torch.Tensor, ctx: Any, extra: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        start = self.executor.plan.start
-        return self.executor.run(
-            lambda layer: self.layers[layer - start], x, ctx, self.executor.plan.span, extra
-        )
+        start, span = self.executor.plan.start, self.executor.plan.span
+        if isinstance(x, Interleaved):  # chunks of a batch, each paused where it left off
+            return x.advance(lambda layer: self.layers[layer - start], span), extra
+        return self.executor.run(lambda layer: self.layers[layer - start], x, ctx, span, extra)
+
+
+# ----------------------------------------------------------------------------- interleaving
+class _Chunk:
+    """One chunk's program: its context, its paused generator (None between steps), the
+    step that generator runs, and the extras of its finished steps."""
+
+    __slots__ = ("ctx", "gen", "step", "extras")
+
+    def __init__(self, ctx: Any):
+        self.ctx = ctx
+        self.gen: Any = None
+        self.step: Optional[Step] = None
+        self.extras: list[Any] = []
+
+
+@dataclass
+class Interleaved:
+    """Chunks of a batch in flight through a stack of blocks (see the module docstring).
+
+    ``carries[c]``: the tensors chunk c holds: ``(x,)`` between steps, its paused block's
+    carry inside one. Make one with :meth:`start`, pass it to each sharded unit in place of
+    ``x`` (a block's ``forward`` and :class:`LoopedSpan` hand it to :meth:`advance`), and end
+    with :meth:`finish`.
+    """
+
+    carries: list[tuple[torch.Tensor, ...]]
+    chunks: list[_Chunk]  # not a container FSDP looks into
+
+    @classmethod
+    def start(cls, xs: Sequence[torch.Tensor], ctxs: Sequence[Any]) -> "Interleaved":
+        """The chunks ``xs`` (one context each), before the first step."""
+        if len(xs) != len(ctxs) or not xs:
+            raise ValueError(f"need one context per chunk, got {len(xs)} chunks, {len(ctxs)}")
+        return cls([(x,) for x in xs], [_Chunk(c) for c in ctxs])
+
+    def _resume(self, c: int, blocks: Callable[[int], nn.Module], todo: list[Step]) -> bool:
+        """Run chunk c to its next pause (True) or until ``todo`` is done (False)."""
+        chunk = self.chunks[c]
+        while True:
+            if chunk.gen is None:
+                if not todo:
+                    return False
+                step = chunk.step = todo.pop(0)
+                chunk.gen = blocks(step.layer).phases(self.carries[c][0], chunk.ctx, step)
+                send = None
+            else:
+                send = self.carries[c]
+            try:
+                self.carries[c] = tuple(chunk.gen.send(send))
+                return True
+            except StopIteration as stop:
+                x, extra = stop.value
+                self.carries[c], chunk.gen = (x,), None
+                chunk.extras.append(extra)
+
+    def advance(self, blocks: Callable[[int], nn.Module], steps: Sequence[Step]) -> "Interleaved":
+        """Run every chunk through ``steps`` (``blocks(layer)`` gives a physical layer), in
+        turns; chunk 0 finishes them all, the others may stay paused inside the last one (an
+        exchange left in flight while the next unit's first chunk computes)."""
+        steps = list(steps)
+        n = len(self.chunks)
+        todo = [list(steps) for _ in range(n)]  # a chunk may first finish its previous step
+        running = [True] * n
+        while running[0]:
+            for c in range(n):
+                running[c] = running[c] and self._resume(c, blocks, todo[c])
+                if not running[0]:
+                    break  # the others stay paused where chunk 0's compute covered them
+        last = steps[-1] if steps else None
+        for c in range(1, n):
+            while running[c] and (todo[c] or self.chunks[c].step is not last):
+                running[c] = self._resume(c, blocks, todo[c])
+        return Interleaved(list(self.carries), self.chunks)
+
+    def finish(self, fn: Callable[[torch.Tensor], Any]) -> list[Any]:
+        """Finish every chunk in turn and return ``fn(x)`` of each: chunk 0's ``fn`` runs
+        while the others' last exchanges are still in flight."""
+        out = []
+        for c in range(len(self.chunks)):
+            while self._resume(c, None, []):  # type: ignore[arg-type]
+                pass
+            out.append(fn(self.carries[c][0]))
+        return out
+
+    def extras(self) -> list[list[Any]]:
+        """Per executed step (in order), the extra each chunk's block returned."""
+        per_chunk = [chunk.extras for chunk in self.chunks]
+        if len({len(e) for e in per_chunk}) != 1:
+            raise RuntimeError("the chunks did not run the same steps")
+        return [list(e) for e in zip(*per_chunk)]
 
 
 # ----------------------------------------------------------------------------- memory

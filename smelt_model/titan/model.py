@@ -17,6 +17,13 @@ ids come from the per-document ``positions`` on the device
 :class:`~smelt_model.titan.loss.SmeltTitanOutput` (logits, and this rank's share of the
 router losses in training, scaled by 1 / gradient-accumulation steps).
 
+With ``Config.overlap`` (and a batch of two rows or more) the forward splits the batch into
+two chunks of rows and interleaves them through every executed layer
+(:class:`smelt_model.executor.Interleaved`): each MoE layer's dispatch and combine of one
+chunk are in flight while the other chunk computes, forward and backward (the schedule is in
+docs/titan.md, *Communication*). The result equals the forward without overlap; the router
+losses are computed over both chunks together.
+
 Parameters and FLOPs come from the ledger (:func:`smelt_model.budget.ledger`); the model
 config travels inside every checkpoint as the uint8 buffer ``config_json`` (its JSON), so
 :mod:`smelt_model.titan.export` needs nothing else.
@@ -35,10 +42,11 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.module import Module
 from torchtitan.tools.logging import logger
 
-from ..block import Rotary, SegmentAttention
+from ..block import ForwardContext, Rotary, SegmentAttention
 from ..budget import ledger
 from ..config import ModelConfig
-from ..model import SmeltLM
+from ..executor import Interleaved
+from ..model import SmeltLM, SmeltOutput
 from .attention import segment_ids_from_positions
 from .loss import SmeltTitanOutput
 from .moe import moe_config
@@ -54,7 +62,8 @@ class FlexSegmentAttention(Module):
 
     Called as smelt's attention op is: ``(q, k, v, segment_ids, check_values) ->
     (out, None)`` with q (B, T, Hq, D), k and v (B, T, Hkv, D). The block mask is built
-    once per ``segment_ids`` tensor (every layer of a forward shares it).
+    once per ``segment_ids`` tensor (every layer of a forward shares it; the two chunks of
+    an overlapped forward keep one each).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -65,11 +74,12 @@ class FlexSegmentAttention(Module):
         super().__init__()
         self.flex = config.flex.build()
         self.block_size = config.flex.block_size
-        self._mask: Optional[tuple[Any, Any]] = None
+        self._masks: list[tuple[Any, Any]] = []  # (weakref to segment_ids, mask), newest last
 
     def _block_mask(self, segment_ids: torch.Tensor, B: int, T: int, device):
-        if self._mask is not None and self._mask[0]() is segment_ids:
-            return self._mask[1]
+        for ref, mask in self._masks:
+            if ref() is segment_ids:
+                return mask
         seg = segment_ids
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -82,7 +92,7 @@ class FlexSegmentAttention(Module):
             mask_mod, B, None, T, T, device=device, BLOCK_SIZE=self.block_size
         )
         if segment_ids is not None:
-            self._mask = (weakref.ref(segment_ids), mask)
+            self._masks = self._masks[-1:] + [(weakref.ref(segment_ids), mask)]
         return mask
 
     def forward(self, q, k, v, segment_ids, check_values=None):
@@ -111,6 +121,13 @@ class SmeltTitan(SmeltLM, BaseModel):
         grad_accum_steps: int = 1
         #: mean document length the ledger's attention FLOPs assume (torchtitan's MFU)
         mean_doc_len: float = 800.0
+        #: two-chunk overlap of the expert-parallel exchanges with compute (module docstring)
+        overlap: bool = False
+        #: the parallel plan the run uses (a smelt_model.budget.ParallelPlan; None: every
+        #: layer expert-parallel, torchtitan's layout)
+        plan: Any = None
+        #: ranks per node of the run (a gather layer's experts with gather_group "node")
+        node_size: int = 1
 
         def __post_init__(self) -> None:
             if not isinstance(self.arch, ModelConfig):
@@ -123,6 +140,11 @@ class SmeltTitan(SmeltLM, BaseModel):
                 )
             if self.attention not in ATTENTION:
                 raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+            if self.overlap and self.recompute != "none":
+                raise ValueError(
+                    "two-chunk overlap runs without activation recompute "
+                    f"(recompute {self.recompute!r}): choose one of the two"
+                )
 
         def update_from_config(self, *, config, **kwargs) -> None:
             from .parallelize import update_model_config
@@ -149,6 +171,7 @@ class SmeltTitan(SmeltLM, BaseModel):
         SmeltLM.__init__(self, config.arch, recompute=config.recompute)
         self.config = config
         self.grad_accum_steps = config.grad_accum_steps
+        self.overlap = config.overlap
         for i, moe_cfg in enumerate(config.moe):
             self.layer(i).moe = moe_cfg.build()
         if config.attention == "flex":
@@ -187,11 +210,49 @@ class SmeltTitan(SmeltLM, BaseModel):
         attention_masks: Any = None,
     ) -> SmeltTitanOutput:
         segment_ids = None if positions is None else segment_ids_from_positions(positions)
-        out = SmeltLM.forward(self, tokens, segment_ids)
+        if self.overlap and tokens.dim() == 2 and tokens.shape[0] >= 2:
+            out = self._forward_interleaved(tokens, segment_ids)
+        else:
+            out = SmeltLM.forward(self, tokens, segment_ids)
         aux = out.aux_loss
         if aux is not None and self.grad_accum_steps != 1:
             aux = aux / self.grad_accum_steps
         return SmeltTitanOutput(out.logits, aux)
+
+    def _forward_interleaved(
+        self, tokens: torch.Tensor, segment_ids: Optional[torch.Tensor]
+    ) -> SmeltOutput:
+        """``SmeltLM.forward`` (logits and router losses) on two chunks of rows at once."""
+        self._check_inputs(tokens, segment_ids, None)
+        B, T = tokens.shape
+        rows = [slice(0, (B + 1) // 2), slice((B + 1) // 2, B)]
+        cos, sin = self.rotary.tables(0, T, tokens.device)
+        state = Interleaved.start(
+            [self.embed(tokens[r]) for r in rows],
+            [
+                ForwardContext(cos, sin, None if segment_ids is None else segment_ids[r], chunk=c)
+                for c, r in enumerate(rows)
+            ],
+        )
+        p = self.plan
+        for step in p.prelude:
+            state, _ = self.prelude[step.layer](state, None, step)
+        if self.span is not None:
+            state, _ = self.span(state, None)
+        for step in p.coda:
+            state, _ = self.coda[step.layer - p.end](state, None, step)
+        logits = torch.cat(state.finish(lambda x: self.lm_head(self.norm(x))))
+        aux = None
+        for step, stats in zip(p.steps, state.extras()):
+            if stats[0] is None:
+                continue
+            loss = self.layer(step.layer).moe.router_loss(
+                torch.cat([s.logits for s in stats]), sum(s.counts for s in stats)
+            )
+            aux = loss if aux is None else aux + loss
+        if aux is not None:
+            aux = aux / p.executed_layers
+        return SmeltOutput(logits=logits, aux_loss=aux)
 
     @classmethod
     def from_arch(cls, cfg: ModelConfig, **config_fields: Any) -> "SmeltTitan":

@@ -17,13 +17,17 @@ smelt's router semantics and router losses:
 
 ``forward(x, *, return_aux=False)`` follows :class:`smelt_model.block.Block`'s call:
 ``y`` or ``(y, aux)`` (aux None in eval mode or when both weights are 0).
+``phases(x, keep=(), chunk=0)`` is the same computation as a generator that pauses while
+its dispatcher's token exchanges are in flight (:meth:`smelt_model.block.Block.phases`,
+two-chunk overlap); it returns :class:`RouterStats` in place of the router losses, so that
+the losses are computed over the chunks of the batch together (:meth:`router_loss`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,10 +38,18 @@ from torchtitan.models.common.moe import MoE, RoutedExperts, TokenChoiceTopKRout
 from smelt_kernels.moe_gemm import route
 
 from ..config import ModelConfig
-from .comm import CountingAllToAllTokenDispatcher
+from .dispatch import CountingAllToAllTokenDispatcher, DedupAllToAllTokenDispatcher
 from .experts import SmeltGroupedExperts
 
-__all__ = ["SmeltMoE", "moe_config"]
+__all__ = ["SmeltMoE", "RouterStats", "moe_config"]
+
+
+class RouterStats(NamedTuple):
+    """What the router losses of one chunk need: its fp32 logits (N, E) and its (E,) counts
+    of (token, slot) pairs per expert."""
+
+    logits: torch.Tensor
+    counts: torch.Tensor
 
 
 class SmeltMoE(MoE):
@@ -73,7 +85,8 @@ class SmeltMoE(MoE):
         #: process group the router statistics are summed over (None: this process only)
         self.stats_group: Optional[dist.ProcessGroup] = None
 
-    def forward(self, x_BLD: torch.Tensor, *, return_aux: bool = False):
+    def _route(self, x_BLD: torch.Tensor):
+        """(fp32 logits (N, E), weights (N, K), expert ids (N, K) int64, counts (E,))."""
         B, L, _ = x_BLD.shape
         E, K = self.router.num_experts, self.router.top_k
         # the gate in fp32, as torchtitan's router computes it (CPU autocast has no fp32)
@@ -96,11 +109,38 @@ class SmeltMoE(MoE):
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(counts)
+        return logits, weights, ids, counts
+
+    @property
+    def _has_router_loss(self) -> bool:
+        return self.training and (self.aux_loss_weight > 0 or self.z_loss_weight > 0)
+
+    def forward(self, x_BLD: torch.Tensor, *, return_aux: bool = False):
+        B, L, _ = x_BLD.shape
+        K = self.router.top_k
+        logits, weights, ids, counts = self._route(x_BLD)
         out = self.routed_experts(x_BLD, weights.view(B, L, K), ids.view(B, L, K), counts)
-        aux = None
-        if self.training and (self.aux_loss_weight > 0 or self.z_loss_weight > 0):
-            aux = self.router_loss(logits, counts)
+        aux = self.router_loss(logits, counts) if self._has_router_loss else None
         return (out, aux) if return_aux else out
+
+    def phases(self, x_BLD: torch.Tensor, *, keep: tuple = (), chunk: int = 0):
+        """``forward`` as a generator (module docstring); returns ``(keep, y, stats)`` with
+        ``stats`` a :class:`RouterStats` (None when there are no router losses)."""
+        B, L, D = x_BLD.shape
+        K = self.router.top_k
+        logits, weights, ids, counts = self._route(x_BLD)
+        dispatcher = self.routed_experts.token_dispatcher
+        if not hasattr(dispatcher, "dispatch_phases"):  # a local dispatcher: nothing in flight
+            out = self.routed_experts(x_BLD, weights.view(B, L, K), ids.view(B, L, K), counts)
+        else:
+            x_TD = x_BLD.reshape(B * L, D)
+            keep, rows, counts_e, meta = yield from dispatcher.dispatch_phases(
+                x_TD, weights.view(B * L, K), ids.view(B * L, K), counts, keep, chunk
+            )
+            y = self.routed_experts.inner_experts(rows, counts_e)
+            keep, out = yield from dispatcher.combine_phases(y, meta, x_TD, keep)
+            out = out.view(B, L, D)
+        return keep, out, RouterStats(logits, counts) if self._has_router_loss else None
 
     def router_loss(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This rank's share of the weighted router losses of the batch (see the module doc).
@@ -133,14 +173,14 @@ def _normal(std: float):
     return init
 
 
-def moe_config(cfg: ModelConfig, std: float = 0.02) -> SmeltMoE.Config:
+def moe_config(cfg: ModelConfig, std: float = 0.02, dedup: bool = False) -> SmeltMoE.Config:
     """The :class:`SmeltMoE` config of one layer of ``cfg``.
 
     Initialisation follows :func:`smelt_model.block.init_weights`: Normal(0, std), the
     down projection Normal(0, std / sqrt(2 * executed layers)). The experts are smelt's
     (:class:`~smelt_model.titan.experts.SmeltGroupedExperts`), the dispatcher torchtitan's
-    all-to-all one (local when expert parallelism is off), with byte counting
-    (:mod:`smelt_model.titan.comm`).
+    all-to-all one, or with ``dedup`` the de-duplicating one (both local when expert
+    parallelism is off, both recording bytes: :mod:`smelt_model.titan.dispatch`).
     """
     H, E, K = cfg.hidden_size, cfg.n_experts, cfg.top_k
     out_std = std / (2 * cfg.executed_layers) ** 0.5
@@ -169,6 +209,8 @@ def moe_config(cfg: ModelConfig, std: float = 0.02) -> SmeltMoE.Config:
                     "w2_EDF": _normal(out_std),
                 },
             ),
-            token_dispatcher=CountingAllToAllTokenDispatcher.Config(num_experts=E, top_k=K),
+            token_dispatcher=(
+                DedupAllToAllTokenDispatcher if dedup else CountingAllToAllTokenDispatcher
+            ).Config(num_experts=E, top_k=K),
         ),
     )

@@ -555,6 +555,7 @@ class Trainer:
                 f"{ckpt.path / checkpoint.WEIGHTS}: does not fit the run's model "
                 f"({len(odd)} tensor(s) differ, e.g. {odd[0]})"
             )
+        ckpt.check_fits(self.model, self.optimizer, self.scheduler)
         try:
             if self.world > 1:
                 from torch.distributed.checkpoint.state_dict import (

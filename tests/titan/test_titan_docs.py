@@ -63,7 +63,7 @@ def test_the_documented_commands_run(tmp_path):
                     assert losses[-1] < losses[0], (line, losses)
     assert (tmp_path / "runs" / "tiny-smelt-trained" / "model.safetensors").is_file()
     assert (tmp_path / "runs" / "comm" / "comm_rank1.json").is_file()
-    comm_out = [p for body, p in runs.items() if "comm.read" in body][0].stdout.split()
+    comm_out = [p for body, p in runs.items() if "traffic.read" in body][0].stdout.split()
     assert int(comm_out[0]) > 0 and int(comm_out[1]) == 6  # tiny-smelt executes 6 layers
     torch_run = [p for line, p in runs.items() if "torch_kernels" in line][0]
     assert (

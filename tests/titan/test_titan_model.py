@@ -232,7 +232,7 @@ def test_flex_attention_core_matches_segment_attention(monkeypatch):
 def test_stock_dispatchers_can_count_their_all_to_alls():
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
-    from smelt_model.titan.comm import CountingAllToAllTokenDispatcher, count_all_to_all
+    from smelt_model.titan.dispatch import CountingAllToAllTokenDispatcher, count_all_to_all
 
     new = count_all_to_all(AllToAllTokenDispatcher.Config(num_experts=4, top_k=2))
     assert isinstance(new, CountingAllToAllTokenDispatcher.Config)

@@ -1,6 +1,8 @@
 """SMELT tiny on torchtitan, FSDP 2 x EP 2 on two CPU processes (gloo), from a seed made
-from a SmeltLM: one instrumented run (tests/titan/titan_worker.py), checked against a
-single-process SmeltLM, for its FSDP collectives, its all-to-all counts, and exported."""
+from a SmeltLM, with a mixed plan (the looped span's experts gathered, the other layers
+expert-parallel), the de-duplicating dispatcher and two-chunk overlap: one instrumented run
+(tests/titan/titan_worker.py), checked against a single-process SmeltLM, for its FSDP
+collectives, the bytes on the wire against the ledger, and exported."""
 
 import json
 import math
@@ -18,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from smelt_model import presets  # noqa: E402
 from smelt_model.model import SmeltLM  # noqa: E402
-from smelt_model.titan import comm  # noqa: E402
+from smelt_model.titan import traffic  # noqa: E402
 from smelt_model.titan.attention import segment_ids_from_positions  # noqa: E402
 from smelt_model.titan.state_dict import to_smelt, write_seed  # noqa: E402
 
@@ -61,6 +63,9 @@ def run(tmp_path_factory):
         str(tmp / "seed"),
         "--checkpoint.interval",
         "1000",
+        "--moe_comm.plan",
+        "span-gather",
+        "--moe_comm.overlap",
     ]
     proc = th.torchrun(args, cwd=tmp, SMELT_TITAN_COMM=tmp / "comm")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -96,6 +101,7 @@ def test_a_few_steps_with_falling_loss(run):
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
     assert th.losses(run["log"])[0] == pytest.approx(losses[0], rel=1e-4)
+    assert "smelt plan: layers ep,gather,gather,ep; ep 2;" in run["log"]
 
 
 def test_the_looped_span_is_gathered_once_per_forward_and_reduced_once(run):
@@ -113,84 +119,76 @@ def test_the_looped_span_is_gathered_once_per_forward_and_reduced_once(run):
     for step in range(1, STEPS):  # the last step also ran the export-check forward
         assert gathers[(step, "forward")] == 1, gathers
         assert gathers[(step, "backward")] == 1, gathers
-        # one reduce-scatter per FSDP mesh of the unit: the shared weights over the
-        # data-parallel mesh (2), the experts over the expert-FSDP one (1)
-        assert reduces[(step, 2)] == 1 and reduces[(step, 1)] == 1, reduces
+        # one reduce-scatter: the span's gathered experts share the data-parallel mesh (2)
+        # with its dense weights, and no expert-parallel layer is left in the span
+        assert reduces[(step, 2)] == 1 and reduces[(step, 1)] == 0, reduces
     assert all(len(e["units"]) == 1 for e in events)
 
 
-def test_all_to_all_counts_follow_the_realised_routing(run):
-    records = comm.read(run["dir"] / "comm")
+def test_dedup_rows_follow_the_realised_routing(run):
+    """Each chunk's MoE call on an ep layer sends one row per (token, rank) pair: its
+    token_ranks; the combine returns what the other rank sent; the backward mirrors both."""
+    records = traffic.read(run["dir"] / "comm")
     cfg = presets.get(PRESET)
     assert [r["ep_rank"] for r in records] == [0, 1] and records[0]["ep_size"] == 2
-    tokens = 2 * 64  # local batch x seq_len
-    e = cfg.n_experts // 2
-    by_rank = {}
-    for r in records:
-        calls = [c for c in r["calls"] if c["step"] == 1]
-        assert len(calls) == cfg.executed_layers
-        for c in calls:
-            assert sum(c["routing"]) == tokens * cfg.top_k
-        by_rank[r["ep_rank"]] = {
-            (ev["call"], ev["kind"], ev["phase"]): ev for ev in r["events"] if ev["step"] == 1
-        }
-    matrices = comm.routing_matrices(records, step=1)
-    assert len(matrices) == cfg.executed_layers and len(matrices[0]) == 2
-    for i in (0, 1):
-        for (call, kind, phase), ev in by_rank[i].items():
-            if kind == "counts":
+    ep_layers = 2  # the prelude's and the coda's layer; the span's two are gathered
+    by_call = [{c["call"]: c for c in r["calls"] if c["step"] == 1} for r in records]
+    for i, r in enumerate(records):
+        calls = by_call[i]
+        assert len(calls) == ep_layers * 2 and {c["chunk"] for c in calls.values()} == {0, 1}
+        for c in calls.values():
+            assert c["dedup"] and sum(c["routing"]) == 64 * cfg.top_k  # a chunk: one row of 64
+            assert max(c["token_ranks"]) <= 64 <= sum(c["token_ranks"])
+        other = by_call[1 - i]
+        for ev in r["events"]:
+            if ev["step"] != 1 or ev["kind"] not in ("dispatch", "combine"):
                 continue
             assert ev["row_bytes"] == cfg.hidden_size * 4
-            routing = matrices[call]  # step 1 holds the first calls of the run
-            sent = [sum(routing[i][j * e : (j + 1) * e]) for j in (0, 1)]
-            received = [sum(routing[j][i * e : (i + 1) * e]) for j in (0, 1)]
-            # dispatch forward and combine backward carry this rank's own rows out;
-            # combine forward and dispatch backward carry the rows it received back
-            expect = (
-                sent
-                if (kind, phase) in (("dispatch", "forward"), ("combine", "backward"))
-                else received
-            )
-            assert ev["rows_to"] == expect, (i, call, kind, phase)
-            assert ev["bytes_to_others"] == expect[1 - i] * ev["row_bytes"]
-            assert ev["bytes_total"] == sum(expect) * ev["row_bytes"]
-    steps = records[0]["steps"]["1"]
-    assert {
-        "dispatch_forward",
-        "combine_forward",
-        "dispatch_backward",
-        "combine_backward",
-        "dispatch_forward_including_self",
-    } <= set(steps)
+            mine = calls[ev["call"]]["token_ranks"]
+            # the peer's call of the same layer and chunk: the same position in its record
+            peer = list(other.values())[list(calls).index(ev["call"])]["token_ranks"]
+            received = [mine[0], peer[0]] if i == 0 else [peer[1], mine[1]]
+            out = (ev["kind"], ev["phase"]) in (("dispatch", "forward"), ("combine", "backward"))
+            assert ev["rows_to"] == (mine if out else received), (i, ev)
 
 
-def test_the_ledger_counts_the_bytes_the_dispatcher_sent(run):
-    """budget.comm on the run's realised routing equals, per rank and step, the bytes its
-    all-to-alls sent to the other rank: forward dispatch and combine, and the backward's
-    mirror of each."""
+def test_the_ledger_counts_the_bytes_on_the_wire(run):
+    """budget.comm with the run's plan and realised token_ranks equals, per rank and step, the
+    bytes its all-to-alls sent to the other rank (forward and backward), and the FSDP bytes
+    of the gathered span experts (104 experts split evenly over 2 ranks: no padding); the
+    de-duplicated rows are fewer than the stock rows of the same routing by the ledger's
+    factor."""
     from smelt_model import budget
 
-    records = comm.read(run["dir"] / "comm")
+    records = traffic.read(run["dir"] / "comm")
     cfg = presets.get(PRESET)
-    # (the last step also holds the worker's extra forward for the export check)
-    for step in range(1, STEPS):
-        led = budget.comm(
+    plan = budget.parse_plan("span-gather", cfg, ep=2, dedup=True, overlap=True)
+    stock = budget.parse_plan("span-gather", cfg, ep=2, dedup=False, overlap=True)
+    tokens = 2 * 64 * 2
+    for step in range(1, STEPS):  # the last step also holds the worker's export-check forward
+        ranks = traffic.token_rank_matrices(records, step=step)
+        led = budget.comm(cfg, tokens, dp_shard=2, plan=plan, dtype="float32", token_ranks=ranks)
+        rows = budget.comm(
             cfg,
-            2 * 64 * 2,
-            ep=2,
+            tokens,
             dp_shard=2,
+            plan=stock,
             dtype="float32",
-            routing=comm.routing_matrices(records, step=step),
+            routing=traffic.routing_matrices(records, step=step),
         )
         for r in records:
-            sent = r["steps"][str(step)]
-            rank = r["ep_rank"]
+            sent, rank = r["steps"][str(step)], r["ep_rank"]
             assert sent["dispatch_forward"] == led.dispatch_by_rank[rank], (step, rank)
             assert sent["combine_forward"] == led.combine_by_rank[rank], (step, rank)
             assert sent["combine_backward"] == led.dispatch_by_rank[rank], (step, rank)
             assert sent["dispatch_backward"] == led.combine_by_rank[rank], (step, rank)
-        # the step's field sums each layer's busiest rank
-        assert led.dispatch_forward >= max(led.dispatch_by_rank)
+            for key in ("gather_all_gather_forward", "gather_all_gather_backward"):
+                assert sent[key] == pytest.approx(getattr(led, key), rel=1e-12), (step, key)
+            assert sent["gather_reduce_scatter"] == pytest.approx(led.gather_reduce_scatter)
+            assert "gather_all_reduce" not in sent  # one node: no replicas
+            fewer = sent["dispatch_forward"] / rows.dispatch_by_rank[rank]
+            assert fewer == pytest.approx(led.dispatch_by_rank[rank] / rows.dispatch_by_rank[rank])
+            assert fewer < 0.5  # k 8 of 104 experts over 2 ranks: about 0.25 (uniform)
 
 
 def test_export_gives_the_torchtitan_models_logits(run):

@@ -2,7 +2,7 @@
 
     torchrun ... titan_worker.py OUT_DIR [torchtitan options]
 
-Runs torchtitan's trainer as ``python -m smelt_model.titan`` would (same shims, same
+Runs torchtitan's trainer as ``python -m smelt_model.titan`` would (same patches, same
 config), and writes into OUT_DIR (rank 0):
 
 * ``run.json``: the objective of every step (summed over ranks), and FSDP's collectives
@@ -10,7 +10,13 @@ config), and writes into OUT_DIR (rank 0):
 * ``step1.safetensors``: the global batch of step 1 (``input``, ``positions``,
   ``labels``), the full gradient of every parameter before the first optimizer step
   (``grad.<name>``) and, after training, the model's logits on that batch in eval mode
-  (``logits``).
+  (``logits``, SMELT models only).
+
+With ``--compare-stock-dispatch`` (first, before the torchtitan options) step 1's batch is
+also run through the model, before the step itself, once as configured and once with every
+expert-parallel dispatcher replaced by the stock-row one (same meshes): their summed losses
+go to ``run.json`` (``compare``) and their gradients to ``grad_as_run.<name>`` and
+``grad_stock.<name>``.
 """
 
 import json
@@ -40,10 +46,12 @@ def _unit_of(fqn: str) -> str:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     args = sys.argv[2:]
-    from smelt_model.titan import shims
+    compare = args[:1] == ["--compare-stock-dispatch"]
+    args = args[1:] if compare else args
+    from smelt_model.titan import patches
 
-    shims.apply()
-    args = shims.launch_args(args)
+    patches.apply()
+    args = patches.launch_args(args)
     if "--module" not in args:
         args = ["--module", "smelt_model.titan"] + args
 
@@ -81,10 +89,46 @@ def main() -> None:
     trainer = config.build()
     model = trainer.model_parts[0]
     rank = dist.get_rank()
-    tensors, losses = {}, []
+    tensors, losses, compared = {}, [], []
     stock_fb = trainer.forward_backward_step
 
+    def full_grads(prefix):
+        for name, p in model.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            tensors[f"{prefix}.{name}"] = g.detach().clone()
+            p.grad = None
+
+    def dispatchers():
+        from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+        for m in model.modules():
+            d = getattr(m, "token_dispatcher", None)
+            if isinstance(d, AllToAllTokenDispatcher) and d.ep_mesh is not None:
+                yield m, d
+
+    def compare_dispatchers(**batch):
+        from smelt_model.titan.dispatch import CountingAllToAllTokenDispatcher as Stock
+
+        for label in ("as_run", "stock"):
+            if label == "stock":
+                for m, d in list(dispatchers()):
+                    stock = Stock(Stock.Config(num_experts=d.num_experts, top_k=d.top_k))
+                    stock.wire_meshes(ep_mesh=d.ep_mesh)
+                    m._as_run, m.token_dispatcher = d, stock
+            total = stock_fb(**batch).detach().clone()
+            dist.all_reduce(total)
+            compared.append(float(total))
+            full_grads(f"grad_{label}")
+        for m in model.modules():
+            if hasattr(m, "_as_run"):
+                m.token_dispatcher = m._as_run
+                del m._as_run
+
     def forward_backward_step(*, input_dict, labels, global_valid_tokens):
+        if compare and trainer.step == 1 and not compared:
+            compare_dispatchers(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
         loss = stock_fb(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
@@ -115,8 +159,9 @@ def main() -> None:
         with torch.no_grad():
             n = tensors["input"].shape[0] // dist.get_world_size()
             mine = slice(rank * n, (rank + 1) * n)
-            out = model(tensors["input"][mine], positions=tensors["positions"][mine])
-            tensors["logits"] = _gather_rows(out.logits.float())
+            if args[args.index("--module") + 1] == "smelt_model.titan":  # a SMELT model
+                out = model(tensors["input"][mine], positions=tensors["positions"][mine])
+                tensors["logits"] = _gather_rows(out.logits.float())
     finally:
         trainer.close()
     if rank == 0:
@@ -127,7 +172,7 @@ def main() -> None:
             {k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "step1.safetensors")
         )
         (out_dir / "run.json").write_text(
-            json.dumps({"losses": losses, "collectives": collectives})
+            json.dumps({"losses": losses, "collectives": collectives, "compare": compared})
         )
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,137 @@
+"""The --moe_comm options in one process: the plan they resolve to, what each layer's
+config gets, and the one-line refusals (before any process starts)."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
+
+import titan_helpers as th  # noqa: E402
+from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher  # noqa: E402
+
+from smelt_model.titan import config_registry  # noqa: E402
+from smelt_model.titan.dispatch import (  # noqa: E402
+    CountingAllToAllTokenDispatcher,
+    DedupAllToAllTokenDispatcher,
+)
+from smelt_model.titan.moe_comm import RunMesh, run_cluster  # noqa: E402
+from smelt_model.titan.parallelize import run_plan, update_model_config  # noqa: E402
+
+
+def _config(monkeypatch, world=2, local=None, ep=2, **moe_comm):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local or world))
+    config = config_registry.trainer_config("tiny-smelt")
+    config.parallelism.expert_parallel_degree = ep
+    for key, value in moe_comm.items():
+        setattr(config.moe_comm, key, value)
+    return config
+
+
+@pytest.mark.parametrize(
+    "spec, dedup, kinds",
+    [
+        ("ep", True, "eeee"),
+        ("span-gather", True, "egge"),
+        ("gather,ep,ep,gather", False, "geeg"),
+    ],
+)
+def test_each_layer_gets_its_dispatcher_and_sharding(monkeypatch, spec, dedup, kinds):
+    config = _config(monkeypatch, plan=spec, dedup=dedup, overlap=True)
+    config.training.local_batch_size = 2
+    model = config.model_spec.model
+    update_model_config(model, config)
+    assert model.plan.letters == kinds and model.overlap and model.plan.dedup == dedup
+    ep_cls = DedupAllToAllTokenDispatcher if dedup else CountingAllToAllTokenDispatcher
+    for i, kind in enumerate(kinds):
+        moe = model.moe[i]
+        expect = ep_cls if kind == "e" else LocalTokenDispatcher
+        assert type(moe.routed_experts.token_dispatcher) is expect.Config
+        state = moe.routed_experts.inner_experts.sharding_config.state_shardings
+        assert ("ep" in str(state["w1_EFD"])) == (kind == "e")
+
+
+def test_the_cluster_comes_from_the_mesh_and_the_spec():
+    mesh = RunMesh(world=16, local_world=8, ep=8)
+    c = run_cluster("", mesh)
+    assert (c.gpus, c.gpus_per_node, c.ep) == (16, 8, 8)
+    c = run_cluster("gpus_per_node=4,inter=200Gb/s", mesh)
+    assert (c.gpus, c.gpus_per_node, c.ep, c.inter) == (16, 4, 8, 25e9)
+    with pytest.raises(ValueError, match="gpus=8, but the run has 16"):
+        run_cluster("h100-8", mesh)
+
+
+@pytest.mark.parametrize(
+    "moe_comm, needle",
+    [
+        (dict(plan="bogus"), "--moe_comm.plan bogus: unknown plan 'bogus'"),
+        (dict(plan="ep,gather"), "has 2 entries; the model has 4 physical layers"),
+        (dict(gather_group="x"), "--moe_comm.gather_group 'x': choose one of"),
+        (dict(overlap=True), "--training.local_batch_size must be 2 or more"),
+        (dict(cluster="ep=4"), "ep=4, but the run has 2"),
+        (
+            dict(plan="span-gather", overlap=True, span_gather="layer"),
+            "would gather span layers gathered one at a time per chunk",
+        ),
+    ],
+)
+def test_a_plan_the_run_cannot_use_is_refused(monkeypatch, moe_comm, needle):
+    config = _config(monkeypatch, **moe_comm)
+    config.training.local_batch_size = 1 if moe_comm.get("overlap") else 2
+    with pytest.raises(ValueError) as e:
+        run_plan(config, config.model_spec.model.arch, "none")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_launcher_says_it_in_one_line_before_any_process_starts(tmp_path):
+    cmd = [sys.executable, "-m", "smelt_model.titan", "--config", "tiny-smelt"]
+    cmd += ["--parallelism.expert_parallel_degree", "2", "--moe_comm.plan", "ep,gather"]
+    proc = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env=th.env(WORLD_SIZE=2, LOCAL_WORLD_SIZE=2),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.endswith(
+        "smelt_model.titan: error: --moe_comm.plan ep,gather: plan 'ep,gather' has 2 entries; "
+        "the model has 4 physical layers"
+    )
+    assert "Traceback" not in proc.stderr and not (tmp_path / "outputs").exists()
+
+
+def test_a_plan_that_does_not_fit_a_rank_is_refused(monkeypatch):
+    """The ledger's memory per rank of the plan against the memory the SPEC gives (else
+    what the machine has available), before anything is built."""
+    from smelt_model.memory import MemoryRefusal
+
+    config = _config(monkeypatch, plan="gather", cluster="memory=1GB")
+    with pytest.raises(MemoryRefusal) as e:
+        run_plan(config, config.model_spec.model.arch, "none")
+    message = str(e.value)
+    assert "ParallelPlan('gggg'" in message and "on each rank" in message
+    assert "--moe_comm.span_gather layer" in message and "\n" not in message
+    config = _config(monkeypatch, plan="gather", cluster="memory=80GB")
+    assert run_plan(config, config.model_spec.model.arch, "none")[0].letters == "gggg"
+
+
+def test_auto_runs_the_ledgers_best_plan_for_the_run(monkeypatch):
+    from smelt_model import budget
+
+    config = _config(monkeypatch, world=8, ep=8, plan="auto", cluster="memory=80GB")
+    config.training.seq_len, config.training.local_batch_size = 256, 4
+    arch = config.model_spec.model.arch
+    plan, mesh = run_plan(config, arch, "none")
+    expect, _ = budget.plan(
+        arch,
+        "gpus=8,gpus_per_node=8,ep=8,memory=80GB",
+        8 * 4 * 256,
+        workload=budget.Workload(dtype="bfloat16", mean_doc_len=256, seq_len=256),
+        overlap=False,
+    )
+    assert plan == expect and mesh.world == 8
