@@ -11,10 +11,11 @@ and greedy generation (prompt, then new tokens with transformers' DynamicCache) 
     experts smelt      + attention smelt
 
 Calls are interleaved round-robin (A, B, C, D, A, B, ...) after a warm-up, so machine drift
-hits all alike; the table gives medians, the 20-80% spread and each row's speed-up over
-the grouped_mm + sdpa row. Before timing, the smelt rows' logits are checked against the
-eager row's. CPU by default (fp32); ``--device cuda`` (bf16, a larger model) when a GPU is
-there. ``--out DIR`` writes ``hf_bench_<device>.json`` and ``.md``.
+hits all alike; the table gives medians, the 20-80% spread and each row's time over the
+grouped_mm + sdpa row's (``vs_grouped_mm``, :func:`smelt_tools.timing.result_row`). Before
+timing, the smelt rows' logits are checked against the eager row's. CPU by default (fp32);
+``--device cuda`` (bf16, a larger model) when a GPU is there. ``--out DIR`` writes
+``hf_bench_<device>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Callable
 import torch
 
 from .cli import Parser, UsageError, add_threads, command, threads
-from .timing import environment, measure_interleaved
+from .timing import environment, markdown_table, measure_interleaved, result_row
 
 CONFIGS = (("eager", "sdpa"), ("grouped_mm", "sdpa"), ("smelt", "sdpa"), ("smelt", "smelt"))
 BASELINE = ("grouped_mm", "sdpa")
@@ -211,23 +212,16 @@ def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
     ):
         fns = {f"{e}+{a}": maker(e, a) for e, a in CONFIGS}
         times = interleaved(fns, device, warmup, repeats, task)
-        base = times["+".join(BASELINE)].median_ms
+        base = ("grouped_mm", times["+".join(BASELINE)])
         for experts, attn in CONFIGS:
             name = f"{experts}+{attn}"
             t = times[name]
-            med = t.median_ms
             rows.append(
-                dict(
-                    task=task,
-                    experts=experts,
-                    attention=attn,
-                    median_ms=med,
-                    p20_ms=t.p20_ms,
-                    p80_ms=t.p80_ms,
-                    spread=t.spread,
+                dict(task=task, experts=experts, attention=attn)
+                | result_row(t, versus=base)
+                | dict(
                     repeats=t.repeats,
-                    tokens_per_s=n_tok / (med / 1e3),
-                    speedup_vs_grouped_mm=base / med,
+                    tokens_per_s=n_tok / (t.median_ms / 1e3),
                     max_rel_logit_diff_vs_eager=checks[name],
                     same_greedy_tokens=same_tokens[name],
                 )
@@ -249,12 +243,12 @@ COLUMNS = (
     "task",
     "experts",
     "attention",
-    "median_ms",
+    "ms",
     "p20_ms",
     "p80_ms",
     "spread",
     "tokens_per_s",
-    "speedup_vs_grouped_mm",
+    "vs_grouped_mm",
     "max_rel_logit_diff_vs_eager",
     "same_greedy_tokens",
 )
@@ -277,18 +271,10 @@ def markdown(result: dict) -> str:
         f"d_e={m['intermediate_size']}, vocab {m['vocab_size']}. Train step: batch "
         f"{s['batch']} x {s['seq']} tokens, forward + backward. Generate: prompt "
         f"{s['prompt']}, {s['new_tokens']} new tokens, greedy, DynamicCache. Interleaved "
-        f"calls; medians in ms, spread = (p80 - p20) / median.\n\n"
+        f"calls; medians in ms, spread = (p80 - p20) / median, vs_grouped_mm = the row's "
+        f"median over the grouped_mm + sdpa row's (below 1: faster).\n\n"
     )
-
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.3g}"
-        return str(v)
-
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in result["rows"]:
-        lines.append("| " + " | ".join(fmt(r[c]) for c in COLUMNS) + " |")
-    return head + "\n".join(lines) + "\n"
+    return head + markdown_table(result["rows"], COLUMNS) + "\n"
 
 
 def _parser() -> Parser:
