@@ -15,7 +15,8 @@ no tokens, all tokens on one expert, length-1 segments, one segment filling the 
 T = 1, odd sizes, zero-size dimensions... Each is a small frozen description of sizes; the
 self-test and the tests build their own tensors from it (:func:`moe_ids` and
 :func:`segment_ids` build the routings and the segment layouts the cases name). ``quick``
-marks the one case per op a smoke test runs.
+marks the one case per op a smoke test runs: small (the interpreted Triton rows stay fast)
+but through each kernel's main path.
 
 This module imports nothing of smelt beyond ``smelt_kernels`` and no test framework.
 """
@@ -265,9 +266,9 @@ class NormEdge:
 EDGES: dict[str, tuple] = {
     "moe_ffn": (
         MoeEdge("T=1", 1, 24, 16, 4, 2),
-        MoeEdge("odd H and d_e", 13, 37, 19, 5, 3, quick=True),
+        MoeEdge("odd H and d_e", 13, 37, 19, 5, 3),
         MoeEdge("experts with no tokens", 9, 32, 24, 6, 2, "first_k"),
-        MoeEdge("all tokens on one expert", 11, 16, 8, 4, 1, "one_expert"),
+        MoeEdge("all tokens on one expert", 11, 16, 8, 4, 1, "one_expert", quick=True),
         MoeEdge("more experts than pairs", 2, 8, 16, 40, 3, ((39, 0, 17), (5, 39, 38))),
         MoeEdge("many rows per expert", 40, 24, 20, 4, 2),
         MoeEdge("T=0", 0, 16, 8, 4, 2),
@@ -295,9 +296,11 @@ EDGES: dict[str, tuple] = {
     "segment_attention": (
         AttentionEdge("length-1 segments", 1, 9, 9, 2, 2, 16, "ones"),
         AttentionEdge("one segment filling the context, GQA 2:1", 2, 20, 20, 4, 2, 32),
-        AttentionEdge("mixed segments, GQA 6:1", 2, 37, 37, 6, 1, 64, (5, 16, 1, 15), quick=True),
+        AttentionEdge("mixed segments, GQA 6:1", 2, 37, 37, 6, 1, 64, (5, 16, 1, 15)),
         AttentionEdge("decode form Tq=1 < Tk", 2, 1, 19, 4, 2, 16, (7, 12)),
-        AttentionEdge("decode form Tq=3 < Tk, GQA 2:1, D=88", 1, 3, 21, 2, 1, 88, (10, 11)),
+        AttentionEdge(
+            "decode form Tq=3 < Tk, GQA 2:1, D=88", 1, 3, 21, 2, 1, 88, (10, 11), quick=True
+        ),
         AttentionEdge("odd head dim D=7", 1, 11, 11, 2, 1, 7, (4, 7)),
         AttentionEdge("T=0", 1, 0, 0, 2, 1, 16, ()),
         AttentionEdge("no queries", 1, 0, 5, 2, 1, 16, "one"),

@@ -137,8 +137,8 @@ def test_a_forward_off_by_1e_2_fails_by_name(monkeypatch, capsys):
     assert _row(out, "moe_ffn", "cpu", "bfloat16").split()[-1] == "pass"
     for dtype in ("float32", "bfloat16"):
         assert _row(out, "moe_ffn", "torch", dtype).split()[-1] == "pass"
-    assert re.search(r"case 'odd H and d_e': y: max error 1\.0\d*e-02 > bound", out)
-    assert re.search(r"case 'odd H and d_e': y \(no grad\): max error", out)
+    assert re.search(r"case 'all tokens on one expert': y: max error 1\.0\d*e-02 > bound", out)
+    assert re.search(r"case 'all tokens on one expert': y \(no grad\): max error", out)
     assert "FAILED -- 3 passed, 1 failed" in out
 
 
