@@ -105,9 +105,12 @@ def units(
     (the reference last); dtypes. An implementation that cannot run on the device is one
     skipped row; a dtype it refuses, or one the Triton interpreter cannot stand in for, a
     skipped row of that dtype. ``quick`` leaves float16 out (on a GPU every dtype is a
-    kernel compile). Bad names or devices: ValueError / TypeError."""
+    kernel compile). Bad names or devices, or an environment variable with a value smelt
+    refuses: ValueError / TypeError."""
     dev = resolve_device(device)
     report = backends.report(dev)
+    if report.problems:  # every row would fail on it: say so once, before any runs
+        raise ValueError("; ".join(report.problems.values()))
     # the shipped ops in the order of their cases, then any registered later
     op_names = _names(
         "ops", ops, [op for op in CASES if op in report] + [op for op in report if op not in CASES]

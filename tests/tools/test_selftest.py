@@ -232,6 +232,14 @@ def test_bad_names_are_one_line(args, message, capsys):
     assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err
 
 
+def test_a_refused_environment_value_is_one_line_before_any_row(monkeypatch, capsys):
+    monkeypatch.setenv("SMELT_ROUTE_ISA", "avx3")
+    assert cli.main(["--in-process", "--quick"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "SMELT_ROUTE_ISA='avx3' is not valid" in captured.err
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks the message of a machine without a GPU"
 )
