@@ -222,7 +222,7 @@ def test_a_pickled_token_file_runs_nothing(tmp_path, capsys):
 def pair(tmp_path_factory):
     """A trained SMELT / baseline pair (micro configs) in one folder, as ``--arch both``
     lays it out: PAIR/smelt and PAIR/baseline, each a run folder."""
-    from smelt_model.train.__main__ import main as train
+    from smelt_model.train.cli import main as train
 
     tmp = tmp_path_factory.mktemp("pair")
     corpus = tmp / "corpus"
