@@ -8,7 +8,8 @@ budget-matched (FLOPs < 4%, params < 1%, KV < 4%; see :mod:`smelt_model.budget`)
 One naming scheme serves every command: :func:`resolve` takes a pair name (``tiny``,
 ``200M-S95``) or a model name (``tiny-smelt``, ``200M-S95-baseline``), in any case, and
 names the models it stands for; an unknown name is one error with the closest known name.
-:func:`get` needs one model and :func:`pair` a pair; both go through :func:`resolve`.
+:func:`model_name` (and :func:`get`) needs one model and :func:`pair` a pair; both go
+through :func:`resolve`.
 
 :func:`recipe` is how a preset trains (learning rate and schedule, context length, batch,
 weight decay, clipping): the defaults of both trainers, ``python -m smelt_model.train`` and
@@ -29,7 +30,7 @@ from smelt_tools.cli import UsageError, unknown
 
 from .config import ModelConfig, middle_loop
 
-__all__ = ["names", "get", "pair", "pairs", "resolve", "Recipe", "recipe", "DECAY"]
+__all__ = ["names", "get", "pair", "pairs", "resolve", "model_name", "Recipe", "recipe", "DECAY"]
 
 PAPER_VOCAB = 32768
 SPARSITIES = (85, 95, 97)
@@ -150,15 +151,21 @@ def resolve(name: str) -> tuple[str, ...]:
     raise unknown("preset", name, [*pairs(), *names()])
 
 
-def get(name: str) -> ModelConfig:
-    """The model preset ``name`` (see :func:`names`; any case). A pair name is refused with
-    the names of its two models."""
+def model_name(name: str) -> str:
+    """The model preset ``name`` names, spelt as :func:`names` spells it (``TINY-smelt`` ->
+    ``tiny-smelt``). A pair name, where one model is needed, is refused with the names of
+    its two models; an unknown name as :func:`resolve` refuses it."""
     found = resolve(name)
     if len(found) != 1:
         raise UsageError(
             f"{name!r} is a matched pair; name one of its models: {' or '.join(found)}"
         )
-    return _REGISTRY[found[0]]()
+    return found[0]
+
+
+def get(name: str) -> ModelConfig:
+    """The model preset ``name`` (see :func:`model_name`)."""
+    return _REGISTRY[model_name(name)]()
 
 
 def pair(name: str) -> tuple[ModelConfig, ModelConfig]:

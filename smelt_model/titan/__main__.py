@@ -143,9 +143,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if _option(args, "--module") == PROG and _option(args, "--config") is not None:
         from .. import presets
 
-        name = _option(args, "--config")
-        if name not in presets.names():
-            return _fail(f"unknown preset {name!r}; known: {', '.join(presets.names())}")
+        try:  # any case, pair or model name: presets.model_name says what a model is
+            presets.model_name(_option(args, "--config"))
+        except ValueError as e:
+            return _fail(f"--config: {e}")
     try:
         if not {"-h", "--help"} & set(args):
             _check(_parse(args))
