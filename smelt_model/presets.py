@@ -216,8 +216,8 @@ class Recipe:
         return self.seq_len * self.batch_size
 
 
-#: the CPU-sized pair: a few thousand tokens a step
-_TINY_RECIPE = Recipe(lr=2e-3, warmup_steps=10, min_lr_factor=0.1, seq_len=256, batch_size=16)
+#: the CPU-sized pair: 2048 tokens a step
+_TINY_RECIPE = Recipe(lr=2e-3, warmup_steps=10, min_lr_factor=0.1, seq_len=256, batch_size=8)
 #: the paper's cells: packed 4096-token contexts, 32768 tokens a step per process
 _PAPER_RECIPE = Recipe(lr=3e-4, warmup_steps=200, min_lr_factor=0.1, seq_len=4096, batch_size=8)
 

@@ -116,7 +116,9 @@ def __getattr__(name: str) -> Callable[[], Trainer.Config]:
     try:
         model = presets.model_name(name)
     except ValueError as e:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r} ({e})") from None
+        raise AttributeError(
+            f"module {__name__!r} has no attribute {name!r} (smelt presets: {e})"
+        ) from None
     fn = functools.partial(trainer_config, model)
     fn.__name__ = model  # type: ignore[attr-defined]
     return fn
