@@ -21,8 +21,8 @@ def build_trainers(args, dirs: dict, device: str):
     import torch
 
     from .. import budget
-    from .cli import configs, default_every, init_weights, resume_checks, steps_for
     from .data import prepare
+    from .options import configs, default_every, init_weights, resume_checks, steps_for
     from .trainer import RunSpec, Trainer
 
     saved, tokenizer, _ = resume_checks(args, dirs, 0)
