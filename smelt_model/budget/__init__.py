@@ -25,7 +25,8 @@ from .cluster import (
     project,
     project_pair,
 )
-from .comm import DTYPE_BYTES, Comm, CommRatios, comm, dtype_bytes, ratios
+from .comm import Comm, CommRatios, comm, ratios
+from .layout import ParallelPlan, parse_plan
 from .ledger import (
     PARTS,
     Ledger,
@@ -40,6 +41,8 @@ from .ledger import (
     mean_attended,
 )
 from .matcher import MatchError, match
+from .routing import dedup_factor
+from .workload import DTYPE_BYTES, Workload, dtype_bytes
 
 __all__ = [
     "PARTS",
@@ -62,6 +65,10 @@ __all__ = [
     "comm",
     "ratios",
     "dtype_bytes",
+    "Workload",
+    "ParallelPlan",
+    "parse_plan",
+    "dedup_factor",
     "CLUSTER_PRESETS",
     "TOKENS_PER_GPU",
     "Cluster",

@@ -1,88 +1,99 @@
 """The communication ledger: bytes one rank sends per training step under FSDP2 and expert
-parallelism (EP), for one configuration and for a SMELT / baseline pair.
+parallelism (EP), for one configuration and a parallel plan, and for a SMELT / baseline pair.
 
     from smelt_model import budget, presets
     base, smelt = presets.pair("200M-S95")
     c = budget.comm(smelt, 262144, ep=8, dp_shard=8)    # a Comm: bytes per step per rank
     c.ep_bytes, c.fsdp_bytes                              # the two kinds of traffic
-    budget.ratios(base, smelt, 262144, ep=8, dp_shard=8)  # CommRatios(ep=1.2375, ...)
+    budget.comm(smelt, 262144, dp_shard=8, plan=budget.parse_plan("span-gather", smelt, ep=8))
+    budget.ratios(base, smelt, 262144, ep=8, dp_shard=8)  # CommRatios(ep=1.238, ...)
 
-The counts come from the ledger (:func:`smelt_model.budget.ledger`): the number of executed
-MoE layers, and the parameters by part. What is counted, and how:
+The counts come from the ledger (:func:`smelt_model.budget.ledger`): the executed layers,
+and the parameters by part. What is counted, and how:
 
-* **Mesh.** ``dp_shard`` data-parallel ranks; the ``ep`` ranks of an expert-parallel group
-  are carved out of them (``dp_shard = efsdp x ep``, as torchtitan's mesh rule has it).
-  ``tokens_per_step`` is the global batch in tokens; each rank holds ``tokens_per_step /
-  dp_shard`` of them. One micro-batch per step; no tensor, context or pipeline parallelism,
-  no replicated data-parallel axis.
-* **EP all-to-alls.** Every executed MoE layer (a span layer once per visit) runs a
-  dispatch and a combine all-to-all in the forward, and their two mirrors in the backward:
-  the combine's backward sends gradients the way the dispatch sent tokens, the dispatch's
-  backward the way the combine sent outputs. One row of ``hidden_size`` elements of
-  ``dtype`` moves per (token, slot) pair routed to an expert on another rank, as
-  torchtitan's all-to-all dispatcher does (no de-duplication of a token's slots that land on
-  the same rank). Only what a rank **sends to other ranks** is counted: the split that stays
-  on the rank crosses no link. Experts are placed contiguously, ``n_experts / ep`` per rank
-  (rank ``i`` holds experts ``i*E/ep .. (i+1)*E/ep - 1``, torchtitan's ``Shard(0)``).
-  Under uniform routing (the default) a rank sends ``(ep - 1) / ep`` of its
-  ``tokens x top_k`` rows in each of the four collectives. With a ``routing`` (one
-  ``(ep, n_experts)`` matrix per executed MoE layer: entry ``[i][e]`` is how many (token,
-  slot) pairs rank ``i`` routes to expert ``e``), each collective field is the sum over
-  layers of what the **busiest** rank sends in it (the collective ends when that rank is
-  done), and ``dispatch_by_rank`` / ``combine_by_rank`` give every rank's own forward sums.
-  The exchange of the split sizes (``ep`` integers per rank) and activation recompute
-  (which would repeat a recomputed block's forward all-to-alls) are not counted.
+* **Mesh.** ``dp_shard`` data-parallel ranks, ``gpus_per_node`` of them per node (default:
+  all in one node); the ``ep`` ranks of an expert-parallel group are carved out of them
+  (``dp_shard = efsdp x ep``, as torchtitan's mesh rule has it). ``tokens_per_step`` is
+  the global batch in tokens; each rank holds ``tokens_per_step / dp_shard`` of them. One
+  micro-batch per step; no tensor, context or pipeline parallelism.
+* **The plan** (:class:`~smelt_model.budget.ParallelPlan`): ``plan=None`` is torchtitan's
+  stock layout, every layer ``ep`` without de-duplication. Only ``ep`` layers move tokens;
+  ``gather`` layers move their expert weights instead.
+* **EP all-to-alls.** Every executed visit of an ``ep`` layer runs a dispatch and a combine
+  all-to-all in the forward, and their two mirrors in the backward: the combine's backward
+  sends gradients the way the dispatch sent tokens, the dispatch's backward the way the
+  combine sent outputs. A row is ``hidden_size`` elements of ``dtype``; the stock
+  dispatcher sends one per (token, slot) pair routed to an expert on another rank, a
+  de-duplicating one (``plan.dedup``) one per (token, destination rank) pair, and the
+  combine returns as many rows as the dispatch sent (:mod:`.routing`). Only what a rank
+  **sends to other ranks** is counted: the split that stays on the rank crosses no link.
+  Experts are placed contiguously, ``n_experts / ep`` per rank (torchtitan's ``Shard(0)``).
+  Under uniform routing (the default) every rank sends the same. With ``routing`` (one
+  ``(ep, n_experts)`` matrix per executed ``ep`` layer) or, with de-duplication,
+  ``token_ranks`` (one ``(ep, ep)`` matrix per executed ``ep`` layer), each collective
+  field is the sum over layers of what the **busiest** rank sends in it (the collective
+  ends when that rank is done), and ``dispatch_by_rank`` / ``combine_by_rank`` give every
+  rank's own forward sums. A recomputed layer (``plan.recompute``) runs its forward
+  all-to-alls again in the backward (``dispatch_recompute``, ``combine_recompute``). The
+  exchange of the split sizes (``ep`` integers per rank) is not counted.
 * **FSDP2.** Parameters are all-gathered in ``dtype`` before the forward and again before
   the backward when ``reshard_after_forward``, and their gradients reduce-scattered once in
   ``reduce_dtype`` (fp32 by default, torchtitan's ``mixed_precision_reduce``). The looped
   span is one FSDP unit, so its shared weights are gathered once per forward and reduced
-  once per step: every physical parameter counts once, never once per visit. Expert weights
-  are sharded over the EP group's FSDP axis (``efsdp = dp_shard / ep`` ranks; each EP rank
-  holds ``1/ep`` of them), everything else (attention, router, norms, the final norm, and
-  the untied input and output embeddings) over all ``dp_shard`` ranks. Collectives follow
-  the ring convention: over ``n`` ranks a rank sends ``(n - 1) / n`` of the gathered (or
-  reduced) buffer.
+  once per step: every physical parameter counts once, never once per visit. The experts
+  of ``ep`` layers are sharded over the EP group's FSDP axis (``efsdp = dp_shard / ep``
+  ranks; each EP rank holds ``1/ep`` of them); everything else but the experts of
+  ``gather`` layers (attention, router, norms, the final norm, and the untied input and
+  output embeddings) over all ``dp_shard`` ranks. These are the ``fsdp_*`` fields.
+* **Gathered experts** (the ``gather_*`` fields). A ``gather`` layer's experts are sharded
+  over its gather group (``"node"``: the ``gpus_per_node`` ranks of a node, replicated on
+  every node; ``"all"``: all ``dp_shard`` ranks), all-gathered and reduce-scattered like
+  FSDP once per step whatever the visits; with ``"node"`` over several nodes each rank then
+  all-reduces its reduced shard with its replicas on the other nodes (``gather_all_reduce``,
+  in ``reduce_dtype``). When the span is gathered one layer at a time
+  (``plan.span_gather == "layer"``) a span layer is gathered before each visit, forward and
+  backward, and its gradients reduced after each visit.
+* Collectives follow the ring convention: over ``n`` ranks a rank sends ``(n - 1) / n`` of
+  the gathered (or reduced) buffer; an all-reduce sends twice that.
 """
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from ..config import ModelConfig, _check_int
-from .ledger import compare, embedding_params, ledger
+from .layout import ParallelPlan, stock_plan
+from .ledger import compare, embedding_params, layer_params, ledger
+from .routing import _ring, check_counts, realised_rows, uniform_rows
+from .workload import DTYPE_BYTES, Workload, dtype_bytes, workload_of
 
 __all__ = ["DTYPE_BYTES", "Comm", "CommRatios", "comm", "ratios", "dtype_bytes"]
-
-#: element sizes of the dtypes communication may use
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 #: the parameter parts (of ``Ledger.params_by_part``) that FSDP shards over the EP mesh
 EXPERT_PARTS = ("experts",)
 
 
-def dtype_bytes(dtype: Any, name: str = "dtype") -> int:
-    """Bytes per element of ``dtype``: a name from :data:`DTYPE_BYTES` or a torch dtype."""
-    key = str(dtype).removeprefix("torch.")
-    if key not in DTYPE_BYTES:
-        raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    return DTYPE_BYTES[key]
+def _bytes(x: float) -> str:
+    """A byte count with three or four significant digits and a decimal unit."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} B"
 
 
-def _ring(n: int) -> float:
-    return (n - 1) / n
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Comm:
-    """Bytes one rank sends in one training step (see the module docstring for the rules).
+    """Bytes one rank sends to other ranks in one training step (the module docstring has
+    the rules).
 
-    The four EP fields are the dispatch and combine all-to-alls of the forward and of the
-    backward, summed over the executed MoE layers; the three FSDP fields are the forward
-    all-gather, the backward re-gather (0 without ``reshard_after_forward``) and the gradient
-    reduce-scatter. ``fsdp_by_part`` splits the FSDP bytes by parameter part (the ledger's
-    parts plus ``embeddings``).
+    The EP fields are the dispatch and combine all-to-alls of the forward, of the backward
+    and of a recomputed forward, summed over the executed ``ep`` layers; the three
+    ``fsdp_*`` fields are the forward all-gather, the backward re-gather (0 without
+    ``reshard_after_forward``) and the gradient reduce-scatter of the dense weights and
+    the ``ep`` layers' experts; the ``gather_*`` fields the same collectives of the
+    ``gather`` layers' experts, with the all-reduce between replicas. ``fsdp_by_part``
+    splits the FSDP bytes by parameter part (the ledger's parts plus ``embeddings``).
     """
 
     tokens_per_step: int
@@ -90,7 +101,7 @@ class Comm:
     dp_shard: int
     dtype: str
     reduce_dtype: str
-    #: executed MoE layers (span layers once per visit): one dispatch and one combine each
+    #: executed MoE layers (span layers once per visit)
     moe_layers: int
     dispatch_forward: float
     combine_forward: float
@@ -104,10 +115,24 @@ class Comm:
     #: what each EP rank sends in the forward combines (the backward dispatches send as much)
     combine_by_rank: tuple[float, ...] = ()
     fsdp_by_part: dict[str, float] = field(default_factory=dict)
+    #: the plan counted (None: torchtitan's stock layout, every layer EP, no de-duplication)
+    plan: Optional[ParallelPlan] = None
+    #: executed visits of ``ep`` layers: one dispatch and one combine each
+    ep_layers: int = 0
+    #: the forward all-to-alls of recomputed ``ep`` layers, run again in the backward
+    dispatch_recompute: float = 0.0
+    combine_recompute: float = 0.0
+    #: ranks a ``gather`` layer's experts are sharded over, and the replicas of that group
+    gather_group_size: int = 1
+    gather_replicas: int = 1
+    gather_all_gather_forward: float = 0.0
+    gather_all_gather_backward: float = 0.0
+    gather_reduce_scatter: float = 0.0
+    gather_all_reduce: float = 0.0
 
     @property
     def efsdp(self) -> int:
-        """Size of the FSDP axis the expert weights shard over (``dp_shard / ep``)."""
+        """Size of the FSDP axis the ``ep`` layers' experts shard over (``dp_shard / ep``)."""
         return self.dp_shard // self.ep
 
     @property
@@ -116,121 +141,73 @@ class Comm:
 
     @property
     def ep_bytes(self) -> float:
-        """The four EP all-to-alls together."""
+        """The EP all-to-alls together (forward, backward and recomputed forward)."""
         return (
             self.dispatch_forward
             + self.combine_forward
             + self.dispatch_backward
             + self.combine_backward
+            + self.dispatch_recompute
+            + self.combine_recompute
         )
 
     @property
     def ep_by_rank(self) -> tuple[float, ...]:
-        """What each EP rank sends in all four all-to-alls of all layers."""
-        return tuple(2 * (d + c) for d, c in zip(self.dispatch_by_rank, self.combine_by_rank))
+        """What each EP rank sends in all the all-to-alls of all layers."""
+        again = self._recompute_share()
+        return tuple(
+            (2 + again) * (d + c) for d, c in zip(self.dispatch_by_rank, self.combine_by_rank)
+        )
+
+    def _recompute_share(self) -> float:
+        forward = self.dispatch_forward + self.combine_forward
+        return 0.0 if forward == 0 else (self.dispatch_recompute + self.combine_recompute) / forward
 
     @property
     def fsdp_bytes(self) -> float:
-        """The FSDP all-gathers and reduce-scatter together."""
+        """The FSDP all-gathers and reduce-scatter of the dense weights and ``ep`` experts."""
         return (
             self.fsdp_all_gather_forward + self.fsdp_all_gather_backward + self.fsdp_reduce_scatter
         )
 
     @property
+    def gather_bytes(self) -> float:
+        """The collectives of the ``gather`` layers' experts together."""
+        return (
+            self.gather_all_gather_forward
+            + self.gather_all_gather_backward
+            + self.gather_reduce_scatter
+            + self.gather_all_reduce
+        )
+
+    @property
     def total_bytes(self) -> float:
-        return self.ep_bytes + self.fsdp_bytes
+        return self.ep_bytes + self.fsdp_bytes + self.gather_bytes
 
     @property
     def ep_bytes_per_token(self) -> float:
         """EP bytes per token the rank holds."""
         return self.ep_bytes / self.tokens_per_rank
 
-
-def _routing_rows(
-    routing: Any, layers: int, ep: int, n_experts: int, rows_per_rank: int
-) -> list[list[list[int]]]:
-    """``routing`` as nested lists of ints, checked: ``layers`` matrices of ``(ep,
-    n_experts)`` non-negative counts whose rows each sum to ``rows_per_rank``."""
-    if isinstance(routing, (str, bytes)) or not hasattr(routing, "__len__"):
-        raise TypeError(
-            f"routing must be a sequence of (ep, n_experts) count matrices, got "
-            f"{type(routing).__name__}"
+    def __repr__(self) -> str:
+        plan = "stock" if self.plan is None else repr(self.plan)
+        return (
+            f"Comm(ep {_bytes(self.ep_bytes)}, fsdp {_bytes(self.fsdp_bytes)}, gather "
+            f"{_bytes(self.gather_bytes)} per rank and step; {self.moe_layers} MoE layers "
+            f"executed, {self.tokens_per_rank} tokens per rank, ep {self.ep}, dp_shard "
+            f"{self.dp_shard}, plan {plan})"
         )
-    if len(routing) != layers:
-        raise ValueError(
-            f"routing must hold one matrix per executed MoE layer ({layers}), got {len(routing)}"
-        )
-    out = []
-    for li, m in enumerate(routing):
-        m = m.tolist() if hasattr(m, "tolist") else m
-        where = f"routing[{li}]"
-        if not (
-            isinstance(m, (list, tuple))
-            and len(m) == ep
-            and all(isinstance(r, (list, tuple)) and len(r) == n_experts for r in m)
-        ):
-            raise ValueError(f"{where} must be an (ep, n_experts) = ({ep}, {n_experts}) matrix")
-        rows = []
-        for i, r in enumerate(m):
-            for v in r:
-                if (
-                    isinstance(v, bool)
-                    or not isinstance(v, numbers.Real)
-                    or not v >= 0
-                    or v != int(v)
-                ):
-                    raise ValueError(
-                        f"{where} must hold non-negative integer counts, got {v!r} in row {i}"
-                    )
-            r = [int(v) for v in r]
-            if sum(r) != rows_per_rank:
-                raise ValueError(
-                    f"{where} row {i} routes {sum(r)} (token, slot) pairs; a rank holding "
-                    f"tokens_per_step / dp_shard tokens routes tokens x top_k = {rows_per_rank}"
-                )
-            rows.append(r)
-        out.append(rows)
-    return out
 
 
-def _ep_rows(
-    cfg: ModelConfig, layers: int, ep: int, rows_per_rank: int, routing: Any
-) -> tuple[list[float], list[float], float, float]:
-    """Rows sent per rank in the forward dispatches and combines (summed over layers), and
-    the sums over layers of the busiest rank's dispatch and combine rows."""
-    if routing is None:
-        sent = layers * rows_per_rank * (ep - 1) / ep
-        return [sent] * ep, [sent] * ep, sent, sent
-    per_rank = cfg.n_experts // ep
-    dispatch, combine = [0.0] * ep, [0.0] * ep
-    worst_d = worst_c = 0.0
-    for m in _routing_rows(routing, layers, ep, cfg.n_experts, rows_per_rank):
-        # out[i]: rows rank i sends to experts on other ranks; back[i]: rows it received from
-        # other ranks for its own experts, which its combine sends back
-        out = [sum(v for e, v in enumerate(m[i]) if e // per_rank != i) for i in range(ep)]
-        back = [
-            sum(
-                m[j][e]
-                for j in range(ep)
-                if j != i
-                for e in range(i * per_rank, (i + 1) * per_rank)
-            )
-            for i in range(ep)
-        ]
-        for i in range(ep):
-            dispatch[i] += out[i]
-            combine[i] += back[i]
-        worst_d += max(out)
-        worst_c += max(back)
-    return dispatch, combine, worst_d, worst_c
-
-
-def _check_mesh(cfg: ModelConfig, tokens_per_step: int, ep: int, dp_shard: int) -> None:
+def _check_mesh(
+    cfg: ModelConfig, tokens_per_step: int, ep: int, dp_shard: int, gpus_per_node: int
+) -> None:
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     _check_int("tokens_per_step", tokens_per_step, 1)
     _check_int("ep", ep, 1)
     _check_int("dp_shard", dp_shard, 1)
+    _check_int("gpus_per_node", gpus_per_node, 1)
     if tokens_per_step % dp_shard:
         raise ValueError(
             f"tokens_per_step ({tokens_per_step}) must be a multiple of dp_shard "
@@ -246,71 +223,178 @@ def _check_mesh(cfg: ModelConfig, tokens_per_step: int, ep: int, dp_shard: int) 
             f"ep ({ep}) must divide n_experts ({cfg.n_experts}): each EP rank "
             f"holds an equal contiguous block of experts"
         )
+    if gpus_per_node < dp_shard and dp_shard % gpus_per_node:
+        raise ValueError(
+            f"gpus_per_node ({gpus_per_node}) must divide dp_shard ({dp_shard}): the ranks "
+            f"fill whole nodes"
+        )
+
+
+def _resolve_plan(cfg: ModelConfig, plan: Any, ep: Optional[int]) -> tuple[ParallelPlan, int]:
+    """(the plan, the EP degree): ``plan=None`` is the stock layout at ``ep`` (default 1)."""
+    if plan is None:
+        ep = 1 if ep is None else ep
+        _check_int("ep", ep, 1)
+        return stock_plan(cfg, ep), ep
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(
+            f"plan must be a ParallelPlan (see budget.parse_plan) or None, got "
+            f"{type(plan).__name__}"
+        )
+    if ep is not None and ep != plan.ep:
+        raise ValueError(f"ep ({ep}) differs from the plan's ep ({plan.ep}); give one of them")
+    plan.check(cfg)
+    return plan, plan.ep
+
+
+def _recomputed(cfg: ModelConfig, policy: str) -> set[int]:
+    """Slots (executed-layer indices) whose forward runs again in the backward."""
+    steps = cfg.plan.steps
+    if policy == "all":
+        return {s.slot for s in steps}
+    if policy == "visit1" and cfg.is_looped:
+        return {s.slot for s in steps if s.in_span and s.visit == 0}
+    return set()
+
+
+def _gather_passes(cfg: ModelConfig, plan: ParallelPlan, w: Workload) -> tuple[int, int, int]:
+    """(forward gathers, backward gathers, reductions) summed over the ``gather`` layers:
+    how many times a layer's experts are gathered and reduced per step."""
+    loop = cfg.plan
+    fwd = bwd = red = 0
+    for layer in plan.gather_layers:
+        again = loop.count if loop.in_span(layer) and plan.span_gather == "layer" else 1
+        fwd += again if w.reshard_after_forward else 1
+        bwd += again if w.reshard_after_forward else 0
+        red += again
+    return fwd, bwd, red
 
 
 def comm(
     cfg: ModelConfig,
     tokens_per_step: int,
     *,
-    ep: int = 1,
+    ep: Optional[int] = None,
     dp_shard: int = 1,
-    dtype: Any = "bfloat16",
+    plan: Optional[ParallelPlan] = None,
     routing: Optional[Sequence[Any]] = None,
-    reduce_dtype: Any = "float32",
-    reshard_after_forward: bool = True,
+    token_ranks: Optional[Sequence[Any]] = None,
+    gpus_per_node: Optional[int] = None,
+    workload: Optional[Workload] = None,
+    **options: Any,
 ) -> Comm:
-    """Bytes one rank sends per training step of ``cfg`` (see the module docstring).
+    """Bytes one rank sends to other ranks per training step of ``cfg`` (the module
+    docstring has the rules).
 
-    ``tokens_per_step``: the global batch in tokens; ``ep``: the expert-parallel degree;
-    ``dp_shard``: the data-parallel ranks (``ep`` of them form an EP group); ``dtype``: of
-    the activations and gradients the all-to-alls move and of the gathered parameters;
-    ``routing``: ``None`` for uniform routing, or one ``(ep, n_experts)`` matrix of (token,
-    slot) counts per executed MoE layer, in execution order (nested lists, numpy arrays or
-    tensors); ``reduce_dtype``: of the reduce-scattered gradients.
+    ``tokens_per_step``: the global batch in tokens; ``ep``: the expert-parallel degree
+    (default: the plan's, else 1); ``dp_shard``: the data-parallel ranks (``ep`` of them form
+    an EP group); ``plan``: a :class:`~smelt_model.budget.ParallelPlan` (None: every layer
+    EP, no de-duplication); ``routing``: None for uniform routing, or one ``(ep,
+    n_experts)`` matrix of (token, slot) counts per executed ``ep`` layer, in execution
+    order (nested lists, numpy arrays or tensors); ``token_ranks``: with a de-duplicating
+    plan, one ``(ep, ep)`` matrix per executed ``ep`` layer of how many of rank ``i``'s
+    tokens reach rank ``j`` (the realised rows come from it); ``gpus_per_node``: ranks per
+    node (default ``dp_shard``: one node). The :class:`~smelt_model.budget.Workload` options
+    (``dtype``, ``reduce_dtype``, ``reshard_after_forward``) come as ``workload=`` or as
+    keywords.
     """
-    _check_mesh(cfg, tokens_per_step, ep, dp_shard)
-    act = dtype_bytes(dtype, "dtype")
-    red = dtype_bytes(reduce_dtype, "reduce_dtype")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-    led = ledger(cfg)
-    layers = led.executed_layers
-    rows_per_rank = tokens_per_step // dp_shard * cfg.top_k
+    w = workload_of(workload, options, "comm")
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    plan_, ep = _resolve_plan(cfg, plan, ep)
+    node = dp_shard if gpus_per_node is None else gpus_per_node
+    _check_mesh(cfg, tokens_per_step, ep, dp_shard, node)
+    led = ledger(cfg, *w.doc)
+    steps = [s for s in cfg.plan.steps if plan_.kind(s.layer) == "ep"]
+    tokens = tokens_per_step // dp_shard
+    act, red = w.act_bytes, w.reduce_bytes
     row = cfg.hidden_size * act
-    dispatch, combine, worst_d, worst_c = _ep_rows(cfg, layers, ep, rows_per_rank, routing)
+    routed, ranked = check_counts(
+        routing,
+        token_ranks,
+        layers=len(steps),
+        ep=ep,
+        n_experts=cfg.n_experts,
+        top_k=cfg.top_k,
+        tokens=tokens,
+    )
+    if ranked is not None and not plan_.dedup:
+        raise ValueError(
+            "token_ranks counts de-duplicated rows: give a plan with dedup=True, or routing "
+            "for the stock dispatcher"
+        )
+    if routed is not None and plan_.dedup and ranked is None:
+        raise ValueError(
+            "with a de-duplicating plan the realised rows come from token_ranks; give it "
+            "(routing alone does not say which slots share a token)"
+        )
+    again = _recomputed(cfg, plan_.recompute)
+    matrices = ranked if ranked is not None else routed
+    if matrices is not None:
+        rows = [realised_rows(m, ep, cfg.n_experts, ranked is None) for m in matrices]
+    else:
+        sent = [uniform_rows(tokens, cfg.n_experts, cfg.top_k, ep, plan_.dedup)] * ep
+        rows = [(sent, sent)] * len(steps)
+    dispatch = [sum(out[i] for out, _ in rows) for i in range(ep)]
+    combine = [sum(back[i] for _, back in rows) for i in range(ep)]
+    worst = [(max(out), max(back)) for out, back in rows]
+    worst_d = sum(d for d, _ in worst)
+    worst_c = sum(c for _, c in worst)
+    again_d = sum(d for s, (d, _) in zip(steps, worst) if s.slot in again)
+    again_c = sum(c for s, (_, c) in zip(steps, worst) if s.slot in again)
 
     efsdp = dp_shard // ep
+    share_ep = len(plan_.ep_layers) / cfg.n_layers  # of the experts, those of ep layers
     gathered = {}  # parameters each rank gathers (and reduces) per part, scaled by the ring
     for part, n in led.params_by_part.items():
         if part in EXPERT_PARTS:
-            gathered[part] = _ring(efsdp) * n / ep
+            gathered[part] = _ring(efsdp) * n * share_ep / ep
         else:
             gathered[part] = _ring(dp_shard) * n
     gathered["embeddings"] = _ring(dp_shard) * embedding_params(cfg)
-    passes = 2 if reshard_after_forward else 1
+    passes = 2 if w.reshard_after_forward else 1
     by_part = {part: n * (passes * act + red) for part, n in gathered.items()}
     all_gather = sum(gathered.values()) * act
+
+    group = dp_shard if plan_.gather_group == "all" else min(node, dp_shard)
+    replicas = dp_shard // group
+    experts = layer_params(cfg)["experts_total"]
+    g_fwd, g_bwd, g_red = _gather_passes(cfg, plan_, w)
     return Comm(
         tokens_per_step=tokens_per_step,
         ep=ep,
         dp_shard=dp_shard,
-        dtype=str(dtype).removeprefix("torch."),
-        reduce_dtype=str(reduce_dtype).removeprefix("torch."),
-        moe_layers=layers,
+        dtype=w.dtype,
+        reduce_dtype=w.reduce_dtype,
+        moe_layers=led.executed_layers,
         dispatch_forward=worst_d * row,
         combine_forward=worst_c * row,
         dispatch_backward=worst_c * row,
         combine_backward=worst_d * row,
         fsdp_all_gather_forward=all_gather,
-        fsdp_all_gather_backward=all_gather if reshard_after_forward else 0.0,
+        fsdp_all_gather_backward=all_gather if w.reshard_after_forward else 0.0,
         fsdp_reduce_scatter=sum(gathered.values()) * red,
         dispatch_by_rank=tuple(d * row for d in dispatch),
         combine_by_rank=tuple(c * row for c in combine),
         fsdp_by_part=by_part,
+        plan=plan,
+        ep_layers=len(steps),
+        dispatch_recompute=again_d * row,
+        combine_recompute=again_c * row,
+        gather_group_size=group,
+        gather_replicas=replicas,
+        gather_all_gather_forward=g_fwd * _ring(group) * experts * act,
+        gather_all_gather_backward=g_bwd * _ring(group) * experts * act,
+        gather_reduce_scatter=g_red * _ring(group) * experts * red,
+        gather_all_reduce=g_red * 2 * _ring(replicas) * experts / group * red,
     )
 
 
-@dataclass(frozen=True)
+def _g(x: Optional[float]) -> str:
+    return "None" if x is None else f"{x:.4g}"
+
+
+@dataclass(frozen=True, repr=False)
 class CommRatios:
     """Looped / baseline ratios of the bytes a rank sends per step, beside the FLOPs ratio.
 
@@ -324,6 +408,12 @@ class CommRatios:
     total: Optional[float]
     flops: float
 
+    def __repr__(self) -> str:
+        return (
+            f"CommRatios(ep={_g(self.ep)}, fsdp={_g(self.fsdp)}, total={_g(self.total)}, "
+            f"flops={_g(self.flops)})"
+        )
+
 
 def _ratio(a: float, b: float) -> Optional[float]:
     return None if a == 0 else b / a
@@ -336,31 +426,24 @@ def ratios(
     *,
     ep: int = 1,
     dp_shard: int = 1,
-    dtype: Any = "bfloat16",
-    reduce_dtype: Any = "float32",
-    reshard_after_forward: bool = True,
-    mean_doc_len: float = 800,
-    seq_len: int = 4096,
+    workload: Optional[Workload] = None,
+    **options: Any,
 ) -> CommRatios:
-    """Looped / baseline communication ratios under uniform routing (:func:`comm` for the
-    arguments), and the training-FLOPs ratio of :func:`smelt_model.budget.compare`
-    (``mean_doc_len``, ``seq_len``)."""
-    kw = dict(
-        ep=ep,
-        dp_shard=dp_shard,
-        dtype=dtype,
-        reduce_dtype=reduce_dtype,
-        reshard_after_forward=reshard_after_forward,
-    )
+    """Looped / baseline communication ratios under uniform routing and the stock layout
+    (:func:`comm` for the arguments), and the training-FLOPs ratio of
+    :func:`smelt_model.budget.compare`."""
+    w = workload_of(workload, options, "ratios")
     if not isinstance(baseline_cfg, ModelConfig):
         raise TypeError(f"baseline_cfg must be a ModelConfig, got {type(baseline_cfg).__name__}")
     if not isinstance(looped_cfg, ModelConfig):
         raise TypeError(f"looped_cfg must be a ModelConfig, got {type(looped_cfg).__name__}")
-    a = comm(baseline_cfg, tokens_per_step, **kw)
-    b = comm(looped_cfg, tokens_per_step, **kw)
+    a, b = (
+        comm(c, tokens_per_step, ep=ep, dp_shard=dp_shard, workload=w)
+        for c in (baseline_cfg, looped_cfg)
+    )
     return CommRatios(
         ep=_ratio(a.ep_bytes, b.ep_bytes),
         fsdp=_ratio(a.fsdp_bytes, b.fsdp_bytes),
         total=_ratio(a.total_bytes, b.total_bytes),
-        flops=compare(baseline_cfg, looped_cfg, mean_doc_len, seq_len).flops,
+        flops=compare(baseline_cfg, looped_cfg, *w.doc).flops,
     )

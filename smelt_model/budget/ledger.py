@@ -145,13 +145,16 @@ class Ledger:
         return self.flops_per_token / 3.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Ratios:
     """Looped / baseline ratios of the three budgets."""
 
     flops: float
     params: float
     kv: float
+
+    def __repr__(self) -> str:
+        return f"Ratios(flops={self.flops:.4g}, params={self.params:.4g}, kv={self.kv:.4g})"
 
     def worst(self) -> float:
         return max(abs(self.flops - 1), abs(self.params - 1), abs(self.kv - 1))

@@ -101,7 +101,7 @@ def test_routing_edge_cases():
     "routing,message",
     [
         ("abc", "routing must be a sequence"),
-        ([[[4, 4, 0, 0], [0, 0, 4, 4]]], "one matrix per executed MoE layer"),
+        ([[[4, 4, 0, 0], [0, 0, 4, 4]]], "one matrix per executed EP MoE layer"),
         ([[[4, 4, 0, 0]]] * 2, r"routing\[0\] must be an \(ep, n_experts\)"),
         ([[[4, 4, 0], [0, 4, 4]]] * 2, r"routing\[0\] must be an \(ep, n_experts\)"),
         ([[[4, 4, 0, 0], [0, 0, 4, 4]], [[9, -1, 0, 0], [0, 0, 4, 4]]], r"routing\[1\] .*non-neg"),

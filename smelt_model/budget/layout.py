@@ -1,0 +1,216 @@
+"""A parallel plan: how each physical MoE layer's experts are laid out over the GPUs.
+
+    from smelt_model import budget, presets
+    smelt = presets.get("200M-S95-smelt")
+    p = budget.parse_plan("span-gather", smelt, ep=8)   # the span gathered, the rest EP
+    p                    # ParallelPlan('eeeggggggeee', ep=8, gather=node/unit, dedup, overlap)
+    p.kind(5), p.ep_layers, p.gather_layers
+
+Each physical layer is one of two kinds:
+
+* ``ep``: its experts are sharded over an expert-parallel group of ``ep`` ranks; at every
+  executed visit its tokens travel to the experts and back (dispatch and combine
+  all-to-alls, forward and backward). Their FSDP axis is ``dp_shard / ep`` ranks.
+* ``gather``: its experts are FSDP-sharded over the ``gather_group`` (``"node"``: the ranks
+  of one node, replicated across nodes, whose gradients are then all-reduced between the
+  replicas; ``"all"``: every data-parallel rank) and all-gathered before use, so its tokens
+  never leave the rank. A gathered layer is kept for all visits of one forward when the
+  span is gathered as one unit (``span_gather="unit"``); with ``"layer"`` each span layer
+  is gathered on its own, before each visit, so fewer weights are held at once and more
+  bytes move.
+
+``dedup`` sends a token once to each EP rank that holds any of its experts (instead of once
+per (token, slot) pair); ``overlap`` splits each rank's batch into two chunks so that one
+chunk's all-to-alls are in flight while the other computes; ``recompute`` is the activation
+recompute the plan needs to fit in memory (smelt's policies: ``none``, ``visit1``, ``all``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..config import ModelConfig, _check_int
+
+__all__ = [
+    "LAYER_KINDS",
+    "GATHER_GROUPS",
+    "SPAN_GATHER",
+    "RECOMPUTE",
+    "PLAN_NAMES",
+    "ParallelPlan",
+    "parse_plan",
+]
+
+LAYER_KINDS = ("ep", "gather")
+GATHER_GROUPS = ("node", "all")
+SPAN_GATHER = ("unit", "layer")
+#: activation recompute policies (those of :data:`smelt_model.executor.RECOMPUTE_POLICIES`)
+RECOMPUTE = ("none", "visit1", "all")
+#: whole-model plan names :func:`parse_plan` reads besides a per-layer list
+PLAN_NAMES = ("ep", "gather", "span-gather")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True, repr=False)
+class ParallelPlan:
+    """One entry per physical layer (``"ep"`` or ``"gather"``) and how they run (see the
+    module docstring)."""
+
+    layers: tuple[str, ...]
+    #: the expert-parallel degree of the ``ep`` layers
+    ep: int = 1
+    #: the ranks a ``gather`` layer's experts are sharded over: ``"node"`` or ``"all"``
+    gather_group: str = "node"
+    #: the span's ``gather`` layers held as one unit for all visits, or one ``"layer"`` at a
+    #: time (gathered again before each visit)
+    span_gather: str = "unit"
+    dedup: bool = False
+    overlap: bool = False
+    recompute: str = "none"
+
+    def __post_init__(self) -> None:
+        layers = self.layers
+        if isinstance(layers, str) or not isinstance(layers, (list, tuple)) or not layers:
+            raise TypeError(f"layers must be a non-empty tuple of 'ep' / 'gather', got {layers!r}")
+        for i, kind in enumerate(layers):
+            if kind not in LAYER_KINDS:
+                raise ValueError(f"layers[{i}] must be 'ep' or 'gather', got {kind!r}")
+        object.__setattr__(self, "layers", tuple(layers))
+        _check_int("ep", self.ep, 1)
+        _choice("gather_group", self.gather_group, GATHER_GROUPS)
+        _choice("span_gather", self.span_gather, SPAN_GATHER)
+        _choice("recompute", self.recompute, RECOMPUTE)
+        for name in ("dedup", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def kind(self, layer: int) -> str:
+        """``"ep"`` or ``"gather"`` for physical ``layer``."""
+        return self.layers[layer]
+
+    @property
+    def ep_layers(self) -> tuple[int, ...]:
+        """The physical layers whose tokens move (EP)."""
+        return tuple(i for i, k in enumerate(self.layers) if k == "ep")
+
+    @property
+    def gather_layers(self) -> tuple[int, ...]:
+        """The physical layers whose experts are gathered."""
+        return tuple(i for i, k in enumerate(self.layers) if k == "gather")
+
+    @property
+    def letters(self) -> str:
+        """The layers as one letter each: ``e`` (ep) or ``g`` (gather)."""
+        return "".join(k[0] for k in self.layers)
+
+    @property
+    def spec(self) -> str:
+        """The per-layer list :func:`parse_plan` reads back."""
+        return ",".join(self.layers)
+
+    def check(self, cfg: ModelConfig) -> None:
+        """ValueError unless this plan fits ``cfg`` (one entry per physical layer, an EP
+        degree that divides the experts)."""
+        if self.n_layers != cfg.n_layers:
+            raise ValueError(
+                f"plan has {self.n_layers} layer entries; the model has {cfg.n_layers} "
+                f"physical layers"
+            )
+        if self.ep_layers and cfg.n_experts % self.ep:
+            raise ValueError(
+                f"plan ep ({self.ep}) must divide n_experts ({cfg.n_experts}): each EP rank "
+                f"holds an equal contiguous block of experts"
+            )
+
+    def __repr__(self) -> str:
+        flags = [f"ep={self.ep}", f"gather={self.gather_group}/{self.span_gather}"]
+        flags += [name for name in ("dedup", "overlap") if getattr(self, name)]
+        if self.recompute != "none":
+            flags.append(f"recompute={self.recompute}")
+        return f"ParallelPlan({self.letters!r}, {', '.join(flags)})"
+
+
+def parse_plan(
+    spec: Any,
+    cfg: ModelConfig,
+    *,
+    ep: int = 1,
+    gather_group: str = "node",
+    span_gather: str = "unit",
+    dedup: bool = True,
+    overlap: bool = True,
+    recompute: str = "none",
+) -> ParallelPlan:
+    """A :class:`ParallelPlan` for ``cfg`` from ``spec``: ``"ep"`` (every layer EP),
+    ``"gather"`` (every layer gathered), ``"span-gather"`` (the looped span gathered, the
+    rest EP) or a comma list with one ``ep`` / ``gather`` per physical layer. A
+    :class:`ParallelPlan` passes through (checked against ``cfg``). The keywords set the
+    other fields; ``dedup`` and ``overlap`` default to what smelt's trainer runs."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if isinstance(spec, ParallelPlan):
+        spec.check(cfg)
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"plan spec must be a str or a ParallelPlan, got {type(spec).__name__}")
+    text = spec.strip()
+    loop = cfg.plan
+    if text == "ep":
+        layers = ("ep",) * cfg.n_layers
+    elif text == "gather":
+        layers = ("gather",) * cfg.n_layers
+    elif text == "span-gather":
+        if not cfg.is_looped:
+            raise ValueError("plan 'span-gather' needs a looped model; this one has no span")
+        layers = tuple("gather" if loop.in_span(i) else "ep" for i in range(cfg.n_layers))
+    else:
+        layers = tuple(s.strip() for s in text.split(","))
+        if len(layers) == 1:
+            raise ValueError(
+                f"unknown plan {text!r}; use {', '.join(PLAN_NAMES)} or a comma list of "
+                f"{cfg.n_layers} entries, each ep or gather"
+            )
+        if len(layers) != cfg.n_layers:
+            raise ValueError(
+                f"plan {text!r} has {len(layers)} entries; the model has {cfg.n_layers} "
+                f"physical layers"
+            )
+    plan = ParallelPlan(
+        layers=layers,
+        ep=ep,
+        gather_group=gather_group,
+        span_gather=span_gather,
+        dedup=dedup,
+        overlap=overlap,
+        recompute=recompute,
+    )
+    plan.check(cfg)
+    return plan
+
+
+def stock_plan(cfg: ModelConfig, ep: int) -> ParallelPlan:
+    """torchtitan's stock layout: every layer EP, no de-duplication, no overlap."""
+    return ParallelPlan(layers=("ep",) * cfg.n_layers, ep=ep)
+
+
+def name_of(plan: ParallelPlan, cfg: Optional[ModelConfig] = None) -> str:
+    """A short name for ``plan``: ``ep``, ``gather``, ``span-gather`` where it is one of
+    those, else its letters."""
+    if all(k == "ep" for k in plan.layers):
+        return "ep"
+    if all(k == "gather" for k in plan.layers):
+        return "gather"
+    if cfg is not None and cfg.is_looped:
+        loop = cfg.plan
+        if plan.layers == tuple("gather" if loop.in_span(i) else "ep" for i in range(cfg.n_layers)):
+            return "span-gather"
+    return plan.letters
