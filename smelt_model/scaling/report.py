@@ -2,11 +2,12 @@
 bootstrap intervals), the frontier plot, and the command line ``smelt-scaling``
 (``python -m smelt_model.scaling``)::
 
-    smelt-scaling endpoints.csv --bootstrap 2000 --seed 0 --plot runs/frontier.png
+    smelt-scaling runs/a/endpoints.csv runs/b/endpoints.csv --bootstrap 2000 --plot runs/f.png
     smelt-scaling --paper        # the tables from the paper's coefficients
 
 The CSV has a header and columns ``arch, F, S, D, loss`` (S a fraction), optionally ``scale``
-or ``cell`` (grouping for the bootstrap) and ``score`` (a downstream metric). Errors follow
+or ``cell`` (grouping for the bootstrap) and ``score`` (a downstream metric); several files
+(the ``endpoints.csv`` of several runs) are read as one table. Errors follow
 :mod:`smelt_tools.cli`: a bad option is one line and exit status 2, a file that cannot be
 read or fitted one line and exit status 1.
 """
@@ -50,8 +51,8 @@ PAPER_SPARSITIES = (0.85, 0.95, 0.97)
 _MORE_RUNS = (
     "each evaluation of a training run adds one endpoint (its D, tokens so far; --eval-every "
     "sets how many), while F changes only with the model (--preset / --config) or --seq-len: "
-    "train each architecture at two or more model sizes or context lengths, then merge the "
-    "runs' endpoints.csv files (one header, all rows) and fit that"
+    "train each architecture at two or more model sizes or context lengths, then fit the "
+    "runs' endpoints.csv files together (give them all)"
 )
 
 
@@ -304,7 +305,11 @@ def _parser() -> cli.Parser:
         description="Fit loss surfaces per architecture; print coefficients, frontier "
         "exponents, CE Gain and TPP tables (with bootstrap intervals).",
     )
-    ap.add_argument("csv", nargs="?", help="endpoints CSV: arch,F,S,D,loss[,scale|cell][,score]")
+    ap.add_argument(
+        "csv",
+        nargs="*",
+        help="endpoints CSV(s): arch,F,S,D,loss[,scale|cell][,score]; several are one table",
+    )
     ap.add_argument(
         "--paper", action="store_true", help="use the paper's coefficients instead of fitting a CSV"
     )
@@ -341,7 +346,7 @@ def _parser() -> cli.Parser:
 
 def _options(argv: Optional[Sequence[str]]):
     args = _parser().parse_args(argv)
-    if args.paper == (args.csv is not None):
+    if args.paper == bool(args.csv):
         raise cli.UsageError("give an endpoints CSV or --paper (not both)")
     if args.paper and args.bootstrap:
         raise cli.UsageError("--bootstrap needs endpoints (a CSV), not --paper")
@@ -416,7 +421,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
                     file=sys.stderr,
                 )
 
-    src = "the paper's coefficients" if args.paper else args.csv
+    src = "the paper's coefficients" if args.paper else ", ".join(args.csv)
     print(f"# Scaling analysis ({src})\n")
     print(report({a: fits[a] for a in order}, ref, targets, args.C, S, boots, counts, args.anchor))
     if data is not None:
