@@ -388,6 +388,25 @@ def test_read_csv_roundtrip_and_errors(tmp_path, noisy):
         read_csv(bad)
 
 
+def test_several_files_are_one_table(tmp_path, capsys, noisy):
+    data, _ = noisy
+    whole, a, b = tmp_path / "all.csv", tmp_path / "a.csv", tmp_path / "b.csv"
+    write_csv(whole, data, score=True)
+    lines = whole.read_text().splitlines()
+    half = len(lines) // 2
+    a.write_text("\n".join(lines[:half]) + "\n")
+    b.write_text("\n".join([lines[0], *lines[half:]]) + "\n")
+    one, two = read_csv(whole), read_csv([a, b])
+    for arch in one:
+        for col in ("F", "S", "D", "loss", "score"):
+            np.testing.assert_array_equal(getattr(one[arch], col), getattr(two[arch], col))
+    assert scaling.main([str(a), str(b)]) == 0
+    assert f"# Scaling analysis ({a}, {b})" in capsys.readouterr().out
+    (tmp_path / "c.csv").write_text("arch,F,S,D,loss\nsmelt,1e9,0.9,x,2.0\n")
+    with pytest.raises(ValueError, match="c.csv:2: column D"):
+        read_csv([a, tmp_path / "c.csv"])
+
+
 def test_cli_tables_and_bootstrap(tmp_path, capsys, noisy):
     data, _ = noisy
     p = tmp_path / "ep.csv"
