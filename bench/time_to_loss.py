@@ -56,6 +56,7 @@ def reach(evals: list[dict], target: float) -> Optional[dict]:
 def parse_args(argv: Optional[Sequence[str]] = None):
     """The options, each checked (a :class:`UsageError` naming the first bad one)."""
     from smelt_model import presets
+    from smelt_model.plotting import require
 
     ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -103,12 +104,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
                 f"--out {args.out!r}: give a path without suffix (.json, .md, .png are added)"
             )
         cli.output_path(args.out, "--out")
-    try:
-        import matplotlib  # noqa: F401  (the loss plot)
-    except ImportError:
-        raise cli.UsageError(
-            "the loss plot needs matplotlib (pip install matplotlib, or the [plot] extra)"
-        ) from None
+    require("the loss plot")
     return args
 
 

@@ -42,6 +42,7 @@ import torch
 
 from smelt_tools import cli
 
+from .plotting import plot_path, pyplot, save
 from .probes import capture
 
 __all__ = [
@@ -423,15 +424,7 @@ def _options(argv: Optional[Sequence[str]]):
     args = ap.parse_args(argv)
     if args.batch < 1 or (args.seq_len is not None and args.seq_len < 2):
         raise cli.UsageError("--batch must be >= 1 and --seq-len >= 2")
-    args.plot = cli.output_path(args.plot, "--plot", (".png", ".pdf", ".svg"))
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise cli.UsageError(
-                "--plot needs matplotlib (pip install matplotlib, or install smelt "
-                "with the [plot] extra)"
-            ) from None
+    args.plot = plot_path(args.plot)
     return args
 
 
@@ -466,12 +459,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
         print(format_report(reports[name]))
         print()
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = pyplot().subplots(figsize=(6, 4))
         for _name, rep in reports.items():
             xs, ys = zip(*sink_by_depth(rep))
             ax.plot(
@@ -484,9 +472,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
         ax.set_ylabel("attention-sink mass")
         ax.legend()
         fig.tight_layout()
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=120)
-        print(f"wrote {args.plot}")
+        print(f"wrote {save(fig, args.plot)}")
     return 0
 
 

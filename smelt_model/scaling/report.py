@@ -15,13 +15,13 @@ read or fitted one line and exit status 1.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
 from smelt_tools import cli
 
+from ..plotting import plot_path, pyplot, save
 from .endpoints import (
     BootstrapResult,
     Endpoints,
@@ -245,11 +245,7 @@ def plot_frontiers(
     C_range: Optional[tuple[float, float]] = None,
 ) -> None:
     """Loss against compute: the runs (if given) and each fitted frontier per sparsity."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if C_range is None:
         if data:
             allC = np.concatenate([e.C for e in data.values()])
@@ -291,9 +287,7 @@ def plot_frontiers(
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -352,15 +346,7 @@ def _options(argv: Optional[Sequence[str]]):
         raise cli.UsageError("--bootstrap needs endpoints (a CSV), not --paper")
     if args.bootstrap < 0:
         raise cli.UsageError("--bootstrap must be >= 0")
-    args.plot = cli.output_path(args.plot, "--plot", (".png", ".pdf", ".svg"))
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise cli.UsageError(
-                "--plot needs matplotlib, which is not installed "
-                "(pip install matplotlib, or install smelt with the [plot] extra)"
-            ) from None
+    args.plot = plot_path(args.plot)
     return args
 
 

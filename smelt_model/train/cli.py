@@ -153,6 +153,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     one), with the recipe's defaults filled in and ``args.models`` set: ``{arch: name}``
     of the presets to train (empty for ``--config`` / ``--init`` alone)."""
     from .. import presets
+    from ..plotting import plot_path
 
     args = build_parser().parse_args(argv)
     given = [o for o in ("preset", "config") if getattr(args, o) is not None]
@@ -168,7 +169,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             setattr(args, option, getattr(recipe, field))
     _check_numbers(args)
     cli.threads(args.threads)
-    args.plot = cli.output_path(args.plot, "--plot", (".png", ".pdf", ".svg"))
+    args.plot = plot_path(args.plot)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise cli.UsageError(f"--out {args.out}: is a file, expected a run folder")
     return args
@@ -251,8 +252,6 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
         tok_mod.parse_spec(args.tokenizer)
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
-    if args.plot:
-        plot_mod.require()
     if args.threads is not None:
         import torch
 
