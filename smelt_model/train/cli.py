@@ -29,6 +29,7 @@ larger ``--steps`` it extends a finished run.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -195,8 +196,14 @@ def _models(preset: str, arch: Optional[str]) -> dict[str, str]:
 
 
 def _check_numbers(args) -> None:
+    if args.steps is None and args.tokens is None and args.budget_flops is None:
+        raise cli.UsageError("give --steps, --tokens or --budget-flops (when to stop)")
     if args.steps is not None and args.steps < 1:
         raise cli.UsageError(f"--steps must be >= 1, got {args.steps}")
+    for name in ("tokens", "budget_flops"):
+        v = getattr(args, name)
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise cli.UsageError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
     if args.seq_len < 2:
         raise cli.UsageError(f"--seq-len must be >= 2, got {args.seq_len}")
     for name in ("tokens_per_step", "eval_tokens"):
@@ -267,7 +274,9 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     for a, spec in saved.items():
         compare(recipe_fields(args, a, cfgs[a]), spec, dirs[a], args.allow_nonbitwise)
     rows = args.tokens_per_step // args.seq_len
-    what = f"--preset {args.preset}" if args.preset else f"--config {args.config or args.init}"
+    what = next(
+        f"--{o} {getattr(args, o)}" for o in ("preset", "config", "init") if getattr(args, o)
+    )
     check_memory(
         cfgs,
         batch_size=args.batch_size or max(1, rows),
