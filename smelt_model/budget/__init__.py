@@ -1,4 +1,5 @@
-"""The three-budget ledger (FLOPs, parameters, KV cache) and the looped-config matcher.
+"""The three-budget ledger (FLOPs, parameters, KV cache), the looped-config matcher, and the
+communication ledger with its projected step on a cluster.
 
     from smelt_model import budget, presets
     base, smelt = presets.pair("200M-S95")
@@ -6,27 +7,25 @@
     budget.compare(base, smelt)              # Ratios(flops=1.029, params=1.004, kv=1.031)
     cfg, ratios = budget.match(base)         # a looped config matched to the baseline
     budget.comm(smelt, 262144, ep=8, dp_shard=8).ep_bytes   # bytes per step and rank
-    budget.ratios(base, smelt, 262144, ep=8, dp_shard=8)   # CommRatios(ep=1.2375, ...)
-    budget.project_pair(base, smelt, "h100-64").gap()      # projected step-time gap
+    budget.ratios(base, smelt, 262144, ep=8, dp_shard=8)   # CommRatios(ep=1.238, ...)
+    p = budget.parse_plan("span-gather", smelt, ep=8)       # a per-layer parallel plan
+    budget.comm(smelt, 262144, dp_shard=8, plan=p)          # its bytes
+    best, projection = budget.plan(smelt, "h100-64")        # the best plan on a cluster
+    budget.project_pair(base, smelt, "h100-64").gap()      # each at its own best plan
 
 Inside: ``ledger`` (every accounting formula, and the convention they follow), ``matcher``,
-``comm`` (the communication ledger), ``cluster`` (a projected step time on a cluster, a model
-on paper) and ``cli`` (``python -m smelt_model.budget``).
+``workload`` (the options every count shares), ``layout`` (:class:`ParallelPlan`),
+``routing`` (the rows an all-to-all moves), ``comm`` (the communication ledger),
+``cluster`` (a cluster SPEC), ``schedule`` (one step replayed on compute and links),
+``footprint`` (memory per GPU), ``projection`` (plans and projected steps, a model on
+paper) and ``cli`` (``smelt-budget``, ``python -m smelt_model.budget``).
 """
 
 from .cli import main
-from .cluster import (
-    CLUSTER_PRESETS,
-    TOKENS_PER_GPU,
-    Cluster,
-    PairProjection,
-    Projection,
-    parse_cluster,
-    project,
-    project_pair,
-)
+from .cluster import CLUSTER_PRESETS, TOKENS_PER_GPU, Cluster, parse_cluster
 from .comm import Comm, CommRatios, comm, ratios
-from .layout import ParallelPlan, parse_plan
+from .footprint import Footprint
+from .layout import ParallelPlan, overlap_conflict, parse_plan
 from .ledger import (
     PARTS,
     Ledger,
@@ -41,6 +40,7 @@ from .ledger import (
     mean_attended,
 )
 from .matcher import MatchError, match
+from .projection import PairProjection, PlanError, Projection, plan, project, project_pair
 from .routing import dedup_factor
 from .workload import DTYPE_BYTES, Workload, dtype_bytes
 
@@ -68,6 +68,7 @@ __all__ = [
     "Workload",
     "ParallelPlan",
     "parse_plan",
+    "overlap_conflict",
     "dedup_factor",
     "CLUSTER_PRESETS",
     "TOKENS_PER_GPU",
@@ -77,4 +78,7 @@ __all__ = [
     "parse_cluster",
     "project",
     "project_pair",
+    "plan",
+    "PlanError",
+    "Footprint",
 ]

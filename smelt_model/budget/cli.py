@@ -1,39 +1,45 @@
-"""The command line of the ledger: ``python -m smelt_model.budget``.
+"""The command line of the ledger: ``smelt-budget`` (or ``python -m smelt_model.budget``).
 
-    python -m smelt_model.budget 200M-S95            # both ledgers and communication, ratios
-    python -m smelt_model.budget 200M-S95 --ep 8 --dp-shard 64 --tokens-per-step 2097152
-    python -m smelt_model.budget 200M-S95 --cluster h100-8 --cluster h100-64,ep=16
-    python -m smelt_model.budget 200M-S95-baseline --match
-    python -m smelt_model.budget my_baseline.json --match
+    smelt-budget 200M-S95                      # both ledgers and communication, ratios
+    smelt-budget 200M-S95 --ep 8 --dp-shard 64 --tokens-per-step 2097152
+    smelt-budget 200M-S95 --ep 8 --plan span-gather    # the bytes under a parallel plan
+    smelt-budget 200M-S95 --cluster h100-8 --cluster h100-64,ep=16
+    smelt-budget 200M-S95-baseline --match
+    smelt-budget my_baseline.json --match
 
 Without ``--cluster`` the communication ledger (:mod:`.comm`) follows the three budgets:
 bytes per step and rank at ``--tokens-per-step`` (default 32768 per data-parallel rank),
 ``--ep`` (default: the largest of 8, 4, 2, 1 that divides every model's expert count and
-``--dp-shard``) and ``--dp-shard`` (default 8). With ``--cluster SPEC`` (repeatable; see
-:mod:`.cluster`) it prints the projected step times on each cluster instead.
+``--dp-shard``) and ``--dp-shard`` (default 8), under torchtitan's stock layout or
+``--plan``. With ``--cluster SPEC`` (repeatable; see :mod:`.cluster`) it prints, per
+cluster, each architecture's best plan (or ``--plan``) beside torchtitan's stock layout,
+their bytes, memory and projected step times, and the gap (:mod:`.projection`).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
-from smelt_tools.cli import Parser
+from smelt_tools import cli
 
 from ..config import ModelConfig
-from .cluster import TOKENS_PER_GPU, parse_cluster, project, project_pair
-from .comm import Comm, comm, ratios
+from .cluster import TOKENS_PER_GPU, parse_cluster
+from .comm import Comm, _bytes, comm, ratios
+from .layout import PLAN_NAMES, ParallelPlan, loop_of, parse_plan
 from .ledger import Ledger, compare, ledger
-from .matcher import MatchError, match
+from .matcher import match
+from .projection import Projection, _time, project
+from .workload import Workload
 
-__all__ = ["main"]
+__all__ = ["PROG", "main"]
+
+PROG = "smelt-budget"
 
 
 def _format_side_by_side(names: Sequence[str], ledgers: Sequence[Ledger], cfgs) -> str:
     rows = [
-        ("geometry", [c.describe() for c in cfgs], None),
         ("active params", [f"{x.active_params / 1e9:.4f} B" for x in ledgers], "active_params"),
         ("total params", [f"{x.total_params / 1e9:.4f} B" for x in ledgers], "total_params"),
         ("train FLOPs / token", [f"{x.flops_per_token:.4e}" for x in ledgers], "flops_per_token"),
@@ -42,15 +48,12 @@ def _format_side_by_side(names: Sequence[str], ledgers: Sequence[Ledger], cfgs) 
         ("sparsity S", [f"{x.sparsity:.4f}" for x in ledgers], None),
         ("c_bar", [f"{x.mean_attended:.1f}" for x in ledgers], None),
     ]
-    out = []
     w0 = max(len(r[0]) for r in rows)
+    out = []
     if len(ledgers) == 2:
         out.append(f"{'':{w0}}  {names[0]:>18}  {names[1]:>18}  {'ratio':>7}")
+    out += [f"{n}: {c.describe()}" for n, c in zip(names, cfgs)]
     for label, vals, field in rows:
-        if label == "geometry":
-            for n, v in zip(names, vals):
-                out.append(f"{n}: {v}")
-            continue
         line = f"{label:{w0}}  " + "  ".join(f"{v:>18}" for v in vals)
         if field is not None and len(ledgers) == 2:
             a, b = getattr(ledgers[0], field), getattr(ledgers[1], field)
@@ -59,19 +62,9 @@ def _format_side_by_side(names: Sequence[str], ledgers: Sequence[Ledger], cfgs) 
     return "\n".join(out)
 
 
-def _bytes(x: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.2f} {unit}"
-    return f"{x:.0f} B"
-
-
-def _ms(x: float) -> str:
-    return f"{x * 1e3:.1f} ms"
-
-
 def _table(names: Sequence[str], rows) -> list[str]:
-    """Rows of (label, values, format): one column per model, a ratio column for a pair."""
+    """Rows of (label, values, format): one column per model, a ratio column for a pair;
+    a value of None prints as ``-``."""
     w0 = max(len(r[0]) for r in rows)
     out = [
         f"{'':{w0}}  "
@@ -79,19 +72,26 @@ def _table(names: Sequence[str], rows) -> list[str]:
         + ("  {:>7}".format("ratio") if len(names) == 2 else "")
     ]
     for label, vals, fmt in rows:
-        line = f"{label:{w0}}  " + "  ".join(f"{fmt(v):>18}" for v in vals)
+        line = f"{label:{w0}}  " + "  ".join(f"{'-' if v is None else fmt(v):>18}" for v in vals)
         if len(vals) == 2:
-            line += f"  {vals[1] / vals[0]:7.4f}" if vals[0] else f"  {'-':>7}"
+            a, b = vals
+            ok = a is not None and b is not None and a
+            line += f"  {b / a:7.4f}" if ok else f"  {'-':>7}"
         out.append(line)
     return out
 
 
-def _format_comm(names: Sequence[str], comms: Sequence[Comm]) -> str:
+def _format_comm(names: Sequence[str], comms: Sequence[Comm], plan: Optional[str]) -> str:
     c0 = comms[0]
     head = (
         f"communication per step and rank: {c0.tokens_per_step} tokens per step "
         f"({c0.tokens_per_rank} per rank), ep {c0.ep}, dp_shard {c0.dp_shard} (efsdp "
-        f"{c0.efsdp}), {c0.dtype}, gradients reduced in {c0.reduce_dtype}; uniform routing"
+        f"{c0.efsdp}), {c0.dtype}, gradients reduced in {c0.reduce_dtype}; uniform routing; "
+        + (
+            "torchtitan's stock layout"
+            if plan is None
+            else f"plan {plan} (gather group of {c0.gather_group_size} ranks)"
+        )
     )
     get = lambda attr: [getattr(c, attr) for c in comms]  # noqa: E731
     rows = [
@@ -106,39 +106,138 @@ def _format_comm(names: Sequence[str], comms: Sequence[Comm]) -> str:
         ("FSDP all-gather, backward", get("fsdp_all_gather_backward"), _bytes),
         ("FSDP reduce-scatter", get("fsdp_reduce_scatter"), _bytes),
         ("FSDP", get("fsdp_bytes"), _bytes),
-        ("all communication", get("total_bytes"), _bytes),
     ]
+    if any(c.dispatch_recompute for c in comms):
+        rows.insert(
+            6,
+            (
+                "EP recomputed forward",
+                [c.ep_bytes - 2 * (c.dispatch_forward + c.combine_forward) for c in comms],
+                _bytes,
+            ),
+        )
+    if plan is not None:
+        rows += [
+            ("gathered experts, all-gather fwd", get("gather_all_gather_forward"), _bytes),
+            ("gathered experts, all-gather bwd", get("gather_all_gather_backward"), _bytes),
+            ("gathered experts, reduce-scatter", get("gather_reduce_scatter"), _bytes),
+            ("gathered experts, all-reduce", get("gather_all_reduce"), _bytes),
+            ("gathered experts", get("gather_bytes"), _bytes),
+        ]
+    rows.append(("all communication", get("total_bytes"), _bytes))
     return "\n".join([head] + _table(names, rows))
 
 
-def _format_projection(spec: str, names: Sequence[str], projections, pair) -> str:
-    p0 = projections[0]
-    c0 = p0.comm
+def _plan_text(plan: ParallelPlan, cfg: ModelConfig) -> str:
+    """``plan`` in a line: its layers (``|`` around the span) and how it runs."""
+    letters = plan.letters
+    if cfg.is_looped:
+        loop = loop_of(cfg)
+        letters = f"{letters[: loop.start]}|{letters[loop.start : loop.end]}|{letters[loop.end :]}"
+    ways = ["no EP"]
+    if plan.ep_layers:
+        ways = [
+            f"EP {plan.ep}",
+            "de-duplicated" if plan.dedup else "stock dispatch",
+            "two-chunk overlap" if plan.overlap else "no overlap",
+        ]
+    if plan.gather_layers:
+        span = cfg.is_looped and any(loop_of(cfg).in_span(i) for i in plan.gather_layers)
+        ways.append(f"gathered over {'a node' if plan.gather_group == 'node' else 'all GPUs'}")
+    else:
+        span = False
+    if cfg.is_looped and (span or plan.span_gather == "layer"):
+        ways.append("span " + ("as one unit" if plan.span_gather == "unit" else "layer by layer"))
+    ways.append("re-gathered for the backward" if plan.reshard_after_forward else "kept gathered")
+    ways.append(f"recompute {plan.recompute}")
+    return f"{letters}  ({', '.join(ways)})"
+
+
+def _attempt(cfg: ModelConfig, cl, tokens, plan, w: Workload) -> Union[Projection, str]:
+    try:
+        return project(cfg, cl, tokens, plan=plan, workload=w)
+    except ValueError as e:  # a plan that cannot run or fit is part of the answer
+        return cli.one_line(e)
+
+
+LEGEND = (
+    "Bytes are what one GPU sends to other GPUs per step, under uniform routing; 'busy' is\n"
+    "the time each link needs for them at its nominal bandwidth; 'exposed' is the time the\n"
+    "compute waits for each kind of traffic (what the overlap cannot hide), so a step is\n"
+    "compute + exposed. e: a layer whose tokens move (EP), g: a layer whose experts are\n"
+    "gathered; | marks the looped span."
+)
+
+
+def _format_cluster(spec, names, cfgs, tokens, plan_spec, w: Workload) -> str:
+    cl = parse_cluster(spec)
+    tokens = TOKENS_PER_GPU * cl.gpus if tokens is None else tokens
+    label = "best plan" if plan_spec == "auto" else f"plan {plan_spec}"
+    best = [_attempt(c, cl, tokens, plan_spec, w) for c in cfgs]
+    stock = [_attempt(c, cl, tokens, None, w) for c in cfgs]
     lines = [
-        f"projected step on {spec}: {p0.cluster.describe()}",
-        f"{c0.tokens_per_step} tokens per step ({c0.tokens_per_rank} per GPU), {c0.dtype}; "
-        f"a model on paper, not a measurement",
+        f"projected step on {spec}: {cl.describe()}",
+        f"{tokens} tokens per step ({tokens // cl.gpus} per GPU); a model on paper, not a "
+        f"measurement",
     ]
-    get = lambda attr: [getattr(p, attr) for p in projections]  # noqa: E731
+    for n, c, p, s in zip(names, cfgs, best, stock):
+        if isinstance(p, str):
+            lines.append(f"{n}: {p}")
+            continue
+        lines.append(f"{n} {label}: {_plan_text(p.plan, c)}")
+        if isinstance(s, str):
+            lines.append(f"{n} torchtitan stock: {s}")
+    ok = [p for p in best if not isinstance(p, str)]
+    if not ok:
+        return "\n".join(lines)
+    names = [n for n, p in zip(names, best) if not isinstance(p, str)]
+    stock = [s for s, p in zip(stock, best) if not isinstance(p, str)]
+    get = lambda f: [f(p) for p in ok]  # noqa: E731
+    gb = lambda x: f"{x / 1e9:.2f} GB"  # noqa: E731
     rows = [
-        ("compute", get("compute_s"), _ms),
-        ("EP all-to-alls", [p.comm.ep_bytes for p in projections], _bytes),
-        ("EP time", get("ep_s"), _ms),
-        ("FSDP", [p.comm.fsdp_bytes for p in projections], _bytes),
-        ("FSDP time", get("fsdp_s"), _ms),
-        ("step, serial", get("serial_s"), _ms),
-        ("step, FSDP overlapped", get("fsdp_overlapped_s"), _ms),
-        ("step, all overlapped", get("overlapped_s"), _ms),
+        ("compute (recompute included)", get(lambda p: p.compute_s), _time),
+        ("EP all-to-alls, sent", get(lambda p: p.comm.ep_bytes), _bytes),
+        ("FSDP, sent", get(lambda p: p.comm.fsdp_bytes), _bytes),
+        ("gathered experts, sent", get(lambda p: p.comm.gather_bytes), _bytes),
+        ("in-node links busy", get(lambda p: p.model.busy["intra"]), _time),
+        ("NIC busy", get(lambda p: p.model.busy["inter"]), _time),
+        ("exposed EP", get(lambda p: p.exposed["ep"]), _time),
+        ("exposed FSDP", get(lambda p: p.exposed["fsdp"]), _time),
+        ("exposed gathered experts", get(lambda p: p.exposed["gather"]), _time),
+        (f"memory per GPU (of {cl.memory / 1e9:.4g} GB)", get(lambda p: p.memory.total), gb),
+        (f"step, {label}", get(lambda p: p.step_s), _time),
+        (
+            "step, torchtitan stock",
+            [None if isinstance(s, str) else s.step_s for s in stock],
+            _time,
+        ),
     ]
     lines += _table(names, rows)
-    if pair is not None:
-        lines.append(
-            f"gap (step ratio / F ratio {pair.flops_ratio:.4f}): serial "
-            f"{pair.gap('serial'):.4f}  FSDP overlapped "
-            f"{pair.gap('fsdp_overlapped'):.4f}  all overlapped "
-            f"{pair.gap('overlapped'):.4f}"
-        )
+    if len(ok) == 2:
+        lines += _gap_lines(label, ok, stock, compare(*cfgs, *w.doc).flops)
     return "\n".join(lines)
+
+
+def _gap_lines(label: str, best, stock, flops: float) -> list[str]:
+    gap = best[1].step_s / best[0].step_s / flops
+    text = f"gap (step ratio / F ratio {flops:.4f}): {label} {gap:.4f}"
+    if not any(isinstance(s, str) for s in stock):
+        text += f", torchtitan stock {stock[1].step_s / stock[0].step_s / flops:.4f}"
+    out = [text]
+    if gap > 1.00005:
+        extra = best[1].step_s - best[0].step_s * flops  # beyond what the FLOPs account for
+        out.append(
+            f"above 1.00 by {gap - 1:.2%} ({_time(extra)} per step more than the F ratio "
+            f"allows): exposed traffic of the looped model {_exposed(best[1])}, of the "
+            f"baseline {_exposed(best[0])}"
+        )
+    return out
+
+
+def _exposed(p: Projection) -> str:
+    names = {"ep": "EP", "fsdp": "FSDP", "gather": "gathered experts"}
+    parts = [f"{names[k]} {_time(v)}" for k, v in p.exposed.items() if v > 0]
+    return ", ".join(parts) if parts else "none"
 
 
 def _default_ep(cfgs, dp_shard: int) -> int:
@@ -148,39 +247,39 @@ def _default_ep(cfgs, dp_shard: int) -> int:
 
 
 def _load_config(spec: str) -> ModelConfig:
-    """A preset name or a JSON config file; ValueError/OSError with a clear message."""
+    """A preset name or a JSON config file."""
     from .. import presets
 
     if spec in presets.names():
         return presets.get(spec)
     path = Path(spec)
-    if path.suffix == ".json" or path.exists():
-        if not path.is_file():
-            raise FileNotFoundError(f"no such config file: {spec}")
-        try:
-            return ModelConfig.from_json(path)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{spec}: {e}" if not str(e).startswith(spec) else str(e)) from None
-    raise ValueError(
-        f"unknown preset or config file {spec!r}; presets: {', '.join(presets.names())}"
-    )
+    if path.suffix != ".json" and not path.exists():
+        known = presets.pairs() + presets.names()
+        raise cli.unknown("pair or preset", spec, known)
+    if not path.is_file():
+        raise cli.CommandError(f"{spec}: no such config file")
+    try:
+        return ModelConfig.from_json(path)
+    except (TypeError, ValueError) as e:
+        raise cli.CommandError(str(e) if str(e).startswith(spec) else f"{spec}: {e}") from None
 
 
 def _positive(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+        v = 0
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
     return v
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = Parser(
-        prog="python -m smelt_model.budget",
+def _parser() -> cli.Parser:
+    ap = cli.Parser(
+        prog=PROG,
         description="Print the FLOPs / params / KV ledger and the communication ledger of a "
-        "matched pair, project its step time on a cluster, or match a baseline.",
+        "matched pair, project its step time on a cluster at each architecture's best "
+        "parallel plan, or match a baseline.",
     )
     ap.add_argument(
         "config",
@@ -193,10 +292,7 @@ def _parser() -> argparse.ArgumentParser:
         "--tolerances", type=float, nargs=3, default=(0.04, 0.01, 0.04), metavar=("F", "N", "KV")
     )
     ap.add_argument(
-        "--head-dim-multiple",
-        type=int,
-        default=8,
-        help="--match: head sizes tried are multiples of this",
+        "--head-dim-multiple", type=int, default=8, help="--match: head sizes tried are multiples"
     )
     ap.add_argument(
         "--expert-size-multiple",
@@ -227,32 +323,44 @@ def _parser() -> argparse.ArgumentParser:
         help="data-parallel (FSDP) ranks (default 8); with --cluster, set gpus in SPEC",
     )
     ap.add_argument(
+        "--gpus-per-node",
+        type=_positive,
+        default=8,
+        help="ranks per node, the gather group of a plan's 'node' (default 8); with --cluster, "
+        "set gpus_per_node in SPEC",
+    )
+    ap.add_argument(
         "--dtype",
         default="bfloat16",
         help="dtype of the all-to-alls and the gathered parameters (default bfloat16)",
+    )
+    ap.add_argument(
+        "--plan",
+        help=f"the parallel plan: {', '.join(PLAN_NAMES)} or one ep/gather per layer, comma "
+        f"separated; with --cluster also auto (the default: each architecture's best)",
     )
     ap.add_argument(
         "--cluster",
         action="append",
         metavar="SPEC",
         help="project step times on a cluster: a preset (h100-8, h100-64) and/or "
-        "key=value pairs gpus,gpus_per_node,intra,inter,peak,mfu,ep; repeatable",
+        "key=value pairs gpus,gpus_per_node,intra,inter,peak,mfu,ep,memory; repeatable",
     )
     return ap
 
 
-def _configs(args) -> tuple[list[str], ModelConfig, Optional[ModelConfig]]:
-    """(column names, baseline or single config, looped config or None) from the command."""
+def _configs(args) -> tuple[list[str], list[ModelConfig]]:
+    """(column names, configs) from the command: one config, a pair, or a matched pair."""
     from .. import presets
 
     if args.config in presets.pairs():
-        base, looped = presets.pair(args.config)
+        cfgs = list(presets.pair(args.config))
         names = [f"{args.config}-baseline", f"{args.config}-smelt"]
     else:
-        base, looped, names = _load_config(args.config), None, [args.config]
+        cfgs, names = [_load_config(args.config)], [args.config]
     if args.match:
         looped, _ = match(
-            base,
+            cfgs[0],
             tolerances=args.tolerances,
             mean_doc_len=args.mean_doc_len,
             seq_len=args.seq_len,
@@ -260,48 +368,66 @@ def _configs(args) -> tuple[list[str], ModelConfig, Optional[ModelConfig]]:
             expert_size_multiple=args.expert_size_multiple,
             kv_heads=args.kv_heads,
         )
-        names = [names[0], "matched-smelt"]
-    return names, base, looped
+        cfgs, names = [cfgs[0], looped], [names[0], "matched-smelt"]
+    return names, cfgs
 
 
-def _projections(args, names, base, looped) -> str:
-    if args.ep is not None or args.dp_shard is not None:
-        raise ValueError(
-            "with --cluster, give ep and gpus in the cluster SPEC, not --ep / --dp-shard"
-        )
-    kw = dict(dtype=args.dtype, mean_doc_len=args.mean_doc_len, seq_len=args.seq_len)
-    blocks = []
-    for spec in args.cluster:
-        cl = parse_cluster(spec)
-        if looped is None:
-            pair, projs = None, [project(base, cl, args.tokens_per_step, **kw)]
-        else:
-            pair = project_pair(base, looped, cl, args.tokens_per_step, **kw)
-            projs = [pair.baseline, pair.looped]
-        blocks.append(_format_projection(spec, names, projs, pair))
-    return "\n\n".join(blocks)
+def _check_options(args) -> None:
+    """Settings the command cannot run with, refused before any work (UsageError)."""
+    try:
+        if args.cluster:
+            if args.ep is not None or args.dp_shard is not None:
+                raise ValueError(
+                    "with --cluster, give ep and gpus in the cluster SPEC, not --ep / --dp-shard"
+                )
+            for spec in args.cluster:
+                parse_cluster(spec)
+        elif args.plan == "auto":
+            raise ValueError("--plan auto chooses a plan for a cluster: give --cluster SPEC")
+        _workload(args)
+    except (TypeError, ValueError) as e:
+        raise cli.UsageError(str(e)) from None
 
 
-def _ledgers(args, names, base, looped) -> str:
+def _check_plan(args, cfgs) -> None:
+    """A --plan spec that does not describe these models: UsageError before any work."""
+    if args.plan in (None, "auto"):
+        return
+    try:
+        for c in cfgs:
+            parse_plan(args.plan, c)
+    except ValueError as e:
+        raise cli.UsageError(f"--plan {args.plan}: {e}") from None
+
+
+def _workload(args) -> Workload:
+    return Workload(dtype=args.dtype, mean_doc_len=args.mean_doc_len, seq_len=args.seq_len)
+
+
+def _ledgers(args, names, cfgs) -> str:
     """The three budgets, the communication ledger and their ratios (and a match's JSON)."""
-    cfgs = [base] if looped is None else [base, looped]
     leds = [ledger(c, args.mean_doc_len, args.seq_len) for c in cfgs]
     dp_shard = 8 if args.dp_shard is None else args.dp_shard
     ep = _default_ep(cfgs, dp_shard) if args.ep is None else args.ep
     tokens = TOKENS_PER_GPU * dp_shard if args.tokens_per_step is None else args.tokens_per_step
-    kw = dict(ep=ep, dp_shard=dp_shard, dtype=args.dtype)
-    comms = [comm(c, tokens, **kw) for c in cfgs]
+    node = min(args.gpus_per_node, dp_shard)
+    kw = dict(dp_shard=dp_shard, gpus_per_node=node, workload=_workload(args))
+    try:
+        if args.plan is None:
+            comms = [comm(c, tokens, ep=ep, **kw) for c in cfgs]
+        else:
+            comms = [comm(c, tokens, plan=parse_plan(args.plan, c, ep=ep), **kw) for c in cfgs]
+    except ValueError as e:  # the mesh or the plan does not suit these models
+        raise cli.UsageError(str(e)) from None
     out = [_format_side_by_side(names, leds, cfgs)]
-    if looped is not None:
-        r = compare(base, looped, args.mean_doc_len, args.seq_len)
+    if len(cfgs) == 2:
+        r = compare(*cfgs, args.mean_doc_len, args.seq_len)
         out.append(
             f"\nratios (looped / baseline): F {r.flops:.4f}  N {r.params:.4f}  KV {r.kv:.4f}"
         )
-    out.append("\n" + _format_comm(names, comms))
-    if looped is not None:
-        cr = ratios(
-            base, looped, tokens, mean_doc_len=args.mean_doc_len, seq_len=args.seq_len, **kw
-        )
+    out.append("\n" + _format_comm(names, comms, args.plan))
+    if len(cfgs) == 2 and args.plan is None:
+        cr = ratios(*cfgs, tokens, ep=ep, dp_shard=dp_shard, workload=kw["workload"])
         parts = [
             f"{label} {'-' if v is None else f'{v:.4f}'}"
             for label, v in (("EP", cr.ep), ("FSDP", cr.fsdp), ("all", cr.total))
@@ -310,23 +436,26 @@ def _ledgers(args, names, base, looped) -> str:
             f"\ncommunication ratios (looped / baseline): {'  '.join(parts)}  (F {cr.flops:.4f})"
         )
     if args.match:
-        out.append("\nmatched config (JSON):\n" + looped.to_json())
+        out.append("\nmatched config (JSON):\n" + cfgs[1].to_json())
     return "\n".join(out)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        args = _parser().parse_args(argv)
-        names, base, looped = _configs(args)
-        if args.cluster:
-            text = _projections(args, names, base, looped)
-        else:
-            text = _ledgers(args, names, base, looped)
-    except MatchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except (OSError, TypeError, ValueError) as e:  # a UsageError is a ValueError
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(text)
-    return 0
+def _run(argv: Optional[Sequence[str]] = None) -> None:
+    """Print the ledgers, the communication ledger or the projected steps (module docstring)."""
+    args = _parser().parse_args(argv)
+    _check_options(args)
+    names, cfgs = _configs(args)
+    _check_plan(args, cfgs)
+    if args.cluster:
+        plan = "auto" if args.plan is None else args.plan
+        w = _workload(args)
+        blocks = [
+            _format_cluster(spec, names, cfgs, args.tokens_per_step, plan, w)
+            for spec in args.cluster
+        ]
+        print("\n\n".join(blocks) + "\n\n" + LEGEND)
+    else:
+        print(_ledgers(args, names, cfgs))
+
+
+main = cli.command(PROG, _run)

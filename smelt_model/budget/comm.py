@@ -37,10 +37,11 @@ and the parameters by part. What is counted, and how:
   all-to-alls again in the backward (``dispatch_recompute``, ``combine_recompute``). The
   exchange of the split sizes (``ep`` integers per rank) is not counted.
 * **FSDP2.** Parameters are all-gathered in ``dtype`` before the forward and again before
-  the backward when ``reshard_after_forward``, and their gradients reduce-scattered once in
-  ``reduce_dtype`` (fp32 by default, torchtitan's ``mixed_precision_reduce``). The looped
-  span is one FSDP unit, so its shared weights are gathered once per forward and reduced
-  once per step: every physical parameter counts once, never once per visit. The experts
+  the backward when ``plan.reshard_after_forward`` (as the stock layout does), and their
+  gradients reduce-scattered once in ``reduce_dtype`` (fp32 by default, torchtitan's
+  ``mixed_precision_reduce``). The looped span is one FSDP unit, so its shared weights are
+  gathered once per forward and reduced once per step: every physical parameter counts
+  once, never once per visit. The experts
   of ``ep`` layers are sharded over the EP group's FSDP axis (``efsdp = dp_shard / ep``
   ranks; each EP rank holds ``1/ep`` of them); everything else but the experts of
   ``gather`` layers (attention, router, norms, the final norm, and the untied input and
@@ -51,8 +52,10 @@ and the parameters by part. What is counted, and how:
   FSDP once per step whatever the visits; with ``"node"`` over several nodes each rank then
   all-reduces its reduced shard with its replicas on the other nodes (``gather_all_reduce``,
   in ``reduce_dtype``). When the span is gathered one layer at a time
-  (``plan.span_gather == "layer"``) a span layer is gathered before each visit, forward and
-  backward, and its gradients reduced after each visit.
+  (``plan.span_gather == "layer"``) each span ``gather`` layer's experts are a unit of
+  their own: gathered before each visit, forward and backward, and reduce-scattered (and
+  all-reduced between replicas) after each visit's backward, as FSDP2 does for a module
+  called more than once.
 * Collectives follow the ring convention: over ``n`` ranks a rank sends ``(n - 1) / n`` of
   the gathered (or reduced) buffer; an all-reduce sends twice that.
 """
@@ -63,15 +66,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from ..config import ModelConfig, _check_int
-from .layout import ParallelPlan, stock_plan
-from .ledger import compare, embedding_params, layer_params, ledger
+from .layout import ParallelPlan, loop_of, stock_plan
+from .ledger import cached_ledger, compare, embedding_params, layer_params
 from .routing import _ring, check_counts, realised_rows, uniform_rows
 from .workload import DTYPE_BYTES, Workload, dtype_bytes, workload_of
 
 __all__ = ["DTYPE_BYTES", "Comm", "CommRatios", "comm", "ratios", "dtype_bytes"]
-
-#: the parameter parts (of ``Ledger.params_by_part``) that FSDP shards over the EP mesh
-EXPERT_PARTS = ("experts",)
 
 
 def _bytes(x: float) -> str:
@@ -218,11 +218,6 @@ def _check_mesh(
             f"ep ({ep}) must divide dp_shard ({dp_shard}): the EP ranks are "
             f"carved out of the data-parallel ranks (dp_shard = efsdp x ep)"
         )
-    if cfg.n_experts % ep:
-        raise ValueError(
-            f"ep ({ep}) must divide n_experts ({cfg.n_experts}): each EP rank "
-            f"holds an equal contiguous block of experts"
-        )
     if gpus_per_node < dp_shard and dp_shard % gpus_per_node:
         raise ValueError(
             f"gpus_per_node ({gpus_per_node}) must divide dp_shard ({dp_shard}): the ranks "
@@ -243,13 +238,12 @@ def _resolve_plan(cfg: ModelConfig, plan: Any, ep: Optional[int]) -> tuple[Paral
         )
     if ep is not None and ep != plan.ep:
         raise ValueError(f"ep ({ep}) differs from the plan's ep ({plan.ep}); give one of them")
-    plan.check(cfg)
     return plan, plan.ep
 
 
 def _recomputed(cfg: ModelConfig, policy: str) -> set[int]:
     """Slots (executed-layer indices) whose forward runs again in the backward."""
-    steps = cfg.plan.steps
+    steps = loop_of(cfg).steps
     if policy == "all":
         return {s.slot for s in steps}
     if policy == "visit1" and cfg.is_looped:
@@ -257,15 +251,17 @@ def _recomputed(cfg: ModelConfig, policy: str) -> set[int]:
     return set()
 
 
-def _gather_passes(cfg: ModelConfig, plan: ParallelPlan, w: Workload) -> tuple[int, int, int]:
-    """(forward gathers, backward gathers, reductions) summed over the ``gather`` layers:
-    how many times a layer's experts are gathered and reduced per step."""
-    loop = cfg.plan
+def _passes(cfg: ModelConfig, plan: ParallelPlan, layers, own: bool) -> tuple[int, ...]:
+    """(forward gathers, backward gathers, reductions) of the experts of ``layers``, summed:
+    once per step each, or once per visit for a span layer that is a unit of its ``own``
+    (a ``gather`` layer of a span gathered layer by layer)."""
+    loop = loop_of(cfg)
     fwd = bwd = red = 0
-    for layer in plan.gather_layers:
-        again = loop.count if loop.in_span(layer) and plan.span_gather == "layer" else 1
-        fwd += again if w.reshard_after_forward else 1
-        bwd += again if w.reshard_after_forward else 0
+    for layer in layers:
+        alone = own and loop.in_span(layer) and plan.span_gather == "layer"
+        again = loop.count if alone else 1
+        fwd += again if plan.reshard_after_forward else 1
+        bwd += again if plan.reshard_after_forward else 0
         red += again
     return fwd, bwd, red
 
@@ -295,7 +291,7 @@ def comm(
     plan, one ``(ep, ep)`` matrix per executed ``ep`` layer of how many of rank ``i``'s
     tokens reach rank ``j`` (the realised rows come from it); ``gpus_per_node``: ranks per
     node (default ``dp_shard``: one node). The :class:`~smelt_model.budget.Workload` options
-    (``dtype``, ``reduce_dtype``, ``reshard_after_forward``) come as ``workload=`` or as
+    (``dtype``, ``reduce_dtype``) come as ``workload=`` or as
     keywords.
     """
     w = workload_of(workload, options, "comm")
@@ -304,8 +300,9 @@ def comm(
     plan_, ep = _resolve_plan(cfg, plan, ep)
     node = dp_shard if gpus_per_node is None else gpus_per_node
     _check_mesh(cfg, tokens_per_step, ep, dp_shard, node)
-    led = ledger(cfg, *w.doc)
-    steps = [s for s in cfg.plan.steps if plan_.kind(s.layer) == "ep"]
+    plan_.check(cfg)  # an EP degree that divides the experts, where any layer uses EP
+    led = cached_ledger(cfg, *w.doc)
+    steps = [s for s in loop_of(cfg).steps if plan_.kind(s.layer) == "ep"]
     tokens = tokens_per_step // dp_shard
     act, red = w.act_bytes, w.reduce_bytes
     row = cfg.hidden_size * act
@@ -343,23 +340,22 @@ def comm(
     again_d = sum(d for s, (d, _) in zip(steps, worst) if s.slot in again)
     again_c = sum(c for s, (_, c) in zip(steps, worst) if s.slot in again)
 
-    efsdp = dp_shard // ep
-    share_ep = len(plan_.ep_layers) / cfg.n_layers  # of the experts, those of ep layers
-    gathered = {}  # parameters each rank gathers (and reduces) per part, scaled by the ring
-    for part, n in led.params_by_part.items():
-        if part in EXPERT_PARTS:
-            gathered[part] = _ring(efsdp) * n * share_ep / ep
-        else:
-            gathered[part] = _ring(dp_shard) * n
-    gathered["embeddings"] = _ring(dp_shard) * embedding_params(cfg)
-    passes = 2 if w.reshard_after_forward else 1
-    by_part = {part: n * (passes * act + red) for part, n in gathered.items()}
-    all_gather = sum(gathered.values()) * act
+    # per rank and pass: the dense parts over every rank, an ep layer's experts (1/ep of
+    # them on this rank) over the efsdp ranks, a gather layer's over its group
+    dense = {part: _ring(dp_shard) * n for part, n in led.params_by_part.items()}
+    dense["embeddings"] = _ring(dp_shard) * embedding_params(cfg)
+    del dense["experts"]
+    experts = layer_params(cfg)["experts_total"]
+    ep_layer = _ring(dp_shard // ep) * experts / ep
+    e_fwd, e_bwd, e_red = _passes(cfg, plan_, plan_.ep_layers, own=False)
+    again = 2 if plan_.reshard_after_forward else 1
+    by_part = {part: n * (again * act + red) for part, n in dense.items()}
+    by_part["experts"] = ep_layer * ((e_fwd + e_bwd) * act + e_red * red)
+    dense_n = sum(dense.values())
 
     group = dp_shard if plan_.gather_group == "all" else min(node, dp_shard)
     replicas = dp_shard // group
-    experts = layer_params(cfg)["experts_total"]
-    g_fwd, g_bwd, g_red = _gather_passes(cfg, plan_, w)
+    g_fwd, g_bwd, g_red = _passes(cfg, plan_, plan_.gather_layers, own=True)
     return Comm(
         tokens_per_step=tokens_per_step,
         ep=ep,
@@ -371,9 +367,9 @@ def comm(
         combine_forward=worst_c * row,
         dispatch_backward=worst_c * row,
         combine_backward=worst_d * row,
-        fsdp_all_gather_forward=all_gather,
-        fsdp_all_gather_backward=all_gather if w.reshard_after_forward else 0.0,
-        fsdp_reduce_scatter=sum(gathered.values()) * red,
+        fsdp_all_gather_forward=(dense_n + e_fwd * ep_layer) * act,
+        fsdp_all_gather_backward=((again - 1) * dense_n + e_bwd * ep_layer) * act,
+        fsdp_reduce_scatter=(dense_n + e_red * ep_layer) * red,
         dispatch_by_rank=tuple(d * row for d in dispatch),
         combine_by_rank=tuple(c * row for c in combine),
         fsdp_by_part=by_part,

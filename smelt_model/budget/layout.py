@@ -22,15 +22,19 @@ Each physical layer is one of two kinds:
 ``dedup`` sends a token once to each EP rank that holds any of its experts (instead of once
 per (token, slot) pair); ``overlap`` splits each rank's batch into two chunks so that one
 chunk's all-to-alls are in flight while the other computes; ``recompute`` is the activation
-recompute the plan needs to fit in memory (smelt's policies: ``none``, ``visit1``, ``all``).
+recompute the plan needs to fit in memory (smelt's policies: ``none``, ``visit1``, ``all``);
+``reshard_after_forward`` is FSDP's choice between gathering the weights again for the
+backward (less memory) and keeping them from the forward (less traffic).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..config import ModelConfig, _check_int
+from ..plan import LoopPlan
 
 __all__ = [
     "LAYER_KINDS",
@@ -40,6 +44,7 @@ __all__ = [
     "PLAN_NAMES",
     "ParallelPlan",
     "parse_plan",
+    "overlap_conflict",
 ]
 
 LAYER_KINDS = ("ep", "gather")
@@ -49,6 +54,12 @@ SPAN_GATHER = ("unit", "layer")
 RECOMPUTE = ("none", "visit1", "all")
 #: whole-model plan names :func:`parse_plan` reads besides a per-layer list
 PLAN_NAMES = ("ep", "gather", "span-gather")
+
+
+@functools.lru_cache(maxsize=64)
+def loop_of(cfg: ModelConfig) -> LoopPlan:
+    """``cfg.plan``, built once per config (the budget asks it often)."""
+    return cfg.plan
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -72,6 +83,9 @@ class ParallelPlan:
     dedup: bool = False
     overlap: bool = False
     recompute: str = "none"
+    #: FSDP frees gathered weights after the forward and gathers them again for the
+    #: backward (torchtitan's default); False keeps them from the forward to the backward
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         layers = self.layers
@@ -85,7 +99,7 @@ class ParallelPlan:
         _choice("gather_group", self.gather_group, GATHER_GROUPS)
         _choice("span_gather", self.span_gather, SPAN_GATHER)
         _choice("recompute", self.recompute, RECOMPUTE)
-        for name in ("dedup", "overlap"):
+        for name in ("dedup", "overlap", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -136,6 +150,8 @@ class ParallelPlan:
         flags += [name for name in ("dedup", "overlap") if getattr(self, name)]
         if self.recompute != "none":
             flags.append(f"recompute={self.recompute}")
+        if not self.reshard_after_forward:
+            flags.append("keep-gathered")
         return f"ParallelPlan({self.letters!r}, {', '.join(flags)})"
 
 
@@ -149,6 +165,7 @@ def parse_plan(
     dedup: bool = True,
     overlap: bool = True,
     recompute: str = "none",
+    reshard_after_forward: bool = True,
 ) -> ParallelPlan:
     """A :class:`ParallelPlan` for ``cfg`` from ``spec``: ``"ep"`` (every layer EP),
     ``"gather"`` (every layer gathered), ``"span-gather"`` (the looped span gathered, the
@@ -163,7 +180,7 @@ def parse_plan(
     if not isinstance(spec, str):
         raise TypeError(f"plan spec must be a str or a ParallelPlan, got {type(spec).__name__}")
     text = spec.strip()
-    loop = cfg.plan
+    loop = loop_of(cfg)
     if text == "ep":
         layers = ("ep",) * cfg.n_layers
     elif text == "gather":
@@ -192,9 +209,24 @@ def parse_plan(
         dedup=dedup,
         overlap=overlap,
         recompute=recompute,
+        reshard_after_forward=reshard_after_forward,
     )
     plan.check(cfg)
     return plan
+
+
+def overlap_conflict(plan: ParallelPlan, cfg: ModelConfig) -> Optional[str]:
+    """Why smelt's trainer cannot run ``plan``'s two-chunk overlap on ``cfg``, or None: it
+    runs without activation recompute, and not with span layers gathered one at a time
+    (each chunk would gather them again)."""
+    if not plan.overlap:
+        return None
+    if plan.recompute != "none":
+        return "the two-chunk overlap runs without activation recompute"
+    loop = loop_of(cfg)
+    if plan.span_gather == "layer" and any(loop.in_span(i) for i in plan.gather_layers):
+        return "the two-chunk overlap would gather span layers gathered one at a time per chunk"
+    return None
 
 
 def stock_plan(cfg: ModelConfig, ep: int) -> ParallelPlan:
@@ -210,7 +242,7 @@ def name_of(plan: ParallelPlan, cfg: Optional[ModelConfig] = None) -> str:
     if all(k == "gather" for k in plan.layers):
         return "gather"
     if cfg is not None and cfg.is_looped:
-        loop = cfg.plan
+        loop = loop_of(cfg)
         if plan.layers == tuple("gather" if loop.in_span(i) else "ep" for i in range(cfg.n_layers)):
             return "span-gather"
     return plan.letters

@@ -21,6 +21,7 @@ the SMELT paper's appendix (Wang et al., 2026) for all twelve sparse cells:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -251,3 +252,10 @@ def compare(
         params=b.total_params / a.total_params,
         kv=b.kv_bytes_per_token / a.kv_bytes_per_token,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def cached_ledger(cfg: ModelConfig, mean_doc_len: float = 800, seq_len: int = 4096) -> Ledger:
+    """:func:`ledger` of ``cfg``, computed once (for the budget's inner loops; treat the
+    result as read-only)."""
+    return ledger(cfg, mean_doc_len, seq_len)

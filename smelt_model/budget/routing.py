@@ -50,17 +50,6 @@ def uniform_rows(tokens: int, n_experts: int, top_k: int, ep: int, dedup: bool) 
     return tokens * top_k * _ring(ep)
 
 
-def _matrix(m: Any, where: str, rows: int, cols: int, shape: str) -> list[list[Any]]:
-    m = m.tolist() if hasattr(m, "tolist") else m
-    if not (
-        isinstance(m, (list, tuple))
-        and len(m) == rows
-        and all(isinstance(r, (list, tuple)) and len(r) == cols for r in m)
-    ):
-        raise ValueError(f"{where} must be an {shape} = ({rows}, {cols}) matrix")
-    return m
-
-
 def _counts(row: Any, where: str, i: int, most: int) -> list[int]:
     for v in row:
         if (
@@ -79,15 +68,34 @@ def _counts(row: Any, where: str, i: int, most: int) -> list[int]:
     return [int(v) for v in row]
 
 
-def _sequence(value: Any, name: str, layers: int, shape: str) -> None:
+def _checked(value: Any, name: str, layers: int, shape: tuple, most: int, check_row) -> list:
+    """``value``: ``layers`` matrices of ``shape``, each holding counts of at most ``most``,
+    as nested lists of ints; ``check_row(where, layer, i, row)`` checks each row further."""
+    label = f"({', '.join(n for n, _ in shape)})"
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
         raise TypeError(
-            f"{name} must be a sequence of {shape} count matrices, got {type(value).__name__}"
+            f"{name} must be a sequence of {label} count matrices, got {type(value).__name__}"
         )
     if len(value) != layers:
         raise ValueError(
             f"{name} must hold one matrix per executed EP MoE layer ({layers}), got {len(value)}"
         )
+    (_, rows), (_, cols) = shape
+    out = []
+    for li, m in enumerate(value):
+        where = f"{name}[{li}]"
+        m = m.tolist() if hasattr(m, "tolist") else m
+        if not (
+            isinstance(m, (list, tuple))
+            and len(m) == rows
+            and all(isinstance(r, (list, tuple)) and len(r) == cols for r in m)
+        ):
+            raise ValueError(f"{where} must be an {label} = ({rows}, {cols}) matrix")
+        counted = [_counts(r, where, i, most) for i, r in enumerate(m)]
+        for i, r in enumerate(counted):
+            check_row(where, li, i, r)
+        out.append(counted)
+    return out
 
 
 def check_counts(
@@ -102,53 +110,37 @@ def check_counts(
 ) -> tuple[Optional[list], Optional[list]]:
     """``routing`` and ``token_ranks`` (either may be None) as nested lists of ints,
     checked (see the module docstring); ValueError / TypeError naming the argument."""
-    rows_per_rank = tokens * top_k
-    routed = None
+    slots = tokens * top_k
+    per_rank, reach = n_experts // ep, min(top_k, ep)
+
+    def routed_row(where, li, i, r):
+        if sum(r) != slots:
+            raise ValueError(
+                f"{where} row {i} routes {sum(r)} (token, slot) pairs; a rank holding "
+                f"tokens_per_step / dp_shard tokens routes tokens x top_k = {slots}"
+            )
+
+    def ranked_row(where, li, i, r):
+        if not tokens <= sum(r) <= tokens * reach:
+            raise ValueError(
+                f"{where} row {i} sums to {sum(r)}; each of the rank's {tokens} tokens "
+                f"reaches between 1 and min(top_k, ep) = {reach} EP ranks"
+            )
+        for j, n in enumerate(r if routed is not None else ()):
+            sent = sum(routed[li][i][j * per_rank : (j + 1) * per_rank])
+            if not n <= sent <= n * min(top_k, per_rank):
+                raise ValueError(
+                    f"{where}[{i}][{j}] = {n} tokens cannot carry the {sent} (token, slot) "
+                    f"pairs routing[{li}] sends from rank {i} to rank {j}"
+                )
+
+    routed = ranked = None
     if routing is not None:
-        _sequence(routing, "routing", layers, "(ep, n_experts)")
-        routed = []
-        for li, m in enumerate(routing):
-            where = f"routing[{li}]"
-            m = _matrix(m, where, ep, n_experts, "(ep, n_experts)")
-            rows = []
-            for i, r in enumerate(m):
-                r = _counts(r, where, i, rows_per_rank)
-                if sum(r) != rows_per_rank:
-                    raise ValueError(
-                        f"{where} row {i} routes {sum(r)} (token, slot) pairs; a rank holding "
-                        f"tokens_per_step / dp_shard tokens routes tokens x top_k = "
-                        f"{rows_per_rank}"
-                    )
-                rows.append(r)
-            routed.append(rows)
-    ranked = None
+        shape = (("ep", ep), ("n_experts", n_experts))
+        routed = _checked(routing, "routing", layers, shape, slots, routed_row)
     if token_ranks is not None:
-        _sequence(token_ranks, "token_ranks", layers, "(ep, ep)")
-        ranked = []
-        per_rank = n_experts // ep
-        reach = min(top_k, ep)
-        for li, m in enumerate(token_ranks):
-            where = f"token_ranks[{li}]"
-            m = _matrix(m, where, ep, ep, "(ep, ep)")
-            rows = []
-            for i, r in enumerate(m):
-                r = _counts(r, where, i, tokens)
-                if not tokens <= sum(r) <= tokens * reach:
-                    raise ValueError(
-                        f"{where} row {i} sums to {sum(r)}; each of the rank's {tokens} tokens "
-                        f"reaches between 1 and min(top_k, ep) = {reach} EP ranks"
-                    )
-                if routed is not None:
-                    for j, n in enumerate(r):
-                        slots = sum(routed[li][i][j * per_rank : (j + 1) * per_rank])
-                        if not n <= slots <= n * min(top_k, per_rank):
-                            raise ValueError(
-                                f"{where}[{i}][{j}] = {n} tokens cannot carry the {slots} "
-                                f"(token, slot) pairs routing[{li}] sends from rank {i} to "
-                                f"rank {j}"
-                            )
-                rows.append(r)
-            ranked.append(rows)
+        shape = (("ep", ep), ("ep", ep))
+        ranked = _checked(token_ranks, "token_ranks", layers, shape, tokens, ranked_row)
     return routed, ranked
 
 

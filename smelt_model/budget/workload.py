@@ -1,9 +1,8 @@
 """The options every communication count and projection shares, in one place.
 
 :class:`Workload` holds the element types that travel (``dtype`` of the all-to-alls and
-the gathered weights, ``reduce_dtype`` of the reduced gradients), whether FSDP re-gathers
-before the backward (``reshard_after_forward``) and the document mix the FLOPs count
-assumes (``mean_doc_len`` in contexts of ``seq_len``). :func:`~smelt_model.budget.comm`,
+the gathered weights, ``reduce_dtype`` of the reduced gradients) and the document mix the
+FLOPs count assumes (``mean_doc_len`` in contexts of ``seq_len``). :func:`~smelt_model.budget.comm`,
 :func:`~smelt_model.budget.ratios`, :func:`~smelt_model.budget.project`,
 :func:`~smelt_model.budget.project_pair` and :func:`~smelt_model.budget.plan` take either
 ``workload=Workload(...)`` or the same names as keywords (``dtype="float32"``).
@@ -37,7 +36,6 @@ class Workload:
 
     dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
-    reshard_after_forward: bool = True
     mean_doc_len: float = 800
     seq_len: int = 4096
 
@@ -46,10 +44,6 @@ class Workload:
             value = getattr(self, name)
             dtype_bytes(value, name)
             object.__setattr__(self, name, str(value).removeprefix("torch."))
-        if not isinstance(self.reshard_after_forward, bool):
-            raise TypeError(
-                f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}"
-            )
         mean_attended(self.mean_doc_len, self.seq_len)  # checks both
 
     @property

@@ -1,13 +1,27 @@
-"""``torchrun --nproc_per_node N -m smelt_model.titan --config PRESET [torchtitan options]``.
+"""``python -m smelt_model.titan --config PRESET [torchtitan options]``: a SMELT preset (or,
+with ``--module``, any torchtitan model) on torchtitan's trainer.
 
-A thin launcher: it applies the compatibility shims this torchtitan / torch pair needs
-(:mod:`smelt_model.titan.shims`, only those this process needs), checks the command line
-(torchtitan's own parser, then what the SMELT models support), and runs torchtitan's
-trainer (``torchtitan.train.main``). ``--module`` defaults to ``smelt_model.titan``; any
-other module (a stock torchtitan model such as ``qwen3``) runs with the same shims. Every
-checkpoint the run reads has its DCP metadata read by smelt's restricted unpickler
-(:func:`smelt_model.titan.state_dict.restrict_dcp_loading`). Bad options give one line on
-stderr and exit status 2.
+Three ways to start it, the same run each way:
+
+* ``python -m smelt_model.titan --config tiny-smelt ...``: one process;
+* ``python -m smelt_model.titan --nproc_per_node N --config ...``: N processes on this
+  machine, started by torch's elastic launcher as torchrun starts them;
+* ``torchrun [torchrun options] -m smelt_model.titan --config ...``: any torchrun launch
+  (several nodes, a rendezvous of your own).
+
+It applies the patches this torchtitan / torch pair needs (:mod:`smelt_model.titan.patches`,
+only those the process needs; the log names them), checks the command line (torchtitan's
+own parser, the overrides it imports, then what the SMELT models support), and runs
+torchtitan's trainer (``torchtitan.train.main``). ``--module`` defaults to
+``smelt_model.titan``. Every checkpoint the run reads goes through smelt's reader and
+checks (:mod:`smelt_model.titan.dcp_reader`, :mod:`smelt_model.titan.resume`).
+
+Failures follow :mod:`smelt_tools.cli`: a bad option is one line on stderr and exit status
+2 before anything starts; a failure the user caused while running (a checkpoint that does
+not fit, a missing file) is one line and status 1. Either is printed once: by the first
+process to fail (rank 0 outside torchrun). Under ``torchrun`` the status the shell sees is
+torchrun's own, and torchrun adds its report of the failed worker after smelt's line;
+``--nproc_per_node`` exits with the worker's status and adds nothing.
 """
 
 from __future__ import annotations
@@ -16,16 +30,20 @@ import contextlib
 import io
 import os
 import re
+import socket
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
-PROG = "smelt_model.titan"
+from smelt_tools.cli import CommandError, UsageError, command, one_line
+
+PROG = "python -m smelt_model.titan"
+MODULE = "smelt_model.titan"
 _BOX = re.compile(r"[\u2500-\u257f\u2580-\u259f│╭╮╰╯─]+")
-
-
-def _fail(message: str) -> int:
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
-    return 2
+#: what torchrun gives every process it starts
+_TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: errors a user causes while the run starts or loads (anything else is a bug)
+_USER_ERRORS = (ValueError, TypeError, OSError, ImportError, EOFError)
 
 
 def _option(args: Sequence[str], name: str) -> Optional[str]:
@@ -35,6 +53,30 @@ def _option(args: Sequence[str], name: str) -> Optional[str]:
         if arg.startswith(name + "="):
             return arg.split("=", 1)[1]
     return None
+
+
+def _take_nproc(args: list[str]) -> tuple[Optional[int], list[str]]:
+    """``--nproc_per_node N`` (or ``--nproc-per-node``) out of ``args``."""
+    rest, nproc = [], None
+    it = iter(range(len(args)))
+    for i in it:
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if name in ("--nproc_per_node", "--nproc-per-node"):
+            if not eq:
+                if i + 1 >= len(args):
+                    raise UsageError(f"{name} needs a number of processes")
+                value = args[i + 1]
+                next(it, None)
+            try:
+                nproc = int(value)
+            except ValueError:
+                raise UsageError(f"{name} must be a positive integer, got {value!r}") from None
+            if nproc < 1:
+                raise UsageError(f"{name} must be a positive integer, got {nproc}")
+            continue
+        rest.append(arg)
+    return nproc, rest
 
 
 def _parser_message(text: str) -> str:
@@ -50,7 +92,8 @@ def _parser_message(text: str) -> str:
             break
         if line:
             kept.append(line)
-    return " ".join(kept) or "invalid command line"
+    message = " ".join(kept) or "invalid command line"
+    return message if len(message) <= 240 else message[:237] + "..."
 
 
 def _parse(args: list[str]):
@@ -63,18 +106,30 @@ def _parse(args: list[str]):
     except SystemExit as e:
         if e.code in (0, None):
             raise
-        raise ValueError(_parser_message(err.getvalue())) from None
-    except (ImportError, AttributeError) as e:
-        raise ValueError(str(e)) from None
+        raise UsageError(_parser_message(err.getvalue())) from None
+    except (ImportError, AttributeError, ValueError, TypeError) as e:
+        raise UsageError(one_line(e)) from None
 
 
-def _check(config) -> None:
-    """What the parser cannot know: the mesh against the world and the model."""
+def _check_overrides(config) -> None:
+    """Every ``--override.imports`` target imports and names an ``@override``."""
+    from torchtitan.config.override import _resolve_active, _resolve_target
+
+    entries = [(e, {}) if isinstance(e, str) else (e[0], e[1]) for e in config.override.imports]
+    try:
+        _resolve_active([(*_resolve_target(target), kwargs) for target, kwargs in entries])
+    except (ImportError, ValueError) as e:
+        raise UsageError(f"--override.imports: {one_line(e)}") from None
+
+
+def _check(config, world: int) -> None:
+    """What the parser cannot know: the overrides, the mesh against the world and the
+    model, the run's lengths."""
     from .model import SmeltTitan
     from .parallelize import _check_parallelism, recompute_policy
 
+    _check_overrides(config)
     p = config.parallelism
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     degrees = {
         "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
         "tensor_parallel_degree": p.tensor_parallel_degree,
@@ -84,7 +139,7 @@ def _check(config) -> None:
     }
     for name, value in degrees.items():
         if value < 1:
-            raise ValueError(f"--parallelism.{name} must be >= 1, got {value}")
+            raise UsageError(f"--parallelism.{name} must be >= 1, got {value}")
     rest = (
         p.data_parallel_replicate_degree
         * p.tensor_parallel_degree
@@ -94,75 +149,205 @@ def _check(config) -> None:
     shard = p.data_parallel_shard_degree
     if shard == -1:
         if world % rest:
-            raise ValueError(
-                f"replicate x tp x cp x pp = {rest} does not divide the {world} "
-                f"processes torchrun started (--nproc_per_node)"
+            raise UsageError(
+                f"replicate x tp x cp x pp = {rest} does not divide the {world} processes "
+                "started (--nproc_per_node)"
             )
         shard = world // rest
     if shard < 1 or shard * rest != world:
-        raise ValueError(
-            f"the parallel degrees multiply to {shard * rest}, but torchrun "
-            f"started {world} processes (--nproc_per_node)"
+        raise UsageError(
+            f"the parallel degrees multiply to {shard * rest}, but {world} processes "
+            "were started (--nproc_per_node)"
         )
     ep = p.expert_parallel_degree
     if (shard * p.context_parallel_degree * p.tensor_parallel_degree) % ep:
-        raise ValueError(
+        raise UsageError(
             f"--parallelism.expert_parallel_degree {ep} must divide "
             f"data_parallel_shard x cp x tp = {shard}"
         )
     model = config.model_spec.model if config.model_spec is not None else None
-    if isinstance(model, SmeltTitan.Config):
-        _check_parallelism(model.arch, p)
-        recompute_policy(config.activation_checkpoint)
+    try:
+        if isinstance(model, SmeltTitan.Config):
+            _check_parallelism(model.arch, p)
+            recompute_policy(config.activation_checkpoint)
+    except (ValueError, TypeError) as e:
+        raise UsageError(one_line(e)) from None
     if (
         config.training.steps < 1
         or config.training.local_batch_size < 1
         or config.training.seq_len < 1
     ):
-        raise ValueError(
+        raise UsageError(
             "--training.steps, --training.local_batch_size and --training.seq_len must be >= 1"
         )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        import torchtitan  # noqa: F401
-    except ImportError:
-        return _fail("torchtitan is not installed (pip install -c constraints.txt 'smelt[titan]')")
-    from . import shims
-    from .state_dict import restrict_dcp_loading
+# ----------------------------------------------------------------------------- processes
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in _TORCHRUN_ENV)
 
-    shims.apply()
-    restrict_dcp_loading()  # nothing a checkpoint holds can run code in this process
-    args = shims.launch_args(args)
+
+def _one_process_env() -> None:
+    """What torchrun would give a one-process run: rank 0 of 1, a free local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def _first_to_fail() -> bool:
+    """Whether this process reports the failure: the first of the processes on this node
+    to fail under torch's elastic launcher (a marker beside their error files), else rank 0."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        marker = Path(error_file).parent.parent / "smelt-reported"
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            pass
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _forget_error_file() -> None:
+    """torchtitan's ``@record`` wrote the traceback for torchrun to print: the line is
+    enough."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):
+            os.remove(error_file)
+
+
+def _reported() -> bool:
+    """Whether another process on this node has reported its failure already."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    return bool(error_file) and (Path(error_file).parent.parent / "smelt-reported").exists()
+
+
+def _report(error: BaseException, status: int) -> int:
+    """Raise ``error`` for :func:`smelt_tools.cli.run_cli` to print if this process
+    reports it, else return ``status`` quietly."""
+    _forget_error_file()
+    if _first_to_fail():
+        raise error
+    return status
+
+
+def _start(nproc: int, args: list[str]) -> int:
+    """Run ``args`` in ``nproc`` local processes through torch's elastic launcher (torchrun's
+    own); the workers report their failures, this returns the first one's status."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    for name in list(logging.root.manager.loggerDict):  # the launcher's own failure report
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    launch = get_args_parser().parse_args(
+        ["--standalone", f"--nproc_per_node={nproc}", "-m", MODULE, *args]
+    )
+    try:
+        run(launch)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode > 0:
+            return failure.exitcode
+        raise CommandError(f"rank {rank} was ended by signal {failure.signal_name()}") from None
+    return 0
+
+
+def _train(args: list[str]) -> int:
+    import torchtitan.train as tt_train
+
+    from .dcp_reader import first_failure
+
+    sys.argv = [PROG] + args
+    try:
+        tt_train.main()
+    except BaseException as e:  # DCP wraps what a rank raised in a BaseException
+        cause = first_failure(e)
+        if isinstance(cause, (KeyboardInterrupt, SystemExit)):
+            raise
+        if os.environ.get("SMELT_TRACEBACK") == "1":
+            raise
+        if not isinstance(cause, _USER_ERRORS):
+            if _reported():  # a consequence of another rank's failure (a closed connection)
+                return 1
+            raise
+        message = one_line(cause) or type(cause).__name__
+        if isinstance(cause, OSError) and cause.strerror and cause.filename:
+            message = f"{cause.filename}: {cause.strerror}"
+        return _report(CommandError(message), 1)
+    return 0
+
+
+def _run(argv: Optional[Sequence[str]] = None) -> int:
+    torchrun = _under_torchrun()
+    try:
+        nproc, args = _take_nproc(list(sys.argv[1:] if argv is None else argv))
+        try:
+            import torchtitan  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "torchtitan is not installed (pip install -c constraints.txt 'smelt[titan]')"
+            ) from None
+        if nproc is not None and torchrun:
+            raise UsageError("--nproc_per_node is torchrun's own here: give it before -m")
+        world = nproc or int(os.environ.get("WORLD_SIZE", "1") or 1)
+        return _prepare_and_run(args, nproc, world, torchrun)
+    except UsageError as e:  # under torchrun: printed by one process, not by each
+        if os.environ.get("SMELT_TRACEBACK") == "1" or not torchrun:
+            raise
+        return _report(e, 2)
+
+
+def _prepare_and_run(args: list[str], nproc: Optional[int], world: int, torchrun: bool) -> int:
+    from . import patches
+
+    patches.apply()
+    args = patches.launch_args(args)
     if _option(args, "--module") is None:
-        args = ["--module", PROG] + args
-    if _option(args, "--config") is None and not {"-h", "--help"} & set(args):
-        return _fail("--config PRESET is required (a name of smelt_model.presets.names())")
-    if _option(args, "--module") == PROG and _option(args, "--config") is not None:
+        args = ["--module", MODULE] + args
+    helping = bool({"-h", "--help"} & set(args))
+    if _option(args, "--config") is None and not helping:
+        raise UsageError("--config PRESET is required (a name of smelt_model.presets.names())")
+    if _option(args, "--module") == MODULE and not helping:
         from .. import presets
 
         try:  # any case, pair or model name: presets.model_name says what a model is
             presets.model_name(_option(args, "--config"))
-        except ValueError as e:
-            return _fail(f"--config: {e}")
-    try:
-        if not {"-h", "--help"} & set(args):
-            _check(_parse(args))
-        import torchtitan.train as tt_train
+        except UsageError as e:
+            raise UsageError(f"--config: {e}") from None
+    if helping:
+        from torchtitan.config import ConfigManager
 
-        sys.argv = [PROG] + args
-        tt_train.main()
-    except (ValueError, TypeError) as e:
-        # torchtitan's @record wrote the traceback for torchrun to print; the line is enough
-        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if error_file:
-            with contextlib.suppress(OSError):
-                os.remove(error_file)
-        return _fail(str(e))
-    return 0
+        ConfigManager().parse_args(args)  # prints torchtitan's help and exits
+        return 0
+    _check(_parse(args), world)
+    if nproc is not None and nproc > 1:
+        return _start(nproc, args)
+    if not torchrun:
+        if world != 1:
+            raise UsageError(
+                f"WORLD_SIZE is {world} but this process was not started by torchrun: start "
+                f"the run with {PROG} --nproc_per_node {world} ... or torchrun "
+                f"--nproc_per_node {world} -m {MODULE} ..."
+            )
+        _one_process_env()
+    return _train(args)
 
+
+main = command(PROG, _run)
 
 if __name__ == "__main__":
     sys.exit(main())

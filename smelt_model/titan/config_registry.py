@@ -14,7 +14,7 @@ context length and batch per process; smelt's packed-document loader on ``python
 with the bytes tokenizer (training on smelt's train split, validation with
 ``--validator.enable`` on its 5% validation split), the SMELT loss (cross-entropy plus
 router losses), smelt's recompute policy ``none``, checkpointing off, ``spmd_backend
-partial_dtensor`` and CUDA graphs off (:mod:`smelt_model.titan.shims` says why).
+partial_dtensor`` and CUDA graphs off (:mod:`smelt_model.titan.patches` says why).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
 from .. import presets
-from . import shims
-from .checkpoint import SmeltStateDictAdapter
-from .data import PackedDocuments, SmeltTokenizer
+from . import patches
+from .adapter import SmeltStateDictAdapter
+from .loader import PackedDocuments, SmeltTokenizer
 from .loss import SmeltLoss
 from .model import SmeltTitan
 from .parallelize import parallelize_smelt
@@ -109,7 +109,7 @@ def trainer_config(preset: str) -> Trainer.Config:
         activation_checkpoint=None,
         validator=Validator.Config(dataloader=PackedDocuments.Config(split="val", infinite=False)),
     )
-    return shims.config_defaults(config)
+    return patches.config_defaults(config)
 
 
 def __getattr__(name: str) -> Callable[[], Trainer.Config]:

@@ -16,14 +16,15 @@ counterpart.
 distributed checkpoint (DCP) that a run starts from with ``--checkpoint.enable
 --checkpoint.initial_load_path DIR``; :func:`load_model_state` reads the model out of a
 torchtitan checkpoint folder in one process. Neither needs torchtitan. Only DCP folders
-and safetensors are read, and nothing a checkpoint holds can run code: DCP's ``.metadata``
-(a pickle) is read by an unpickler that admits only DCP's own metadata classes, torch
-dtypes, sizes and layouts, and its tensor files by torch's weights-only loader.
+and safetensors are read, through :class:`~smelt_model.titan.dcp_reader.SafeReader`:
+nothing a checkpoint holds can run code, and what it declares is checked against what it
+stores.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import warnings
 from pathlib import Path
@@ -32,6 +33,8 @@ from typing import Any, Union
 import torch
 
 from ..config import ModelConfig
+from ..errors import CheckpointError
+from . import dcp_reader
 
 __all__ = [
     "to_smelt",
@@ -42,18 +45,19 @@ __all__ = [
     "load_model_state",
     "is_dcp_folder",
     "titan_keys",
-    "CheckpointError",
+    "read_config",
+    "preset_of",
+    "describe",
 ]
+
+#: the most bytes a checkpoint's config_json may have (a model config is a few hundred)
+_CONFIG_BYTES = 1 << 20
 
 _EXPERTS = ".moe.routed_experts.inner_experts."
 _PATTERNS = (
     (re.compile(r"(.*)\.moe\.router\.gate\.weight$"), r"\1.moe.router.weight"),
     (re.compile(r"(.*)\.moe\.routed_experts\.inner_experts\.w2_EDF$"), r"\1.moe.down_proj"),
 )
-
-
-class CheckpointError(ValueError):
-    """A path that is not the checkpoint it should be (one line, no traceback at a CLI)."""
 
 
 def to_smelt(state: dict[str, Any]) -> dict[str, Any]:
@@ -104,17 +108,13 @@ def arch_from_config_json(buf: torch.Tensor) -> ModelConfig:
         raise CheckpointError("config_json must be a 1-D uint8 tensor")
     try:
         return ModelConfig.from_dict(json.loads(bytes(buf.tolist()).decode()))
-    except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise CheckpointError(f"config_json does not hold a model config ({e})") from None
 
 
 def titan_keys(cfg: ModelConfig) -> list[str]:
     """The state-dict keys of a ``SmeltTitan`` of ``cfg``."""
-    from ..model import SmeltLM
-
-    with torch.device("meta"):
-        smelt = SmeltLM(cfg).state_dict()
-    return ["config_json"] + list(from_smelt(smelt))
+    return ["config_json"] + list(from_smelt(_meta_state(cfg)))
 
 
 def _smelt_state(model_or_folder: Union[torch.nn.Module, str, Path]) -> tuple[ModelConfig, dict]:
@@ -122,10 +122,23 @@ def _smelt_state(model_or_folder: Union[torch.nn.Module, str, Path]) -> tuple[Mo
 
     if isinstance(model_or_folder, SmeltLM):
         model = model_or_folder
-    else:
-        model = SmeltLM.from_pretrained(model_or_folder)
+    else:  # the weights keep the dtype the folder stores them in
+        model = SmeltLM.from_pretrained(model_or_folder, dtype=_stored_dtype(model_or_folder))
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     return model.cfg, state
+
+
+def _stored_dtype(folder: Union[str, Path]) -> Union[torch.dtype, None]:
+    """The one dtype of every weight in a ``save_pretrained`` folder (None if they differ)."""
+    from safetensors import safe_open
+
+    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    path = Path(folder) / "model.safetensors"
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        found = {f.get_slice(k).get_dtype() for k in f.keys()}
+    return names.get(found.pop()) if len(found) == 1 else None
 
 
 def write_seed(
@@ -153,105 +166,45 @@ def is_dcp_folder(path: Union[str, Path]) -> bool:
     return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
 
 
-#: what a DCP ``.metadata`` pickle may name: DCP's metadata records, and torch's dtypes,
-#: sizes, layouts and memory formats; anything else refuses the checkpoint
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "StorageMeta",
-        "Metadata",
-        "MetadataIndex",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
+def preset_of(cfg: ModelConfig) -> Union[str, None]:
+    """The name of the preset whose config is ``cfg``, or None."""
+    from .. import presets
+
+    return next((name for name in presets.names() if presets.get(name) == cfg), None)
 
 
-def _safe_metadata(stream):
-    """DCP metadata from ``stream``, unpickling only :data:`_METADATA_CLASSES` (and torch's
-    dtypes and memory formats); raises :class:`CheckpointError` for anything else."""
-    import pickle
+def describe(cfg: ModelConfig) -> str:
+    """``cfg`` in a few words for a message: its preset, else its geometry."""
+    name = preset_of(cfg)
+    loop = f", loop {cfg.loop.start}+{cfg.loop.length}x{cfg.loop.count}" if cfg.loop else ""
+    shape = (
+        f"hidden {cfg.hidden_size}, {cfg.n_layers} layers, {cfg.n_experts} experts, "
+        f"vocabulary {cfg.vocab_size}{loop}"
+    )
+    return f"preset {name!r} ({shape})" if name else f"a model of {shape}"
 
-    class Restricted(pickle.Unpickler):
-        def find_class(self, module, name):
-            allowed = name in _METADATA_CLASSES.get(module, ())
-            if module == "torch" and not allowed:
-                allowed = isinstance(
-                    getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
-                )
-            if not allowed:
-                raise CheckpointError(
-                    f"its .metadata names {module}.{name}, which a DCP "
-                    "checkpoint does not hold: refused, nothing was run"
-                )
-            return super().find_class(module, name)
 
+def read_config(ckpt_dir: Union[str, Path], meta=None) -> ModelConfig:
+    """The model config a SMELT checkpoint folder holds (its ``config_json``), read in this
+    process alone. :class:`CheckpointError` when the folder is not a SMELT checkpoint."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(ckpt_dir)
+    meta = meta if meta is not None else dcp_reader.read_metadata(path)
+    entry = meta.state_dict_metadata.get("config_json")
+    if not (
+        isinstance(entry, TensorStorageMetadata)
+        and entry.properties.dtype == torch.uint8
+        and len(entry.size) == 1
+        and entry.size[0] <= _CONFIG_BYTES
+    ):
+        raise CheckpointError(
+            f"{path}: no config_json in the checkpoint (not written by a SMELT model)"
+        )
+    buf = {"config_json": torch.empty(entry.size, dtype=torch.uint8)}
+    _load(buf, path)
     try:
-        return Restricted(stream).load()
-    except CheckpointError:
-        raise
-    except Exception as e:  # a truncated or garbled file
-        raise CheckpointError(f"its .metadata is not readable ({type(e).__name__}: {e})") from None
-
-
-def _reader_class():
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-                metadata = _safe_metadata(f)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader
-
-
-def _reader(path: Path):
-    """A DCP ``FileSystemReader`` whose metadata goes through :func:`_safe_metadata`."""
-    return _reader_class()(str(path))
-
-
-def restrict_dcp_loading() -> None:
-    """Make every DCP load in this process unable to run code: ``FileSystemReader`` reads
-    ``.metadata`` through :func:`_safe_metadata`, and the default load planner reads the
-    non-tensor entries (a run's data position, its step) with torch's weights-only loader
-    instead of plain pickle. The launcher calls it, so torchtitan's own checkpoint loads --
-    resume, ``--checkpoint.initial_load_path`` -- are held to the same rule."""
-    from torch.distributed.checkpoint import FileSystemReader, default_planner
-
-    FileSystemReader.read_metadata = _reader_class().read_metadata
-
-    def load_bytes(self, read_item, value):  # DefaultLoadPlanner's, with weights_only=True
-        fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as e:
-            raise CheckpointError(
-                f"the checkpoint entry {fqn} is not plain data: refused, "
-                f"nothing was run ({type(e).__name__})"
-            ) from None
-        if self.flatten_state_dict:
-            default_planner.set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
-
-    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
-
-
-def _metadata(path: Path):
-    try:
-        return _reader(path).read_metadata()
+        return arch_from_config_json(buf["config_json"])
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
 
@@ -260,9 +213,14 @@ def load_model_state(ckpt_dir: Union[str, Path]) -> tuple[ModelConfig, dict[str,
     """(model config, full ``SmeltTitan`` state dict) of a torchtitan checkpoint folder.
 
     ``ckpt_dir``: one step's folder (``<dump>/checkpoint/step-N``) written by a SMELT run
-    or by :func:`write_seed`. Raises :class:`CheckpointError` for anything else.
+    or by :func:`write_seed`. Tensors keep the dtype they are stored in. Raises
+    :class:`CheckpointError` for anything else (:mod:`.dcp_reader` says what is checked),
+    and :class:`smelt_model.memory.MemoryRefusal` before reading a model that would not
+    fit in this machine's memory.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .. import memory
 
     path = Path(ckpt_dir)
     if not is_dcp_folder(path):
@@ -270,29 +228,61 @@ def load_model_state(ckpt_dir: Union[str, Path]) -> tuple[ModelConfig, dict[str,
             f"{ckpt_dir}: not a torchtitan checkpoint folder (no DCP "
             f".metadata); pass one step's folder, e.g. checkpoint/step-100"
         )
-    meta = _metadata(path).state_dict_metadata
-    entry = meta.get("config_json")
-    if not isinstance(entry, TensorStorageMetadata):
+    meta = dcp_reader.read_metadata(path)
+    cfg = read_config(path, meta)
+    entries = meta.state_dict_metadata
+    if cfg.n_layers > len(entries):  # before a model of that many layers is laid out
         raise CheckpointError(
-            f"{ckpt_dir}: no config_json in the checkpoint (not written by a SMELT model)"
+            f"{ckpt_dir}: its config_json describes {cfg.n_layers} layers, but the "
+            f"checkpoint holds only {len(entries)} entries"
         )
-    buf = {"config_json": torch.empty(entry.size, dtype=torch.uint8)}
-    _load(buf, path)
-    cfg = arch_from_config_json(buf["config_json"])
-    keys = titan_keys(cfg)
-    missing = [k for k in keys if not isinstance(meta.get(k), TensorStorageMetadata)]
+    want = {k: tuple(v.shape) for k, v in from_smelt(_meta_state(cfg)).items()}
+    missing = [k for k in want if not isinstance(entries.get(k), TensorStorageMetadata)]
     if missing:
         raise CheckpointError(
             f"{ckpt_dir}: the checkpoint lacks {len(missing)} model tensors (first: {missing[0]})"
         )
-    state = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
+    odd = [k for k in want if tuple(entries[k].size) != want[k]]
+    if odd:
+        k = odd[0]
+        raise CheckpointError(
+            f"{ckpt_dir}: {len(odd)} tensors do not fit its own config_json, e.g. {k} "
+            f"{tuple(entries[k].size)} where {describe(cfg)} has {tuple(want[k])}"
+        )
+    sizes = {k: math.prod(entries[k].size) * _itemsize(entries[k]) for k in want}
+    experts = sum(v for k, v in sizes.items() if _EXPERTS in k)
+    memory.check(
+        {"checkpoint": {"weights": sum(sizes.values()), "expert copy": experts}},
+        memory.available(),
+        what=f"reading {ckpt_dir}",
+    )
+    keys = ["config_json", *want]
+    state = {k: torch.empty(entries[k].size, dtype=entries[k].properties.dtype) for k in keys}
     _load(state, path)
     return cfg, state
 
 
+def _itemsize(entry) -> int:
+    return torch.empty((), dtype=entry.properties.dtype).element_size()
+
+
+def _meta_state(cfg: ModelConfig) -> dict:
+    from ..model import SmeltLM
+
+    with torch.device("meta"):
+        return SmeltLM(cfg).state_dict()
+
+
 def _load(state: dict, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    with warnings.catch_warnings():  # one process, on purpose
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_reader(path), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # one process, on purpose
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=dcp_reader.reader(path), no_dist=True)
+    except CheckpointException as e:
+        cause = dcp_reader.first_failure(e)
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        raise CheckpointError(f"{path}: not loadable ({type(cause).__name__}: {cause})") from None

@@ -10,11 +10,14 @@ the folder's name) is replaced atomically; a crash at any moment leaves the prev
 checkpoint loadable.
 
 Reading is strict. ``latest`` must name a ``step_N`` folder directly inside
-``checkpoints/`` (no path, no symbolic link): anything else raises :class:`CheckpointError`.
-A checkpoint whose files do not match its manifest, or whose files cannot be parsed, is not
-loaded; :func:`load_latest` then falls back to the next newest and reports each one it
-passed over, and raises when checkpoints exist but none loads. A folder from an older format
-with a pickled ``state.pt`` is never unpickled: it is refused like a corrupt one.
+``checkpoints/`` (no path, no symbolic link, at most 18 digits): anything else raises
+:class:`~smelt_model.errors.CheckpointError`. A checkpoint whose files do not match its
+manifest, whose files cannot be parsed, or whose step is not the one its folder and manifest
+name, is not loaded; :func:`load_latest` then falls back to the next newest and reports each
+one it passed over, and raises when checkpoints exist but none loads. A folder from an older
+format with a pickled ``state.pt`` is never unpickled: it is refused like a corrupt one.
+:meth:`Checkpoint.check_fits` compares the optimizer and scheduler state with the run's own
+before anything is loaded (:mod:`smelt_model.state_fit`).
 
 ``SMELT_TRAIN_CRASH`` is a fault-injection hook for tests: ``step:N`` kills the process with
 SIGKILL after step N has been logged, ``checkpoint:N`` in the middle of writing the step-N
@@ -36,6 +39,8 @@ import torch
 
 from smelt_kernels import backends
 
+from .. import state_fit
+from ..errors import CheckpointError
 from . import plainstate
 
 __all__ = [
@@ -45,7 +50,6 @@ __all__ = [
     "resolve_latest",
     "crash_point",
     "Checkpoint",
-    "CheckpointError",
     "NoCheckpoint",
 ]
 
@@ -58,11 +62,9 @@ STATE_TENSORS = "state.safetensors"
 #: the pickled state file of an older format: never loaded
 LEGACY_STATE = "state.pt"
 FILES = (WEIGHTS, CONFIG, STATE_JSON, STATE_TENSORS)
-_NAME = re.compile(r"step_\d{8,}")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (or ``latest``) that cannot be used; the message names the file."""
+_NAME = re.compile(r"step_\d{8,18}")
+#: the longest ``latest`` file read (a checkpoint's name is at most 23 characters)
+_LATEST_BYTES = 64
 
 
 class NoCheckpoint(CheckpointError):
@@ -209,9 +211,14 @@ def resolve_latest(folder: Path) -> Optional[Path]:
         raise CheckpointError(f"{latest}: not a plain file")
     try:
         with open(latest, "rb") as fh:
-            name = fh.read(256).decode("utf-8").strip()
+            raw = fh.read(_LATEST_BYTES + 1)
+        name = raw.decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{latest}: not readable as text ({e})") from None
+    if len(raw) > _LATEST_BYTES:
+        raise CheckpointError(
+            f"{latest}: longer than any checkpoint name (expected step_NNNNNNNN, up to 18 digits)"
+        )
     if not _NAME.fullmatch(name):
         raise CheckpointError(
             f"{latest}: names {name[:80]!r}, not a checkpoint folder inside "
@@ -267,6 +274,10 @@ def _check_manifest(ckpt: Path) -> None:
     if path.is_file() and path.stat().st_size > 1 << 20:
         raise CheckpointError(f"{path}: not a plain manifest file")
     manifest = plainstate.read_json(path, "manifest", CheckpointError)
+    if _NAME.fullmatch(ckpt.name) and manifest.get("step") != _step_of(ckpt):
+        raise CheckpointError(
+            f"{path}: says step {manifest.get('step')!r}, its folder is {ckpt.name}"
+        )
     files = manifest.get("files")
     if not isinstance(files, dict) or set(files) != set(FILES):
         raise CheckpointError(f"{path}: expected the files {', '.join(FILES)}")
@@ -331,8 +342,31 @@ class Checkpoint:
             isinstance(k, str) and isinstance(v, int) for k, v in state["log_bytes"].items()
         ):
             raise CheckpointError(f"{where}: 'log_bytes' must map file names to sizes")
+        if _NAME.fullmatch(path.name) and state["step"] != _step_of(path):
+            raise CheckpointError(f"{where}: says step {state['step']}, its folder is {path.name}")
         self.state = state
         self.step = int(state["step"])
+
+    def check_fits(self, model, optimizer, scheduler) -> None:
+        """:class:`CheckpointError` (naming ``state.json`` and the field) unless the
+        optimizer and scheduler state fit ``optimizer`` and ``scheduler`` of ``model``
+        (:mod:`smelt_model.state_fit`), and the scheduler is at this checkpoint's step;
+        call it before loading anything."""
+        where = str(self.path / STATE_JSON)
+        shapes: dict = {}
+        index = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                shapes[index] = tuple(p.shape)
+                index += 1
+        shapes.update({name: tuple(p.shape) for name, p in model.named_parameters()})
+        state_fit.check_optimizer(self.state["optimizer"], optimizer, shapes, where)
+        state_fit.check_like(self.state["scheduler"], scheduler.state_dict(), where, "scheduler")
+        if self.state["scheduler"].get("last_epoch") != self.step:
+            raise CheckpointError(
+                f"{where}: the scheduler is at step {self.state['scheduler'].get('last_epoch')}, "
+                f"the checkpoint at step {self.step}"
+            )
 
 
 def load_latest(

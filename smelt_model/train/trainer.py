@@ -499,6 +499,7 @@ class Trainer:
         """Put the checkpoint's weights, optimizer, scheduler and RNG states in place."""
         st = ckpt.state
         weights = _fitting(ckpt.weights, self.model, ckpt.path / checkpoint.WEIGHTS)
+        ckpt.check_fits(self.model, self.optimizer, self.scheduler)
         try:
             self.model.load_state_dict(weights)
             self.optimizer.load_state_dict(st["optimizer"])

@@ -214,9 +214,10 @@ def test_cli_bad_configs_exit_with_one_line(tmp_path, capsys, text, message):
     if text is not None:
         path.write_text(text)
     args = [str(path if text is not None else tmp_path / "absent.json"), "--match"]
-    assert budget.main(args) == 2
+    assert budget.main(args) == 1  # a file the user gave that cannot be used
     err = capsys.readouterr().err
-    assert message in err and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err and err.startswith("smelt-budget: error: ")
+    assert err.count("\n") == 1, err
 
 
 def test_cli_match_error_options_exist(capsys):

@@ -2,33 +2,14 @@
 and realised through token_ranks), gathered experts, recompute, the Workload options and
 the short reprs."""
 
+import dataclasses
 import math
 
 import pytest
+from helpers_budget import small_config as _small
+from helpers_budget import small_looped as _looped
 
 from smelt_model import budget, presets
-from smelt_model.config import LoopSpec, ModelConfig
-
-
-def _small(**changes) -> ModelConfig:
-    # per layer: experts 4 x 3 x 4 x 2 = 96 parameters; H = 4 (a bf16 row is 8 bytes)
-    cfg = ModelConfig(
-        vocab_size=10,
-        hidden_size=4,
-        n_layers=2,
-        n_heads=1,
-        n_kv_heads=1,
-        head_dim=4,
-        n_experts=4,
-        expert_size=2,
-        top_k=2,
-    )
-    return cfg.replace(**changes)
-
-
-def _looped() -> ModelConfig:
-    # executed: 0, 1, 2, 1, 2, 3 (span 1..2 twice)
-    return _small(n_layers=4, loop=LoopSpec(start=1, length=2, count=2))
 
 
 # ----------------------------------------------------------------------------- parse_plan
@@ -220,8 +201,10 @@ def test_gathered_experts_by_hand():
     assert (every.gather_group_size, every.gather_replicas, every.gather_all_reduce) == (4, 1, 0)
     assert every.gather_reduce_scatter == 2 * 96 * 3 / 4 * 4
     # no re-gather before the backward without resharding
-    kept = budget.comm(cfg, 8, dp_shard=4, plan=plan, reshard_after_forward=False)
+    keep = dataclasses.replace(plan, reshard_after_forward=False)
+    kept = budget.comm(cfg, 8, dp_shard=4, plan=keep)
     assert kept.gather_all_gather_backward == 0 and kept.gather_group_size == 4
+    assert kept.fsdp_all_gather_backward == 0
     with pytest.raises(ValueError, match=r"gpus_per_node \(3\) must divide dp_shard \(4\)"):
         budget.comm(cfg, 8, dp_shard=4, gpus_per_node=3, plan=plan)
 
@@ -246,9 +229,9 @@ def test_span_gathered_as_a_unit_or_layer_by_layer():
 # ----------------------------------------------------------------------------- options, reprs
 def test_workload_options_have_one_home():
     cfg = _small()
-    w = budget.Workload(dtype="float32", reshard_after_forward=False)
+    w = budget.Workload(dtype="float32", reduce_dtype="bfloat16")
     assert budget.comm(cfg, 8, ep=2, dp_shard=2, workload=w) == budget.comm(
-        cfg, 8, ep=2, dp_shard=2, dtype="float32", reshard_after_forward=False
+        cfg, 8, ep=2, dp_shard=2, dtype="float32", reduce_dtype="bfloat16"
     )
     # keywords refine a given workload
     assert budget.comm(cfg, 8, ep=2, dp_shard=2, workload=w, dtype="bfloat16").dtype == "bfloat16"
@@ -258,6 +241,9 @@ def test_workload_options_have_one_home():
         budget.comm(cfg, 8, workload={"dtype": "float32"})
     with pytest.raises(ValueError, match="mean_doc_len"):
         budget.Workload(mean_doc_len=0)
+    # FSDP's resharding is the plan's choice, not the workload's
+    with pytest.raises(TypeError, match="reshard_after_forward"):
+        budget.comm(cfg, 8, reshard_after_forward=False)
 
 
 def test_reprs_are_short():

@@ -1,5 +1,8 @@
-"""The launcher and the export command: bad options are one line on stderr and exit 2."""
+"""The launcher and the export command: a bad option is one line on stderr and exit status 2,
+printed once whatever the number of processes; the launcher names the patches it applied and
+runs as one process without torchrun."""
 
+import logging
 import sys
 
 import pytest
@@ -11,13 +14,15 @@ import titan_helpers as th  # noqa: E402
 
 from smelt_model import presets  # noqa: E402
 from smelt_model.titan import __main__ as launcher  # noqa: E402
-from smelt_model.titan import export, shims  # noqa: E402
+from smelt_model.titan import export, patches  # noqa: E402
+
+PREFIX = "python -m smelt_model.titan: error: "
 
 
 def _one_line_error(capsys, code, *needles):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert len(err) == 1 and err[0].startswith("smelt_model.titan: error: "), err
+    assert len(err) == 1 and err[0].startswith(PREFIX), err
     for needle in needles:
         assert needle in err[0], err[0]
 
@@ -39,11 +44,28 @@ def _one_line_error(capsys, code, *needles):
         ),
         (["--config", "tiny-smelt", "--activation_checkpoint:memory-budget"], ["memory-budget"]),
         (["--config", "tiny-smelt", "--training.steps", "0"], ["--training.steps"]),
+        (
+            ["--config", "tiny-smelt", "--override.imports", "no_such_pkg.mod.fn"],
+            ["--override.imports", "no_such_pkg.mod.fn"],
+        ),
+        (
+            ["--config", "tiny-smelt", "--override.imports", "smelt_model.titan.loader.nothing"],
+            ["smelt_model.titan.loader.nothing", "names no registered @override"],
+        ),
+        (["--config", "tiny-smelt", "--nproc_per_node", "0"], ["--nproc_per_node"]),
     ],
 )
 def test_bad_launcher_options_are_one_line(argv, needles, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     _one_line_error(capsys, launcher.main(argv), *needles)
+
+
+def test_a_mistyped_option_is_a_short_line(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = launcher.main(["--config", "tiny-smelt", "--training.stepz", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "training.stepz" in err[0]
+    assert len(err[0]) <= 300, err[0]
 
 
 def test_bad_options_from_the_command_line_exit_2_without_a_traceback(tmp_path):
@@ -63,44 +85,99 @@ def test_bad_options_from_the_command_line_exit_2_without_a_traceback(tmp_path):
     )
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
-    assert err == [
-        "smelt_model.titan: error: --parallelism.expert_parallel_degree 5 must "
-        "divide the 288 experts"
+    assert err == [PREFIX + "--parallelism.expert_parallel_degree 5 must divide the 288 experts"], (
+        proc.stderr
+    )
+
+
+def _worker_traceback(text: str) -> bool:
+    """Whether ``text`` holds a traceback through smelt's or torchtitan's code (a worker's,
+    not torchrun's own report of a failed worker)."""
+    return any(
+        line.strip().startswith("File ") and ("smelt_model" in line or "torchtitan" in line)
+        for line in text.splitlines()
+    )
+
+
+BAD_OVERRIDE = ["--override.imports", "smelt_model.titan.no_such_module.fn"]
+
+
+def test_a_bad_option_under_torchrun_is_one_line_printed_once(tmp_path):
+    proc = th.torchrun(
+        ["-m", "smelt_model.titan", "--config", "tiny-smelt", *BAD_OVERRIDE],
+        cwd=tmp_path,
+        timeout=150,
+    )
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith(PREFIX)]
+    assert len(ours) == 1 and "smelt_model.titan.no_such_module" in ours[0], proc.stderr
+    assert len(ours[0]) <= 300
+    assert not _worker_traceback(proc.stdout + proc.stderr), proc.stderr[-3000:]
+
+
+def test_nproc_per_node_reports_a_bad_option_alone_with_status_2(tmp_path):
+    proc = th.run(
+        [sys.executable, "-m", "smelt_model.titan", "--nproc_per_node", "2"]
+        + ["--config", "tiny-smelt", *BAD_OVERRIDE],
+        cwd=tmp_path,
+        timeout=150,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        PREFIX + "--override.imports: Failed to import override target "
+        "'smelt_model.titan.no_such_module.fn': module 'smelt_model.titan.no_such_module' "
+        "could not be imported: No module named 'smelt_model.titan.no_such_module'"
     ], proc.stderr
 
 
-def test_the_launcher_names_the_shims_this_process_needs():
-    needed = shims.needed()
-    assert set(needed) <= set(shims.SHIMS)
+def test_the_launcher_names_the_patches_it_applies(capsys):
+    needed = patches.needed()
+    names = [p.name for p in patches.PATCHES]
+    assert set(needed) <= set(names) and len(set(names)) == len(names)
+    for p in patches.PATCHES:  # each says what it is for, so that it can be deleted
+        assert p.versions and p.upstream and p.when and (p.install or p.flag), p.name
+    for name in ("safe_dcp_reader", "safe_dataloader_state", "checked_resume", "rank0_log"):
+        assert name in needed
     if not torch.cuda.is_available():
-        assert {"cpu_device", "gloo_sum_reduction", "no_cuda_graphs"} <= set(needed)
-        args = shims.launch_args(["--config", "tiny-smelt"])
+        assert {"cpu_device", "gloo_sum_reduction", "no_cuda_graphs", "cpu_metrics"} <= set(needed)
+        args = patches.launch_args(["--config", "tiny-smelt"])
         assert "--training.disable_cuda_graphs" in args
         # an option the command line sets itself is left alone
-        args = shims.launch_args(["--parallelism.spmd_backend", "full_dtensor"])
+        args = patches.launch_args(["--parallelism.spmd_backend", "full_dtensor"])
         assert args.count("--parallelism.spmd_backend") == 1
-    applied = shims.apply()
-    assert applied == needed or set(applied) >= set(needed)
+    applied = patches.apply()
+    assert applied == needed
+    import torchtitan.tools.logging as tt_logging
     import torchtitan.tools.utils as tt_utils
 
     if "cpu_device" in applied:
         assert tt_utils.device_type == "cpu"
         assert tt_utils.device_module.get_device_properties().total_memory > 0
     assert hasattr(torch.distributed, "set_timeout")
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        tt_logging.init_logger()  # what torchtitan's main calls first
+        out = capsys.readouterr().out
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        logging.captureWarnings(False)
+    assert f"smelt patches for torchtitan 0.3.0 / torch 2.13: {', '.join(needed)}" in out, out
 
 
 def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     not_dcp = tmp_path / "model.pt"
     not_dcp.write_bytes(b"not a checkpoint")
-    for argv in (
-        [str(not_dcp), str(tmp_path / "out")],
-        [str(tmp_path), str(tmp_path / "o")],
-        [str(tmp_path)],
+    for argv, status in (
+        ([str(not_dcp), str(tmp_path / "out")], 1),
+        ([str(tmp_path), str(tmp_path / "o")], 1),
+        ([str(tmp_path)], 2),
     ):
         code = export.main(argv)
         err = capsys.readouterr().err.strip().splitlines()
-        assert code == 2 and len(err) == 1
-        assert err[0].startswith("smelt_model.titan.export: error: ")
+        assert code == status and len(err) == 1
+        assert err[0].startswith("smelt-export: error: ")
     assert not (tmp_path / "out").exists()
 
 
@@ -125,7 +202,7 @@ def test_export_refuses_a_checkpoint_whose_metadata_runs_code(tmp_path, capsys):
     capsys.readouterr()
     code = export.main([str(tmp_path / "seed"), str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "refused, nothing was run" in err[0], err
+    assert code == 1 and len(err) == 1 and "refused, nothing was run" in err[0], err
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 

@@ -3,7 +3,7 @@ under torchrun).
 
     torchrun ... titan_loss_worker.py OUT_JSON [torchtitan options]
 
-Runs torchtitan's trainer as ``python -m smelt_model.titan`` would (same shims, same
+Runs torchtitan's trainer as ``python -m smelt_model.titan`` would (same patches, same
 config, a resume from the run's own checkpoint included) and writes, on rank 0, OUT_JSON:
 ``{"steps": [...], "losses": [...]}`` with each trained step's objective summed over the
 ranks (torchtitan's log rounds it).
@@ -20,12 +20,10 @@ import torch.distributed as dist
 def main() -> None:
     out = Path(sys.argv[1])
     args = sys.argv[2:]
-    from smelt_model.titan import shims
-    from smelt_model.titan.state_dict import restrict_dcp_loading
+    from smelt_model.titan import patches
 
-    shims.apply()
-    restrict_dcp_loading()
-    args = shims.launch_args(args)
+    patches.apply()
+    args = patches.launch_args(args)
     if "--module" not in args:
         args = ["--module", "smelt_model.titan"] + args
 

@@ -2,7 +2,7 @@
 
     torchrun ... titan_worker.py OUT_DIR [torchtitan options]
 
-Runs torchtitan's trainer as ``python -m smelt_model.titan`` would (same shims, same
+Runs torchtitan's trainer as ``python -m smelt_model.titan`` would (same patches, same
 config), and writes into OUT_DIR (rank 0):
 
 * ``run.json``: the objective of every step (summed over ranks), and FSDP's collectives
@@ -40,10 +40,10 @@ def _unit_of(fqn: str) -> str:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     args = sys.argv[2:]
-    from smelt_model.titan import shims
+    from smelt_model.titan import patches
 
-    shims.apply()
-    args = shims.launch_args(args)
+    patches.apply()
+    args = patches.launch_args(args)
     if "--module" not in args:
         args = ["--module", "smelt_model.titan"] + args
 

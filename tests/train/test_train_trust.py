@@ -14,6 +14,7 @@ import pytest
 import torch
 from train_helpers import losses, micro_config, run_cli
 
+from smelt_model.errors import CheckpointError
 from smelt_model.train import checkpoint, plainstate
 from smelt_model.train.cli import main
 
@@ -104,7 +105,8 @@ def _rehash(ckpt: Path, names=None) -> None:
         }
         for f in names
     }
-    (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": 0, "files": files}))
+    step = int(ckpt.name[len("step_") :])
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": step, "files": files}))
 
 
 def _ckpts(out: Path) -> list[Path]:
@@ -214,7 +216,7 @@ def test_latest_leading_out_of_the_run_is_refused(corpus, run, tmp_path, capsys,
     _refused(rc, err, "checkpoints")
     assert ("latest" in err) or ("symbolic link" in err)
     assert _snapshot(out) == before
-    with pytest.raises(checkpoint.CheckpointError):
+    with pytest.raises(CheckpointError):
         checkpoint.load_latest(out / "checkpoints")
 
 
@@ -336,3 +338,84 @@ def test_plain_state_stores_views_of_one_tensor(tmp_path):
     back = plainstate.load(tmp_path / "s.json", tmp_path / "s.safetensors")
     assert back["a"].tolist() == back["c"].tolist() == list(range(6))
     assert back["b"].tolist() == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------ states that do not fit
+def _edit_state(ckpt: Path, change) -> None:
+    """Rewrite the checkpoint's training state through ``change(state)``; the manifest is
+    recomputed, so only the content can be wrong."""
+    from safetensors.torch import save_file
+
+    state = plainstate.load(ckpt / "state.json", ckpt / "state.safetensors")
+    change(state)
+    doc, tensors = plainstate.dump(state)
+    (ckpt / "state.json").write_bytes(doc)
+    save_file(tensors, str(ckpt / "state.safetensors"))
+    _rehash(ckpt)
+
+
+def _exp_avg_of_another_shape(state):
+    state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+
+
+def _lr_a_string(state):
+    state["optimizer"]["param_groups"][0]["lr"] = "fast"
+
+
+def _scheduler_field_replaced(state):
+    state["scheduler"]["base_lrs"] = {"not": "a list"}
+
+
+def _scheduler_at_another_step(state):
+    state["scheduler"]["last_epoch"] = 10**12
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (_exp_avg_of_another_shape, "exp_avg has shape (3,)"),
+        (_lr_a_string, "lr is the string 'fast'"),
+        (_scheduler_field_replaced, "scheduler.base_lrs is a dict"),
+        (_scheduler_at_another_step, "scheduler is at step 1000000000000"),
+    ],
+    ids=["exp_avg-shape", "lr-string", "scheduler-field", "scheduler-step"],
+)
+def test_a_state_that_does_not_fit_is_one_line_before_any_step(corpus, run, capsys, change, needle):
+    cfg, out, _ = run
+    for ckpt in _ckpts(out):
+        _edit_state(ckpt, change)
+    before = _snapshot(out)
+    proc = run_cli(_args(corpus, cfg, out, "--resume"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "state.json" in lines[0] and needle in lines[0], lines
+    assert _snapshot(out) == before
+
+
+def test_a_step_that_disagrees_with_its_folder_is_passed_over(corpus, run, capsys):
+    cfg, out, expected = run
+    newest = _ckpts(out)[-1]
+
+    def older(state):
+        state["step"] = 2
+
+    _edit_state(newest, older)
+    rc, err = _resume(corpus, cfg, out, capsys)
+    assert rc == 0
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: checkpoint "), lines
+    assert "step_00000008" in lines[0] and "says step 2" in lines[0]
+    assert losses(out) == expected  # resumed from step 6, not retrained from "step 2"
+
+
+def test_latest_naming_a_300_character_step_is_one_line(corpus, run, capsys):
+    cfg, out, _ = run
+    latest = out / "checkpoints" / "latest"
+    latest.write_text("step_" + "0" * 295 + "8\n")
+    before = _snapshot(out)
+    rc, err = _resume(corpus, cfg, out, capsys)
+    _refused(rc, err, str(latest), "longer than any checkpoint name")
+    assert _snapshot(out) == before
+    latest.write_text("step_" + "1" * 40 + "\n")  # short enough to read, too many digits
+    rc, err = _resume(corpus, cfg, out, capsys)
+    _refused(rc, err, str(latest), "not a checkpoint folder")

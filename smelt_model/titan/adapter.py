@@ -5,8 +5,7 @@ model's "external" format (``to_hf`` / ``from_hf``; the mapping is
 :mod:`smelt_model.titan.state_dict`), so ``--checkpoint.initial_load_in_hf
 --checkpoint.initial_load_path DIR`` starts a run from a
 :meth:`smelt_model.SmeltLM.save_pretrained` folder (read with DCP's safetensors reader, each
-rank its own shards). The torch-only helpers
-(seeds, export reading) are re-exported from :mod:`smelt_model.titan.state_dict`.
+rank its own shards).
 """
 
 from __future__ import annotations
@@ -17,25 +16,10 @@ from typing import Any
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
-from .state_dict import (
-    CheckpointError,
-    config_bytes,
-    from_smelt,
-    is_dcp_folder,
-    load_model_state,
-    to_smelt,
-    write_seed,
-)
+from ..errors import CheckpointError
+from .state_dict import config_bytes, from_smelt, to_smelt
 
-__all__ = [
-    "SmeltStateDictAdapter",
-    "to_smelt",
-    "from_smelt",
-    "write_seed",
-    "load_model_state",
-    "is_dcp_folder",
-    "CheckpointError",
-]
+__all__ = ["SmeltStateDictAdapter"]
 
 
 class SmeltStateDictAdapter(BaseStateDictAdapter):

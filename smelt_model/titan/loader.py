@@ -11,11 +11,12 @@ position (or is padding) is ``-100``, as :meth:`smelt_model.SmeltLM.lm_loss` ign
 
 The order is fixed by ``seed`` (documents shuffled per epoch by
 :func:`smelt_model.train.data.epoch_order`); the loader's checkpoint state is the number of
-batches it has yielded (plain integers).
+batches it has yielded (plain integers; a resume skips that many, so the launcher bounds it
+by the checkpoint's step first: :mod:`smelt_model.titan.resume`).
 
 A stock torchtitan config (which loads a Hugging Face dataset and tokenizer) takes them
 with ``--override.imports``
-``smelt_model.titan.data.smelt_data,smelt_model.titan.data.smelt_tokenizer``.
+``smelt_model.titan.loader.smelt_data,smelt_model.titan.loader.smelt_tokenizer``.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class PackedDocuments(BaseDataLoader):
             raise TypeError(
                 f"PackedDocuments needs a SmeltTokenizer, got "
                 f"{type(tokenizer).__name__} (set the run's tokenizer to "
-                f"smelt_model.titan.data.SmeltTokenizer.Config)"
+                f"smelt_model.titan.loader.SmeltTokenizer.Config)"
             )
         if seq_len < 1 or local_batch_size < 1:
             raise ValueError(
@@ -212,7 +213,13 @@ class PackedDocuments(BaseDataLoader):
                 f"the checkpoint's data state is for {state_dict.get('world_size')} "
                 f"data-parallel ranks, this run has {self.dp_world_size}"
             )
-        self.batches_yielded = int(mine["batches"])
+        batches = mine.get("batches") if isinstance(mine, dict) else None
+        if not (isinstance(batches, int) and not isinstance(batches, bool) and batches >= 0):
+            raise ValueError(
+                f"the checkpoint's data position for dp rank {self.dp_rank} is not a count "
+                f"of batches ({batches!r})"
+            )
+        self.batches_yielded = batches
 
 
 @override(

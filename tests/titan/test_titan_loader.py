@@ -10,7 +10,7 @@ import titan_helpers as th  # noqa: E402
 from torchtitan.components.tokenizer import HuggingFaceTokenizer  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
 
-from smelt_model.titan.data import (
+from smelt_model.titan.loader import (
     IGNORE_INDEX,
     PackedDocuments,
     SmeltTokenizer,  # noqa: E402

@@ -1,0 +1,118 @@
+"""Memory per GPU of one plan: what a projected step must fit in.
+
+:func:`footprint` adds up, per GPU:
+
+* ``state``: the sharded training state, :data:`STATE_BYTES` per parameter over its shard
+  group (torchtitan's defaults: fp32 master weights and gradients, AdamW's two fp32 moments;
+  weights gathered in ``dtype`` for compute). Dense weights and embeddings are sharded over
+  every data-parallel rank, an ``ep`` layer's experts over its EP group times its
+  expert-FSDP axis (again every rank), a ``gather`` layer's experts over its gather group
+  only (a node's ranks with ``"node"``: each node holds a full replica).
+* ``gathered``: the FSDP units held unsharded at once (:func:`.schedule.fsdp_units`): in the
+  forward a unit and the next one, prefetched; in the backward a unit, its unsharded
+  gradients (in ``dtype``, and a ``reduce_dtype`` copy for the reduce-scatter) and the next
+  unit. Without ``plan.reshard_after_forward`` every unit stays gathered from the forward to its
+  backward. A span gathered as one unit holds all its gathered layers' experts for both
+  visits; one layer at a time holds one.
+* ``activations``: what the backward keeps at the rank's tokens, from
+  :func:`smelt_model.memory.estimate` (per executed layer, and the logits); a recomputed
+  layer (``plan.recompute``) keeps only its input, and one layer is rebuilt at a time.
+* ``runtime``: :data:`smelt_model.memory.RUNTIME_BYTES`.
+
+A plan fits when the total, with :data:`smelt_model.memory.MARGIN` on top, is within the
+cluster's ``memory`` per GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .. import memory
+from ..config import ModelConfig
+from .cluster import Cluster
+from .comm import Comm, _recomputed
+from .layout import ParallelPlan
+from .ledger import embedding_params, layer_params
+from .schedule import fsdp_units
+from .workload import Workload
+
+__all__ = ["STATE_BYTES", "Footprint", "footprint"]
+
+#: bytes of training state per parameter: fp32 weight and gradient, AdamW's two fp32 moments
+STATE_BYTES = 4 + 4 + 2 * 4
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes per GPU by part (see the module docstring)."""
+
+    state: float
+    gathered: float
+    activations: float
+    runtime: float
+
+    @property
+    def total(self) -> float:
+        return self.state + self.gathered + self.activations + self.runtime
+
+    def fits(self, limit: float) -> bool:
+        """Whether the total, with :data:`smelt_model.memory.MARGIN` on top, fits ``limit``."""
+        return self.total * (1 + memory.MARGIN) <= limit
+
+
+@functools.lru_cache(maxsize=64)
+def _per_layer_activations(cfg: ModelConfig, tokens: int, w: Workload) -> tuple[float, float]:
+    """(bytes one executed layer keeps for the backward, bytes of the logits) at ``tokens``,
+    read from :func:`smelt_model.memory.estimate` on one- and two-layer stacks."""
+    kept = [
+        memory.estimate(
+            cfg.replace(n_layers=n, loop=None),
+            tokens=tokens,
+            seq_len=w.seq_len,
+            train=True,
+            param_bytes=w.act_bytes,
+            act_bytes=w.act_bytes,
+        )["activations"]
+        for n in (1, 2)
+    ]
+    layer = kept[1] - kept[0]
+    return layer, kept[0] - layer
+
+
+def footprint(
+    cfg: ModelConfig, plan: ParallelPlan, cluster: Cluster, comm: Comm, w: Workload
+) -> Footprint:
+    """Memory per GPU of ``cfg`` under ``plan`` on ``cluster`` (see the module docstring);
+    ``comm`` is the plan's communication ledger (its mesh and gather group)."""
+    p = layer_params(cfg)
+    dense = cfg.n_layers * (p["attention"] + p["router"] + p["norms"])
+    dense += cfg.hidden_size + embedding_params(cfg)
+    experts = p["experts_total"]
+    n_gather = len(plan.gather_layers)
+    sharded = (dense + (cfg.n_layers - n_gather) * experts) / comm.dp_shard
+    sharded += n_gather * experts / comm.gather_group_size
+
+    act, red = w.act_bytes, w.reduce_bytes
+    forward, _, _ = fsdp_units(cfg, plan)
+    units = [u.dense + u.efsdp / comm.ep + u.gathered for _, u in forward]
+    if plan.reshard_after_forward:
+        held = max(
+            max(a + b for a, b in zip(units, units[1:] + [0.0])) * act,
+            max(u * (2 * act + red) + nxt * act for u, nxt in zip(units, units[1:] + [0.0])),
+        )
+    else:
+        held = sum(units) * act + max(units) * (act + red)
+
+    layer, logits = _per_layer_activations(cfg, comm.tokens_per_rank, w)
+    again = len(_recomputed(cfg, plan.recompute))
+    kept_input = comm.tokens_per_rank * cfg.hidden_size * act
+    activations = (cfg.executed_layers - again) * layer + again * kept_input + logits
+    if again:
+        activations += layer  # the layer being rebuilt
+    return Footprint(
+        state=sharded * STATE_BYTES,
+        gathered=held,
+        activations=activations,
+        runtime=memory.RUNTIME_BYTES,
+    )

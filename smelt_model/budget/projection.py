@@ -1,0 +1,367 @@
+"""Projected training steps on a GPU cluster, each architecture at its own best parallel
+plan. A model on paper, not a measurement.
+
+    from smelt_model import budget, presets
+    base, smelt = presets.pair("200M-S95")
+    best, p = budget.plan(smelt, "h100-64")       # the plan with the shortest projected step
+    p.step_s, p.exposed, p.memory.total
+    pair = budget.project_pair(base, smelt, "h100-64")          # both at their best plans
+    pair.gap()                                                  # (step ratio) / (F ratio)
+    budget.project_pair(base, smelt, "h100-8", plan=None).gap() # torchtitan's stock layout
+
+A plan is searched over, per architecture: how many of the span's layers, and how many of
+the others, gather their experts instead of moving their tokens (spread evenly through
+their group; layers of one group are alike), the gather group (``node`` or ``all``), the
+span gathered as one unit or layer by layer, and the lightest activation recompute
+(``none``, ``visit1``, ``all``) that fits the cluster's memory per GPU
+(:mod:`.footprint`); where smelt's trainer cannot overlap a candidate
+(:func:`~smelt_model.budget.layout.overlap_conflict`: recompute, or span layers gathered
+one at a time), it is projected without the overlap. Each candidate's step is replayed
+by :mod:`.schedule` (compute, the in-node links and the NIC as separate resources, the
+two-chunk overlap, FSDP prefetch);
+the shortest step wins (near ties, equal to six digits: fewer gathered layers, then less
+memory). ``dedup`` and ``overlap`` are what
+smelt's trainer runs (both on by default).
+
+The projected gap of a pair = (looped step / baseline step) / F ratio: 1.00 means the
+looped model costs in time exactly what its FLOPs say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .. import memory
+from ..config import ModelConfig
+from .cluster import TOKENS_PER_GPU, Cluster, parse_cluster
+from .comm import Comm, _bytes, comm
+from .footprint import Footprint, footprint
+from .layout import ParallelPlan, loop_of, overlap_conflict, parse_plan, stock_plan
+from .ledger import compare
+from .schedule import StepModel, simulate
+from .workload import Workload, workload_of
+
+__all__ = ["PlanError", "Projection", "PairProjection", "plan", "project", "project_pair"]
+
+
+class PlanError(ValueError):
+    """No plan fits the memory per GPU."""
+
+
+def _time(x: float) -> str:
+    """Seconds with four significant digits in a fitting unit."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if x >= scale:
+            return f"{x / scale:.4g} {unit}"
+    return f"{x / 1e-6:.4g} us"
+
+
+@dataclass(frozen=True, repr=False)
+class Projection:
+    """A projected step of one architecture under one plan on one cluster."""
+
+    cluster: Cluster
+    plan: ParallelPlan
+    #: the plan's communication ledger (uniform routing)
+    comm: Comm
+    memory: Footprint
+    #: the replayed step (:func:`smelt_model.budget.schedule.simulate`)
+    model: StepModel
+
+    @property
+    def step_s(self) -> float:
+        """The projected step (seconds): compute plus whatever traffic it waits for."""
+        return self.model.step_s
+
+    @property
+    def compute_s(self) -> float:
+        """Compute, a recomputed forward included."""
+        return self.model.compute_s
+
+    @property
+    def exposed(self) -> dict[str, float]:
+        """Seconds the step waits for each kind of traffic (``ep``, ``fsdp``, ``gather``)."""
+        return self.model.exposed
+
+    @property
+    def exposed_s(self) -> float:
+        return sum(self.model.exposed.values())
+
+    @property
+    def fits(self) -> bool:
+        """Whether the plan fits the cluster's memory per GPU."""
+        return self.memory.fits(self.cluster.memory)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{k} {_time(v)}" for k, v in self.exposed.items() if v > 0)
+        return (
+            f"Projection(step {_time(self.step_s)}: compute {_time(self.compute_s)}, exposed "
+            f"{_time(self.exposed_s)}{f' ({parts})' if parts else ''}; "
+            f"{_bytes(self.memory.total)} per GPU; {self.plan!r})"
+        )
+
+
+@dataclass(frozen=True, repr=False)
+class PairProjection:
+    """Projections of a baseline and its looped model on one cluster, with the F ratio."""
+
+    baseline: Projection
+    looped: Projection
+    flops_ratio: float
+
+    def gap(self) -> float:
+        """(looped step / baseline step) / F ratio."""
+        return self.looped.step_s / self.baseline.step_s / self.flops_ratio
+
+    def __repr__(self) -> str:
+        return (
+            f"PairProjection(gap {self.gap():.4f}: steps {_time(self.baseline.step_s)} and "
+            f"{_time(self.looped.step_s)}, F ratio {self.flops_ratio:.4f})"
+        )
+
+
+def _setup(
+    cfg: ModelConfig, cluster: Any, tokens_per_step: Optional[int], memory_limit: Any
+) -> tuple[Cluster, int]:
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    cl = parse_cluster(cluster)
+    if memory_limit is not None:
+        cl = dataclasses.replace(cl, memory=memory_limit)
+    tokens = TOKENS_PER_GPU * cl.gpus if tokens_per_step is None else tokens_per_step
+    return cl, tokens
+
+
+def _evaluate(
+    cfg: ModelConfig, p: ParallelPlan, cl: Cluster, tokens: int, w: Workload
+) -> Projection:
+    c = comm(cfg, tokens, dp_shard=cl.gpus, gpus_per_node=cl.node_size, plan=p, workload=w)
+    return Projection(
+        cluster=cl,
+        plan=p,
+        comm=c,
+        memory=footprint(cfg, p, cl, c, w),
+        model=simulate(cfg, p, cl, c, w),
+    )
+
+
+def _spread(layers: list[int], n: int) -> list[int]:
+    """``n`` of ``layers``, spread evenly."""
+    return [layers[int((i + 0.5) * len(layers) / n)] for i in range(n)]
+
+
+def _groups(cfg: ModelConfig) -> tuple[list[int], list[int]]:
+    """(the span's physical layers, the others): layers of one group are alike."""
+    loop = loop_of(cfg)
+    span = [i for i in range(cfg.n_layers) if cfg.is_looped and loop.in_span(i)]
+    return span, [i for i in range(cfg.n_layers) if i not in span]
+
+
+def _layout(cfg: ModelConfig, n_span: int, n_rest: int) -> tuple[str, ...]:
+    """``n_span`` span layers and ``n_rest`` others gathered, spread evenly."""
+    span, rest = _groups(cfg)
+    gathered = set(_spread(span, n_span)) | set(_spread(rest, n_rest))
+    return tuple("gather" if i in gathered else "ep" for i in range(cfg.n_layers))
+
+
+def _recomputes(cfg: ModelConfig) -> tuple[str, ...]:
+    return ("none", "visit1", "all") if cfg.is_looped else ("none", "all")
+
+
+class _Search:
+    """The best plan over layouts (see the module docstring), each layout tried once."""
+
+    def __init__(self, cfg, cl: Cluster, tokens: int, w: Workload, reshards, **fixed):
+        self.cfg, self.cl, self.tokens, self.w = cfg, cl, tokens, w
+        self.reshards, self.fixed = reshards, fixed
+        self.best: Optional[tuple[tuple, Projection]] = None
+        self.smallest: Optional[Footprint] = None
+        self.tried: dict[tuple[str, ...], float] = {}
+
+    def _variants(self, layers: tuple[str, ...]):
+        """Gather group x span mode x resharding (recompute is tried by :meth:`layout`)."""
+        cfg, cl = self.cfg, self.cl
+        gathered = [i for i, k in enumerate(layers) if k == "gather"]
+        groups = ("node", "all") if gathered and cl.gpus > cl.node_size else ("node",)
+        in_span = cfg.is_looped and any(loop_of(cfg).in_span(i) for i in gathered)
+        for group in groups:
+            for mode in ("unit", "layer") if in_span else ("unit",):
+                for reshard in self.reshards:
+                    yield ParallelPlan(
+                        layers=layers,
+                        gather_group=group,
+                        span_gather=mode,
+                        reshard_after_forward=reshard,
+                        **self.fixed,
+                    )
+
+    def layout(self, layers: tuple[str, ...]) -> float:
+        """The shortest step of ``layers`` that fits (inf where none does or it cannot run)."""
+        if layers in self.tried:
+            return self.tried[layers]
+        cfg, cl, w = self.cfg, self.cl, self.w
+        out = float("inf")
+        if "ep" in layers and cfg.n_experts % self.fixed["ep"]:
+            self.tried[layers] = out
+            return out
+        for candidate in self._variants(layers):
+            for policy in _recomputes(cfg):
+                p = dataclasses.replace(candidate, recompute=policy)
+                if overlap_conflict(p, cfg):  # the trainer runs this one without overlap
+                    p = dataclasses.replace(p, overlap=False)
+                c = comm(
+                    cfg,
+                    self.tokens,
+                    dp_shard=cl.gpus,
+                    gpus_per_node=cl.node_size,
+                    plan=p,
+                    workload=w,
+                )
+                mem = footprint(cfg, p, cl, c, w)
+                if self.smallest is None or mem.total < self.smallest.total:
+                    self.smallest = mem
+                if not mem.fits(cl.memory):
+                    continue
+                proj = Projection(cl, p, c, mem, simulate(cfg, p, cl, c, w))
+                # near ties (six digits) go to fewer gathered layers, then less memory
+                key = (float(f"{proj.step_s:.6g}"), len(p.gather_layers), mem.total)
+                if self.best is None or key < self.best[0]:
+                    self.best = (key, proj)
+                out = min(out, proj.step_s)
+                break  # a heavier recompute only adds work
+        self.tried[layers] = out
+        return out
+
+    def counts(self) -> None:
+        """Every layout on a coarse grid of gathered counts per group, then single steps
+        from the best while they shorten the step."""
+        span, rest = _groups(self.cfg)
+
+        def grid(n: int) -> list[int]:
+            return sorted({0, 1, n // 4, n // 2, 3 * n // 4, n - 1, n} & set(range(n + 1)))
+
+        step = {
+            (a, b): self.layout(_layout(self.cfg, a, b))
+            for a in grid(len(span))
+            for b in grid(len(rest))
+        }
+        here = min(step, key=step.get)
+        while True:
+            a, b = here
+            near = [(a + da, b + db) for da, db in ((1, 0), (-1, 0), (0, 1), (0, -1))]
+            near = [(x, y) for x, y in near if 0 <= x <= len(span) and 0 <= y <= len(rest)]
+            for n in near:
+                if n not in step:
+                    step[n] = self.layout(_layout(self.cfg, *n))
+            nxt = min(near, key=step.get)
+            if not step[nxt] < step[here]:
+                return
+            here = nxt
+
+    def result(self, layers: tuple[str, ...]) -> Projection:
+        """The best projection found; the reason when there is none."""
+        if self.best is not None:
+            return self.best[1]
+        cfg, cl = self.cfg, self.cl
+        if self.smallest is None:  # no layout could run: say why
+            ParallelPlan(layers=layers, **self.fixed).check(cfg)
+        m = self.smallest
+        raise PlanError(
+            f"no plan of {cfg.describe()} fits {cl.memory / 1e9:.4g} GB per GPU at "
+            f"{self.tokens // cl.gpus} tokens per GPU: the smallest needs {m.total / 1e9:.4g} "
+            f"GB (sharded state {m.state / 1e9:.4g}, activations {m.activations / 1e9:.4g}) "
+            f"and {memory.MARGIN:.0%} on top; use more GPUs, fewer tokens per GPU or a larger "
+            f"memory= in the cluster SPEC"
+        )
+
+
+def _best(cfg, cl, tokens, w, layers=None, reshards=(True, False), **fixed) -> Projection:
+    """The best plan with the layer kinds ``layers`` (None: searched)."""
+    search = _Search(cfg, cl, tokens, w, reshards, **fixed)
+    if layers is None:
+        search.counts()
+        layers = _layout(cfg, 0, 0)
+    else:
+        search.layout(layers)
+    return search.result(layers)
+
+
+def plan(
+    cfg: ModelConfig,
+    cluster: Any,
+    tokens_per_step: Optional[int] = None,
+    *,
+    memory_limit: Optional[float] = None,
+    dedup: bool = True,
+    overlap: bool = True,
+    layers: Any = None,
+    workload: Optional[Workload] = None,
+    **options: Any,
+) -> tuple[ParallelPlan, Projection]:
+    """The plan of ``cfg`` with the shortest projected step on ``cluster`` (a
+    :class:`~smelt_model.budget.Cluster` or SPEC) that fits ``memory_limit`` bytes per GPU
+    (default: the cluster's ``memory``), and its :class:`Projection`; :class:`PlanError`
+    when none fits. ``tokens_per_step`` defaults to
+    :data:`~smelt_model.budget.TOKENS_PER_GPU` per GPU; ``layers`` fixes the layer kinds
+    (a :func:`~smelt_model.budget.parse_plan` spec) and leaves the rest to the search;
+    the :class:`~smelt_model.budget.Workload` options come as ``workload=`` or keywords."""
+    w = workload_of(workload, options, "plan")
+    cl, tokens = _setup(cfg, cluster, tokens_per_step, memory_limit)
+    for name, value in (("dedup", dedup), ("overlap", overlap)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    kinds = None if layers is None else parse_plan(layers, cfg, ep=cl.ep).layers
+    best = _best(cfg, cl, tokens, w, kinds, ep=cl.ep, dedup=dedup, overlap=overlap)
+    return best.plan, best
+
+
+def project(
+    cfg: ModelConfig,
+    cluster: Any,
+    tokens_per_step: Optional[int] = None,
+    *,
+    plan: Any = "auto",
+    memory_limit: Optional[float] = None,
+    workload: Optional[Workload] = None,
+    **options: Any,
+) -> Projection:
+    """The projected step of ``cfg`` on ``cluster`` under ``plan``: ``"auto"`` (the best,
+    :func:`plan`), None (torchtitan's stock layout: every layer EP, no de-duplication, no
+    overlap, the lightest recompute that fits), a :func:`~smelt_model.budget.parse_plan`
+    spec (those layer kinds, the rest searched), or a
+    :class:`~smelt_model.budget.ParallelPlan` taken as it is (``.fits`` says whether it
+    fits). Other arguments as for :func:`plan`."""
+    w = workload_of(workload, options, "project")
+    cl, tokens = _setup(cfg, cluster, tokens_per_step, memory_limit)
+    if isinstance(plan, ParallelPlan):
+        return _evaluate(cfg, parse_plan(plan, cfg), cl, tokens, w)
+    if plan is None:
+        stock = stock_plan(cfg, cl.ep)  # torchtitan's defaults, resharding included
+        return _best(cfg, cl, tokens, w, stock.layers, reshards=(True,), ep=cl.ep)
+    layers = None if plan == "auto" else parse_plan(plan, cfg, ep=cl.ep).layers
+    return _best(cfg, cl, tokens, w, layers, ep=cl.ep, dedup=True, overlap=True)
+
+
+def project_pair(
+    baseline_cfg: ModelConfig,
+    looped_cfg: ModelConfig,
+    cluster: Any,
+    tokens_per_step: Optional[int] = None,
+    *,
+    plan: Any = "auto",
+    memory_limit: Optional[float] = None,
+    workload: Optional[Workload] = None,
+    **options: Any,
+) -> PairProjection:
+    """:func:`project` for both models of a pair, each at its own best plan by default
+    (``plan`` as for :func:`project`, applied to each), with the F ratio of
+    :func:`smelt_model.budget.compare`."""
+    w = workload_of(workload, options, "project_pair")
+    kw = dict(plan=plan, memory_limit=memory_limit, workload=w)
+    a = project(baseline_cfg, cluster, tokens_per_step, **kw)
+    b = project(looped_cfg, cluster, tokens_per_step, **kw)
+    return PairProjection(
+        baseline=a, looped=b, flops_ratio=compare(baseline_cfg, looped_cfg, *w.doc).flops
+    )
