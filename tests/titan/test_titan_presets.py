@@ -13,7 +13,7 @@ from smelt_model.titan import config_registry  # noqa: E402
 def _error(capsys, argv, *needles):
     rc = launcher.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and err[0].startswith("smelt_model.titan: error: "), err
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"{launcher.PROG}: error: "), err
     for needle in needles:
         assert needle in err[0], err[0]
 
