@@ -224,7 +224,9 @@ def _check_numbers(args) -> None:
 
 
 def _single_process(args) -> None:
-    """Refuse a start under torchrun: several processes train through torchtitan."""
+    """Refuse a start under torchrun (several processes), naming the command that trains
+    on several processes. Every rank says so: torchrun stops the others when the first
+    fails, and that one must have said why."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     names = list(args.models.values()) or ["PRESET"]
