@@ -19,15 +19,20 @@ Without an extension everything still imports and falls back (to Triton or to to
 
 Progress: the native build compiles one translation unit per source file with ninja, which
 prints ``[done/total elapsed] command`` as each one finishes, with a line before and after
-each extension. pip shows a build's output only with ``-v`` (``pip install -v ...``);
-without it, it prints "still running..." until the build ends. ``MAX_JOBS=N`` caps the
-parallel compiles (default: ninja's, the number of cores plus two).
+each extension. pip shows a build's own output only with ``-v`` (without it, "still
+running..." until the build ends), so the build also writes one short line per compiled
+file, and the lines before and after each extension, straight to the terminal the install
+was started from (``/dev/tty``, when there is one and the build's output is not already
+going to it); ``SMELT_BUILD_PROGRESS=0`` turns that off. ``MAX_JOBS=N`` caps the parallel
+compiles (default: ninja's, the number of cores plus two).
 """
 
 import glob
 import os
+import re
 import shutil
 import sys
+import threading
 import time
 
 from setuptools import find_packages, setup
@@ -46,8 +51,74 @@ def _switch(name):
     sys.exit(f"{name} must be 0, 1 or auto, got {value!r}")
 
 
+def _terminal():
+    """The terminal the install was started from, when the build's output does not reach it
+    (pip keeps it unless -v), else None."""
+    if os.environ.get("SMELT_BUILD_PROGRESS", "1") == "0" or os.isatty(1):
+        return None
+    try:
+        return open("/dev/tty", "w")
+    except OSError:
+        return None
+
+
+_TTY = None
+
+
 def _note(msg):
     print(f"smelt setup: {msg}", file=sys.stderr)
+    if _TTY is not None:
+        _TTY.write(f"\rsmelt setup: {msg}\n")
+        _TTY.flush()
+
+
+#: ninja's status (NINJA_STATUS below) and the source file of the compile it finished
+_NINJA = re.compile(r"^\[(\d+)/(\d+) (\d+(?:\.\d+)?)s\] .*?-c (\S+\.(?:cpp|cu))\b")
+
+
+def ninja_progress(line):
+    """The short progress line of one line of ninja's output (None for any other line)."""
+    m = _NINJA.match(line)
+    if m is None:
+        return None
+    done, total, seconds, source = m.groups()
+    source = source.replace(os.sep, "/")
+    source = source[source.index("csrc/") :] if "csrc/" in source else os.path.basename(source)
+    return f"[{done}/{total}, {float(seconds):.0f} s] compiled {source}"
+
+
+class ProgressTee:
+    """While active, everything written to file descriptor 1 (where ninja prints) still goes
+    there, and each compile ninja finishes is also written to ``out`` as one short line."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def __enter__(self):
+        sys.stdout.flush()
+        read, write = os.pipe()
+        self._saved = os.dup(1)
+        os.dup2(write, 1)
+        os.close(write)
+        self._thread = threading.Thread(target=self._pump, args=(read,), daemon=True)
+        self._thread.start()
+        return self
+
+    def _pump(self, read):
+        with os.fdopen(read, "rb") as src:
+            for raw in src:
+                os.write(self._saved, raw)
+                short = ninja_progress(raw.decode(errors="replace"))
+                if short is not None:
+                    self.out.write(f"\rsmelt setup: {short}\n")
+                    self.out.flush()
+
+    def __exit__(self, *exc):
+        sys.stdout.flush()
+        os.dup2(self._saved, 1)  # closes the pipe's last write end: the pump sees its end
+        self._thread.join()
+        os.close(self._saved)
+        return False
 
 
 def native_extensions():
@@ -156,68 +227,73 @@ def _with_progress(build_ext):
         def build_extension(self, ext):
             n = len(ext.sources)
             _note(
-                f"compiling {ext.name} ({n} source files; ninja lists each as "
-                "[done/to-do elapsed-seconds] when it finishes; several minutes on 2 cores)"
+                f"compiling {ext.name} ({n} source files; each is listed as "
+                "[done/to-do, elapsed seconds] when it finishes; several minutes on 2 cores)"
             )
             start = time.time()
-            super().build_extension(ext)
+            if _TTY is None:
+                super().build_extension(ext)
+            else:
+                with ProgressTee(_TTY):
+                    super().build_extension(ext)
             _note(f"built {ext.name} in {time.time() - start:.0f} s")
 
     return BuildWithProgress
 
 
-ext_modules, cmdclass = native_extensions()
-
-setup(
-    name="smelt",
-    version="0.1.0",
-    description="Kernels, a looped-block executor and a thin model layer for SMELT looped MoE "
-    "transformers, with wall-clock against FLOPs benchmarks",
-    long_description=open(os.path.join(ROOT, "README.md")).read()
-    if os.path.exists(os.path.join(ROOT, "README.md"))
-    else "",
-    long_description_content_type="text/markdown",
-    license="Apache-2.0",
-    license_files=["LICENSE"],
-    python_requires=">=3.10",
-    packages=find_packages(
-        include=[
-            "smelt_kernels",
-            "smelt_kernels.*",
-            "smelt_tools",
-            "smelt_tools.*",
-            "smelt_model",
-            "smelt_model.*",
-        ]
-    ),
-    install_requires=[
-        "torch>=2.5",
-        "triton>=3.6; platform_system == 'Linux'",
-        "numpy",
-        "safetensors",
-        "scipy",
-        "tqdm",
-    ],
-    extras_require={
-        # tested versions: constraints.txt (pip install -c constraints.txt -e ".[test]")
-        "test": ["pytest>=8", "pytest-benchmark", "ruff"],
-        "plot": ["matplotlib"],
-        "hf": ["transformers>=5.23,<6"],
-        "train": ["tokenizers>=0.23"],
-        "build": ["ninja"],  # torch ships the pybind11 headers
-        "titan": ["torchtitan==0.3.0"],  # smelt_model.titan; its shims are for this release
-    },
-    entry_points={
-        # the commands users run most, by name (each is also python -m <module>)
-        "console_scripts": [
-            "smelt-selftest=smelt_tools.selftest.cli:main",
-            "smelt-budget=smelt_model.budget.cli:main",
-            "smelt-train=smelt_model.train.cli:main",
-            "smelt-scaling=smelt_model.scaling.report:main",
-            "smelt-analysis=smelt_model.analysis:main",
-            "smelt-export=smelt_model.titan.export:main",
-        ]
-    },
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+if __name__ == "__main__":  # what pip and setuptools run; tests import the helpers above
+    _TTY = _terminal()
+    ext_modules, cmdclass = native_extensions()
+    setup(
+        name="smelt",
+        version="0.1.0",
+        description="Kernels, a looped-block executor and a thin model layer for SMELT looped MoE "
+        "transformers, with wall-clock against FLOPs benchmarks",
+        long_description=open(os.path.join(ROOT, "README.md")).read()
+        if os.path.exists(os.path.join(ROOT, "README.md"))
+        else "",
+        long_description_content_type="text/markdown",
+        license="Apache-2.0",
+        license_files=["LICENSE"],
+        python_requires=">=3.10",
+        packages=find_packages(
+            include=[
+                "smelt_kernels",
+                "smelt_kernels.*",
+                "smelt_tools",
+                "smelt_tools.*",
+                "smelt_model",
+                "smelt_model.*",
+            ]
+        ),
+        install_requires=[
+            "torch>=2.5",
+            "triton>=3.6; platform_system == 'Linux'",
+            "numpy",
+            "safetensors",
+            "scipy",
+            "tqdm",
+        ],
+        extras_require={
+            # tested versions: constraints.txt (pip install -c constraints.txt -e ".[test]")
+            "test": ["pytest>=8", "pytest-benchmark", "ruff"],
+            "plot": ["matplotlib"],
+            "hf": ["transformers>=5.23,<6"],
+            "train": ["tokenizers>=0.23"],
+            "build": ["ninja"],  # torch ships the pybind11 headers
+            "titan": ["torchtitan==0.3.0"],  # smelt_model.titan; its shims are for this release
+        },
+        entry_points={
+            # the commands users run most, by name (each is also python -m <module>)
+            "console_scripts": [
+                "smelt-selftest=smelt_tools.selftest.cli:main",
+                "smelt-budget=smelt_model.budget.cli:main",
+                "smelt-train=smelt_model.train.cli:main",
+                "smelt-scaling=smelt_model.scaling.report:main",
+                "smelt-analysis=smelt_model.analysis:main",
+                "smelt-export=smelt_model.titan.export:main",
+            ]
+        },
+        ext_modules=ext_modules,
+        cmdclass=cmdclass,
+    )

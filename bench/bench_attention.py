@@ -3,9 +3,9 @@ document block mask, at the paper's 200M head shapes and the tiny pair's, forwar
 backward; on the CPU also the native kernel against the ATen-chunked path, and the head-dim
 target (below).
 
-    python bench/bench_attention.py                   # CPU, fp32, batch 1: prints only
-    python bench/bench_attention.py --out             # ... and writes bench/results/
-    python bench/bench_attention.py --device cuda     # bf16, batch 8 (32k tokens per step)
+    python bench/bench_attention.py                      # CPU, fp32, batch 1: prints only
+    python bench/bench_attention.py --out runs/bench     # ... and writes runs/bench/
+    python bench/bench_attention.py --device cuda        # bf16, batch 8 (32k tokens per step)
 
 Shapes: paper baseline 10/2 query/KV heads x 128 and SMELT 12/2 x 88 at T = 4096; tiny
 baseline 4/1 x 96 and tiny SMELT 5/1 x 64 (smelt_model/presets.py) at T = 2048 (the tiny
@@ -22,17 +22,18 @@ predecessor), ``sdpa-mask``
 (``F.scaled_dot_product_attention`` with the boolean (T, T) mask built once per batch,
 inputs pre-laid-out as (B, H, T, D)), ``flex`` (compiled ``flex_attention`` with a
 document-causal block mask built once; no backward on CPU). The backward pass is timed
-alone (``autograd.grad`` on a retained graph). ``vs smelt`` is the method's time over
-smelt's for the same pass: above 1 means smelt is faster.
+alone (``autograd.grad`` on a retained graph). Each row gives ``ms``, ``p20_ms``,
+``p80_ms``, ``spread``, ``tflops`` and ``vs_smelt``, the method's time over smelt's for the
+same pass: above 1 means smelt is faster (:func:`smelt_tools.timing.result_row`).
 
 Head-dim target (CPU, native kernel): its achieved FLOP rate at the tiny SMELT heads
 (d_h 64, 5:1 GQA) over its rate at the tiny baseline heads (d_h 96, 4:1) at the same T and
 documents, forward and backward, timed interleaved (A, B, A, B, ...); the issue asks for
 at least 0.95. Reported as medians with the p20-p80 spread.
 
-With ``--out [DIR]`` writes ``DIR/attention_<device>.{json,md}`` (DIR defaults to
-bench/results); without it nothing is written. CPU timings on a machine shared with other
-work are noisy; the ratios come from one process run.
+With ``--out DIR`` writes ``DIR/attention_<device>.{json,md}`` (``--out`` alone: into
+bench/results, where the committed results live); without it nothing is written. CPU
+timings on a machine shared with other work are noisy; the ratios come from one process run.
 """
 
 from __future__ import annotations
@@ -47,16 +48,19 @@ import torch.nn.functional as F
 from smelt_kernels import backends
 from smelt_kernels.attention import cpu as attention_cpu
 from smelt_kernels.attention import segment_attention, segment_bounds
-from smelt_tools.cli import Parser, UsageError, run_cli
+from smelt_tools import cli
+from smelt_tools.cli import UsageError
 from smelt_tools.timing import (
     check_device,
     environment,
     markdown_table,
     measure,
     measure_interleaved,
-    tflops,
+    result_row,
     write_results,
 )
+
+PROG = "bench_attention"
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # (query heads, KV heads, head dim, default T)
@@ -78,10 +82,10 @@ COLUMNS = [
     "method",
     "pass",
     "ms",
-    "p20",
-    "p80",
-    "TFLOP/s",
-    "vs smelt",
+    "p20_ms",
+    "p80_ms",
+    "tflops",
+    "vs_smelt",
 ]
 TARGET_COLUMNS = [
     "T",
@@ -293,20 +297,9 @@ def run(args) -> list[dict]:
                         row["note"] = res.get("error") or res.get("bwd_error") or "not supported"
                     else:
                         base = ours.get(p)
-                        row.update(
-                            {
-                                "ms": t.median_ms,
-                                "p20": t.p20_ms,
-                                "p80": t.p80_ms,
-                                "TFLOP/s": tflops(flops * mult, t.median_ms),
-                                "vs smelt": (
-                                    t.median_ms / base.median_ms
-                                    if hasattr(base, "median_ms")
-                                    else None
-                                ),
-                                "timing": t.to_dict(),
-                            }
-                        )
+                        versus = ("smelt", base) if hasattr(base, "median_ms") else None
+                        row.update(result_row(t, flops=flops * mult, versus=versus))
+                        row["timing"] = t.to_dict()
                     rows.append(row)
     return rows
 
@@ -370,8 +363,8 @@ def target_rows(args) -> list[dict]:
     return out
 
 
-def main(argv=None):
-    ap = Parser(prog="bench_attention.py", description=__doc__.split("\n\n")[0])
+def _parser() -> cli.Parser:
+    ap = cli.Parser(prog="bench_attention.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument(
         "--dtype", default=None, choices=DTYPES, help="default: float32 on CPU, bfloat16 on CUDA"
@@ -396,13 +389,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--skip-flex", action="store_true", help="skip FlexAttention (compiles)")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: torch's); 1 gives stable numbers on a "
-        "machine whose cores other jobs share",
-    )
+    cli.add_threads(ap)
     ap.add_argument("--note", default="", help="a line added to the results' notes")
     ap.add_argument(
         "--out",
@@ -410,24 +397,33 @@ def main(argv=None):
         const=RESULTS,
         default=None,
         metavar="DIR",
-        help="write attention_<device>.{json,md} into DIR (default bench/results); "
+        help="write attention_<device>.{json,md} into DIR (alone: bench/results); "
         "without --out nothing is written",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _check(args) -> torch.device:
+    """Every option checked before anything runs; returns the device."""
     for name in ("seq", "batch", "repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name} must be at least 1")
     if args.warmup is not None and args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be at least 1, got {args.threads}")
-    known = {"cpu-chunked", "sdpa-mask", "flex"}
-    if args.methods and not set(args.methods) <= known:
-        raise UsageError(
-            f"--methods: unknown {sorted(set(args.methods) - known)}; choose from "
-            f"{', '.join(sorted(known))}"
-        )
-    check_device(args.device)
+    cli.threads(args.threads)
+    known = ("cpu-chunked", "sdpa-mask", "flex")
+    for name in args.methods or ():
+        if name not in known:
+            raise cli.unknown("--methods method", name, known)
+    dev = check_device(args.device)
+    if args.out is not None:
+        cli.output_path(os.path.join(args.out, f"attention_{dev.type}.json"), "--out")
+    return dev
+
+
+def _run(argv=None):
+    args = _parser().parse_args(argv)
+    dev = _check(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
@@ -435,7 +431,6 @@ def main(argv=None):
     args.batch = args.batch or (8 if cuda else 1)
     args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 2)
     args.repeats = args.repeats or (20 if cuda else 5)
-    dev = torch.device(args.device)
     impl = ""
     if dev.type == "cpu":
         ran = attention_cpu.implementation(getattr(torch, args.dtype), 64)
@@ -455,8 +450,8 @@ def main(argv=None):
     notes = (
         f"B={args.batch}, {args.dtype}, {torch.get_num_threads()} CPU "
         f"thread(s); median of {args.repeats} after "
-        f"{args.warmup} warm-up. TFLOP/s counts useful FLOPs only (backward 2.5x forward). "
-        "'vs smelt' = method time / smelt time for the same pass (> 1: smelt faster)."
+        f"{args.warmup} warm-up. tflops counts useful FLOPs only (backward 2.5x forward). "
+        "vs_smelt = method time / smelt time for the same pass (> 1: smelt faster)."
     )
     if dev.type == "cpu":
         notes += (
@@ -494,5 +489,8 @@ def main(argv=None):
     print(open(m).read())
 
 
+main = cli.command(PROG, _run)
+
+
 if __name__ == "__main__":
-    raise SystemExit(run_cli("bench_attention", main))
+    raise SystemExit(main())

@@ -1,9 +1,9 @@
 """Grouped top-k MoE GEMMs: wall-clock and TFLOP/s against the reference, the
 ``torch._grouped_mm`` composite and a dense SwiGLU FFN doing the same FLOPs.
 
-    python bench/bench_moe_gemm.py                 # CPU, the default shapes, fp32 and bf16
-    python bench/bench_moe_gemm.py --out           # ... and write bench/results/moe_gemm_cpu.*
-    python bench/bench_moe_gemm.py --device cuda   # GPU (paper micro-batch T = 32k)
+    python bench/bench_moe_gemm.py                      # CPU, the default shapes, fp32 and bf16
+    python bench/bench_moe_gemm.py --out runs/bench     # ... and write runs/bench/moe_gemm_cpu.*
+    python bench/bench_moe_gemm.py --device cuda        # GPU (paper micro-batch T = 32k)
     python bench/bench_moe_gemm.py --shapes cpu-target --dtypes float32 --modes fwd
 
 Useful FLOPs: forward 6*T*k*H*d_e (gate, up, down), backward twice that.
@@ -20,8 +20,10 @@ a random upstream gradient), ``fwd+bwd`` (a training step of the layer). Each ro
   ``torch._grouped_mm`` exists for the device and dtype;
 * dense -- a SwiGLU FFN with hidden size k*d_e (the same FLOPs per token).
 
-``dense_ratio`` = dense time / smelt time, i.e. smelt's achieved FLOP rate as a fraction of
-the dense FFN's (the CPU target is >= 0.8). CPU timings on a shared machine
+Each implementation X has ``X_ms``, ``X_p20_ms``, ``X_p80_ms``, ``X_spread`` and
+``X_vs_smelt`` = X time / smelt time (:func:`smelt_tools.timing.result_row`);
+``dense_vs_smelt`` is smelt's achieved FLOP rate as a fraction of the dense FFN's (the CPU
+target is >= 0.8). CPU timings on a shared machine
 are noisy: the implementations of a row are timed round-robin (one call each per round)
 so that load drifts hit them alike; compare ratios within a row, and see p20/p80.
 
@@ -32,8 +34,9 @@ path), smelt with that path off (``SMELT_CPU_DECODE=0``: the packed-panel kernel
 dense FFN of the same FLOPs; ``GB/s`` is the bytes of the distinct selected experts' weights
 over smelt's time.
 
-Nothing is written unless asked: ``--out`` writes ``bench/results/moe_gemm_<device>.{json,md}``
-(``--out DIR``: into DIR), the Markdown with the command that produced it.
+Nothing is written unless asked: ``--out DIR`` writes ``DIR/moe_gemm_<device>.{json,md}``
+(``--out`` alone: into bench/results, where the committed results live), the Markdown with
+the command that produced it.
 """
 
 from __future__ import annotations
@@ -47,16 +50,18 @@ import torch
 import torch.nn.functional as F
 
 from smelt_kernels import backends, moe_gemm
-from smelt_tools.cli import Parser, UsageError, run_cli
+from smelt_tools import cli
+from smelt_tools.cli import UsageError
 from smelt_tools.timing import (
-    Timing,
     check_device,
     environment,
     markdown_table,
-    measure,
-    tflops,
+    measure_interleaved,
+    result_row,
     write_results,
 )
+
+PROG = "bench_moe_gemm"
 
 # name: (H, d_e, E, k, tokens on CPU, tokens on GPU)
 SHAPES = {
@@ -155,20 +160,16 @@ def _backend_label(backend, H, de, dtype):
 
 
 def time_interleaved(steps, device, repeats, min_time_s):
-    """Round-robin timing: one sample of every step per round, so slow drifts of a shared
-    machine's load hit all implementations alike. Returns name -> Timing."""
-    samples = {name: [] for name in steps}
-    for fn in steps.values():  # warm-up (JIT kernels, allocator)
-        measure(fn, device=device, warmup=1, repeats=1)
-    while True:
-        for name, fn in steps.items():
-            samples[name].append(measure(fn, device=device, warmup=0, repeats=1).median_ms)
-        done = min(len(v) for v in samples.values()) >= repeats
-        if done and min(sum(v) for v in samples.values()) >= min_time_s * 1e3:
-            break
-        if done and len(next(iter(samples.values()))) >= 50:
-            break
-    return {name: Timing.of(v) for name, v in samples.items()}
+    """Round-robin timing (one sample of every step per round, so slow drifts of a shared
+    machine's load hit all implementations alike), at least ``repeats`` rounds and at most
+    50, until each step has ``min_time_s`` seconds of samples. Returns name -> Timing."""
+    return measure_interleaved(
+        steps, device=device, warmup=2, repeats=repeats, min_time_s=min_time_s, max_repeats=50
+    )
+
+
+def _print_row(row: dict) -> None:
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 
 
 def _decode_off(fn):
@@ -209,7 +210,7 @@ def decode_rows(shape, dtype_name, tokens, args, device):
         steps[f"smelt@{T}"] = smelt
         if device.type == "cpu":
             steps[f"panels@{T}"] = _decode_off(smelt)
-        if "dense" not in args.skip.split(","):
+        if "dense" not in args.skip:
             steps[f"dense@{T}"] = dense
         experts = torch.unique(inp["ids"]).numel()
         meta[T] = experts * 3 * H * de * inp["w1"].element_size()
@@ -217,35 +218,18 @@ def decode_rows(shape, dtype_name, tokens, args, device):
     rows = []
     for T in tokens:
         s = t[f"smelt@{T}"]
-        row = dict(
-            shape=shape,
-            T=T,
-            H=H,
-            d_e=de,
-            E=E,
-            k=k,
-            dtype=dtype_name,
-            mode="decode",
-            smelt_ms=s.median_ms,
-            smelt_p20=s.p20_ms,
-            smelt_p80=s.p80_ms,
-            spread=s.spread,
-            smelt_ms_per_token=s.median_ms / T,
-            gb_per_s=meta[T] / (s.median_ms * 1e-3) / 1e9,
+        row = dict(shape=shape, T=T, H=H, d_e=de, E=E, k=k, dtype=dtype_name, mode="decode")
+        row.update(result_row(s, "smelt_"))
+        row.update(
+            smelt_ms_per_token=s.median_ms / T, gb_per_s=meta[T] / (s.median_ms * 1e-3) / 1e9
         )
         for name in ("panels", "dense"):
             if f"{name}@{T}" in t:
                 o = t[f"{name}@{T}"]
+                row.update(result_row(o, f"{name}_", versus=("smelt", s)))
                 row[f"{name}_ms_per_token"] = o.median_ms / T
-                row[f"{name}_spread"] = o.spread
-                row[f"vs_{name}"] = o.median_ms / s.median_ms
         rows.append(row)
-        print(
-            " ".join(
-                f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()
-            ),
-            flush=True,
-        )
+        _print_row(row)
     return rows
 
 
@@ -261,6 +245,15 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 IMPLS = ("reference", "grouped_mm", "dense")
 
 
+def _names(value: str, option: str, known) -> list[str]:
+    """A comma list of names, each one of ``known`` (a UsageError naming ``option``)."""
+    names = [v for v in value.split(",") if v]
+    for name in names:
+        if name not in known:
+            raise cli.unknown(option, name, list(known))
+    return names
+
+
 def _check(args) -> torch.device:
     """Every option checked before anything runs (a :class:`UsageError` naming the first bad
     one); returns the device."""
@@ -270,34 +263,31 @@ def _check(args) -> torch.device:
         if why is not None:
             raise UsageError(f"--backend {args.backend} cannot run on {device.type}: {why}")
     try:
-        decode_tokens = [int(v) for v in args.decode_tokens.split(",") if v]
+        args.decode_tokens = [int(v) for v in args.decode_tokens.split(",") if v]
     except ValueError:
         raise UsageError(
             f"--decode-tokens must be a comma list of positive ints, got {args.decode_tokens!r}"
         ) from None
-    if any(v <= 0 for v in decode_tokens):
-        raise UsageError(f"--decode-tokens must be positive, got {args.decode_tokens!r}")
-    for name in filter(None, args.shapes.split(",") + args.decode_shapes.split(",")):
-        if name not in SHAPES:
-            raise UsageError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
-    for name in args.dtypes.split(","):
-        if name not in DTYPES:
-            raise UsageError(f"--dtypes: unknown dtype {name!r} (known: {', '.join(DTYPES)})")
-    for name in args.modes.split(","):
-        if name not in MODES:
-            raise UsageError(f"--modes: unknown mode {name!r} (known: {', '.join(MODES)})")
-    for name in filter(None, args.skip.split(",")):
-        if name not in IMPLS:
-            raise UsageError(f"--skip: unknown {name!r} (known: {', '.join(IMPLS)})")
+    if any(v <= 0 for v in args.decode_tokens):
+        raise UsageError(f"--decode-tokens must be positive, got {args.decode_tokens}")
+    args.shapes = _names(args.shapes, "--shapes shape", SHAPES)
+    args.decode_shapes = _names(args.decode_shapes, "--decode-shapes shape", SHAPES)
+    args.dtypes = _names(args.dtypes, "--dtypes dtype", DTYPES)
+    args.modes = _names(args.modes, "--modes mode", MODES)
+    args.skip = set(_names(args.skip, "--skip implementation", IMPLS))
     if args.repeats < 1 or (args.tokens is not None and args.tokens < 1):
         raise UsageError("--repeats and --tokens must be at least 1")
     if not args.min_time >= 0:
         raise UsageError(f"--min-time must be >= 0, got {args.min_time}")
+    cli.threads(args.threads)
+    if args.out is not None:
+        name = args.name or f"moe_gemm_{device.type}"
+        cli.output_path(os.path.join(args.out, f"{name}.json"), "--out")
     return device
 
 
-def main(argv=None):
-    p = Parser(prog="bench_moe_gemm.py", description=__doc__.split("\n\n")[0])
+def _parser() -> cli.Parser:
+    p = cli.Parser(prog="bench_moe_gemm.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--shapes", default="cpu-target,200M-base,200M-smelt")
@@ -319,49 +309,49 @@ def main(argv=None):
         help="shapes of the decode rows ('' for none; CPU only)",
     )
     p.add_argument("--decode-tokens", default="1,8,64", help="batch sizes of the decode rows")
+    cli.add_threads(p)
     p.add_argument(
         "--out",
         nargs="?",
         default=None,
         const=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-        help="write the results (default folder bench/results); without it, print only",
+        help="write the results into this folder (alone: bench/results); without it, print only",
     )
     p.add_argument("--name", default=None, help="results file stem (default moe_gemm_<device>)")
-    args = p.parse_args(argv)
-    device = _check(args)
-    skip = set(filter(None, args.skip.split(",")))
+    return p
+
+
+def _impls(args, device, dtype) -> list[Impl]:
+    # ids come from route(): the timed call skips the (device-synchronising) id check
+    impls = [
+        Impl("smelt", lambda *a: moe_gemm.moe_ffn(*a, backend=args.backend, check_values=False))
+    ]
+    if "reference" not in args.skip:
+        impls.append(Impl("reference", lambda *a: moe_gemm.moe_ffn(*a, backend="torch")))
+    if "grouped_mm" not in args.skip and grouped_mm_available(device, dtype):
+        impls.append(Impl("grouped_mm", grouped_mm_ffn))
+    if "dense" not in args.skip:
+        impls.append(Impl("dense", dense_ffn))
+    return impls
+
+
+def layer_rows(args, device) -> list[dict]:
+    """One row per shape, dtype and mode: smelt against every other implementation."""
     rows = []
     backend_used = moe_gemm.select_backend(torch.empty(1, 1, device=device), args.backend)
-    decode_tokens = [int(v) for v in args.decode_tokens.split(",") if v]
-    for shape in filter(None, args.shapes.split(",")):
+    for shape in args.shapes:
         H, de, E, k, t_cpu, t_gpu = SHAPES[shape]
         T = args.tokens or (t_gpu if device.type == "cuda" else t_cpu)
-        fl_fwd = 6.0 * T * k * H * de
-        for dname in args.dtypes.split(","):
+        for dname in args.dtypes:
             dtype = DTYPES[dname]
             inp = make_inputs(H, de, E, k, T, dtype, device)
-            # ids come from route(): the timed call skips the (device-synchronising) id check
-            impls = [
-                Impl(
-                    "smelt",
-                    lambda *a: moe_gemm.moe_ffn(*a, backend=args.backend, check_values=False),
-                )
-            ]
-            if "reference" not in skip:
-                impls.append(Impl("reference", lambda *a: moe_gemm.moe_ffn(*a, backend="torch")))
-            if "grouped_mm" not in skip and grouped_mm_available(device, dtype):
-                impls.append(Impl("grouped_mm", grouped_mm_ffn))
-            if "dense" not in skip:
-                impls.append(Impl("dense", dense_ffn))
-            for mode in args.modes.split(","):
-                flops = fl_fwd * {"fwd": 1, "bwd": 2, "fwd+bwd": 3}[mode]
+            impls = _impls(args, device, dtype)
+            for mode in args.modes:
+                flops = 6.0 * T * k * H * de * {"fwd": 1, "bwd": 2, "fwd+bwd": 3}[mode]
                 steps = {}
                 for impl in impls:
-                    if (
-                        impl.name == "reference"
-                        and mode != "fwd"
-                        and 3 * E * H * de > args.reference_bwd_params
-                    ):
+                    big = 3 * E * H * de > args.reference_bwd_params
+                    if impl.name == "reference" and mode != "fwd" and big:
                         continue
                     try:
                         steps[impl.name] = make_step(impl, inp, mode)
@@ -371,111 +361,101 @@ def main(argv=None):
                         print(f"  {impl.name} {mode}: {type(e).__name__}: {e}", file=sys.stderr)
                 t = time_interleaved(steps, device, args.repeats, args.min_time)
                 s = t["smelt"]
-                row = dict(
-                    shape=shape,
-                    T=T,
-                    H=H,
-                    d_e=de,
-                    E=E,
-                    k=k,
-                    dtype=dname,
-                    mode=mode,
-                    backend=_backend_label(backend_used, H, de, dtype),
-                    smelt_ms=s.median_ms,
-                    smelt_p20=s.p20_ms,
-                    smelt_p80=s.p80_ms,
-                    smelt_tflops=tflops(flops, s.median_ms),
-                )
-                for name in ("reference", "grouped_mm", "dense"):
+                row = dict(shape=shape, T=T, H=H, d_e=de, E=E, k=k, dtype=dname, mode=mode)
+                row["backend"] = _backend_label(backend_used, H, de, dtype)
+                row.update(result_row(s, "smelt_", flops=flops))
+                for name in IMPLS:
                     if name in t:
-                        row[f"{name}_ms"] = t[name].median_ms
-                        row[f"vs_{name}"] = t[name].median_ms / s.median_ms
-                if "dense" in t:
-                    row["dense_tflops"] = tflops(flops, t["dense"].median_ms)
+                        fl = flops if name == "dense" else None
+                        row.update(result_row(t[name], f"{name}_", flops=fl, versus=("smelt", s)))
                 rows.append(row)
-                print(
-                    " ".join(
-                        f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}"
-                        for k_, v in row.items()
-                    ),
-                    flush=True,
-                )
+                _print_row(row)
+    return rows
+
+
+COLUMNS = [
+    "shape",
+    "T",
+    "dtype",
+    "mode",
+    "backend",
+    "smelt_ms",
+    "smelt_tflops",
+    "reference_ms",
+    "reference_vs_smelt",
+    "grouped_mm_ms",
+    "grouped_mm_vs_smelt",
+    "dense_ms",
+    "dense_tflops",
+    "dense_vs_smelt",
+]
+DECODE_COLUMNS = [
+    "shape",
+    "T",
+    "dtype",
+    "smelt_ms",
+    "smelt_spread",
+    "smelt_ms_per_token",
+    "gb_per_s",
+    "panels_ms_per_token",
+    "panels_vs_smelt",
+    "dense_ms_per_token",
+    "dense_vs_smelt",
+]
+
+
+def _run(argv=None):
+    args = _parser().parse_args(argv)
+    device = _check(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = layer_rows(args, device)
     decode = []
     if device.type == "cpu":
-        for shape in filter(None, args.decode_shapes.split(",")):
-            for dname in args.dtypes.split(","):
-                decode += decode_rows(shape, dname, decode_tokens, args, device)
+        for shape in args.decode_shapes:
+            for dname in args.dtypes:
+                decode += decode_rows(shape, dname, args.decode_tokens, args, device)
     if args.out is None:
-        print("(not written: pass --out to write bench/results/)")
+        print("(not written: pass --out DIR to write the results)")
         return
-    cols = [
-        "shape",
-        "T",
-        "dtype",
-        "mode",
-        "backend",
-        "smelt_ms",
-        "smelt_tflops",
-        "reference_ms",
-        "vs_reference",
-        "grouped_mm_ms",
-        "vs_grouped_mm",
-        "dense_ms",
-        "dense_tflops",
-        "vs_dense",
-    ]
     notes = (
-        "vs_X = X time / smelt time (> 1: smelt is faster); vs_dense is smelt's FLOP rate as a "
-        "fraction of a dense SwiGLU FFN doing the same FLOPs (target >= 0.8 on the CPU). "
-        "fwd: no_grad forward; bwd: backward of a retained graph; fwd+bwd: one training step. "
-        f"Threads: {torch.get_num_threads()}. Shared CPU machines are noisy: compare ratios "
-        "within a row (its implementations are timed round-robin); p20/p80 are in the JSON."
+        "X_vs_smelt = X time / smelt time (> 1: smelt is faster); dense_vs_smelt is smelt's "
+        "FLOP rate as a fraction of a dense SwiGLU FFN doing the same FLOPs (target >= 0.8 on "
+        "the CPU). fwd: no_grad forward; bwd: backward of a retained graph; fwd+bwd: one "
+        f"training step. Threads: {torch.get_num_threads()}. Shared CPU machines are noisy: "
+        "compare ratios within a row (its implementations are timed round-robin); p20/p80 "
+        "are in the JSON."
     )
     command = "python bench/bench_moe_gemm.py " + " ".join(
-        shlex.quote(a) for a in (argv or sys.argv[1:])
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )
     notes += f"\n\nCommand: `{command.strip()}`"
     name = args.name or f"moe_gemm_{device.type}"
+    title = f"Grouped top-k MoE GEMMs ({device.type})"
     jpath, mpath = write_results(
-        name,
-        rows,
-        cols,
-        args.out,
-        env=environment(device),
-        title=f"Grouped top-k MoE GEMMs ({device.type})",
-        notes=notes,
+        name, rows, COLUMNS, args.out, env=environment(device), title=title, notes=notes
     )
     if decode:
         data = json.loads(jpath.read_text())
         data["decode_rows"] = decode
         data["command"] = command.strip()
         jpath.write_text(json.dumps(data, indent=2, default=str) + "\n")
-        dcols = [
-            "shape",
-            "T",
-            "dtype",
-            "smelt_ms",
-            "spread",
-            "smelt_ms_per_token",
-            "gb_per_s",
-            "panels_ms_per_token",
-            "vs_panels",
-            "dense_ms_per_token",
-            "vs_dense",
-        ]
         with open(mpath, "a") as f:
             f.write(
                 "\n## Decode: inference forward per token by batch size\n\n"
-                + markdown_table(decode, dcols)
+                + markdown_table(decode, DECODE_COLUMNS)
                 + "\n\n"
                 "smelt: experts with at most 6-48 rows (by expert size and CPU) take the "
-                "few-rows path; panels: the same "
-                "op with it off (SMELT_CPU_DECODE=0); dense: a SwiGLU FFN of the same FLOPs. "
-                "vs_X = X time / smelt time. gb_per_s: bytes of the distinct selected experts' "
-                "weights / smelt time. spread = (p80 - p20) / median of the samples.\n"
+                "few-rows path; panels: the same op with it off (SMELT_CPU_DECODE=0); dense: a "
+                "SwiGLU FFN of the same FLOPs. X_vs_smelt = X time / smelt time. gb_per_s: "
+                "bytes of the distinct selected experts' weights / smelt time. spread = "
+                "(p80 - p20) / median of the samples.\n"
             )
     print(f"wrote {jpath} and {mpath}")
 
 
+main = cli.command(PROG, _run)
+
+
 if __name__ == "__main__":
-    raise SystemExit(run_cli("bench_moe_gemm", main))
+    raise SystemExit(main())

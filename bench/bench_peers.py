@@ -1,6 +1,6 @@
 """smelt's GPU kernels against the peers a user would pick instead, on one GPU in one run.
 
-    python bench/bench_peers.py [--out DIR] [--tokens 32768] [--rounds 3] [--quick]
+    python bench/bench_peers.py [--out runs/bench] [--tokens 32768] [--rounds 3] [--quick]
 
 MoE at the 200M SMELT cell (E 288, H 1056, d_e 352, top-8, bf16): smelt's Triton
 ``moe_ffn`` against a ``torch._grouped_mm`` composite (sort, gather, two grouped GEMMs,
@@ -26,7 +26,10 @@ import statistics
 import sys
 import time
 
-from smelt_tools.cli import Parser, UsageError, run_cli
+from smelt_tools import cli
+from smelt_tools.cli import UsageError
+
+PROG = "bench_peers"
 
 
 def _moe_cases(T, dev):
@@ -197,15 +200,21 @@ def _attention_cases(T, dev):
     return cases
 
 
-def main(argv=None) -> int:
-    ap = Parser(prog="bench_peers.py", description=__doc__.split("\n\n")[0])
+def _parser() -> cli.Parser:
+    ap = cli.Parser(prog="bench_peers.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="folder for peers_cuda.json and peers_cuda.md")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="8k tokens, 2 rounds (a smoke run)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _run(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.tokens < 1024 or args.rounds < 1:
         raise UsageError("--tokens must be >= 1024 and --rounds >= 1")
+    if args.out is not None:
+        cli.output_path(os.path.join(args.out, "peers_cuda.json"), "--out")
     import torch
 
     if not torch.cuda.is_available():
@@ -282,5 +291,8 @@ def main(argv=None) -> int:
     return 0
 
 
+main = cli.command(PROG, _run)
+
+
 if __name__ == "__main__":
-    raise SystemExit(run_cli("bench_peers", main))
+    raise SystemExit(main())

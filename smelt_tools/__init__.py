@@ -4,6 +4,7 @@
   stderr and exit status 2, never a usage block or a traceback); every smelt command parses
   through it;
 * :mod:`.timing`: timing and machine description for the benchmarks;
+* :mod:`.watch`: what the machine did while something was timed (contention, steal);
 * :mod:`.audit`: the static sm_90a audit of the GPU kernels (``python -m smelt_tools.audit``);
 * :mod:`.hf_bench`: smelt inside transformers against its own paths
   (``python -m smelt_tools.hf_bench``);

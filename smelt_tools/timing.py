@@ -6,10 +6,14 @@
 * :func:`measure_interleaved` times several callables round-robin;
   :func:`measure_parts` times a step and its components round-robin and checks that the
   components add up to the step (repeating the measurement when they exceed it).
+* each ``measure*`` takes ``watch=`` (a :class:`smelt_tools.watch.Watch`): the timing's
+  ``load`` then says what the machine did while it was measured, and whether the process
+  got its cores. Wall-clock stays the measured quantity; the load only flags interference.
 * :func:`environment` describes the machine, device, library versions and the date
   (:func:`cpu_name`: the processor's model name).
-* :func:`write_results` writes ``<name>.json`` (every number plus the environment) and
-  ``<name>.md`` (a Markdown table) under an output folder.
+* :func:`result_row` gives a timing's columns in a benchmark's result row (median, p20, p80,
+  spread, TFLOP/s, ratio to another timing); :func:`write_results` writes ``<name>.json``
+  (every number plus the environment) and ``<name>.md`` (a Markdown table) under a folder.
 * :func:`check_device`: a benchmark's ``--device`` as a device it can run on, or a
   :class:`~smelt_tools.cli.UsageError` naming the option.
 
@@ -26,11 +30,14 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
 from .cli import UsageError
+
+if TYPE_CHECKING:
+    from .watch import Load, Watch
 
 __all__ = [
     "Timing",
@@ -44,6 +51,7 @@ __all__ = [
     "environment",
     "cpu_name",
     "write_results",
+    "result_row",
     "markdown_table",
     "tflops",
     "check_device",
@@ -61,6 +69,8 @@ class Timing:
     min_ms: float
     repeats: int
     samples_ms: list[float] = field(default_factory=list, repr=False)
+    #: what the machine did while these samples were taken (when measured with a Watch)
+    load: Optional["Load"] = field(default=None, repr=False, compare=False)
 
     @property
     def spread(self) -> float:
@@ -87,6 +97,7 @@ class Timing:
         if not samples:
             d.pop("samples_ms")
         d["spread"] = self.spread
+        d["load"] = self.load.to_dict() if self.load is not None else None
         return d
 
 
@@ -110,11 +121,14 @@ def measure(
     min_time_s: float = 0.0,
     max_repeats: int = 1000,
     setup: Optional[Callable[[], Any]] = None,
+    watch: Optional["Watch"] = None,
 ) -> Timing:
     """Time ``fn()``: ``warmup`` untimed calls, then at least ``repeats`` timed calls.
 
     More calls are made (up to ``max_repeats``) until ``min_time_s`` seconds have been
     timed. ``setup`` runs before each call, outside the timed region (e.g. zeroing grads).
+    With a ``watch``, the timing's :attr:`~Timing.load` says what the machine did while the
+    timed calls ran (the warm-up is not watched).
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     cuda = dev.type == "cuda"
@@ -124,6 +138,7 @@ def measure(
         fn()
     if cuda:
         torch.cuda.synchronize(dev)
+    mark = watch.start() if watch is not None else None
     samples: list[float] = []
     total = 0.0
     while len(samples) < repeats or (total < min_time_s and len(samples) < max_repeats):
@@ -132,7 +147,10 @@ def measure(
         ms = _time_call(fn, cuda)
         samples.append(ms)
         total += ms / 1e3
-    return _timing(samples)
+    t = _timing(samples)
+    if watch is not None:
+        t.load = watch.stop(mark)
+    return t
 
 
 def _time_call(fn: Callable[[], Any], cuda: bool) -> float:
@@ -167,13 +185,19 @@ def measure_interleaved(
     device: Optional[torch.device | str] = None,
     warmup: int = 2,
     repeats: int = 5,
+    min_time_s: float = 0.0,
+    max_repeats: int = 1000,
     on_round: Optional[Callable[[int], None]] = None,
+    watch: Optional["Watch"] = None,
 ) -> dict[Any, Timing]:
     """Time several callables round-robin: warm each up, then call A, B, A, B, ...
 
     Drift of a shared machine (other load, clocks) then hits every callable alike, so the
     ratios of their medians are far steadier than those of back-to-back :func:`measure` runs.
-    ``on_round(r)`` is called after round ``r`` (1-based) completes, e.g. to show progress.
+    At least ``repeats`` rounds run, more (up to ``max_repeats``) until every callable has
+    been timed for ``min_time_s`` seconds. ``on_round(r)`` is called after round ``r``
+    (1-based) completes, e.g. to show progress. With a ``watch``, every timing's
+    :attr:`~Timing.load` is that of the whole timed loop.
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     cuda = dev.type == "cuda"
@@ -182,13 +206,22 @@ def measure_interleaved(
             fn()
     if cuda:
         torch.cuda.synchronize(dev)
+    mark = watch.start() if watch is not None else None
     samples: dict[Any, list[float]] = {name: [] for name in fns}
-    for r in range(repeats):
+    r = 0
+    while r < repeats or (
+        r < max_repeats and min((sum(xs) for xs in samples.values()), default=0) < min_time_s * 1e3
+    ):
         for name, fn in fns.items():
             samples[name].append(_time_call(fn, cuda))
+        r += 1
         if on_round is not None:
-            on_round(r + 1)
-    return {name: _timing(xs) for name, xs in samples.items()}
+            on_round(r)
+    load = watch.stop(mark) if watch is not None else None
+    out = {name: _timing(xs) for name, xs in samples.items()}
+    for t in out.values():
+        t.load = load
+    return out
 
 
 @dataclass
@@ -234,6 +267,7 @@ def measure_parts(
     repeats: int = 5,
     tolerance: float = 0.15,
     max_tries: int = 3,
+    watch: Optional["Watch"] = None,
 ) -> PartsTiming:
     """Time ``step`` and each part (``name -> (fn, times a step runs it)``) round-robin.
 
@@ -242,7 +276,8 @@ def measure_parts(
     their medians need not add up at all. Each part must run at the step's shapes and thread
     count. The parts cannot take longer than the step that contains them: when their sum
     exceeds the step by more than ``tolerance``, the whole measurement is repeated, up to
-    ``max_tries`` times, and the last result says so (:attr:`PartsTiming.note`).
+    ``max_tries`` times, and the last result says so (:attr:`PartsTiming.note`). With a
+    ``watch``, the step's :attr:`~Timing.load` is that of the last measurement's loop.
     """
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must lie in [0, 1), got {tolerance!r}")
@@ -252,7 +287,7 @@ def measure_parts(
     counts = {k: n for k, (_, n) in parts.items()}
     for tries in range(1, max_tries + 1):
         t = measure_interleaved(
-            fns, device=device, warmup=warmup if tries == 1 else 0, repeats=repeats
+            fns, device=device, warmup=warmup if tries == 1 else 0, repeats=repeats, watch=watch
         )
         st = t.pop("__step__")
         total = sum(t[k].median_ms * counts[k] for k in t)
@@ -347,6 +382,33 @@ def markdown_table(
     for r in rows:
         out.append("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |")
     return "\n".join(out)
+
+
+def result_row(
+    t: Timing,
+    prefix: str = "",
+    *,
+    flops: Optional[float] = None,
+    versus: Optional[tuple[str, Timing]] = None,
+) -> dict[str, Any]:
+    """A timing's columns in a benchmark's result row: ``<prefix>ms`` (the median),
+    ``<prefix>p20_ms``, ``<prefix>p80_ms``, ``<prefix>spread``; ``<prefix>tflops`` when
+    ``flops`` (useful operations per call) is given; with ``versus=(name, other)``,
+    ``<prefix>vs_<name>``: this median over ``other``'s (above 1: ``name`` is faster)."""
+    row: dict[str, Any] = {
+        f"{prefix}ms": t.median_ms,
+        f"{prefix}p20_ms": t.p20_ms,
+        f"{prefix}p80_ms": t.p80_ms,
+        f"{prefix}spread": t.spread,
+    }
+    if flops is not None:
+        row[f"{prefix}tflops"] = tflops(flops, t.median_ms)
+    if versus is not None:
+        name, other = versus
+        row[f"{prefix}vs_{name}"] = (
+            t.median_ms / other.median_ms if other.median_ms > 0 else float("nan")
+        )
+    return row
 
 
 def write_results(

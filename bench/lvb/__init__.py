@@ -6,8 +6,11 @@ them:
 * :mod:`.runners` -- one architecture's training step, prefill and decode, its components at
   the step's shapes, and one measured block (:func:`~.runners.measure_block`);
 * :mod:`.accounting` -- the FLOPs and bytes of each measured call, read from the ledger;
-* :mod:`.driver` -- the ABBA rounds, pooling, per-round gaps and the summary rows;
-* :mod:`.verdict` -- the targets (one table) and each row's verdict against its target;
+* :mod:`.driver` -- the ABBA rounds and the stopping rule;
+* :mod:`.estimate` -- a row's pairs, its gap and the gap's confidence interval;
+* :mod:`.verdict` -- the targets (one table), the rule that says a row is settled, and each
+  row's verdict with what to do when it is not;
+* :mod:`.summary` -- from the blocks to the pooled results and the summary rows;
 * :mod:`.report` -- the text tables, their Markdown and the plot;
 * :mod:`.cli` -- the options and ``main``.
 """

@@ -1,7 +1,9 @@
-"""The main job's options and ``main``: ``python bench/looped_vs_baseline.py --help``.
+"""The main job's options and entry point: ``python bench/looped_vs_baseline.py --help``.
 
-A bad option, an unusable backend or device, a missing plotting package or a run that would
-not fit in memory is one line on stderr and exit status 2, before anything is built.
+It follows the one command convention (:mod:`smelt_tools.cli`): a bad option, an unusable
+backend or device, an output path that cannot be written, a missing plotting package or a
+run that would not fit in memory is one line on stderr and exit status 2, before anything
+is built; a results file that cannot be written is one line and exit status 1.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import torch
 from smelt_kernels import backends
 from smelt_model import presets
 from smelt_model.executor import RECOMPUTE_POLICIES
-from smelt_tools.cli import Parser, UsageError
+from smelt_tools import cli
 from smelt_tools.timing import environment
+from smelt_tools.watch import CONTENTION_LIMIT
 
 from . import driver, report
+from .estimate import CONFIDENCE
+from .verdict import RESOLUTION
 from .workload import MODES, check_environment, make_workload
 
-__all__ = ["DESCRIPTION", "parse_args", "main"]
+__all__ = ["DESCRIPTION", "PROG", "parse_args", "main"]
 
 DESCRIPTION = (
     "Wall-clock against the FLOPs match: a budget-matched baseline / SMELT pair, side by side."
@@ -30,91 +35,104 @@ DESCRIPTION = (
 PROG = "looped_vs_baseline"
 
 
-def _parser() -> Parser:
-    ap = Parser(prog="looped_vs_baseline.py", description=DESCRIPTION)
-    ap.add_argument(
-        "--preset", default="tiny", help=f"a matched pair: {', '.join(presets.pairs())}"
-    )
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--backend", default="auto", choices=backends.choices())
-    ap.add_argument(
-        "--dtype",
-        default=None,
-        choices=tuple(driver.DTYPES),
-        help="default: fp32 on the CPU, bf16 on CUDA",
-    )
-    ap.add_argument(
+def _parser() -> cli.Parser:
+    ap = cli.Parser(prog="looped_vs_baseline.py", description=DESCRIPTION)
+    add = ap.add_argument
+    add("--preset", default="tiny", help=f"a matched pair: {', '.join(presets.pairs())}")
+    add("--device", default="cpu", choices=("cpu", "cuda"))
+    add("--backend", default="auto", choices=backends.choices())
+    add("--dtype", default=None, choices=tuple(driver.DTYPES), help="default: fp32 CPU, bf16 CUDA")
+    add(
         "--tokens",
         type=int,
         default=None,
         help="tokens per training/prefill step (default 4096 CPU, 32768 CUDA)",
     )
-    ap.add_argument(
-        "--seq-len", type=int, default=None, help="context length (default 2048 CPU, 4096 CUDA)"
-    )
-    ap.add_argument(
+    add("--seq-len", type=int, default=None, help="context length (default 2048 CPU, 4096 CUDA)")
+    add(
         "--mean-doc-len",
         type=float,
         default=None,
         help="packed document length (default 800, as in the paper)",
     )
-    ap.add_argument("--mode", default="all", choices=MODES + ("all",))
-    ap.add_argument(
+    add("--mode", default="all", choices=MODES + ("all",))
+    add(
         "--repeats",
         type=int,
-        default=None,
-        help="timed repeats per architecture, over all rounds (default 6)",
-    )
-    ap.add_argument(
-        "--rounds",
-        type=int,
         default=2,
-        help="alternating blocks per architecture (ABBA order; default 2)",
+        help="timed steps per block (default 2; a block counts its fastest)",
     )
-    ap.add_argument("--warmup", type=int, default=1, help="untimed calls before each block")
-    ap.add_argument(
+    add(
+        "--min-rounds",
+        type=int,
+        default=1,
+        help="rounds to run even when every row is settled sooner (default 1)",
+    )
+    add("--max-rounds", type=int, default=40, help="rounds at most (default 40)")
+    add(
+        "--max-time",
+        type=float,
+        default=600.0,
+        help="seconds at most: no round starts that would end later (default 600)",
+    )
+    add(
+        "--confidence",
+        type=float,
+        default=CONFIDENCE,
+        help=f"of each row's interval (default {CONFIDENCE})",
+    )
+    add(
+        "--resolution",
+        type=float,
+        default=RESOLUTION,
+        help=f"stop a row whose interval lies within this of its target (default {RESOLUTION})",
+    )
+    add(
+        "--busy-limit",
+        type=float,
+        default=CONTENTION_LIMIT,
+        help="a block is contended when others held more than this share of the cores its "
+        f"threads needed (default {CONTENTION_LIMIT})",
+    )
+    add("--warmup", type=int, default=1, help="untimed calls before each block")
+    add(
         "--tolerance",
         type=float,
         default=0.15,
         help="how far components may exceed the step before a remeasure (0.15)",
     )
-    ap.add_argument(
+    add(
         "--max-tries",
         type=int,
         default=3,
         help="measurements of a step and its components before giving up (3)",
     )
-    ap.add_argument("--decode-prompt", type=int, default=None, help="prompt length for decode")
-    ap.add_argument(
-        "--decode-steps",
-        type=int,
-        default=None,
-        help="timed decode steps per architecture, over all rounds",
-    )
-    ap.add_argument(
+    add("--decode-prompt", type=int, default=None, help="prompt length for decode")
+    add("--decode-steps", type=int, default=None, help="timed decode steps per block (default 32)")
+    add(
         "--decode-batch",
         type=int,
         nargs="+",
         default=None,
         help="decode batch sizes (default 1 8; 1 64 on CUDA)",
     )
-    ap.add_argument(
+    add(
         "--eager-decode",
         action="store_true",
-        help="decode with the eager model instead of the compiled decode step",
+        help="decode with the eager model, not the compiled decode step",
     )
-    ap.add_argument("--recompute", default="none", choices=tuple(RECOMPUTE_POLICIES))
-    ap.add_argument(
+    add("--recompute", default="none", choices=tuple(RECOMPUTE_POLICIES))
+    add(
         "--no-capture",
         dest="capture",
         action="store_false",
         help="do not capture CUDA graphs (CUDA only)",
     )
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--json", help="write every number here")
-    ap.add_argument("--markdown", help="write the tables here as Markdown")
-    ap.add_argument("--plot", help="write a wall-clock vs FLOPs plot here (matplotlib)")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    cli.add_threads(ap)
+    add("--json", help="write every number here (.json)")
+    add("--markdown", help="write the tables here (.md)")
+    add("--plot", help="write a wall-clock vs FLOPs plot here (.png, .svg, .pdf; matplotlib)")
+    add("--quiet", action="store_true", help="no line after each round")
     return ap
 
 
@@ -128,33 +146,26 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         tokens=32768 if cuda else 4096,
         seq_len=4096 if cuda else 2048,
         mean_doc_len=800.0,
-        repeats=6,
         decode_prompt=512 if cuda else 256,
-        decode_steps=32 if cuda else 48,
+        decode_steps=32,
         decode_batch=[1, 64] if cuda else [1, 8],
     )
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.preset not in presets.pairs():
-        raise UsageError(
-            f"--preset {args.preset!r} is not a pair; choose from {', '.join(presets.pairs())}"
-        )
+        raise cli.unknown("--preset", args.preset, presets.pairs())
     make_workload(args)
     check_environment(args)
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the main job; 0 when it ran, 2 (one line on stderr) when it could not start."""
-    try:
-        args = parse_args(argv)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        res = driver.run_pair(args)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+def _run(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the main job; 0 when it ran (whatever the verdicts)."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = driver.run_pair(args, log=None if args.quiet else driver._log)
     res.update(
         preset=args.preset,
         device=args.device,
@@ -165,15 +176,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     text = report.format_tables(res)
     print("\n" + text)
-    try:
-        _write(res, text, args, argv)
-    except OSError as e:
-        print(f"{PROG}: error: could not write the results: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _write(res, text: str, args, argv: Optional[Sequence[str]]) -> None:
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         cmd = list(argv) if argv is not None else sys.argv[1:]
@@ -182,7 +184,12 @@ def _write(res, text: str, args, argv: Optional[Sequence[str]]) -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
-        print(f"\nwrote {args.json}")
+        print(f"wrote {args.json}")
     if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         report.plot(res, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+main = cli.command(PROG, _run)

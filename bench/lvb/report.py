@@ -4,31 +4,37 @@ dictionary :func:`.driver.run_pair` returns (with the run's options added by the
 
 from __future__ import annotations
 
-import statistics
 from typing import Any, Optional, Sequence
 
 from smelt_model.memory import GiB
 
-from .verdict import SPREAD_LIMIT, describe
+from .verdict import describe
 from .workload import ARCHS
 
 __all__ = ["LEGEND", "format_tables", "markdown", "plot"]
 
 LEGEND = """\
 legend
-  ratio       smelt / baseline wall-clock, medians of every timed call
+  baseline,   each architecture's time per call: the median over the kept blocks of each
+   smelt      block's fastest call (load only ever adds time, so a block's fastest call is
+              the one it touched least); tokens/s and GFLOP/s follow from it
+  ratio       smelt / baseline wall-clock: the gap times the F ratio
   F ratio     the ledger's FLOPs, smelt / baseline, of the same call (decode: its own ratio)
-  gap         ratio / F ratio: 1.00 = the loop costs exactly its FLOPs; 1.10 = 10% slower
-  spread      (p80 - p20) / median of an architecture's samples. Above ~{limit:.2f} the machine
-              was busy or changing clocks while measuring: rerun, or raise --repeats / --rounds,
-              before trusting a ratio from that row
-  gap by      the gap of each round alone (its two blocks ran back to back, so drift between
-   round      rounds cancels): median, min and max. A target inside [min, max] is not told
-              apart from the measured gap by this run
-  verdict     meets / misses: the gap at or below / above the row's target (see "verdicts");
-              uncertain: the gaps by round straddle the target or a spread is above {limit:.2f},
-              so this run cannot tell (the median's side is given); no target: none is set
-              for the row on this device
+  gap         ratio / F ratio: 1.00 = the loop costs exactly its FLOPs; 1.10 = 10% slower.
+              Each round runs one block of each architecture back to back: a pair. The gap
+              is the median of the kept pairs' gaps, [low, high] its distribution-free
+              interval at {conf:.0%} (sign test): load that lands on one block moves one
+              pair, not the estimate
+  left out    pairs in which a block was contended: other processes, steal or a CPU quota
+              held more than {busy:.0%} of the cores the run's threads needed (see "machine")
+  gap by      the pairs' gaps one by one: the lowest and highest kept, and those left out
+   round
+  verdict     meets / misses: the whole interval at or below / above the row's target;
+              unsettled: the interval still holds the target when the run stops, or lies
+              within --resolution of it; machine busy: most pairs were contended, no gap is
+              given; no target: none is set for the row on this device. The run stops when
+              every row is settled, before a round that would pass --max-time, or at
+              --max-rounds
   components  each part timed alone at the step's shapes, round-robin with the step in one
               loop; ms per step (median x runs per step) and % of the step; the ratio column
               is smelt / baseline, F the part's FLOPs ratio (- where the ledger counts none)
@@ -50,7 +56,7 @@ def _component_lines(arch: dict[str, Any], mode: str, row: dict[str, Any]) -> li
     lines = []
     mb, ms = arch["baseline"][mode], arch["smelt"][mode]
     cb, cs = mb["components_ms"], ms["components_ms"]
-    tb, ts = row["baseline"]["median_ms"], row["smelt"]["median_ms"]
+    tb, ts = mb["timing"]["median_ms"], ms["timing"]["median_ms"]
     fb, fs = mb.get("components_flops", {}), ms.get("components_flops", {})
     ok = mb["components_note"] is None and ms["components_note"] is None
     lines.append(f"  components (ms per step, % of step){'':14}{'ratio':>8}")
@@ -85,11 +91,17 @@ def _component_lines(arch: dict[str, Any], mode: str, row: dict[str, Any]) -> li
     return lines
 
 
+def _interval(est: dict[str, Any]) -> str:
+    if est["low"] is None:
+        return f"(no interval yet: {est['pairs']} pairs)"
+    return f"[{est['low']:.3f}, {est['high']:.3f}] at {est['confidence']:.0%}"
+
+
 def _row_lines(row: dict[str, Any], mode: str, arch: dict[str, Any]) -> list[str]:
-    b, s = row["baseline"], row["smelt"]
+    b, s, est = row["baseline"], row["smelt"], row["estimate"]
+    ratio = f"{row['wall_ratio']:>8.3f}" if row["wall_ratio"] is not None else f"{'-':>8}"
     lines = [
-        f"{row['mode']:18} {b['median_ms']:>10.2f}ms {s['median_ms']:>10.2f}ms "
-        f"{row['wall_ratio']:>8.3f}   (spread {b['spread']:.2f} / {s['spread']:.2f})",
+        f"{row['mode']:18} {b['ms']:>10.2f}ms {s['ms']:>10.2f}ms {ratio}",
         f"{'  tokens/s':18} {b['tokens_per_s']:>12.0f} {s['tokens_per_s']:>12.0f}",
         f"{'  GFLOP/s':18} {b['achieved_flops_per_s'] / 1e9:>12.1f} "
         f"{s['achieved_flops_per_s'] / 1e9:>12.1f}",
@@ -104,18 +116,23 @@ def _row_lines(row: dict[str, Any], mode: str, arch: dict[str, Any]) -> list[str
             f"{'  GB/s':18} {db['gb_per_s']:>12.1f} {ds['gb_per_s']:>12.1f}",
         ]
     fr = row.get("decode_flops_ratio", row["flops_ratio"])
-    lines += [
-        f"{'  F ratio':18} {'':>12} {'':>12} {fr:>8.3f}",
-        f"{'  gap (wall / F)':18} {'':>12} {'':>12} {row['gap']:>8.3f}",
-    ]
-    g = sorted(row.get("round_gaps", []))
-    if len(g) > 1:
+    lines.append(f"{'  F ratio':18} {'':>12} {'':>12} {fr:>8.3f}")
+    left = f", {est['left_out']} left out (contended)" if est["left_out"] else ""
+    if row["gap"] is None:
+        lines.append(f"{'  gap (wall / F)':18} {'':>12} {'':>12} {'n/a':>8}   (machine busy)")
+    else:
         lines.append(
-            f"{'  gap by round':18} {'':>12} {'':>12} {statistics.median(g):>8.3f}   "
-            f"(min {g[0]:.3f}, max {g[-1]:.3f} over {len(g)} rounds)"
+            f"{'  gap (wall / F)':18} {'':>12} {'':>12} {row['gap']:>8.3f}   "
+            f"{_interval(est)}, {est['pairs']} pairs{left}"
         )
-    if "verdict" in row:
-        lines.append(f"{'  verdict':18} {describe(row['verdict'])}")
+    g, out = sorted(est["round_gaps"]), est["left_out_gaps"]
+    if row["gap"] is not None:  # a busy row gives no number, not even by round
+        kept = f"min {g[0]:.3f}, max {g[-1]:.3f} over {len(g)} kept pairs" if g else "none kept"
+        if out:
+            shown = ", ".join(f"{x:.3f}" for x in out[:4]) + (", ..." if len(out) > 4 else "")
+            kept += f"; left out {shown}"
+        lines.append(f"{'  gap by round':18} {'':>12} {'':>12} {'':>8}   {kept}")
+    lines.append(f"{'  verdict':18} {describe(row['verdict'])}")
     return lines
 
 
@@ -138,18 +155,31 @@ def _memory_line(arch: dict[str, Any], mode: str) -> str:
     return f"  memory: baseline {mem[0]}; smelt {mem[1]}"
 
 
+def _machine_line(res: dict[str, Any]) -> str:
+    m, sch = res["machine"], res["schedule"]
+    how = (
+        f"{m['contended_blocks']} of {m['timed_blocks']} row timings contended (others "
+        f"held more than {m['busy_limit']:.0%} of the cores the threads needed)"
+        if m["watched"]
+        else "not watched (no /proc/stat here): no block could be left out"
+    )
+    return (
+        f"machine: {how}; stopped after {sch['rounds']} round{'s' * (sch['rounds'] != 1)}, "
+        f"{sch['elapsed_s']:.0f} s: "
+        f"{sch['stopped']}"
+    )
+
+
 def _verdict_lines(res: dict[str, Any]) -> list[str]:
-    t = res.get("targets", {})
-    limit = t.get("spread_limit", SPREAD_LIMIT)
+    t = res["targets"]
     lines = [
-        f"verdicts on {t.get('device', res['device'])} (uncertain: the gaps by round "
-        f"straddle the target, or a spread above {limit:.2f})",
-        f"  {'targets':18} {t.get('scope', 'none on this device')}",
+        f"verdicts on {t['device']} (each row's gap and its {t['confidence']:.0%} interval "
+        "against its target)",
+        f"  {'targets':18} {t['scope']}",
     ]
     for rows in res["summary"].values():
         for row in rows:
-            if "verdict" in row:
-                lines.append(f"  {row['mode']:18} {describe(row['verdict'])}")
+            lines.append(f"  {row['mode']:18} {describe(row['verdict'])}")
     return lines
 
 
@@ -169,8 +199,10 @@ def format_tables(res: dict[str, Any]) -> str:
     )
     lines.append(
         f"schedule: {sch['rounds']} rounds of {sch['order']}, "
-        f"{sch['repeats_per_block']} timed repeats per block"
+        f"{sch['repeats_per_block']} timed steps and {sch['decode_steps_per_block']} decode "
+        "steps per block"
     )
+    lines.append(_machine_line(res))
     est = [sum(arch[a]["memory_estimate_bytes"].values()) / GiB for a in ARCHS]
     rss = [max((x or 0) for x in arch[a].get("peak_rss_bytes", [0])) / GiB for a in ARCHS]
     lines.append(
@@ -188,7 +220,9 @@ def format_tables(res: dict[str, Any]) -> str:
     lines += [
         "",
         LEGEND.format(
-            tol=res["tolerance"], limit=res.get("targets", {}).get("spread_limit", SPREAD_LIMIT)
+            tol=res["tolerance"],
+            conf=res["targets"]["confidence"],
+            busy=res["machine"]["busy_limit"],
         ),
     ]
     return "\n".join(lines)
@@ -224,7 +258,7 @@ def plot(res: dict[str, Any], path: str) -> None:
                 p = row[arch]
                 ax.scatter(
                     p["flops"],
-                    p["median_ms"],
+                    p["ms"],
                     marker=markers[arch],
                     s=40,
                     color=colors[arch],
@@ -232,14 +266,14 @@ def plot(res: dict[str, Any], path: str) -> None:
                 )
                 ax.annotate(
                     f"{arch} {row['mode']}",
-                    (p["flops"], p["median_ms"]),
+                    (p["flops"], p["ms"]),
                     fontsize=7,
                     xytext=(6, 3) if arch == "smelt" else (6, -9),
                     textcoords="offset points",
                 )
             b = row["baseline"]
             xs = [b["flops"] * 0.8, b["flops"] * 1.4]
-            ax.plot(xs, [b["median_ms"] * x / b["flops"] for x in xs], lw=0.6, color="gray")
+            ax.plot(xs, [b["ms"] * x / b["flops"] for x in xs], lw=0.6, color="gray")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("useful FLOPs per call (ledger)")

@@ -1,6 +1,6 @@
 """One architecture's measured calls: a training step, a prefill, a decode step, and the
 components of a step at its shapes; :func:`measure_block` measures them all for one block of
-one round.
+one round, with a :class:`~smelt_tools.watch.Watch` on each row's timed calls.
 
 Each runner builds the inputs and state for one architecture and returns a callable that
 performs one measured call, plus facts about it.
@@ -17,7 +17,7 @@ from smelt_model.executor import activation_memory, maybe_capture
 from smelt_model.memory import peak_rss
 from smelt_tools.timing import measure, measure_parts, release_memory
 
-from .workload import Workload, decode_cache_len, decode_warmup, packed_segments, steps_per_block
+from .workload import Workload, decode_cache_len, decode_warmup, packed_segments
 
 __all__ = [
     "build",
@@ -194,20 +194,22 @@ def component_runners(
 
 
 def measure_block(
-    cfg: ModelConfig, wl: Workload, args, device, dtype, modes, first: bool, bar
+    cfg: ModelConfig, wl: Workload, args, device, dtype, modes, first: bool, watch
 ) -> dict[str, Any]:
     """One architecture's block of one round: build it, measure every mode, free it.
 
     Train and prefill time the step and its components round-robin
-    (:func:`smelt_tools.timing.measure_parts`); the first block of a run also records the
+    (:func:`smelt_tools.timing.measure_parts`); every row's timing carries what ``watch``
+    saw while it was timed (``Timing.load``). The first block of a run also records the
     activations a step saves and, on CUDA, its peak allocation."""
     model = build(cfg, device, dtype, args.backend, args.recompute)
     timed = dict(
         device=device,
         warmup=args.warmup,
-        repeats=steps_per_block(args.repeats, args),
+        repeats=args.repeats,
         tolerance=args.tolerance,
         max_tries=args.max_tries,
+        watch=watch,
     )
     out: dict[str, Any] = {
         "params_total": model.num_params("total"),
@@ -228,7 +230,6 @@ def measure_block(
             out["train"].update(activation_bytes=act.saved_bytes, peak_bytes=_cuda_peak(fn, device))
         del fn, parts, opt
         model.zero_grad(set_to_none=True)
-        bar.update(1)
     if "prefill" in modes:
         fn, info = prefill_runner(model, wl, device, args)
         parts = component_runners(model, wl, device, False)
@@ -238,22 +239,17 @@ def measure_block(
             peak_bytes=_cuda_peak(fn, device) if first else None,
         )
         del fn, parts
-        bar.update(1)
     if "decode" in modes:
         out["decode"] = {}
         for B in wl.decode_batches:
             fn, info, step = decode_runner(model, wl, B, device, args)
             t = measure(
-                fn,
-                device=device,
-                warmup=decode_warmup(args),
-                repeats=steps_per_block(wl.decode_steps, args),
+                fn, device=device, warmup=decode_warmup(args), repeats=wl.decode_steps, watch=watch
             )
             out["decode"][f"batch{B}"] = dict(
                 info, timing=t, compiled=step.compiled, eager_reason=step.reason
             )
             del fn, step
-            bar.update(1)
     del model
     release_memory()
     out["peak_rss_bytes"] = peak_rss()

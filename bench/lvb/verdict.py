@@ -1,28 +1,39 @@
-"""The targets of the looped/baseline gap, and each summary row's verdict against them.
+"""The targets of the looped/baseline gap, the rule that says when a row is settled, and
+each row's verdict.
 
 The gap of a row is its wall-clock ratio (smelt / baseline) over its FLOPs ratio: 1.00 means
 the loop costs exactly its FLOPs. :data:`TARGETS` is the one table of targets, by device and
-row; a row without an entry has no target. A row *meets* its target when its gap is at or
-below it and *misses* it when above, unless the run cannot tell: the row is *uncertain* when
-its per-round gaps (each round's two blocks ran back to back) straddle the target, i.e.
-``min <= target < max``, or when either architecture's spread ((p80 - p20) / median of its
-samples) exceeds :data:`SPREAD_LIMIT`. An uncertain row still says which side its median gap
-falls on.
+row; a row without an entry has no target. A row's estimate and interval come from its
+paired blocks (:mod:`.estimate`); :func:`row_state` is the stopping rule the driver asks
+after every round, and :func:`judge` turns the final state into the verdict:
+
+* **meets** -- the whole interval is at or below the target;
+* **misses** -- the whole interval is above it;
+* **unsettled** -- the interval still holds the target when the run ends (``--max-time``,
+  ``--max-rounds``), or it has closed to within ``--resolution`` of the target (the gap is
+  at its target as near as this run can tell);
+* **machine busy** -- most pairs were left out because the process did not get its cores;
+  no number is given;
+* **no target** -- none is set for the row on this device (its interval is still given).
+
+Every verdict but meets and misses says what to do next.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
+
+from .estimate import GapEstimate
 
 __all__ = [
     "TARGETS",
     "TARGET_SCOPE",
-    "SPREAD_LIMIT",
+    "RESOLUTION",
     "VERDICTS",
+    "STATES",
     "target_for",
+    "row_state",
     "judge",
-    "judge_row",
     "describe",
 ]
 
@@ -36,9 +47,11 @@ TARGET_SCOPE: dict[str, str] = {
     "cpu": "set for the tiny pair: train, prefill <= 1.03; decode at batch 1, 8 <= 1.05",
     "cuda": "set for 200M-S95 at 32k tokens, bf16, one H200: train <= 1.00; prefill, decode: none",
 }
-#: a spread (p80 - p20) / median above this, on either architecture, makes a verdict uncertain
-SPREAD_LIMIT = 0.10
-VERDICTS = ("meets", "misses", "uncertain", "no target")
+#: an interval that has closed to within this (relative) of the target stops the row
+RESOLUTION = 0.01
+VERDICTS = ("meets", "misses", "unsettled", "machine busy", "no target")
+#: what :func:`row_state` returns; only "open" asks for more rounds
+STATES = ("decided", "tied", "measured", "busy", "open")
 
 
 def target_for(device: str, row: str) -> Optional[float]:
@@ -47,59 +60,117 @@ def target_for(device: str, row: str) -> Optional[float]:
     return TARGETS.get(str(device).split(":")[0], {}).get(row)
 
 
+def row_state(
+    est: GapEstimate, target: Optional[float], needed: int, resolution: float = RESOLUTION
+) -> str:
+    """Where a row stands after a round (one of :data:`STATES`): ``decided`` (its interval
+    lies wholly on one side of the target), ``tied`` (it straddles the target but lies
+    within ``resolution`` of it), ``measured`` (no target, and an interval), ``busy`` (at
+    least half of ``needed`` pairs left out, and twice as many as kept: three rounds in a
+    row contended give up on a busy machine) or ``open``."""
+    if est.low is not None:
+        if target is None:
+            return "measured"
+        if est.high <= target or est.low > target:
+            return "decided"
+        if est.low >= target * (1 - resolution) and est.high <= target * (1 + resolution):
+            return "tied"
+    if est.left_out >= max(1, needed // 2) and est.left_out >= 2 * est.pairs:
+        return "busy"
+    return "open"
+
+
+def _gap_text(est: GapEstimate) -> str:
+    if est.gap is None:
+        return "no gap"
+    if est.low is None:
+        return f"gap {est.gap:.3f}"
+    return f"gap {est.gap:.3f} ({est.low:.3f}-{est.high:.3f})"
+
+
 def judge(
-    gap: float,
+    est: GapEstimate,
     target: Optional[float],
-    round_gaps: Sequence[float] = (),
-    spreads: Optional[dict[str, float]] = None,
-    spread_limit: float = SPREAD_LIMIT,
+    state: str,
+    needed: int,
+    seen: Optional[str] = None,
+    resolution: float = RESOLUTION,
 ) -> dict[str, Any]:
-    """The verdict of one row: ``verdict`` (one of :data:`VERDICTS`), ``on_median`` (meets or
-    misses, from the gap alone), the ``target``, the ``round_gap_min`` / ``round_gap_max``
-    and the ``reasons`` an uncertain row is uncertain."""
+    """The verdict of a row whose run has ended in ``state`` (:func:`row_state`):
+    ``verdict`` (one of :data:`VERDICTS`), the ``target``, the estimate, ``reason`` (why it
+    is not meets or misses) and ``advice`` (what to do about it); ``seen`` describes what
+    the machine did in the pairs left out."""
     out: dict[str, Any] = {
         "target": target,
-        "gap": gap,
-        "spread_limit": spread_limit,
-        "round_gap_min": min(round_gaps) if round_gaps else None,
-        "round_gap_max": max(round_gaps) if round_gaps else None,
-        "reasons": [],
+        "gap": est.gap,
+        "low": est.low,
+        "high": est.high,
+        "confidence": est.confidence,
+        "pairs": est.pairs,
+        "left_out": est.left_out,
+        "reason": None,
+        "advice": None,
     }
-    if target is None:
-        out.update(verdict="no target", on_median=None)
-        return out
-    if not math.isfinite(gap):
-        out.update(verdict="uncertain", on_median=None, reasons=[f"the gap is {gap}"])
-        return out
-    on_median = "meets" if gap <= target else "misses"
-    reasons = []
-    if len(round_gaps) > 1 and min(round_gaps) <= target < max(round_gaps):
-        reasons.append(f"gaps by round {min(round_gaps):.3f}-{max(round_gaps):.3f} straddle it")
-    wide = [
-        f"{arch} {s:.2f}" for arch, s in (spreads or {}).items() if not s <= spread_limit
-    ]  # NaN counts as too wide
-    if wide:
-        reasons.append(f"spread above {spread_limit:.2f} ({', '.join(wide)})")
-    out.update(verdict="uncertain" if reasons else on_median, on_median=on_median, reasons=reasons)
+    kept = f"{est.pairs} pairs kept, {est.left_out} left out (contended)"
+    busy_advice = (
+        "rerun on a quiet machine (or, where the other work leaves some cores free, "
+        "with --threads set to that many)"
+    )
+    if state == "busy" or (state == "open" and est.left_out and est.low is None):
+        out.update(
+            verdict="machine busy",
+            gap=None,
+            reason=f"{est.left_out} of {est.pairs + est.left_out} pairs contended"
+            + (f" ({seen})" if seen else ""),
+            advice=busy_advice,
+        )
+    elif target is None:
+        out.update(verdict="no target")
+        if est.low is None:
+            out["reason"] = f"{est.pairs} pairs: an interval needs {needed}"
+    elif state == "decided":
+        out.update(verdict="meets" if est.high <= target else "misses")
+        if est.left_out:
+            out["reason"] = kept
+    elif state == "tied":
+        out.update(
+            verdict="unsettled",
+            reason=f"the interval lies within {resolution:.0%} of the target: the gap is at "
+            "its target as near as this run can tell",
+            advice="a smaller --resolution with a longer --max-time can split it",
+        )
+    elif est.low is None:
+        out.update(
+            verdict="unsettled",
+            reason=f"{est.pairs} pairs: an interval at {est.confidence:.0%} needs {needed}",
+            advice="raise --max-time or --max-rounds",
+        )
+    else:
+        out.update(
+            verdict="unsettled",
+            reason=f"the interval still holds the target after {est.pairs} pairs"
+            + (f" ({est.left_out} left out, contended)" if est.left_out else ""),
+            advice="raise --max-time (or --max-rounds); "
+            + ("a quieter machine settles it sooner" if est.left_out else "more pairs narrow it"),
+        )
     return out
 
 
-def judge_row(row: dict[str, Any], device: str) -> dict[str, Any]:
-    """:func:`judge` of one summary row (its ``mode``, ``gap``, ``round_gaps`` and each
-    architecture's ``spread``) against its target on ``device``."""
-    spreads = {a: row[a]["spread"] for a in ("baseline", "smelt") if a in row}
-    return judge(row["gap"], target_for(device, row["mode"]), row.get("round_gaps", ()), spreads)
-
-
 def describe(v: dict[str, Any]) -> str:
-    """One line: the verdict, the gap against the target, and why a row is uncertain."""
-    if v["verdict"] == "no target":
-        return "no target"
-    gap, t = v["gap"], v["target"]
-    if v["on_median"] is None:
-        return f"uncertain: {'; '.join(v['reasons'])} (target {t:.2f})"
-    sign = "<=" if v["on_median"] == "meets" else ">"
-    text = f"gap {gap:.3f} {sign} {t:.2f}"
-    if v["verdict"] != "uncertain":
-        return f"{v['verdict']}: {text}"
-    return f"uncertain (median {v['on_median']}, {text}): {'; '.join(v['reasons'])}"
+    """One line: the verdict, the gap and its interval against the target, and for every
+    verdict but meets and misses why, and what to do."""
+    est = GapEstimate(v["gap"], v["low"], v["high"], v["confidence"], v["pairs"], v["left_out"])
+    t = v["target"]
+    verdict = v["verdict"]
+    if verdict == "machine busy":
+        text = f"machine busy: {v['reason']}"
+    elif verdict == "no target":
+        text = f"no target: {_gap_text(est)}"
+    else:
+        sign = {"meets": "<=", "misses": ">"}.get(verdict, "vs")
+        text = f"{verdict}: {_gap_text(est)} {sign} {t:.2f}"
+        if verdict == "unsettled" or v["reason"]:
+            text += f"; {v['reason']}"
+    if v["advice"]:
+        text += f": {v['advice']}"
+    return text

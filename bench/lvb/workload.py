@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from smelt_model import memory
 from smelt_model.config import ModelConfig
+from smelt_tools import cli
 from smelt_tools.cli import UsageError
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "check_environment",
     "modes_of",
     "decode_warmup",
-    "steps_per_block",
     "decode_cache_len",
     "estimate_memory",
     "check_memory",
@@ -66,7 +65,8 @@ def make_workload(args) -> Workload:
         "tokens",
         "seq_len",
         "repeats",
-        "rounds",
+        "min_rounds",
+        "max_rounds",
         "decode_prompt",
         "decode_steps",
         "max_tries",
@@ -77,18 +77,20 @@ def make_workload(args) -> Workload:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be a positive integer, got {args.threads}")
+    cli.threads(args.threads)
     if not (args.mean_doc_len > 0 and math.isfinite(args.mean_doc_len)):
         raise UsageError(f"--mean-doc-len must be a positive number, got {args.mean_doc_len}")
-    if not 0 < args.tolerance < 1:
-        raise UsageError(f"--tolerance must lie in (0, 1), got {args.tolerance}")
+    for name in ("tolerance", "confidence", "resolution", "busy_limit"):
+        v = getattr(args, name)
+        if not 0 < v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must lie in (0, 1), got {v}")
+    if not (args.max_time > 0 and math.isfinite(args.max_time)):
+        raise UsageError(f"--max-time must be a positive number of seconds, got {args.max_time}")
     if any(b < 1 for b in args.decode_batch):
         raise UsageError(f"--decode-batch sizes must be positive, got {args.decode_batch}")
-    if args.repeats < args.rounds:
+    if args.max_rounds < args.min_rounds:
         raise UsageError(
-            f"--repeats ({args.repeats}) must be at least --rounds ({args.rounds}):"
-            " every round times at least one repeat"
+            f"--max-rounds ({args.max_rounds}) must be at least --min-rounds ({args.min_rounds})"
         )
     seq = min(args.seq_len, args.tokens)
     if args.tokens % seq:
@@ -113,10 +115,9 @@ def check_environment(args) -> None:
         why = bk.unavailable_reason(args.backend, args.device)
         if why is not None:
             raise UsageError(f"--backend {args.backend} cannot run on {args.device}: {why}")
-    for opt in ("json", "markdown", "plot"):
-        path = getattr(args, opt)
-        if path is not None and (not path or Path(path).is_dir()):
-            raise UsageError(f"--{opt} must name a file, got {path!r}")
+    suffixes = {"json": (".json",), "markdown": (".md",), "plot": (".png", ".svg", ".pdf")}
+    for opt, ends in suffixes.items():
+        cli.output_path(getattr(args, opt), f"--{opt}", ends)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -136,14 +137,9 @@ def decode_warmup(args) -> int:
     return max(args.warmup, 0 if args.eager_decode else 2)
 
 
-def steps_per_block(total: int, args) -> int:
-    """Timed calls per block when ``total`` are spread over ``--rounds`` blocks."""
-    return -(-total // args.rounds)
-
-
 def decode_cache_len(wl: Workload, args) -> int:
     """Positions of one decode block's cache: prompt, warm-up and timed steps."""
-    return wl.decode_prompt + decode_warmup(args) + steps_per_block(wl.decode_steps, args) + 1
+    return wl.decode_prompt + decode_warmup(args) + wl.decode_steps + 1
 
 
 def estimate_memory(cfg: ModelConfig, wl: Workload, args, dtype_bytes: int) -> dict[str, int]:

@@ -38,7 +38,8 @@ def nothing_runs(monkeypatch):
 
 
 def _one_line(prog, main, argv, capsys):
-    rc = run_cli(prog, main, argv)
+    # a command made with cli.command runs under the convention itself
+    rc = main(argv) if hasattr(main, "__wrapped__") else run_cli(prog, main, argv)
     err = capsys.readouterr().err.strip()
     assert rc == 2, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err and "usage:" not in err, err
@@ -56,7 +57,9 @@ def _one_line(prog, main, argv, capsys):
         (["--repeats", "abc"], "--repeats"),
         (["--warmup", "-1"], "--warmup"),
         (["--methods", "nope"], "--methods"),
+        (["--methods", "flx"], "did you mean 'flex'"),
         (["--layouts", "nope"], "--layouts"),
+        (["--threads", "0"], "--threads"),
     ],
 )
 def test_bench_attention_bad_input(argv, word, capsys, nothing_runs):
@@ -76,6 +79,8 @@ def test_bench_attention_bad_input(argv, word, capsys, nothing_runs):
         (["--repeats", "0"], "--repeats"),
         (["--backend", "nope"], "--backend"),
         (["--min-time", "nan"], "--min-time"),
+        (["--dtypes", "bfloat61"], "did you mean 'bfloat16'"),
+        (["--threads", "0"], "--threads"),
     ],
 )
 def test_bench_moe_gemm_bad_input(argv, word, capsys, nothing_runs):
@@ -109,6 +114,24 @@ def test_bench_peers_bad_input(argv, word, capsys, nothing_runs):
     assert word in _one_line("bench_peers", bench_peers.main, argv, capsys)
 
 
+@pytest.mark.parametrize(
+    "prog, module", [("bench_attention", bench_attention), ("bench_moe_gemm", bench_moe_gemm),
+                     ("bench_peers", bench_peers), ("looped_vs_baseline", cli)]
+)  # fmt: skip
+def test_outputs_are_checked_before_anything_runs(prog, module, tmp_path, capsys, nothing_runs):
+    """Each command's results go to a file or folder checked before any work: a folder
+    where a file is due, or a file where a folder is due, is one line and exit 2."""
+    assert module.main.__wrapped__ and module.PROG == prog  # the one convention
+    (tmp_path / "file").write_text("")
+    option = (
+        ["--json", str(tmp_path)]
+        if prog == "looped_vs_baseline"
+        else ["--out", str(tmp_path / "file")]
+    )
+    err = _one_line(prog, module.main, option, capsys)
+    assert option[0] in err and ("folder" in err), err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CPU-only machine")
 def test_gpu_only_benchmarks_say_so_on_a_cpu_machine(capsys, nothing_runs):
     assert "CUDA" in _one_line("bench_peers", bench_peers.main, [], capsys)
@@ -124,7 +147,7 @@ def test_a_script_run_as_a_command_fails_in_one_line():
     for script, argv in (
         ("time_to_loss.py", ["--evals", "0"]),
         ("bench_moe_gemm.py", ["--modes", "sideways"]),
-        ("looped_vs_baseline.py", ["--rounds", "0"]),
+        ("looped_vs_baseline.py", ["--min-rounds", "0"]),
     ):
         proc = subprocess.run(
             [sys.executable, str(ROOT / "bench" / script), *argv],

@@ -27,6 +27,7 @@ def _fails(argv, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("looped_vs_baseline: error: ")
     return err
 
 
@@ -38,8 +39,13 @@ def _fails(argv, capsys):
         (["--seq-len", "0"], "--seq-len"),
         (["--tokens", "100", "--seq-len", "64"], "--tokens"),
         (["--repeats", "0"], "--repeats"),
-        (["--repeats", "1", "--rounds", "2"], "--repeats"),
-        (["--rounds", "0"], "--rounds"),
+        (["--min-rounds", "0"], "--min-rounds"),
+        (["--min-rounds", "5", "--max-rounds", "2"], "--max-rounds"),
+        (["--max-time", "0"], "--max-time"),
+        (["--max-time", "inf"], "--max-time"),
+        (["--confidence", "1"], "--confidence"),
+        (["--resolution", "0"], "--resolution"),
+        (["--busy-limit", "1.5"], "--busy-limit"),
         (["--warmup", "-1"], "--warmup"),
         (["--decode-steps", "0"], "--decode-steps"),
         (["--decode-prompt", "0"], "--decode-prompt"),
@@ -50,7 +56,9 @@ def _fails(argv, capsys):
         (["--max-tries", "0"], "--max-tries"),
         (["--threads", "0"], "--threads"),
         (["--tokens", "abc"], "--tokens"),
-        (["--preset", "nope"], "--preset"),
+        (["--preset", "tiny-smelt"], "--preset"),
+        (["--json", "r.txt"], "--json"),
+        (["--plot", "r.gif"], "--plot"),
         (["--mode", "nope"], "--mode"),
     ],
 )
@@ -67,6 +75,14 @@ def test_gpu_backend_on_a_cpu_machine(argv, capsys, monkeypatch, nothing_runs):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     err = _fails(argv, capsys)
     assert argv[0] in err
+
+
+def test_outputs_are_checked_before_anything_is_built(capsys, tmp_path, nothing_runs):
+    assert "is a folder" in _fails(["--json", str(tmp_path)], capsys)
+    (tmp_path / "file").write_text("")
+    assert "is not a folder" in _fails(["--markdown", str(tmp_path / "file" / "r.md")], capsys)
+    err = _fails(["--preset", "tiny-smel"], capsys)
+    assert "did you mean 'tiny'" in err or "did you mean" in err
 
 
 def test_plot_without_matplotlib_fails_first(capsys, monkeypatch, nothing_runs, tmp_path):

@@ -5,6 +5,7 @@ import itertools
 import json
 
 import pytest
+from helpers_lvb import fake_blocks
 from lvb import cli, driver, runners
 
 from smelt_tools import timing
@@ -65,70 +66,35 @@ def test_measure_parts_rejects_bad_settings():
         timing.measure_parts(lambda: None, {}, max_tries=0)
 
 
-def _t(ms):
-    return timing._timing([ms * 0.98, ms, ms * 1.02])
-
-
 @pytest.fixture(autouse=True)
 def _any_memory(monkeypatch):
     monkeypatch.setattr(driver, "available_memory", lambda device=None: None)
 
 
-def _fake_block(fractions):
-    """A measure_block stand-in: components at ``fractions[arch]`` of a 100 ms step."""
-
-    def block(cfg, wl, args, device, dtype, modes, first, bar):
-        arch = "smelt" if cfg.loop is not None else "baseline"
-        frac = fractions[arch]
-        names = ("attention", "moe_gemm", "routing", "norms", "embed_head")
-        out = {"params_total": 1, "params_active": 1, "peak_rss_bytes": 2**30}
-        for mode in ("train", "prefill"):
-            parts = {n: _t(100.0 * frac / len(names)) for n in names}
-            counts = {n: 1 for n in names}
-            pt = timing.PartsTiming(
-                _t(100.0),
-                parts,
-                counts,
-                frac,
-                args.tolerance,
-                1 if frac <= 1 + args.tolerance else args.max_tries,
-            )
-            out[mode] = {"tokens": wl.tokens, "parts": pt}
-        out["train"]["activation_bytes"] = 1
-        out["decode"] = {
-            f"batch{b}": {
-                "batch": b,
-                "context": 10,
-                "cache_bytes": 100,
-                "timing": _t(5.0 * b),
-                "compiled": False,
-                "eager_reason": "compile=False",
-            }
-            for b in wl.decode_batches
-        }
-        return out
-
-    return block
+SMALL = ["--quiet", "--tokens", "128", "--seq-len", "64", "--min-rounds", "2", "--max-rounds", "2"]
 
 
 def test_tables_explain_their_columns(monkeypatch, capsys):
-    monkeypatch.setattr(runners, "measure_block", _fake_block({"baseline": 0.9, "smelt": 0.8}))
-    assert cli.main(["--quiet", "--tokens", "128", "--seq-len", "64"]) == 0
+    blocks = fake_blocks(lambda arch, r, row: 100.0, fraction={"baseline": 0.9, "smelt": 0.8})
+    monkeypatch.setattr(runners, "measure_block", blocks)
+    assert cli.main(SMALL) == 0
     out = capsys.readouterr().out
     for word in (
         "legend",
         "gap",
         "F ratio",
-        "spread",
+        "interval",
+        "left out",
         "other",
         "bytes/token",
         "GB/s",
         "MiB/token",
         "memory estimate",
+        "machine:",
     ):
         assert word in out, word
     legend = out[out.index("legend") :]
-    assert "busy" in legend  # what a large spread means
+    assert "contended" in legend and "sign test" in legend  # what is left out, and how
     assert "framework overhead" in legend  # what other holds
     assert "gap by" in legend and "gap by round" in out
     assert "note" not in out and "exceed the step" not in out
@@ -138,62 +104,33 @@ def test_tables_explain_their_columns(monkeypatch, capsys):
 
 
 def test_a_row_that_does_not_add_up_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(runners, "measure_block", _fake_block({"baseline": 0.9, "smelt": 1.4}))
-    assert cli.main(["--quiet", "--tokens", "128", "--seq-len", "64", "--mode", "prefill"]) == 0
+    blocks = fake_blocks(lambda arch, r, row: 100.0, fraction={"baseline": 0.9, "smelt": 1.4})
+    monkeypatch.setattr(runners, "measure_block", blocks)
+    assert cli.main(SMALL + ["--mode", "prefill"]) == 0
     out = capsys.readouterr().out
     assert "note (smelt): components sum to 140% of the step" in out
     other = next(x for x in out.splitlines() if x.strip().startswith("other"))
     assert "n/a" in other and "-" not in other.split("n/a")[0]  # no negative other
 
 
-def test_gap_by_round_pairs_each_rounds_blocks(monkeypatch, capsys, tmp_path):
+def test_each_round_pairs_its_own_blocks(monkeypatch, capsys, tmp_path):
     """Each round's smelt block is compared with the baseline block it ran beside: a drift
-    that hits one round only moves that round's gap, and the table gives their range."""
-    smelt_ms = iter([100.0, 120.0, 110.0])  # the smelt step of rounds 1, 2, 3
-    calls = {"baseline": 0, "smelt": 0}
-
-    def block(cfg, wl, args, device, dtype, modes, first, bar):
-        arch = "smelt" if cfg.loop is not None else "baseline"
-        calls[arch] += 1
-        step = next(smelt_ms) if arch == "smelt" else 100.0
-        pt = timing.PartsTiming(
-            _t(step), {"attention": _t(step / 2)}, {"attention": 1}, 0.5, args.tolerance, 1
-        )
-        return {
-            "params_total": 1,
-            "params_active": 1,
-            "peak_rss_bytes": 2**30,
-            "prefill": {"tokens": wl.tokens, "parts": pt},
-        }
-
-    monkeypatch.setattr(runners, "measure_block", block)
+    that hits one round only moves that round's gap, and the estimate is their median."""
+    smelt_ms = [100.0, 120.0, 110.0]  # the smelt step of rounds 1, 2, 3
+    blocks = fake_blocks(lambda arch, r, row: smelt_ms[r] if arch == "smelt" else 100.0)
+    monkeypatch.setattr(runners, "measure_block", blocks)
     out_json = tmp_path / "r.json"
-    assert (
-        cli.main(
-            [
-                "--quiet",
-                "--tokens",
-                "128",
-                "--seq-len",
-                "64",
-                "--mode",
-                "prefill",
-                "--rounds",
-                "3",
-                "--json",
-                str(out_json),
-            ]
-        )
-        == 0
-    )
-    assert calls == {"baseline": 3, "smelt": 3}
+    argv = ["--quiet", "--tokens", "128", "--seq-len", "64", "--mode", "prefill"]
+    argv += ["--min-rounds", "3", "--max-rounds", "3", "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    assert blocks.calls == {"baseline": 3, "smelt": 3}
     res = json.loads(out_json.read_text())
-    assert res["round_ratios"]["prefill"] == pytest.approx([1.0, 1.2, 1.1])
+    row = res["summary"]["prefill"][0]
     F = res["ratios"]["flops"]
-    assert res["summary"]["prefill"][0]["round_gaps"] == pytest.approx([1.0 / F, 1.2 / F, 1.1 / F])
+    assert row["estimate"]["round_gaps"] == pytest.approx([1.0 / F, 1.2 / F, 1.1 / F])
+    assert row["gap"] == pytest.approx(1.1 / F) and row["estimate"]["low"] is None
+    assert row["baseline"]["block_ms"] == [100.0] * 3 and row["smelt"]["ms"] == 110.0
     line = next(
         x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("gap by round")
     )
-    assert (
-        f"{1.1 / F:.3f}" in line and f"(min {1.0 / F:.3f}, max {1.2 / F:.3f} over 3 rounds)" in line
-    )
+    assert f"min {1.0 / F:.3f}, max {1.2 / F:.3f} over 3 kept pairs" in line

@@ -1,14 +1,23 @@
-"""Each row's verdict against its target, from synthetic results: no model runs, nothing is
-timed."""
+"""Each row's verdict and the run's stopping rule, from synthetic blocks (tests/helpers_lvb.py):
+no model runs, nothing is timed."""
 
 import json
-import math
 
 import pytest
+from helpers_lvb import fake_blocks
 from lvb import cli, driver, runners, verdict
 
 from smelt_model import budget, presets
-from smelt_tools import timing
+
+BASE, SMELT = presets.pair("tiny")
+F = budget.compare(BASE, SMELT, 800.0, 64).flops
+FD = budget.decode_flops_per_token(SMELT, 10) / budget.decode_flops_per_token(BASE, 10)
+SMALL = ["--quiet", "--tokens", "128", "--seq-len", "64"]
+
+
+@pytest.fixture(autouse=True)
+def _any_memory(monkeypatch):
+    monkeypatch.setattr(driver, "available_memory", lambda device=None: None)
 
 
 def test_the_targets_are_the_projects():
@@ -26,120 +35,35 @@ def test_the_targets_are_the_projects():
     assert verdict.target_for("mps", "train") is None
 
 
-@pytest.mark.parametrize(
-    "gap, rounds, spreads, want, on_median",
-    [
-        (1.00, [0.99, 1.01, 1.02], {"baseline": 0.05, "smelt": 0.05}, "meets", "meets"),
-        (1.03, [1.03, 1.03], {}, "meets", "meets"),  # at the target meets it
-        (1.06, [1.04, 1.08], {"baseline": 0.02}, "misses", "misses"),
-        (1.00, [0.94, 1.00, 1.05], {}, "uncertain", "meets"),  # rounds straddle 1.03
-        (1.04, [1.03, 1.05], {}, "uncertain", "misses"),  # min at the target: still straddles
-        (1.00, [0.99, 1.01], {"baseline": 0.05, "smelt": 0.17}, "uncertain", "meets"),
-        (1.06, [1.05, 1.07], {"smelt": math.nan}, "uncertain", "misses"),  # NaN spread is no pass
-        (1.06, [0.90], {}, "misses", "misses"),  # one round: nothing to straddle
-    ],
-)
-def test_judge(gap, rounds, spreads, want, on_median):
-    v = verdict.judge(gap, 1.03, rounds, spreads)
-    assert v["verdict"] == want and v["on_median"] == on_median
-    assert (want == "uncertain") == bool(v["reasons"])
-    assert v["round_gap_min"] == min(rounds) and v["round_gap_max"] == max(rounds)
-    text = verdict.describe(v)
-    assert text.startswith(want) and f"{gap:.3f}" in text and "1.03" in text
+def _gaps(row_gaps):
+    """step_ms from each row's gap per round (cycled): baseline 100 ms, smelt 100 * F * gap."""
+
+    def step_ms(arch, r, row):
+        if arch == "baseline":
+            return 100.0
+        gaps = row_gaps[row]
+        return 100.0 * (FD if row.startswith("decode") else F) * gaps[r % len(gaps)]
+
+    return step_ms
 
 
-def test_judge_without_a_target_or_a_gap():
-    v = verdict.judge(1.2, None, [1.1, 1.3], {"smelt": 0.5})
-    assert v["verdict"] == "no target" and verdict.describe(v) == "no target"
-    v = verdict.judge(math.nan, 1.03, [1.0, 1.1])
-    assert v["verdict"] == "uncertain" and "nan" in verdict.describe(v)
-    assert set(verdict.VERDICTS) == {"meets", "misses", "uncertain", "no target"}
-
-
-def test_reasons_name_the_straddle_and_the_spread():
-    v = verdict.judge(1.00, 1.03, [0.94, 1.05], {"baseline": 0.19, "smelt": 0.05})
-    text = verdict.describe(v)
-    assert "0.940-1.050" in text and "spread above 0.10 (baseline 0.19)" in text
-    assert "smelt" not in text and "median meets" in text
-
-
-def _timing(ms, spread=0.0):
-    """A timing with median ``ms`` and (p80 - p20) / median = ``spread``."""
-    return timing._timing([ms * (1 - spread / 1.2), ms, ms * (1 + spread / 1.2)])
-
-
-def _blocks(smelt_ms, spread):
-    """A measure_block stand-in: every baseline call 100 ms; smelt's by row and round;
-    ``spread[(arch, row)]`` widens that row's samples."""
-    rounds = {"baseline": 0, "smelt": 0}
-
-    def block(cfg, wl, args, device, dtype, modes, first, bar):
-        arch = "smelt" if cfg.loop is not None else "baseline"
-        r = rounds[arch]
-        rounds[arch] += 1
-
-        def t(row):
-            ms = smelt_ms[row][r] if arch == "smelt" else 100.0
-            return _timing(ms, spread.get((arch, row), 0.0))
-
-        out = {"params_total": 1, "params_active": 1, "peak_rss_bytes": 2**30}
-        for mode in ("train", "prefill"):
-            step = t(mode)
-            pt = timing.PartsTiming(
-                step,
-                {"attention": _timing(step.median_ms / 2)},
-                {"attention": 1},
-                0.5,
-                args.tolerance,
-                1,
-            )
-            out[mode] = {"tokens": wl.tokens, "parts": pt}
-        out["train"]["activation_bytes"] = 1
-        out["decode"] = {
-            f"batch{b}": {
-                "batch": b,
-                "context": 10,
-                "cache_bytes": 100,
-                "timing": t(f"decode (batch{b})"),
-                "compiled": False,
-                "eager_reason": "compile=False",
-            }
-            for b in wl.decode_batches
-        }
-        return out
-
-    return block
+TIGHT = [1.000, 1.004, 0.996, 1.002, 0.998, 1.001]
 
 
 def test_the_main_job_prints_and_writes_each_verdict(monkeypatch, capsys, tmp_path):
-    argv = [
-        "--quiet",
-        "--tokens",
-        "128",
-        "--seq-len",
-        "64",
-        "--rounds",
-        "3",
-        "--decode-batch",
-        "1",
-        "8",
-        "2",
-    ]
-    base, smelt = presets.pair("tiny")
-    F = budget.compare(base, smelt, 800.0, 64).flops
-    fd = budget.decode_flops_per_token(smelt, 10) / budget.decode_flops_per_token(base, 10)
-    smelt_ms = {
-        "train": [100 * F * g for g in (1.00, 1.01, 1.02)],  # meets 1.03
-        "prefill": [100 * F * g for g in (1.06, 1.07, 1.08)],  # misses 1.03
-        "decode (batch1)": [100 * fd * g for g in (0.98, 1.00, 1.10)],  # straddles 1.05
-        "decode (batch8)": [100 * fd * g for g in (1.00, 1.00, 1.01)],  # wide spread
-        "decode (batch2)": [100 * fd * g for g in (1.20, 1.20, 1.20)],
-    }  # no target
-    monkeypatch.setattr(driver, "available_memory", lambda device=None: None)
-    monkeypatch.setattr(
-        runners, "measure_block", _blocks(smelt_ms, {("baseline", "decode (batch8)"): 0.3})
+    step_ms = _gaps(
+        {
+            "train": TIGHT,  # meets 1.03
+            "prefill": [g + 0.07 for g in TIGHT],  # misses 1.03
+            "decode (batch1)": [0.98, 1.12],  # straddles 1.05 however long it runs
+            "decode (batch8)": TIGHT,  # would meet, but every block is contended
+            "decode (batch2)": [1.2],  # no target
+        }
     )
+    busy = lambda arch, r, row: 1.2 if row == "decode (batch8)" else 0.0
+    monkeypatch.setattr(runners, "measure_block", fake_blocks(step_ms, busy))
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    argv = SMALL + ["--min-rounds", "8", "--max-rounds", "8", "--decode-batch", "1", "8", "2"]
     assert cli.main(argv + ["--json", str(out_json), "--markdown", str(out_md)]) == 0
     text = capsys.readouterr().out
     res = json.loads(out_json.read_text())
@@ -147,27 +71,95 @@ def test_the_main_job_prints_and_writes_each_verdict(monkeypatch, capsys, tmp_pa
     assert {k: r["verdict"]["verdict"] for k, r in rows.items()} == {
         "train": "meets",
         "prefill": "misses",
-        "decode (batch1)": "uncertain",
-        "decode (batch8)": "uncertain",
+        "decode (batch1)": "unsettled",
+        "decode (batch8)": "machine busy",
         "decode (batch2)": "no target",
     }
     assert res["targets"]["device"] == "cpu" and res["targets"]["gap"] == verdict.TARGETS["cpu"]
-    assert res["targets"]["spread_limit"] == verdict.SPREAD_LIMIT
-    v = rows["prefill"]["verdict"]
-    assert v["target"] == 1.03 and v["gap"] == pytest.approx(1.07)
-    v = rows["decode (batch1)"]["verdict"]
-    assert v["round_gap_min"] == pytest.approx(0.98) and v["round_gap_max"] == pytest.approx(1.10)
-    assert rows["decode (batch8)"]["verdict"]["on_median"] == "meets"
-    assert rows["decode (batch8)"]["verdict"]["reasons"] == ["spread above 0.10 (baseline 0.50)"]
+    assert res["schedule"]["rounds"] == 8 and "--max-rounds 8" in res["schedule"]["stopped"]
+    train, prefill = rows["train"], rows["prefill"]
+    assert train["gap"] == pytest.approx(1.0005, abs=1e-3) and train["estimate"]["high"] <= 1.03
+    assert prefill["gap"] == pytest.approx(1.0705, abs=1e-3) and prefill["estimate"]["low"] > 1.03
+    assert train["wall_ratio"] == pytest.approx(train["gap"] * F)  # one estimate, both figures
+    b1 = rows["decode (batch1)"]["estimate"]
+    assert b1["low"] <= 1.05 < b1["high"] and b1["pairs"] == 8
+    b8 = rows["decode (batch8)"]
+    assert b8["gap"] is None and b8["wall_ratio"] is None  # busy: no number
+    assert b8["estimate"]["left_out"] == 8 and b8["estimate"]["pairs"] == 0
+    assert res["machine"]["contended_blocks"] == 16 and res["machine"]["watched"]
     lines = [" ".join(x.split()) for x in text.splitlines()]
-    assert "verdict meets: gap 1.010 <= 1.03" in lines  # in the train table
-    assert "prefill misses: gap 1.070 > 1.03" in lines  # in the verdicts block
-    assert any(
-        x.startswith("decode (batch1) uncertain (median meets, gap 1.000 <= 1.05)")
-        and "0.980-1.100 straddle it" in x
-        for x in lines
-    )
-    assert "decode (batch2) no target" in lines
+    assert any(x.startswith("verdict meets: gap 1.00") and "<= 1.03" in x for x in lines)
+    assert any(x.startswith("prefill misses: gap 1.07") for x in lines)
+    unsettled = next(x for x in lines if x.startswith("decode (batch1) unsettled"))
+    assert "holds the target" in unsettled and "--max-time" in unsettled
+    busy_line = next(x for x in lines if x.startswith("decode (batch8) machine busy"))
+    assert "8 of 8 pairs contended" in busy_line and "other processes busy on 1.20" in busy_line
+    assert "quiet machine" in busy_line
+    assert "decode (batch2) no target: gap 1.200" in " ".join(lines)
+    assert "16 of 80 row timings contended" in text
     block = text[text.index("verdicts on cpu") : text.index("legend")]
     assert "targets" in block and "1.03" in block and "1.05" in block
     assert block in out_md.read_text()
+
+
+def test_the_run_stops_as_soon_as_every_row_is_settled(monkeypatch, capsys, tmp_path):
+    blocks = fake_blocks(_gaps({r: TIGHT for r in ("train", "prefill", "decode (batch1)")}))
+    monkeypatch.setattr(runners, "measure_block", blocks)
+    out = tmp_path / "r.json"
+    argv = SMALL + ["--decode-batch", "1", "--json", str(out)]
+    assert cli.main(argv[1:]) == 0  # not quiet: a line per round on stderr
+    assert blocks.calls == {"baseline": 6, "smelt": 6}  # six pairs: the first 95% interval
+    res = json.loads(out.read_text())
+    assert res["schedule"]["stopped"] == "every row settled"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 6 and err[0].startswith("round 1 (") and "decided" in err[-1]
+    assert all(r["verdict"]["verdict"] == "meets" for rs in res["summary"].values() for r in rs)
+
+
+def test_a_busy_machine_ends_the_run_without_a_number(monkeypatch, capsys):
+    blocks = fake_blocks(_gaps({r: TIGHT for r in ("train", "prefill")}), lambda *a: 1.5)
+    monkeypatch.setattr(runners, "measure_block", blocks)
+    assert cli.main(SMALL + ["--mode", "train"]) == 0
+    assert blocks.calls == {"baseline": 3, "smelt": 3}  # three rounds contended: it gives up
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("train") and "busy" in x)
+    assert "machine busy: 3 of 3 pairs contended (other processes busy on 1.50 of 2 cores" in line
+    assert "n/a" in next(x for x in out.splitlines() if "gap (wall / F)" in x)
+    assert "every row settled (1 given up: machine busy)" in out
+
+
+def test_contended_pairs_are_left_out_of_the_estimate(monkeypatch, capsys):
+    """A burst that makes SMELT's block twice as slow in rounds 2 and 5, seen by the watch."""
+    step = _gaps({"train": TIGHT})
+    burst = lambda arch, r, row: arch == "smelt" and r in (1, 4)
+    slow = lambda arch, r, row: step(arch, r, row) * (2.0 if burst(arch, r, row) else 1.0)
+    others = lambda arch, r, row: 1.0 if burst(arch, r, row) else 0.0
+    monkeypatch.setattr(runners, "measure_block", fake_blocks(slow, others))
+    assert cli.main(SMALL[1:] + ["--mode", "train"]) == 0
+    out, err = capsys.readouterr()
+    assert "6 pairs, 2 left out (contended)" in " ".join(out.split())  # 8 rounds
+    rounds = err.strip().splitlines()
+    assert len(rounds) == 8 and "left out:" not in rounds[0]
+    assert rounds[1].endswith(
+        "(1 left out); left out: other processes busy on 1.00 of 2 cores, "
+        "this process ran 1.00 cores on 2 threads, load average 1.0"
+    )
+    gap = next(x for x in out.splitlines() if "gap (wall / F)" in x)
+    assert "1.00" in gap and "meets" in out
+
+
+def test_no_round_starts_that_would_pass_max_time(monkeypatch, capsys):
+    clock = {"now": 0.0}
+    monkeypatch.setattr(driver.time, "monotonic", lambda: clock["now"])
+    step = fake_blocks(_gaps({"train": [1.0, 1.1]}))
+
+    def block(*a, **k):
+        clock["now"] += 10.0  # each block takes ten seconds
+        return step(*a, **k)
+
+    monkeypatch.setattr(runners, "measure_block", block)
+    assert cli.main(SMALL + ["--mode", "train", "--max-time", "45"]) == 0
+    assert step.calls == {"baseline": 2, "smelt": 2}  # a third round would end at 60 s
+    out = capsys.readouterr().out
+    assert "another round would pass --max-time 45 s" in out
+    assert "unsettled" in out and "needs 6" in out and "--max-time" in out
