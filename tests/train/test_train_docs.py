@@ -56,9 +56,9 @@ def test_the_documented_commands_run_and_write_under_runs(tmp_path):
 
     first = next(p for line, p in done.items() if "--plot runs/tiny/loss.png" in line)
     assert "plot: runs/tiny/loss.png" in first.stdout
-    # piped: one line per evaluation after the start (steps 4 and 8) of each model
+    # piped: one line per evaluation after the start (steps 2 and 4) of each model
     progress = [x for x in first.stderr.splitlines() if not x.startswith("data: ")]
     assert len(progress) == 4 and len(set(progress)) == 4, first.stderr
-    assert {x.split()[1] for x in progress} == {"4/8", "8/8"}
+    assert {x.split()[1] for x in progress} == {"2/4", "4/4"}
     spec = json.loads((tmp_path / "runs" / "again" / "run.json").read_text())
     assert spec["init"] == "runs/titan-smelt" and spec["arch"] == "smelt"
