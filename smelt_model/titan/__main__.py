@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from smelt_tools.cli import CommandError, UsageError, command, one_line, unknown
+from smelt_tools.cli import CommandError, UsageError, command, one_line
 
 PROG = "python -m smelt_model.titan"
 MODULE = "smelt_model.titan"
@@ -324,9 +324,10 @@ def _prepare_and_run(args: list[str], nproc: Optional[int], world: int, torchrun
     if _option(args, "--module") == MODULE and not helping:
         from .. import presets
 
-        name = _option(args, "--config")
-        if name not in presets.names():
-            raise unknown("preset", name, presets.names())
+        try:  # any case, pair or model name: presets.model_name says what a model is
+            presets.model_name(_option(args, "--config"))
+        except UsageError as e:
+            raise UsageError(f"--config: {e}") from None
     if helping:
         from torchtitan.config import ConfigManager
 
