@@ -349,5 +349,25 @@ def _prepare_and_run(args: list[str], nproc: Optional[int], world: int, torchrun
 
 main = command(PROG, _run)
 
+
+def _leave(status: int) -> None:
+    """End a training process with ``status`` once its output is out.
+
+    torchtitan leaves its process group to the interpreter's exit, where the C++ runtime
+    destroys gloo's still-joinable threads and aborts ("terminate called without an active
+    exception", SIGABRT) after the run has already finished or printed its one line. So the
+    exit handlers run (the byte recorder writes its files there), the streams are flushed,
+    and the process ends without the C++ teardown."""
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _leave(main())
