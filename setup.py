@@ -288,7 +288,7 @@ if __name__ == "__main__":  # what pip and setuptools run; tests import the help
             "console_scripts": [
                 "smelt-selftest=smelt_tools.selftest.cli:main",
                 "smelt-budget=smelt_model.budget.cli:main",
-                "smelt-train=smelt_model.train.__main__:main",
+                "smelt-train=smelt_model.train.cli:main",
                 "smelt-scaling=smelt_model.scaling.report:main",
                 "smelt-analysis=smelt_model.analysis:main",
                 "smelt-export=smelt_model.titan.export:main",

@@ -43,7 +43,6 @@ __all__ = [
     "UsageError",
     "CommandError",
     "Parser",
-    "ExitParser",
     "command",
     "run_cli",
     "one_line",
@@ -68,15 +67,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
-
-
-class ExitParser(argparse.ArgumentParser):
-    """The older form (prints ``error: <message>`` and exits 2 itself); commands move to
-    :class:`Parser` and :func:`command`, and this goes when the last one has."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def one_line(message: object) -> str:
