@@ -52,7 +52,8 @@ class Variable:
     one of ``values`` (compared as written, or ignoring case with ``fold_case``), a
     non-negative whole number (``number``), or text matching ``pattern``. Unset and empty
     are the same: the default. ``native``: read by the native kernels too (through
-    ``csrc/env.h``), which trust what Python checked first."""
+    ``csrc/env.h``), which trust what Python checked first. ``build``: read by ``setup.py`` while
+    installing, not at run time."""
 
     doc: str
     values: tuple[str, ...] = ()
@@ -60,6 +61,8 @@ class Variable:
     pattern: str = ""
     fold_case: bool = False
     native: bool = False
+    #: read by ``setup.py`` while installing (which checks it), not at run time
+    build: bool = False
 
     def takes(self) -> str:
         """What the variable takes, in words."""
@@ -82,7 +85,8 @@ class Variable:
 
 _FLAG = ("0", "1")
 
-#: every environment variable smelt reads at run time: what it changes and what it takes
+#: every environment variable smelt reads (at run time, or while installing: ``build``): what it
+#: changes and what it takes
 ENVIRONMENT: dict[str, Variable] = {
     "TRITON_INTERPRET": Variable(
         "1 runs Triton kernels on CPU tensors in the interpreter",
@@ -125,6 +129,29 @@ ENVIRONMENT: dict[str, Variable] = {
     "SMELT_TRAIN_CRASH": Variable(
         "kills the trainer at that step or checkpoint (fault injection, tests)",
         pattern=r"(step|checkpoint):\d+",
+    ),
+    "SMELT_BUILD_NATIVE": Variable(
+        "0: install without native code; 1: a failed native build is an error (default auto)",
+        values=("0", "1", "auto"),
+        fold_case=True,
+        build=True,
+    ),
+    "SMELT_BUILD_CUDA": Variable(
+        "the same as SMELT_BUILD_NATIVE, for the CUDA extension alone",
+        values=("0", "1", "auto"),
+        fold_case=True,
+        build=True,
+    ),
+    "SMELT_BUILD_PROGRESS": Variable(
+        "0: the native build does not list each compiled file on the terminal",
+        values=_FLAG,
+        build=True,
+    ),
+    "SMELT_MARCH_NATIVE": Variable(
+        "1: the native CPU code is compiled for this machine's CPU (-march=native) instead of "
+        "the portable build with run-time dispatch",
+        values=_FLAG,
+        build=True,
     ),
     "SMELT_TITAN_COMM": Variable(
         "a folder: every rank of a torchtitan run records the bytes its collectives send "

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from smelt_tools.cli import CommandError, UsageError, command, one_line
+from smelt_tools.cli import CommandError, UsageError, command, one_line, wants_traceback
 
 PROG = "python -m smelt_model.titan"
 MODULE = "smelt_model.titan"
@@ -278,7 +278,7 @@ def _train(args: list[str]) -> int:
         cause = first_failure(e)
         if isinstance(cause, (KeyboardInterrupt, SystemExit)):
             raise
-        if os.environ.get("SMELT_TRACEBACK") == "1":
+        if wants_traceback():
             raise
         if not isinstance(cause, _USER_ERRORS):
             if _reported():  # a consequence of another rank's failure (a closed connection)
@@ -306,7 +306,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
         world = nproc or int(os.environ.get("WORLD_SIZE", "1") or 1)
         return _prepare_and_run(args, nproc, world, torchrun)
     except UsageError as e:  # under torchrun: printed by one process, not by each
-        if os.environ.get("SMELT_TRACEBACK") == "1" or not torchrun:
+        if wants_traceback() or not torchrun:
             raise
         return _report(e, 2)
 

@@ -3,6 +3,9 @@ is one ValueError naming the variable, its value and what it takes, at the first
 before any native kernel reads it; ``backends.report()`` lists the refused values without
 raising and shows what the native kernels use (as they report it), not the raw strings."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -29,6 +32,10 @@ BAD = {
     "SMELT_HF_STRICT": "on",
     "SMELT_TRACEBACK": "true",
     "SMELT_TRAIN_CRASH": "step5",
+    "SMELT_BUILD_NATIVE": "yes",
+    "SMELT_BUILD_CUDA": "2",
+    "SMELT_BUILD_PROGRESS": "off",
+    "SMELT_MARCH_NATIVE": "true",
 }
 
 
@@ -133,3 +140,32 @@ def test_report_lists_a_refused_value_without_raising(monkeypatch):
     assert "refused: environment variable SMELT_ROUTE_ISA='avx3'" in str(rep)
     with pytest.raises(ValueError, match="SMELT_ROUTE_ISA"):
         backends.native_settings()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+#: how smelt's code reads a variable, in Python (``setup.py`` included), C++ and shell
+_READS = re.compile(
+    r"""(?:environ\.get\(|environ\[|getenv\(|env_flag\(|env_int\(|\benv\(|check_env\(|"""
+    r"""setenv\(|_switch\(|\bENV\s*=)\s*["'](SMELT_[A-Z0-9_]+)["']"""
+)
+
+
+def test_every_variable_smelt_reads_is_in_the_table():
+    """One table: every ``SMELT_*`` variable read anywhere in the packages, the native
+    code, setup.py and the scripts is an entry of ``ENVIRONMENT``, and every entry is read
+    somewhere."""
+    sources = [ROOT / "setup.py", *(ROOT / "bench").glob("*.sh")]
+    for top, pattern in (
+        ("smelt_kernels", "*.py"),
+        ("smelt_tools", "*.py"),
+        ("smelt_model", "*.py"),
+        ("bench", "*.py"),
+        ("csrc", "*.[ch]*"),
+    ):
+        sources += sorted((ROOT / top).rglob(pattern))
+    read = set()
+    for path in sources:
+        read |= set(_READS.findall(path.read_text()))
+    table = {name for name in backends.ENVIRONMENT if name.startswith("SMELT_")}
+    assert read - table == set(), f"read but not in the table: {sorted(read - table)}"
+    assert table - read == set(), f"in the table but read nowhere: {sorted(table - read)}"
