@@ -15,6 +15,9 @@ Native extensions are optional and built only when they can be:
 ``SMELT_BUILD_NATIVE=0`` skips both (a pure-Python install), ``SMELT_BUILD_NATIVE=1`` makes a
 failure to build either one an error, unset means "build what this machine can".
 ``SMELT_BUILD_CUDA=0/1`` does the same for the CUDA extension alone.
+``SMELT_MARCH_NATIVE=1`` compiles the CPU code for this machine's CPU (``-march=native``)
+instead of the portable build that picks its vector code at run time. Every variable smelt
+reads is in ``smelt_kernels.families.ENVIRONMENT``.
 Without an extension everything still imports and falls back (to Triton or to torch).
 
 Progress: the native build compiles one translation unit per source file with ninja, which
@@ -281,14 +284,14 @@ if __name__ == "__main__":  # what pip and setuptools run; tests import the help
             "hf": ["transformers>=5.23,<6"],
             "train": ["tokenizers>=0.23"],
             "build": ["ninja"],  # torch ships the pybind11 headers
-            "titan": ["torchtitan==0.3.0"],  # smelt_model.titan; its shims are for this release
+            "titan": ["torchtitan==0.3.0"],  # smelt_model.titan; its patches are for this release
         },
         entry_points={
             # the commands users run most, by name (each is also python -m <module>)
             "console_scripts": [
                 "smelt-selftest=smelt_tools.selftest.cli:main",
                 "smelt-budget=smelt_model.budget.cli:main",
-                "smelt-train=smelt_model.train.__main__:main",
+                "smelt-train=smelt_model.train.cli:main",
                 "smelt-scaling=smelt_model.scaling.report:main",
                 "smelt-analysis=smelt_model.analysis:main",
                 "smelt-export=smelt_model.titan.export:main",

@@ -67,7 +67,7 @@ stage extension 20 "$PY" -c "from smelt_kernels import backends; print(backends.
 # GPU tests: the kernels on CUDA against the references, capture, and the rest of the suite's
 # CUDA-marked cases (everything else ran on the CPU in CI).
 stage gpu_tests 40 "$PY" -m pytest tests -q -rfE -k "cuda or gpu or capture or triton" -p no:cacheprovider \
-  --ignore=tests/kernels/test_audit.py  # the static audit needs no GPU: it ran here already
+  --ignore=tests/tools/test_audit.py  # the static audit needs no GPU: it ran here already
 stage bench_moe_gemm 40 "$PY" bench/bench_moe_gemm.py --device cuda --dtypes bfloat16 --out "$OUT"
 stage bench_attention 40 "$PY" bench/bench_attention.py --device cuda --out "$OUT"
 # the peers a user would pick instead, timed on the same GPU in the same run

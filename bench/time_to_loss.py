@@ -12,6 +12,11 @@ at the first evaluation at or below it, interpolated linearly (in FLOPs and in s
 from the evaluation before. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``: by
 default into the temporary folder the runs train in (its path is printed); ``--out STEM``
 chooses the place, e.g. ``--out bench/results/time_to_loss_cpu`` for the committed results.
+
+The runs are ``python -m smelt_model.train``'s (:mod:`smelt_model.train.loop`): the
+context length, tokens per step and learning rate below are sized for a small FLOP budget
+(many short steps); the warm-up, schedule, weight decay and clipping are the pair's
+recipe (:func:`smelt_model.presets.recipe`). Errors follow :mod:`smelt_tools.cli`.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from smelt_tools.cli import Parser, UsageError, run_cli
+from smelt_tools import cli
 from smelt_tools.timing import cpu_name
+
+PROG = "time_to_loss"
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,8 +56,9 @@ def reach(evals: list[dict], target: float) -> Optional[dict]:
 def parse_args(argv: Optional[Sequence[str]] = None):
     """The options, each checked (a :class:`UsageError` naming the first bad one)."""
     from smelt_model import presets
+    from smelt_model.plotting import require
 
-    ap = Parser(prog="time_to_loss.py", description=__doc__.split("\n\n")[0])
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--preset", default="tiny", help=f"a matched pair: {', '.join(presets.pairs())}"
     )
@@ -62,12 +70,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--evals", type=int, default=6, help="evaluations per run")
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="CPU threads (default 1: steady timing on a shared machine)",
-    )
+    cli.add_threads(ap, default=1)
     ap.add_argument(
         "--out",
         default=None,
@@ -75,44 +78,49 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         "runs train in, printed at the end)",
     )
     args = ap.parse_args(argv)
-    if args.preset not in presets.pairs():
-        raise UsageError(
-            f"--preset {args.preset!r} is not a pair; choose from {', '.join(presets.pairs())}"
-        )
+    try:
+        found = presets.resolve(args.preset)
+    except cli.UsageError as e:
+        raise cli.UsageError(f"--preset: {e}") from None
+    if len(found) != 2:
+        pair = found[0].rsplit("-", 1)[0]
+        raise cli.UsageError(f"--preset {args.preset} is one model; the pair is {pair}")
+    args.preset = found[0][: -len("-baseline")]
     for name in ("budget_flops", "lr"):
         v = getattr(args, name)
         if not (v > 0 and math.isfinite(v)):
-            raise UsageError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
-    for name in ("tokens_per_step", "evals", "eval_tokens", "threads"):
+            raise cli.UsageError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
+    for name in ("tokens_per_step", "evals", "eval_tokens"):
         if getattr(args, name) < 1:
-            raise UsageError(
+            raise cli.UsageError(
                 f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}"
             )
+    cli.threads(args.threads)
     if args.seq_len < 2:
-        raise UsageError(f"--seq-len must be at least 2, got {args.seq_len}")
-    if args.out is not None and (not args.out or Path(args.out).is_dir()):
-        raise UsageError(f"--out must be a path without suffix, not a folder: {args.out!r}")
-    try:
-        import matplotlib  # noqa: F401  (the loss plot)
-    except ImportError:
-        raise UsageError(
-            "the loss plot needs matplotlib (pip install matplotlib, or the [plot] extra)"
-        ) from None
+        raise cli.UsageError(f"--seq-len must be at least 2, got {args.seq_len}")
+    if args.out is not None:
+        if not args.out or Path(args.out).suffix:
+            raise cli.UsageError(
+                f"--out {args.out!r}: give a path without suffix (.json, .md, .png are added)"
+            )
+        cli.output_path(args.out, "--out")
+    require("the loss plot")
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _run(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
 
     import torch
 
+    from smelt_model.train import cli as train_cli
     from smelt_model.train import plot as plot_mod
-    from smelt_model.train.__main__ import _Progress, build_parser, build_trainers, train_loop
+    from smelt_model.train.loop import Progress, build_trainers, train_loop
     from smelt_model.train.plot import read_log
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="time_to_loss_"))
-    targs = build_parser().parse_args(
+    targs = train_cli.parse_args(
         [
             "--preset",
             args.preset,
@@ -139,12 +147,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ]
     )
     # eval-every is set per run below from its step count, so both get the same evaluations
+    dirs = {a: work / a for a in ("baseline", "smelt")}
     try:
-        dirs = {a: work / a for a in ("baseline", "smelt")}
         trainers, corpus = build_trainers(targs, dirs, "cpu")
-    except (ValueError, KeyError, OSError) as e:
+    except (ValueError, OSError):
         shutil.rmtree(work, ignore_errors=True)
-        raise UsageError(str(e)) from None
+        raise
     for t in trainers:
         t.spec.eval_every = t.spec.save_every = max(1, t.spec.steps // args.evals)
     print(
@@ -154,7 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         file=sys.stderr,
     )
     t0 = time.time()
-    train_loop(trainers, _Progress(enabled=True))
+    train_loop(trainers, Progress())
     wall = time.time() - t0
 
     runs = {}
@@ -263,5 +271,7 @@ def markdown(r: dict, image: str) -> str:
     return "\n".join(lines)
 
 
+main = cli.command(PROG, _run)
+
 if __name__ == "__main__":
-    raise SystemExit(run_cli("time_to_loss", main))
+    raise SystemExit(main())

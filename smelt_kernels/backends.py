@@ -41,10 +41,13 @@ from .families import (
     BACKENDS,
     ENVIRONMENT,
     Family,
+    Variable,
     as_device,
+    check_env,
     choices,
     env,
     env_flag,
+    env_problem,
     extension,
     extension_error,
     extension_op_missing,
@@ -67,6 +70,7 @@ __all__ = [
     "Choice",
     "Report",
     "ENVIRONMENT",
+    "Variable",
     "register_family",
     "families",
     "choices",
@@ -80,8 +84,11 @@ __all__ = [
     "lazy",
     "put",
     "report",
+    "native_settings",
     "env",
     "env_flag",
+    "env_problem",
+    "check_env",
     "extension",
     "extension_error",
     "extension_op_missing",
@@ -240,9 +247,9 @@ def register(
     backward: Optional[Callable[..., Any]] = None,
     *,
     backward_via: Sequence[str] = (),
-    devices: Optional[Sequence[str]] = ("cpu", "cuda"),
+    devices: Optional[Sequence[str]] | str = "family",
     auto: Optional[Sequence[str]] = None,
-    priority: int = 0,
+    priority: Optional[int] = None,
     dtypes: Optional[Sequence[torch.dtype]] = None,
     requires: Optional[Callable[[torch.device], Optional[str]]] = None,
     supports: Optional[Callable[..., Optional[str]]] = None,
@@ -255,11 +262,17 @@ def register(
     replace: bool = False,
     **info: Any,
 ) -> Implementation:
-    """Register ``backend``'s implementation of ``op`` (see :class:`Implementation`).
+    """Register ``backend``'s implementation of ``op`` (see :class:`Implementation`);
+    ``devices`` and ``priority`` default to the backend family's (:class:`Family`).
     Registering the same (op, backend) twice is an error unless ``replace=True`` (for
     experiments: a user's own kernel under an existing name)."""
-    if family(backend) is None:
+    fam = family(backend)
+    if fam is None:
         raise ValueError(f"register: backend must be one of {choices()[1:]}, got {backend!r}")
+    if devices == "family":
+        devices = fam.devices
+    if priority is None:
+        priority = fam.priority
     if backward is not None and backward_via:
         raise ValueError("register: give backward or backward_via, not both")
     impls = _REGISTRY.setdefault(op, {})
@@ -353,8 +366,9 @@ def _auto(op, dev, dtype, features) -> tuple[Implementation, str]:
 
 def _state() -> tuple:
     # what availability depends on besides the registry: tests and users may load, replace
-    # or drop an extension, or switch the Triton interpreter, in a running process
-    return (os.environ.get("TRITON_INTERPRET"),) + extensions_state()
+    # or drop an extension, or switch the Triton interpreter, in a running process (a value
+    # of it that is not one Triton takes is refused here, before anything is chosen)
+    return (env("TRITON_INTERPRET"),) + extensions_state()
 
 
 def select(
@@ -463,12 +477,15 @@ def backward_of(impl: Implementation, device) -> Callable[..., Any]:
 
 class Report(dict):
     """``{op: {backend: None or why it cannot run}}`` for a device, with ``variants``
-    (``{op: {backend: {variant: doc}}}``) and ``environment`` (the variables of
-    :data:`ENVIRONMENT` that are set); ``str()`` prints it as a table."""
+    (``{op: {backend: {variant: doc}}}``), ``environment`` (the variables of
+    :data:`ENVIRONMENT` that are set), ``problems`` (``{variable: why its value is refused}``)
+    and ``in_use`` (``{variable: what the native kernels make of it now}``, from the
+    extension itself); ``str()`` prints it as a table."""
 
-    def __init__(self, device, rows, variants, environment):
+    def __init__(self, device, rows, variants, environment, problems=None, in_use=None):
         super().__init__(rows)
         self.device, self.variants, self.environment = device, variants, environment
+        self.problems, self.in_use = dict(problems or {}), dict(in_use or {})
 
     def __str__(self) -> str:
         lines = [f"smelt backends on {self.device}"]
@@ -485,13 +502,30 @@ class Report(dict):
                 or "no smelt variable set"
             )
         )
+        lines += [f"  refused: {why}" for why in self.problems.values()]
+        if self.in_use:
+            lines.append("native CPU kernels now use:")
+            lines += [f"  {what} ({name})" for name, what in self.in_use.items()]
         return "\n".join(lines)
+
+
+def native_settings() -> dict[str, str]:
+    """``{variable: what the native CPU kernels make of it now}`` (the vector forms they
+    picked, the pool's cap...), from the extension itself; empty without it. Refuses
+    (ValueError) while a variable they read has an invalid value, which they would ignore."""
+    if extension_op_missing("_cpu", "settings", "csrc/cpu_module.cpp") is not None:
+        return {}
+    check_env(*(name for name, var in ENVIRONMENT.items() if var.native))
+    pairs = (item.split("=", 1) for item in torch.ops.smelt_cpu.settings())
+    return {name: what for name, what in pairs}
 
 
 def report(device="cpu") -> Report:
     """Every registered op, each backend (None: can run on ``device``; else why not) and
-    its variants, and the environment variables that are set. Loads the shipped op modules
-    first, so their registrations count."""
+    its variants, the environment variables that are set, the values among them that are
+    refused, and what the native kernels use (:func:`native_settings`; left out while a
+    value they read is refused). Loads the shipped op modules first, so their
+    registrations count."""
     for mod in OP_MODULES:
         importlib.import_module(mod)
     rows = {
@@ -507,4 +541,10 @@ def report(device="cpu") -> Report:
         for op in _REGISTRY
     }
     environment = {name: os.environ[name] for name in ENVIRONMENT if name in os.environ}
-    return Report(str(device), rows, variants, environment)
+    problems = {
+        name: why
+        for name, value in environment.items()
+        if (why := env_problem(name, value)) is not None
+    }
+    native = {} if any(ENVIRONMENT[n].native for n in problems) else native_settings()
+    return Report(str(device), rows, variants, environment, problems, native)

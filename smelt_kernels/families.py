@@ -4,14 +4,17 @@ A backend family is one registered :class:`Family` (its devices, its extension, 
 check): ``"torch"``, ``"cpu"``, ``"triton"`` and ``"cuda"`` ship, :func:`register_family`
 adds one. The native extensions are imported behind a guard (:func:`extension`): without
 them everything imports and the registry says why. :data:`ENVIRONMENT` lists every
-environment variable smelt reads at run time; Python code reads them through :func:`env`
-only (native code through ``csrc/env.h``). :mod:`smelt_kernels.backends` re-exports all of it.
+environment variable smelt reads at run time and the values each takes; Python code reads
+them through :func:`env` only, which refuses a value the table does not allow (native code
+reads them through ``csrc/env.h``, after the Python entry point checked them with
+:func:`check_env`). :mod:`smelt_kernels.backends` re-exports all of it.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -19,8 +22,11 @@ import torch
 
 __all__ = [
     "ENVIRONMENT",
+    "Variable",
     "env",
     "env_flag",
+    "env_problem",
+    "check_env",
     "triton_interpret",
     "extension",
     "extensions_state",
@@ -38,43 +44,163 @@ __all__ = [
     "lazy",
 ]
 
+
 # ----------------------------------------------------------------------------- environment
-#: every environment variable smelt reads at run time, and what it changes
-ENVIRONMENT: dict[str, str] = {
-    "TRITON_INTERPRET": "1 runs Triton kernels on CPU tensors in the interpreter",
-    "SMELT_CPU_GENERIC": "1: the CPU MoE forward uses the packed-panel kernels, never the "
-    "AVX-512 rows kernel",
-    "SMELT_CPU_DECODE": "0: the CPU MoE forward never takes the few-rows (decode) path",
-    "SMELT_ATTENTION_ISA": "avx2, avx2-wide or generic: the CPU attention kernel's vector form "
-    "(read once, when the extension loads)",
-    "SMELT_ROUTE_ISA": "avx2 or generic: the CPU router's top-k form",
-    "SMELT_CPU_POOL_MB": "what the CPU kernels' block pool keeps unused, in MB (default 1024; "
-    "0 turns it off)",
-    "SMELT_POISON": "1 fills every kernel output with NaN before the kernel writes it (tests)",
-    "SMELT_HF_STRICT": "1: the transformers experts integration raises instead of falling back",
-    "SMELT_TRACEBACK": "1: a command re-raises the error it would print as one line (for a bug "
-    "report)",
-    "SMELT_TRAIN_CRASH": "step:N or checkpoint:N kills the trainer there (fault injection, tests)",
-    "SMELT_TITAN_COMM": "a folder: every rank of a torchtitan run records the bytes its "
-    "collectives send there (smelt_model.titan.traffic)",
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable smelt reads: what it changes (``doc``) and what it takes:
+    one of ``values`` (compared as written, or ignoring case with ``fold_case``), a
+    non-negative whole number (``number``), or text matching ``pattern``. Unset and empty
+    are the same: the default. ``native``: read by the native kernels too (through
+    ``csrc/env.h``), which trust what Python checked first. ``build``: read by ``setup.py`` while
+    installing, not at run time."""
+
+    doc: str
+    values: tuple[str, ...] = ()
+    number: bool = False
+    pattern: str = ""
+    fold_case: bool = False
+    native: bool = False
+    #: read by ``setup.py`` while installing (which checks it), not at run time
+    build: bool = False
+
+    def takes(self) -> str:
+        """What the variable takes, in words."""
+        if self.values:
+            shown = [repr(v) for v in self.values]
+            return "one of " + ", ".join(shown) + (" (any case)" if self.fold_case else "")
+        if self.number:
+            return "a whole number >= 0"
+        return f"text of the form {self.pattern!r}" if self.pattern else "any text"
+
+    def accepts(self, value: str) -> bool:
+        if value == "":
+            return True
+        if self.values:
+            return (value.lower() if self.fold_case else value) in self.values
+        if self.number:
+            return value.isascii() and value.isdigit()
+        return re.fullmatch(self.pattern, value) is not None if self.pattern else True
+
+
+_FLAG = ("0", "1")
+
+#: every environment variable smelt reads (at run time, or while installing: ``build``): what it
+#: changes and what it takes
+ENVIRONMENT: dict[str, Variable] = {
+    "TRITON_INTERPRET": Variable(
+        "1 runs Triton kernels on CPU tensors in the interpreter",
+        values=("0", "1", "false", "true", "off", "on", "no", "yes", "n", "y"),
+        fold_case=True,  # Triton's own reading of it
+    ),
+    "SMELT_CPU_GENERIC": Variable(
+        "1: the CPU MoE forward uses the packed-panel kernels, never the AVX-512 rows kernel",
+        values=_FLAG,
+        native=True,
+    ),
+    "SMELT_CPU_DECODE": Variable(
+        "0: the CPU MoE forward never takes the few-rows (decode) path", values=_FLAG, native=True
+    ),
+    "SMELT_ATTENTION_ISA": Variable(
+        "the CPU attention kernel's vector form (read once, by the first native attention call)",
+        values=("avx2", "avx2-wide", "generic"),
+        native=True,
+    ),
+    "SMELT_ROUTE_ISA": Variable(
+        "the CPU router's top-k form", values=("avx2", "generic"), native=True
+    ),
+    "SMELT_CPU_POOL_MB": Variable(
+        "what the CPU kernels' block pool keeps unused, in MB (default 1024; 0 turns it off)",
+        number=True,
+        native=True,
+    ),
+    "SMELT_POISON": Variable(
+        "1 fills every kernel output with NaN before the kernel writes it (tests)",
+        values=_FLAG,
+        native=True,
+    ),
+    "SMELT_HF_STRICT": Variable(
+        "1: the transformers experts integration raises instead of falling back", values=_FLAG
+    ),
+    "SMELT_TRACEBACK": Variable(
+        "1: a command re-raises the error it would print as one line (for a bug report)",
+        values=_FLAG,
+    ),
+    "SMELT_TRAIN_CRASH": Variable(
+        "kills the trainer at that step or checkpoint (fault injection, tests)",
+        pattern=r"(step|checkpoint):\d+",
+    ),
+    "SMELT_BUILD_NATIVE": Variable(
+        "0: install without native code; 1: a failed native build is an error (default auto)",
+        values=("0", "1", "auto"),
+        fold_case=True,
+        build=True,
+    ),
+    "SMELT_BUILD_CUDA": Variable(
+        "the same as SMELT_BUILD_NATIVE, for the CUDA extension alone",
+        values=("0", "1", "auto"),
+        fold_case=True,
+        build=True,
+    ),
+    "SMELT_BUILD_PROGRESS": Variable(
+        "0: the native build does not list each compiled file on the terminal",
+        values=_FLAG,
+        build=True,
+    ),
+    "SMELT_MARCH_NATIVE": Variable(
+        "1: the native CPU code is compiled for this machine's CPU (-march=native) instead of "
+        "the portable build with run-time dispatch",
+        values=_FLAG,
+        build=True,
+    ),
+    "SMELT_TITAN_COMM": Variable(
+        "a folder: every rank of a torchtitan run records the bytes its collectives send "
+        "there (smelt_model.titan.traffic)"
+    ),
 }
 
 
-def env(name: str) -> Optional[str]:
-    """The value of environment variable ``name`` (one of :data:`ENVIRONMENT`), or None."""
+def env_problem(name: str, value: Optional[str]) -> Optional[str]:
+    """Why ``value`` is not a value variable ``name`` takes, or None (None and "" are)."""
+    var = _variable(name)
+    if value is None or var.accepts(value):
+        return None
+    return f"environment variable {name}={value!r} is not valid: it takes {var.takes()}"
+
+
+def _variable(name: str) -> Variable:
     if name not in ENVIRONMENT:
         raise KeyError(
             f"{name} is not one of smelt's environment variables ({', '.join(ENVIRONMENT)})"
         )
-    return os.environ.get(name)
+    return ENVIRONMENT[name]
+
+
+def env(name: str) -> Optional[str]:
+    """The value of environment variable ``name`` (one of :data:`ENVIRONMENT`), or None;
+    ValueError naming the variable, its value and what it takes when it takes no such
+    value."""
+    value = os.environ.get(name)
+    problem = env_problem(name, value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+def check_env(*names: str) -> None:
+    """Refuse (ValueError, as :func:`env`) an invalid value of any of ``names``: what a
+    Python entry point calls before native code that reads them runs."""
+    for name in names:
+        env(name)
 
 
 def env_flag(name: str, default: bool = False) -> bool:
-    """Whether ``name`` is set to something other than empty, "0", "false" or "no"."""
+    """Whether ``name`` is set to a true value ("1"; for ``TRITON_INTERPRET`` also Triton's
+    "true", "on", "yes", "y"); unset or empty: ``default``."""
     value = env(name)
     if value is None or value == "":
         return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
+    return value.strip().lower() in ("1", "true", "on", "yes", "y")
 
 
 def triton_interpret() -> bool:
@@ -153,7 +279,9 @@ def as_device(device) -> torch.device:
 class Family:
     """A backend family: ``devices`` it can run on (None: any), the native ``extension`` it
     builds (with its ``torch.ops`` ``library``) and whether every implementation needs it
-    (``needs_extension``), and ``check(device)`` for anything else (None or the reason)."""
+    (``needs_extension``), ``check(device)`` for anything else (None or the reason), and
+    the ``priority`` its implementations get by default (``"auto"`` tries the highest
+    first)."""
 
     name: str
     doc: str
@@ -162,6 +290,7 @@ class Family:
     library: Optional[str] = None
     needs_extension: bool = False
     check: Optional[Callable[[torch.device], Optional[str]]] = None
+    priority: int = 0
 
     def unavailable(self, device) -> Optional[str]:
         dev = as_device(device)
@@ -215,7 +344,9 @@ def _triton_import_error() -> Optional[str]:
 
 
 def _triton_check(dev: torch.device) -> Optional[str]:
-    reason = _triton_import_error()
+    reason = _triton_import_error() or env_problem(
+        "TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET")
+    )
     if reason is None and dev.type == "cpu" and not triton_interpret():
         return "Triton on CPU tensors needs TRITON_INTERPRET=1 (the interpreter)"
     return reason
@@ -229,6 +360,7 @@ register_family(
         devices=("cpu",),
         extension="_cpu",
         library="smelt_cpu",
+        priority=10,
     )
 )
 register_family(
@@ -237,6 +369,7 @@ register_family(
         "Triton kernels (CUDA; CPU under TRITON_INTERPRET=1)",
         devices=("cpu", "cuda"),
         check=_triton_check,
+        priority=30,
     )
 )
 register_family(
@@ -247,6 +380,7 @@ register_family(
         extension="_cuda",
         library="smelt_cuda",
         needs_extension=True,
+        priority=20,
     )
 )
 

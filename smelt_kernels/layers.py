@@ -29,7 +29,7 @@ from torch import nn
 
 from .attention import segment_attention
 from .attention.rotary import apply_rotary
-from .moe_gemm import moe_ffn, route
+from .moe_gemm import moe_ffn, route, router_loss
 from .norm import rms_norm
 
 __all__ = ["RMSNorm", "Rotary", "SegmentAttention", "MoE"]
@@ -327,26 +327,18 @@ class MoE(nn.Module):
         return y.view(x.shape)
 
     def router_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The weighted router losses for router ``logits`` (N, E) and chosen ``ids``.
-
-        The probabilities are ``exp(logits - logsumexp)``, not ``softmax``: every op of the
-        loss then has a backward of element-wise ops and per-row sums, the same at any
-        thread count (ATen's softmax backward is not)."""
-        E = logits.shape[-1]
-        loss = logits.new_zeros(())
-        lse = torch.logsumexp(logits, -1, keepdim=True)
-        if self.aux_loss_weight > 0:
-            probs = torch.exp(logits - lse)
-            counts = torch.zeros(E, device=logits.device, dtype=torch.float32)
-            counts = counts.scatter_add(
-                0, ids.reshape(-1).long(), torch.ones(ids.numel(), device=logits.device)
-            )
-            frac = counts / ids.numel()
-            # E * sum_e frac_e * mean_t P_te, summed per token first
-            loss = loss + self.aux_loss_weight * E * (probs * frac).sum(-1).mean()
-        if self.z_loss_weight > 0:
-            loss = loss + self.z_loss_weight * lse.pow(2).mean()
-        return loss
+        """The weighted router losses for router ``logits`` (N, E) and chosen ``ids``
+        (N, top_k): :func:`smelt_kernels.moe_gemm.router_loss` over these N tokens."""
+        flat = ids.reshape(-1).long()
+        counts = torch.zeros(self.n_experts, device=logits.device, dtype=torch.float32)
+        counts = counts.scatter_add(0, flat, torch.ones(flat.numel(), device=logits.device))
+        return router_loss(
+            logits,
+            counts,
+            top_k=ids.shape[-1],
+            aux_loss_weight=self.aux_loss_weight,
+            z_loss_weight=self.z_loss_weight,
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -32,6 +32,16 @@ __all__ = ["LIB", "define", "KernelOp"]
 LIB = torch.library.Library("smelt", "FRAGMENT")
 
 
+def _dense(out):
+    """``out`` (a tensor, or a tuple or list of them and other values) with every tensor
+    contiguous: the one layout an operator's outputs have, real and fake alike."""
+    if isinstance(out, torch.Tensor):
+        return out.contiguous()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_dense(o) for o in out)
+    return out
+
+
 def define(
     name: str,
     schema: str,
@@ -43,10 +53,15 @@ def define(
 ):
     """Register ``smelt::<name><schema>`` with ``impl`` (for every device), its ``fake`` and,
     when given, its autograd (``backward``, ``setup_context``: as
-    ``torch.library.register_autograd`` takes them). Returns ``torch.ops.smelt.<name>``."""
+    ``torch.library.register_autograd`` takes them). Returns ``torch.ops.smelt.<name>``.
+
+    Every output tensor of the operator is contiguous, from ``impl`` and from ``fake`` alike:
+    the compiler plans its buffers from the fake's strides and checks the real ones against
+    them, and an implementation may hand back a view in another layout (a transposed
+    log-sum-exp, heads packed with positions), which only sizes of one hide."""
     LIB.define(f"{name}{schema}")
-    LIB.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"smelt::{name}", fake, lib=LIB)
+    LIB.impl(name, lambda *a, **kw: _dense(impl(*a, **kw)), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"smelt::{name}", lambda *a, **kw: _dense(fake(*a, **kw)), lib=LIB)
     if backward is not None:
         torch.library.register_autograd(
             f"smelt::{name}", backward, setup_context=setup_context, lib=LIB

@@ -1,33 +1,24 @@
-"""smelt_model: configs, presets, the three-budget ledger, the thin SMELT / baseline model,
-generation, probes and the scaling-law tools.
+"""smelt_model: the model layer. It owns the configs and presets (with each preset's
+training recipe), the budgets (``budget``: the ledger, matcher, communication and cluster
+models), the loop runtime (``plan``, ``executor``) and the block it runs, the thin SMELT /
+baseline model, generation, probes and analysis, the two trainers (``train``: one process;
+``titan``: every multi-process run, on torchtitan) and the scaling-law tools.
+
+It builds on ``smelt_kernels`` (ops and drop-in layers) and ``smelt_tools`` (the command
+convention), never on ``bench``; neither of those imports it (tests/package/test_layering.py).
+Only ``titan`` imports torchtitan, and nothing here imports ``titan`` but itself.
 
 The budget, model, generation, probe and scaling names load on first use (the model pulls
-in torch and the kernels, the scaling tools scipy), so ``import smelt_model`` stays light;
-loading ``budget`` lazily also lets ``python -m smelt_model.budget`` run it as a script
-without runpy's "found in sys.modules" warning.
+in torch and the kernels, the scaling tools numpy and scipy), so ``import smelt_model``
+stays light; loading ``budget`` lazily also lets ``python -m smelt_model.budget`` run it as
+a script without runpy's "found in sys.modules" warning. The scaling names
+(``smelt_model.fit_surface``, ...) are those of :mod:`smelt_model.scaling`.
 """
 
 import importlib
 
 from . import presets
 from .config import LoopSpec, ModelConfig, middle_loop
-
-_SCALING = (
-    "Surface",
-    "fit_surface",
-    "frontier",
-    "gamma",
-    "compute_for_loss",
-    "ce_gain",
-    "tpp",
-    "bootstrap",
-    "calibrate",
-    "Endpoints",
-    "read_csv",
-    "PAPER_BASELINE",
-    "PAPER_SMELT",
-)
-
 
 _LAZY = {
     "Ledger": "budget",
@@ -44,7 +35,6 @@ _LAZY = {
     "Recorder": "probes",
     "from_hf": "convert",
     "to_hf": "convert",
-    **{name: "scaling" for name in _SCALING},
 }
 
 
@@ -54,6 +44,10 @@ def __getattr__(name):
         return importlib.import_module(f"{__name__}.{name}")
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    if not name.startswith("_"):  # the scaling names, listed once in smelt_model.scaling
+        scaling = importlib.import_module(f"{__name__}.scaling")
+        if name in scaling.__all__:
+            return getattr(scaling, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -79,5 +73,4 @@ __all__ = [
     "to_hf",
     "analysis",
     "scaling",
-    *_SCALING,
 ]

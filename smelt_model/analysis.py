@@ -16,11 +16,11 @@ and pair of consecutive visits (visit v-1 -> v; for r = 2 that is visit 1 -> vis
 
 For the baseline (no loop) the per-layer statistics (norms, sink) are reported by depth.
 
-Command line::
+Command line, ``smelt-analysis`` (``python -m smelt_model.analysis``)::
 
-    python -m smelt_model.analysis runs/tiny                  # a trainer's run folder
-    python -m smelt_model.analysis runs/tiny/smelt/checkpoints/latest --baseline runs/tiny/baseline
-    python -m smelt_model.analysis SMELT_CKPT --baseline BASE_CKPT --tokens ids.npy --plot sink.png
+    smelt-analysis runs/tiny                  # a trainer's run folder
+    smelt-analysis runs/tiny/smelt/checkpoints/latest --baseline runs/tiny/baseline
+    smelt-analysis SMELT_CKPT --baseline BASE_CKPT --tokens ids.npy --plot runs/sink.png
 
 A model is a ``save_pretrained`` folder, a trainer's run folder (its newest checkpoint), a
 ``RUN/checkpoints/latest`` pointer or a ``RUN/checkpoints/step_N`` folder; the folder of an
@@ -28,20 +28,21 @@ A model is a ``save_pretrained`` folder, a trainer's run folder (its newest chec
 held-out tokens are the run's own validation split (its data, split and tokenizer, packed
 into ``--seq-len`` contexts with their document segments). ``--tokens`` reads ``.npy`` (no
 pickled objects) or ``.safetensors``; a ``.pt`` file is a pickle and is refused unread.
-Bad input gives one line on stderr and exit status 2.
+Errors follow :mod:`smelt_tools.cli`: a bad option is one line and exit status 2, a model or
+token file that cannot be used one line and exit status 1.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from smelt_tools.cli import ExitParser
+from smelt_tools import cli
 
+from .plotting import plot_path, pyplot, save
 from .probes import capture
 
 __all__ = [
@@ -57,7 +58,10 @@ __all__ = [
     "analyze",
     "format_report",
     "sink_by_depth",
+    "main",
 ]
+
+PROG = "smelt-analysis"
 
 
 # ----------------------------------------------------------------------------- primitives
@@ -397,13 +401,10 @@ def _load_model(path: Path, backend: str):
         raise ValueError(f"{path}: {_first_line(e)}") from None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _options(argv: Optional[Sequence[str]]):
     from smelt_kernels import backends
 
-    ap = ExitParser(
-        prog="python -m smelt_model.analysis",
-        description="Mechanism probes for a SMELT (and baseline) checkpoint.",
-    )
+    ap = cli.Parser(prog=PROG, description="Mechanism probes for a SMELT (and baseline) model.")
     ap.add_argument(
         "checkpoint",
         help="a save_pretrained folder, a run folder, "
@@ -419,29 +420,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--backend", default="auto", choices=backends.choices())
-    ap.add_argument("--plot", help="write the sink-by-depth plot here (needs matplotlib)")
+    ap.add_argument("--plot", help="write the sink-by-depth plot here (.png; needs matplotlib)")
     args = ap.parse_args(argv)
-    try:
-        return _run(args)
-    except ValueError as e:
-        print("error: " + "; ".join(str(e).splitlines()), file=sys.stderr)
-        return 2
-
-
-def _run(args) -> int:
     if args.batch < 1 or (args.seq_len is not None and args.seq_len < 2):
-        raise ValueError("--batch must be >= 1 and --seq-len >= 2")
-    if args.plot:
-        try:
-            import matplotlib
+        raise cli.UsageError("--batch must be >= 1 and --seq-len >= 2")
+    args.plot = plot_path(args.plot)
+    return args
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise ValueError(
-                "--plot needs matplotlib (pip install matplotlib, or install smelt "
-                "with the [plot] extra)"
-            ) from None
+
+def _run(argv: Optional[Sequence[str]] = None) -> int:
+    """The probes of one model or a pair (see the module docstring)."""
+    args = _options(argv)
     main_path, base_path = args.checkpoint, args.baseline
     pair = _pair(main_path) if base_path is None else None
     if pair is not None:
@@ -470,7 +459,7 @@ def _run(args) -> int:
         print(format_report(reports[name]))
         print()
     if args.plot:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = pyplot().subplots(figsize=(6, 4))
         for _name, rep in reports.items():
             xs, ys = zip(*sink_by_depth(rep))
             ax.plot(
@@ -483,10 +472,11 @@ def _run(args) -> int:
         ax.set_ylabel("attention-sink mass")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"wrote {args.plot}")
+        print(f"wrote {save(fig, args.plot)}")
     return 0
 
+
+main = cli.command(PROG, _run)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -7,9 +7,11 @@ The main benchmark and the trainer both ask here before they build anything:
 
 :func:`estimate` adds up weights, gradients, optimizer state, the activations kept for
 backward, the KV cache, a workspace and the runtime itself. :func:`available` reads what a
-new allocation may still use: a CUDA device's free memory, or on the CPU the smaller of the
-kernel's ``MemAvailable`` and what the process's cgroup (``memory.max`` less
-``memory.current``, or cgroup v1's limit less usage) still allows. :func:`check` refuses with
+new allocation may still use: a CUDA device's free memory, or on the CPU the smallest of the
+kernel's ``MemAvailable``, what the process's cgroup (``memory.max`` less
+``memory.current``, or cgroup v1's limit less usage) still allows and, under an
+address-space limit (``RLIMIT_AS``, ``ulimit -v``), that limit less the process's virtual
+size; it says which one bound it, and so does a refusal. :func:`check` refuses with
 one :class:`MemoryRefusal` (a ``ValueError``) when the estimate, with :data:`MARGIN` on top,
 exceeds it.
 """
@@ -27,6 +29,7 @@ __all__ = [
     "RUNTIME_BYTES",
     "MARGIN",
     "MemoryRefusal",
+    "Available",
     "estimate",
     "available",
     "check",
@@ -165,20 +168,55 @@ def _cgroup_headroom(dirs: Optional[list[Path]] = None) -> Optional[int]:
     return best
 
 
-def available(device=None) -> Optional[int]:
-    """Bytes a new allocation may still use on ``device`` (default the CPU): a CUDA
-    device's free memory; on the CPU the smaller of ``MemAvailable`` and the cgroup's
-    headroom. None when the platform says neither."""
+class Available(int):
+    """Bytes a new allocation may still use, with the ``limit`` that bounds them (what a
+    refusal names)."""
+
+    limit: str
+
+    def __new__(cls, value: int, limit: str) -> "Available":
+        out = super().__new__(cls, value)
+        out.limit = limit
+        return out
+
+
+def _address_space_headroom() -> Optional[int]:
+    """Bytes of address space this process may still map under its ``RLIMIT_AS`` (``ulimit
+    -v``, what batch schedulers set): the limit less the current virtual size; None when
+    no limit is set."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX platform
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return None
+    used = _proc_kib("/proc/self/status", "VmSize") or 0
+    return max(0, soft - used)
+
+
+def available(device=None) -> Optional[Available]:
+    """Bytes a new allocation may still use on ``device`` (default the CPU), as an int
+    whose ``limit`` says what bounds it: a CUDA device's free memory; on the CPU the
+    smallest of ``MemAvailable``, the cgroup's headroom and, under an address-space limit
+    (``RLIMIT_AS``), that limit less the process's virtual size. None when the platform
+    says none of them."""
     import torch
 
     dev = torch.device("cpu" if device is None else device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        return int(free)
+        return Available(int(free), f"the free memory of {dev}")
     found = [
-        x for x in (_proc_kib("/proc/meminfo", "MemAvailable"), _cgroup_headroom()) if x is not None
+        (x, limit)
+        for x, limit in (
+            (_proc_kib("/proc/meminfo", "MemAvailable"), "MemAvailable"),
+            (_cgroup_headroom(), "the cgroup's memory limit"),
+            (_address_space_headroom(), "RLIMIT_AS (ulimit -v) less this process's virtual size"),
+        )
+        if x is not None
     ]
-    return min(found) if found else None
+    return Available(*min(found)) if found else None
 
 
 def check(
@@ -200,7 +238,13 @@ def check(
         raise MemoryRefusal(
             f"{what} needs an estimated {need / GiB:.1f} GiB for its {worst} model ({parts} "
             f"GiB; {MARGIN:.0%} more with the margin) but {available_bytes / GiB:.1f} GiB are "
-            f"available on {where}" + (f": {hint}" if hint else "")
+            f"available on {where}"
+            + (
+                f" (bound by {available_bytes.limit})"
+                if isinstance(available_bytes, Available)
+                else ""
+            )
+            + (f": {hint}" if hint else "")
         )
     return worst
 

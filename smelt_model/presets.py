@@ -1,8 +1,19 @@
-"""Named configurations: the paper's twelve sparse cells and small CPU-sized pairs.
+"""Named configurations: the paper's twelve sparse cells and small CPU-sized pairs, and
+how each trains.
 
 Names are ``<scale>-S<sparsity>-<arch>`` (e.g. ``200M-S95-baseline``, ``200M-S95-smelt``)
 for the paper's cells, and the ``tiny-*`` pair that runs on a CPU in seconds. Every pair is
 budget-matched (FLOPs < 4%, params < 1%, KV < 4%; see :mod:`smelt_model.budget`).
+
+One naming scheme serves every command: :func:`resolve` takes a pair name (``tiny``,
+``200M-S95``) or a model name (``tiny-smelt``, ``200M-S95-baseline``), in any case, and
+names the models it stands for; an unknown name is one error with the closest known name.
+:func:`model_name` (and :func:`get`) needs one model and :func:`pair` a pair; both go
+through :func:`resolve`.
+
+:func:`recipe` is how a preset trains (learning rate and schedule, context length, batch,
+weight decay, clipping): the defaults of both trainers, ``python -m smelt_model.train`` and
+``python -m smelt_model.titan``, so the two run the same schedule.
 
 The paper's geometry is reconstructed from its appendix: query heads fill the hidden size,
 two KV heads, every layer a top-8 MoE; the looped model runs the middle half of the stack
@@ -12,11 +23,14 @@ parameters); the paper presets use 32768.
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from smelt_tools.cli import UsageError, unknown
 
 from .config import ModelConfig, middle_loop
 
-__all__ = ["names", "get", "pair", "pairs"]
+__all__ = ["names", "get", "pair", "pairs", "resolve", "model_name", "Recipe", "recipe", "DECAY"]
 
 PAPER_VOCAB = 32768
 SPARSITIES = (85, 95, 97)
@@ -106,8 +120,11 @@ for _arch in ("baseline", "smelt"):
     _REGISTRY[f"tiny-{_arch}"] = lambda a=_arch: _tiny(a)
 
 
+ARCHS = ("baseline", "smelt")
+
+
 def names() -> list[str]:
-    """All preset names."""
+    """All model preset names (``tiny-baseline``, ..., ``1.6B-S97-smelt``)."""
     return list(_REGISTRY)
 
 
@@ -116,16 +133,99 @@ def pairs() -> list[str]:
     return [n[: -len("-baseline")] for n in _REGISTRY if n.endswith("-baseline")]
 
 
+def resolve(name: str) -> tuple[str, ...]:
+    """The model presets ``name`` stands for: itself for a model name (``tiny-smelt``),
+    ``(PAIR-baseline, PAIR-smelt)`` for a pair name (``tiny``); upper or lower case alike.
+
+    An unknown name raises :class:`smelt_tools.cli.UsageError` (a ``ValueError``) with the
+    closest known name and every pair and model name."""
+    if not isinstance(name, str):
+        raise TypeError(f"a preset name must be a str, got {type(name).__name__}")
+    key = name.strip().lower()
+    for known in pairs():
+        if known.lower() == key:
+            return tuple(f"{known}-{a}" for a in ARCHS)
+    for known in names():
+        if known.lower() == key:
+            return (known,)
+    raise unknown("preset", name, [*pairs(), *names()])
+
+
+def model_name(name: str) -> str:
+    """The model preset ``name`` names, spelt as :func:`names` spells it (``TINY-smelt`` ->
+    ``tiny-smelt``). A pair name, where one model is needed, is refused with the names of
+    its two models; an unknown name as :func:`resolve` refuses it."""
+    found = resolve(name)
+    if len(found) != 1:
+        raise UsageError(
+            f"{name!r} is a matched pair; name one of its models: {' or '.join(found)}"
+        )
+    return found[0]
+
+
 def get(name: str) -> ModelConfig:
-    """The preset ``name`` (see :func:`names`)."""
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise KeyError(f"unknown preset {name!r}; known: {', '.join(names())}") from None
+    """The model preset ``name`` (see :func:`model_name`)."""
+    return _REGISTRY[model_name(name)]()
 
 
 def pair(name: str) -> tuple[ModelConfig, ModelConfig]:
-    """``(baseline, smelt)`` for a pair name such as ``200M-S95`` or ``tiny``."""
-    if name not in pairs():
-        raise KeyError(f"unknown pair {name!r}; known: {', '.join(pairs())}")
-    return get(f"{name}-baseline"), get(f"{name}-smelt")
+    """``(baseline, smelt)`` for a pair name such as ``200M-S95`` or ``tiny``; a model name
+    (``tiny-smelt``) gives the pair it belongs to."""
+    found = resolve(name)
+    base = found[0][: -len("-baseline")] if len(found) == 2 else _pair_of(found[0])
+    return _REGISTRY[f"{base}-baseline"](), _REGISTRY[f"{base}-smelt"]()
+
+
+def _pair_of(model: str) -> str:
+    return model.rsplit("-", 1)[0]
+
+
+# ----------------------------------------------------------------------------- recipes
+
+#: the learning-rate decay of every recipe, in torchtitan's terms (``decay_type``)
+DECAY = "cosine"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a preset trains: the defaults of ``python -m smelt_model.train`` and of the
+    torchtitan configs (:mod:`smelt_model.titan.config_registry`).
+
+    The schedule is torchtitan's ``LRSchedulersContainer`` with ``decay_type`` "cosine":
+    optimizer step ``s`` (0-based) of a run of ``T`` steps uses ``lr`` times
+    ``(s + 1) / warmup_steps`` during the warm-up, then ``min_lr_factor + (1 -
+    min_lr_factor) * (1 + cos(pi * (s - warmup_steps) / (T - warmup_steps))) / 2``
+    (:func:`smelt_model.train.trainer.lr_factor` computes it). A warm-up longer than the
+    run is cut to the run. AdamW with betas (0.9, 0.95) and ``weight_decay`` on every
+    weight matrix (norm gains are not decayed); gradients clipped to ``grad_clip`` (0: not
+    clipped). Each optimizer step takes ``batch_size`` contexts of ``seq_len`` tokens per
+    process (``tokens_per_step`` on one process; data parallelism multiplies it).
+    """
+
+    lr: float
+    warmup_steps: int
+    min_lr_factor: float
+    seq_len: int
+    batch_size: int
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step on one process."""
+        return self.seq_len * self.batch_size
+
+
+#: the CPU-sized pair: 2048 tokens a step
+_TINY_RECIPE = Recipe(lr=2e-3, warmup_steps=10, min_lr_factor=0.1, seq_len=256, batch_size=8)
+#: the paper's cells: packed 4096-token contexts, 32768 tokens a step per process
+_PAPER_RECIPE = Recipe(lr=3e-4, warmup_steps=200, min_lr_factor=0.1, seq_len=4096, batch_size=8)
+
+
+def recipe(name: Optional[str] = None) -> Recipe:
+    """The :class:`Recipe` of a preset (a pair or model name, any case: the two models of
+    a pair train alike); None, for a model that is not a preset, gives the tiny pair's."""
+    if name is None:
+        return _TINY_RECIPE
+    first = resolve(name)[0]
+    return _TINY_RECIPE if first.startswith("tiny-") else _PAPER_RECIPE

@@ -43,10 +43,10 @@ __all__ = [
     "UsageError",
     "CommandError",
     "Parser",
-    "ExitParser",
     "command",
     "run_cli",
     "one_line",
+    "wants_traceback",
     "add_threads",
     "threads",
     "output_path",
@@ -68,15 +68,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
-
-
-class ExitParser(argparse.ArgumentParser):
-    """The older form (prints ``error: <message>`` and exits 2 itself); commands move to
-    :class:`Parser` and :func:`command`, and this goes when the last one has."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def one_line(message: object) -> str:
@@ -101,15 +92,25 @@ def run_cli(
     try:
         rc = run(argv)
     except UsageError as e:
-        status, message = 2, str(e)
+        status, message, error = 2, str(e), e
     except (ValueError, TypeError, OSError) as e:
-        status, message = 1, _describe(e)
+        status, message, error = 1, _describe(e), e
     else:
         return 0 if rc is None else int(rc)
-    if os.environ.get("SMELT_TRACEBACK") == "1":
-        raise
+    if wants_traceback():
+        raise error
+    value = os.environ.get("SMELT_TRACEBACK", "")
+    if value not in ("", "0", "1"):
+        message = f"{message} (SMELT_TRACEBACK={value!r} was ignored: it takes 0 or 1)"
     print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
     return status
+
+
+def wants_traceback() -> bool:
+    """Whether ``SMELT_TRACEBACK=1`` asks a command to re-raise instead of printing one line
+    (read here, not through ``smelt_kernels.families.env``, so that a command's error path
+    imports nothing; a value other than 0 or 1 is named in the line instead)."""
+    return os.environ.get("SMELT_TRACEBACK") == "1"
 
 
 def command(

@@ -11,10 +11,11 @@ and greedy generation (prompt, then new tokens with transformers' DynamicCache) 
     experts smelt      + attention smelt
 
 Calls are interleaved round-robin (A, B, C, D, A, B, ...) after a warm-up, so machine drift
-hits all alike; the table gives medians, the 20-80% spread and each row's speed-up over
-the grouped_mm + sdpa row. Before timing, the smelt rows' logits are checked against the
-eager row's. CPU by default (fp32); ``--device cuda`` (bf16, a larger model) when a GPU is
-there. ``--out DIR`` writes ``hf_bench_<device>.json`` and ``.md``.
+hits all alike; the table gives medians, the 20-80% spread and each row's time over the
+grouped_mm + sdpa row's (``vs_grouped_mm``, :func:`smelt_tools.timing.result_row`). Before
+timing, the smelt rows' logits are checked against the eager row's. CPU by default (fp32);
+``--device cuda`` (bf16, a larger model) when a GPU is there. ``--out DIR`` writes
+``hf_bench_<device>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from .cli import Parser, UsageError
-from .timing import environment, measure_interleaved
+from .cli import Parser, UsageError, add_threads, command, threads
+from .timing import environment, markdown_table, measure_interleaved, result_row
 
 CONFIGS = (("eager", "sdpa"), ("grouped_mm", "sdpa"), ("smelt", "sdpa"), ("smelt", "smelt"))
 BASELINE = ("grouped_mm", "sdpa")
@@ -76,10 +77,7 @@ SHAPES = {
 MEMORY_LIMIT_BYTES = 8 * 2**30
 
 
-def _fail(msg: str) -> "None":
-    """One line on stderr and exit status 2."""
-    print(f"smelt_tools.hf_bench: error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
+PROG = "python -m smelt_tools.hf_bench"
 
 
 def build_model(shape: dict, device: torch.device, seed: int = 0):
@@ -134,6 +132,22 @@ def interleaved(
     )
 
 
+def shape_for(device: torch.device, quick: bool) -> dict:
+    """The model and workload the benchmark runs on ``device`` (``quick``: a smoke run's);
+    UsageError when it would need more memory than the command allows itself."""
+    shape = dict(SHAPES[device.type])
+    if quick:
+        shape.update(batch=1, seq=64, prompt=16, new_tokens=4)
+        shape["model"] = dict(shape["model"], num_hidden_layers=2)
+    need = estimate_bytes(shape)
+    if need > MEMORY_LIMIT_BYTES:
+        raise UsageError(
+            f"the benchmark model needs about {need / 2**30:.1f} GiB, over the "
+            f"{MEMORY_LIMIT_BYTES / 2**30:.0f} GiB this command allows itself"
+        )
+    return shape
+
+
 def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
     import transformers
 
@@ -141,16 +155,7 @@ def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
     from smelt_kernels.attention import select_backend as attn_backend
     from smelt_kernels.moe_gemm import select_backend as moe_backend
 
-    shape = dict(SHAPES[device.type])
-    if quick:
-        shape.update(batch=1, seq=64, prompt=16, new_tokens=4)
-        shape["model"] = dict(shape["model"], num_hidden_layers=2)
-    need = estimate_bytes(shape)
-    if need > MEMORY_LIMIT_BYTES:
-        _fail(
-            f"the benchmark model needs about {need / 2**30:.1f} GiB, over the "
-            f"{MEMORY_LIMIT_BYTES / 2**30:.0f} GiB this command allows itself"
-        )
+    shape = shape_for(device, quick)
     print(f"building a Mixtral-shaped model on {device} ({shape['dtype']})", file=sys.stderr)
     model = build_model(shape, device)
     V = shape["model"]["vocab_size"]
@@ -207,23 +212,16 @@ def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
     ):
         fns = {f"{e}+{a}": maker(e, a) for e, a in CONFIGS}
         times = interleaved(fns, device, warmup, repeats, task)
-        base = times["+".join(BASELINE)].median_ms
+        base = ("grouped_mm", times["+".join(BASELINE)])
         for experts, attn in CONFIGS:
             name = f"{experts}+{attn}"
             t = times[name]
-            med = t.median_ms
             rows.append(
-                dict(
-                    task=task,
-                    experts=experts,
-                    attention=attn,
-                    median_ms=med,
-                    p20_ms=t.p20_ms,
-                    p80_ms=t.p80_ms,
-                    spread=t.spread,
+                dict(task=task, experts=experts, attention=attn)
+                | result_row(t, versus=base)
+                | dict(
                     repeats=t.repeats,
-                    tokens_per_s=n_tok / (med / 1e3),
-                    speedup_vs_grouped_mm=base / med,
+                    tokens_per_s=n_tok / (t.median_ms / 1e3),
                     max_rel_logit_diff_vs_eager=checks[name],
                     same_greedy_tokens=same_tokens[name],
                 )
@@ -245,12 +243,12 @@ COLUMNS = (
     "task",
     "experts",
     "attention",
-    "median_ms",
+    "ms",
     "p20_ms",
     "p80_ms",
     "spread",
     "tokens_per_s",
-    "speedup_vs_grouped_mm",
+    "vs_grouped_mm",
     "max_rel_logit_diff_vs_eager",
     "same_greedy_tokens",
 )
@@ -273,56 +271,40 @@ def markdown(result: dict) -> str:
         f"d_e={m['intermediate_size']}, vocab {m['vocab_size']}. Train step: batch "
         f"{s['batch']} x {s['seq']} tokens, forward + backward. Generate: prompt "
         f"{s['prompt']}, {s['new_tokens']} new tokens, greedy, DynamicCache. Interleaved "
-        f"calls; medians in ms, spread = (p80 - p20) / median.\n\n"
+        f"calls; medians in ms, spread = (p80 - p20) / median, vs_grouped_mm = the row's "
+        f"median over the grouped_mm + sdpa row's (below 1: faster).\n\n"
     )
-
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.3g}"
-        return str(v)
-
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in result["rows"]:
-        lines.append("| " + " | ".join(fmt(r[c]) for c in COLUMNS) + " |")
-    return head + "\n".join(lines) + "\n"
+    return head + markdown_table(result["rows"], COLUMNS) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = Parser(
-        prog="python -m smelt_tools.hf_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch (default: torch's own choice); on a shared "
-        "machine 1 avoids threads waiting on each other",
-    )
-    ap.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run")
-    ap.add_argument("--out", default=None, help="folder for hf_bench_<device>.json/.md")
-    try:
-        args = ap.parse_args(argv)
-    except UsageError as e:
-        _fail(str(e))
+def _parser() -> Parser:
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    add_threads(p)
+    p.add_argument("--quick", action="store_true", help="a tiny model, for a smoke run")
+    p.add_argument("--out", default=None, help="folder for hf_bench_<device>.json/.md")
+    return p
+
+
+def _run(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    dev = args.device or "cpu"
+    if dev not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {dev!r}")
+    if args.repeats < 1 or args.warmup < 0:
+        raise UsageError("--repeats must be >= 1 and --warmup >= 0")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out}: is a file, expected a folder to write into")
     try:
         import transformers  # noqa: F401
     except ImportError:
-        _fail("transformers is not installed (pip install -e '.[hf]')")
-    dev = args.device or "cpu"
-    if dev not in ("cpu", "cuda"):
-        _fail(f"--device must be cpu or cuda, got {dev!r}")
+        raise UsageError("transformers is not installed (pip install -e '.[hf]')") from None
     if dev == "cuda" and not torch.cuda.is_available():
-        _fail("--device cuda asked for, but no CUDA device is available")
-    if args.repeats < 1 or args.warmup < 0:
-        _fail("--repeats must be >= 1 and --warmup >= 0")
-    if args.threads is not None:
-        if args.threads < 1:
-            _fail("--threads must be >= 1")
+        raise UsageError("--device cuda asked for, but no CUDA device is available")
+    shape_for(torch.device(dev), args.quick)  # refuses a model that does not fit, before work
+    if threads(args.threads) is not None:
         torch.set_num_threads(args.threads)
     result = run(torch.device(dev), args.repeats, args.warmup, args.quick)
     text = markdown(result)
@@ -335,6 +317,8 @@ def main(argv=None) -> int:
         print(f"wrote {out / f'hf_bench_{dev}.json'} and .md", file=sys.stderr)
     return 0
 
+
+main = command(PROG, _run)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,12 +1,10 @@
-"""Helpers shared by the tests: the Triton device, the fp64 oracle, the one tolerance rule
-and the model tests' micro config.
+"""Helpers shared by the tests: the Triton device, the fp64 oracle and the model tests'
+micro config.
 
-The rule (flash-attn's): a kernel's error against the float64 oracle may be at most twice
-the error plain PyTorch makes on the same inputs in the same low precision, plus a tiny
-floor at the output's scale: two units of that precision, and at least 1e-5 (for small
-cases where plain PyTorch happens to round luckily, and for fp32, where both errors are
-rounding noise of different summation orders). NaN or inf never passes. Every comparison of a kernel
-with the oracle in tests/ goes through :func:`assert_close`.
+The tolerance rule and the edge cases are the package's own (:mod:`smelt_kernels.testing`,
+which the self-test reads too): every comparison of a kernel with the oracle in tests/ goes
+through :func:`assert_close` (``smelt_kernels.testing.assert_close``), and the edge-case
+tests run :data:`smelt_kernels.testing.EDGES`.
 """
 
 from __future__ import annotations
@@ -17,7 +15,20 @@ import pytest
 import torch
 
 from smelt_kernels import backends
+from smelt_kernels.testing import assert_close
 from smelt_model.config import LoopSpec, ModelConfig
+
+__all__ = [
+    "BLOCK_NATIVE",
+    "micro_config",
+    "triton_device",
+    "device_for",
+    "run_with_grads",
+    "fp64_oracle",
+    "max_err",
+    "assert_close",
+    "assert_all_close",
+]
 
 #: Python source that makes both native extensions unloadable: the prelude of a subprocess
 #: that checks what a pure-Python install does
@@ -29,11 +40,6 @@ BLOCK_NATIVE = (
     "            raise ImportError('blocked for the test')\n"
     "sys.meta_path.insert(0, Block())\n"
 )
-
-#: the floor of the tolerance rule, relative to max(1, max |oracle|): FLOOR_ULPS units of
-#: the compute dtype's epsilon, at least FLOOR_MIN
-FLOOR_ULPS = 2
-FLOOR_MIN = 1e-5
 
 
 def micro_config(loop=LoopSpec(1, 2, 2), **overrides):
@@ -98,30 +104,6 @@ def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     if ref.numel() == 0:
         return 0.0
     return (got.detach().cpu().double() - ref.detach().cpu().double()).abs().max().item()
-
-
-def assert_close(
-    name: str,
-    got: torch.Tensor,
-    ref: torch.Tensor,
-    base: torch.Tensor,
-    dtype: Optional[torch.dtype] = None,
-) -> None:
-    """The one tolerance rule: max |got - ref| <= 2 max |base - ref| + max(FLOOR_ULPS * eps,
-    FLOOR_MIN) * max(1, max |ref|), with ``ref`` the float64 oracle, ``base`` plain PyTorch in
-    the low precision and eps that of ``dtype``, the precision the inputs were computed in (default:
-    got's dtype; an fp32 gradient of a bf16 computation is only as good as bf16)."""
-    assert got.shape == ref.shape, (name, tuple(got.shape), tuple(ref.shape))
-    assert torch.isfinite(got.detach()).all(), f"{name}: non-finite values"
-    scale = max(1.0, ref.abs().max().item() if ref.numel() else 0.0)
-    eps = torch.finfo(dtype or got.dtype).eps
-    err, base_err = max_err(got, ref), max_err(base, ref)
-    floor = max(FLOOR_ULPS * eps, FLOOR_MIN) * scale
-    bound = 2 * base_err + floor
-    assert err <= bound, (
-        f"{name}: max error {err:.3e} > 2 x {base_err:.3e} (plain torch in "
-        f"{base.dtype}) + {floor:.3g}"
-    )
 
 
 def assert_all_close(

@@ -5,53 +5,19 @@ from __future__ import annotations
 import torch
 from helpers import assert_close, fp64_oracle, run_with_grads
 
-from smelt_kernels import reference
+from smelt_kernels import reference, testing
 from smelt_kernels.attention import segment_attention
+from smelt_kernels.testing import SEGMENT_LAYOUTS, ids_from_lengths  # noqa: F401  (re-exported)
 
 HEADS = [(2, 2), (4, 2), (6, 1)]  # Hq/Hkv = 1, 2, 6
 DIMS = [64, 88, 128]
-LAYOUTS = ["none", "one", "ones", "mixed", "inside", "edge"]
-
-
-def ids_from_lengths(lengths, first=-3, step=2):
-    labels = torch.arange(len(lengths)) * step + first
-    return torch.repeat_interleave(labels, torch.tensor(lengths))
-
-
-def _lengths(T, boundaries):
-    cuts = [0] + [b for b in boundaries if 0 < b < T] + [T]
-    return [b - a for a, b in zip(cuts, cuts[1:])]
-
-
-def _random_lengths(T, gen):
-    lens, s = [], 0
-    while s < T:
-        n = int(torch.randint(1, max(2, T // 2) + 1, (1,), generator=gen))
-        n = min(n, T - s)
-        lens.append(n)
-        s += n
-    return lens
+LAYOUTS = ["none", *SEGMENT_LAYOUTS]
 
 
 def make_segments(layout, B, T, seed=0):
-    """(B, T) ids for a named layout (row 0; other rows mixed), or None for "none"."""
-    if layout == "none":
-        return None
-    gen = torch.Generator().manual_seed(seed)
-    if layout == "one":
-        row0 = torch.full((T,), 3)
-    elif layout == "ones":
-        row0 = torch.arange(T) * 5
-    elif layout == "mixed":
-        row0 = ids_from_lengths(_random_lengths(T, gen))
-    elif layout == "inside":  # boundaries inside 16-wide (and 64-wide) tiles
-        row0 = ids_from_lengths(_lengths(T, [5, 21, 40, 100]))
-    elif layout == "edge":  # boundaries exactly on tile edges
-        row0 = ids_from_lengths(_lengths(T, [16, 32, 64, 128]))
-    else:
-        raise KeyError(layout)
-    rows = [row0] + [ids_from_lengths(_random_lengths(T, gen), first=b) for b in range(1, B)]
-    return torch.stack(rows)
+    """(B, T) ids for a named layout of ``smelt_kernels.testing.SEGMENT_LAYOUTS`` (row 0;
+    other rows mixed), or None for "none"."""
+    return testing.segment_ids(layout, B, T, seed)
 
 
 def make_inputs(B, Tq, Tk, hq, hkv, D, dtype, device, seed=0):

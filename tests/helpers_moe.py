@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from helpers import assert_all_close, fp64_oracle, run_with_grads
 
-from smelt_kernels import reference
+from smelt_kernels import reference, testing
 from smelt_kernels.moe_gemm import moe_ffn
 from smelt_kernels.moe_gemm import ops as moe_ops
 
@@ -81,11 +81,9 @@ def assert_deterministic(case, backend):
 
 
 def skewed_ids(kind, T, E, k):
-    if kind == "one_expert":  # every token on expert E-1 (k = 1)
-        return torch.full((T, 1), E - 1, dtype=torch.int32)
-    if kind == "first_k":  # every token on the same k experts: the rest get no rows
-        return torch.arange(k, dtype=torch.int32).flip(0).repeat(T, 1)
-    raise ValueError(kind)
+    """Ids of a routing of ``smelt_kernels.testing.moe_ids``: "one_expert" (every token on
+    expert E-1, k = 1) or "first_k" (every token on the same k experts: the rest get none)."""
+    return testing.moe_ids(T, E, k, kind)
 
 
 def grouped_case(dtype, device, gather):

@@ -28,6 +28,7 @@
 //   one, for tests and comparisons; =avx2-wide runs the AVX-512 variant's code on AVX2).
 #include <ATen/ATen.h>
 #include "../env.h"
+#include "../settings.h"
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -95,50 +96,30 @@ void key_panel(const float* x, int64_t ld, int64_t n, int64_t D, float* dst) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")
 namespace smelt_att::avx512 {
-#define SMELT_ATT_W 16
-#define SMELT_ATT_RA 7
-#define SMELT_ATT_RB 6
+constexpr int kW = 16, kRA = 7, kRB = 6;
 #include "cpu_attention_body.h"
-#undef SMELT_ATT_W
-#undef SMELT_ATT_RA
-#undef SMELT_ATT_RB
 }  // namespace smelt_att::avx512
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace smelt_att::avx2 {
-#define SMELT_ATT_W 8
-#define SMELT_ATT_RA 3
-#define SMELT_ATT_RB 3
+constexpr int kW = 8, kRA = 3, kRB = 3;
 #include "cpu_attention_body.h"
-#undef SMELT_ATT_W
-#undef SMELT_ATT_RA
-#undef SMELT_ATT_RB
 }  // namespace smelt_att::avx2
 
 // The AVX-512 variant's code (16-float vectors, its micro-tile sizes) on AVX2: only chosen
 // through SMELT_ATTENTION_ISA=avx2-wide, so its logic is tested where AVX-512 is missing.
 namespace smelt_att::avx2_wide {
-#define SMELT_ATT_W 16
-#define SMELT_ATT_RA 7
-#define SMELT_ATT_RB 6
+constexpr int kW = 16, kRA = 7, kRB = 6;
 #include "cpu_attention_body.h"
-#undef SMELT_ATT_W
-#undef SMELT_ATT_RA
-#undef SMELT_ATT_RB
 }  // namespace smelt_att::avx2_wide
 #pragma GCC pop_options
 #endif
 
 namespace smelt_att::generic {
-#define SMELT_ATT_W 8
-#define SMELT_ATT_RA 2
-#define SMELT_ATT_RB 2
+constexpr int kW = 8, kRA = 2, kRB = 2;
 #include "cpu_attention_body.h"
-#undef SMELT_ATT_W
-#undef SMELT_ATT_RA
-#undef SMELT_ATT_RB
 }  // namespace smelt_att::generic
 
 namespace smelt_att {
@@ -172,8 +153,6 @@ const Isa& isa() {
   }();
   return chosen;
 }
-
-std::string attention_isa() { return isa().name; }
 
 int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
@@ -568,6 +547,9 @@ void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at
 }
 
 }  // namespace
+
+std::string attention_isa() { return isa().name; }
+
 }  // namespace smelt_att
 
 TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {

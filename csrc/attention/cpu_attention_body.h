@@ -4,8 +4,8 @@
 // extension is built without -march flags). Everything here works on fp32 buffers the
 // caller prepared; see cpu_attention.cpp for the layouts and the scheme.
 //
-// Needs before inclusion: SMELT_ATT_W (widest vector, floats), SMELT_ATT_RA (rows per
-// score micro-tile), SMELT_ATT_RB (rows per accumulate micro-tile), <cstdint>, <cmath>,
+// Needs before inclusion, in the enclosing namespace: int constants kW (widest vector,
+// floats), kRA (rows per score micro-tile), kRB (rows per accumulate micro-tile); <cstdint>, <cmath>,
 // <algorithm>, and smelt_att::{kPanel, Problem, Buffers, buffers, grow, key_panel} (declared
 // outside the target regions, so no library code is compiled for a wider instruction set
 // than this).
@@ -95,7 +95,7 @@ inline float hsum(vf<W> v) {
   }
 }
 
-constexpr int W = SMELT_ATT_W;
+constexpr int W = kW;
 constexpr int CB = kPanel;  // score columns per micro-tile (keys): one key panel
 constexpr int CV = CB / W;
 
@@ -151,7 +151,7 @@ inline void scores_rows(const float* A, int64_t lda, const float* BT, int64_t ld
 inline void scores(const float* A, int64_t lda, const float* BT, int64_t ldb, int64_t K,
                    float* S, int64_t lds, int64_t M, int64_t ncb, float* rmax = nullptr,
                    int64_t cbs = CB) {
-  constexpr int R = SMELT_ATT_RA;
+  constexpr int R = kRA;
   int64_t r = 0;
   for (; r + R <= M; r += R)
     scores_rows<R>(A + r * lda, lda, BT, ldb, K, S + r * lds, lds, ncb, rmax ? rmax + r * W : nullptr, cbs);
@@ -207,7 +207,7 @@ inline void acc_rows(const float* A, int64_t sar, int64_t sak, const float* B, i
 template <int V>
 inline void accumulate_v(const float* A, int64_t sar, int64_t sak, const float* B, int64_t ldb,
                          int64_t K, float* C, int64_t ldc, int64_t M, int64_t D) {
-  constexpr int R = SMELT_ATT_RB;
+  constexpr int R = kRB;
   int64_t r = 0;
   for (; r + R <= M; r += R) acc_rows<V, R>(A + r * sar, sar, sak, B, ldb, K, C + r * ldc, ldc, D);
   A += r * sar;

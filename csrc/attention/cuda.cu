@@ -84,6 +84,21 @@ __device__ __forceinline__ bool zero_non_finite(uint4& v) {
   return any;
 }
 
+// acc += A B over `steps` 16-deep slices: A row-major (16 rows from a, leading dimension
+// lda, slice s at a + 16 s), B in layout BL (leading dimension ldb, slice s at b + s * b_step).
+template <typename T, int steps, typename BL>
+__device__ __forceinline__ void mma_steps(wmma::fragment<wmma::accumulator, 16, 16, 16, float>& acc,
+                                          const T* a, int lda, const T* b, int ldb, int b_step) {
+#pragma unroll
+  for (int s = 0; s < steps; ++s) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BL> fb;
+    wmma::load_matrix_sync(fa, a + s * 16, lda);
+    wmma::load_matrix_sync(fb, b + s * b_step, ldb);
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
+}
+
 // Copy `rows` rows of D elements (16-byte chunks) from global into shared memory, zero
 // filling columns >= D and rows with index >= n_valid. With `bad` (zeroed beforehand), NaN
 // and inf values are zeroed too and bad[r] set for their rows.
@@ -188,14 +203,7 @@ __global__ void __launch_bounds__(NTHREADS) segment_attention_fwd_kernel(const P
     for (int nb = 0; nb < BN / 16; ++nb) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
       wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-        wmma::load_matrix_sync(fa, sQ + warp * 16 * LD + kk * 16, LD);
-        wmma::load_matrix_sync(fb, sK + nb * 16 * LD + kk * 16, LD);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
+      mma_steps<T, DP / 16, wmma::col_major>(acc, sQ + warp * 16 * LD, LD, sK + nb * 16 * LD, LD, 16);
       wmma::store_matrix_sync(sS + warp * 16 * LDS + nb * 16, acc, LDS, wmma::mem_row_major);
     }
     __syncwarp();
@@ -237,14 +245,7 @@ __global__ void __launch_bounds__(NTHREADS) segment_attention_fwd_kernel(const P
     for (int db = 0; db < DP / 16; ++db) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
       wmma::load_matrix_sync(acc, sO + warp * 16 * LDO + db * 16, LDO, wmma::mem_row_major);
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
-        wmma::load_matrix_sync(fa, sP + warp * 16 * LDP + kk * 16, LDP);
-        wmma::load_matrix_sync(fb, sV + kk * 16 * LD + db * 16, LD);
-        wmma::mma_sync(acc, fa, fb, acc);
-      }
+      mma_steps<T, BN / 16, wmma::row_major>(acc, sP + warp * 16 * LDP, LDP, sV + db * 16, LD, 16 * LD);
       wmma::store_matrix_sync(sO + warp * 16 * LDO + db * 16, acc, LDO, wmma::mem_row_major);
     }
     __syncwarp();

@@ -9,6 +9,7 @@
 // reproducible and independent of the thread count.
 #include "cpu_decode.h"
 #include "../env.h"
+#include "../settings.h"
 
 namespace smelt_moe {
 

@@ -22,6 +22,7 @@
 #include <string>
 
 #include "../cpu_alloc.h"
+#include "../settings.h"
 #include "cpu_decode.h"
 #include "cpu_work.h"
 
@@ -374,6 +375,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_sort(const at::Tensor& ids, i
 }
 
 }  // namespace
+
+bool rows_kernel_allowed() { return use_rows_kernel(); }
+
 }  // namespace smelt_moe
 
 TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {

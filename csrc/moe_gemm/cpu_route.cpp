@@ -17,6 +17,7 @@
 // number of threads.
 #include <torch/library.h>
 #include "../env.h"
+#include "../settings.h"
 
 #include <ATen/Parallel.h>
 
@@ -342,6 +343,15 @@ at::Tensor moe_route_bwd(const at::Tensor& grad_w, const at::Tensor& logits, con
 }
 
 }  // namespace
+
+std::string route_isa() {
+  switch (top_k_isa()) {
+    case TopKIsa::kAvx512: return "avx512";
+    case TopKIsa::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
 }  // namespace smelt_moe
 
 TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {

@@ -72,6 +72,8 @@ __all__ = [
 
 CHUNK = 128
 _SOURCE = "csrc/attention/cpu_attention.cpp"
+#: the environment variables the native kernel reads (checked before it runs)
+_ENV = ("SMELT_ATTENTION_ISA", "SMELT_POISON")
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -105,6 +107,7 @@ def native_starts(segment_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]
     ``segment_bounds`` is a dozen ATen calls."""
     if segment_ids is None or segment_ids.device.type != "cpu" or starts_missing():
         return None
+    backends.check_env("SMELT_POISON")
     return torch.ops.smelt_cpu.segment_starts(segment_ids)
 
 
@@ -125,6 +128,7 @@ def infer(q, k, v, segment_ids: Optional[torch.Tensor], scale: float):
     ``segment_ids`` are checked (ValueError if they decrease) by the native starts pass."""
     if inference_missing(q.dtype, q.shape[-1]) is not None:
         return None
+    backends.check_env(*_ENV)
     return torch.ops.smelt_cpu.segment_attention_infer(
         q, k, v, native_starts(segment_ids), float(scale)
     )
@@ -132,8 +136,11 @@ def infer(q, k, v, segment_ids: Optional[torch.Tensor], scale: float):
 
 def native_isa() -> Optional[str]:
     """The instruction set the native kernel runs with here ("avx512", "avx2", "generic"),
-    or None without it."""
-    return None if native_missing() else torch.ops.smelt_cpu.segment_attention_isa()
+    or None without it (the first call fixes it: ``SMELT_ATTENTION_ISA`` is read once)."""
+    if native_missing():
+        return None
+    backends.check_env("SMELT_ATTENTION_ISA")
+    return torch.ops.smelt_cpu.segment_attention_isa()
 
 
 def available() -> Optional[str]:
@@ -212,6 +219,7 @@ def native_forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_si
     reason = native_missing()
     if reason is not None:
         raise RuntimeError(f"segment_attention cpu: native kernel unavailable: {reason}")
+    backends.check_env(*_ENV)
     B, Tq, Hq, D = q.shape
     o = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
@@ -227,6 +235,7 @@ def native_backward(
     reason = native_missing()
     if reason is not None:
         raise RuntimeError(f"segment_attention cpu: native kernel unavailable: {reason}")
+    backends.check_env(*_ENV)
     dq = _alloc.empty(q.shape, q.dtype, q.device)
     dk = _alloc.empty(k.shape, k.dtype, k.device)
     dv = _alloc.empty(v.shape, v.dtype, v.device)

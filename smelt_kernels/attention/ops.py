@@ -89,14 +89,12 @@ backends.define(
         {"head_dim": q.shape[-1]},
     ),
 )
-backends.register(_OP, "torch", reference.forward, reference.backward, devices=None)
+backends.register(_OP, "torch", reference.forward, reference.backward)
 backends.register(
     _OP,
     "cpu",
     attention_cpu.forward,
     attention_cpu.backward,
-    devices=("cpu",),
-    priority=10,
     requires=lambda d: attention_cpu.available(),
     infer=_cpu_infer,
     variants=attention_cpu.VARIANTS,
@@ -108,7 +106,6 @@ backends.register(
     backends.lazy(_TRITON, "forward"),
     backends.lazy(_TRITON, "backward"),
     auto=("cuda",),
-    priority=30,
     dtypes=(torch.float16, torch.bfloat16, torch.float32),
     supports=_kernel_head_dim,
 )
@@ -117,8 +114,6 @@ backends.register(
     "cuda",
     attention_cuda.forward,
     backward_via=("triton", "torch"),
-    devices=("cuda",),
-    priority=20,
     dtypes=(torch.float16, torch.bfloat16),
     requires=_cuda_requires,
     supports=_kernel_head_dim,

@@ -51,6 +51,7 @@ def _cpu_supports(tables_fp32: bool, tables_grad: bool) -> Optional[str]:
 
 
 def _native(x, cos, sin, inverse: bool):
+    backends.check_env("SMELT_POISON")
     return torch.ops.smelt_cpu.rotary(x, cos, sin, inverse)
 
 
@@ -65,14 +66,12 @@ backends.define(
         },
     ),
 )
-backends.register(_OP, "torch", rotary_reference, devices=None, direct=True)
+backends.register(_OP, "torch", rotary_reference, direct=True)
 backends.register(
     _OP,
     "cpu",
     lambda x, cos, sin: _native(x, cos, sin, False),
     lambda dy, cos, sin: _native(dy, cos, sin, True),
-    devices=("cpu",),
-    priority=10,
     dtypes=_NATIVE_DTYPES,
     requires=lambda d: native_missing(),
     supports=_cpu_supports,

@@ -115,14 +115,11 @@ def _fwd_inner(acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_b
     return acc_a, acc_t, m_i, l_i, s0
 
 
-@triton.jit(do_not_specialize=["Tq", "Tk"])
-def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
-                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
-                Tq, Tk, Hq, qk_scale,
-                G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
-                WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # the longest tiles (last positions) first
+@triton.jit
+def _query_tile(START, Tq, Tk, Hq, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                HAS_SEG: tl.constexpr):
+    # this program's row tile (the longest tiles, at the last positions, first), its batch
+    # row b and KV head, its rows (_row_tile) and their segment starts (_seg_starts)
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     Hkv = Hq // G
@@ -131,6 +128,18 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
     rows, row_ok, qi, h, pos, pos_first, pos_last = _row_tile(tile, Tq, Tk, hkv, G, BLOCK_M)
     start, start_first, start_last = _seg_starts(START, b, Tk, pos, pos_first, pos_last, HAS_SEG,
                                                  BLOCK_M)
+    return b, hkv, rows, row_ok, qi, h, pos, pos_first, pos_last, start, start_first, start_last
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk"])
+def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
+                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
+                Tq, Tk, Hq, qk_scale,
+                G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
+                WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    b, hkv, rows, row_ok, qi, h, pos, pos_first, pos_last, start, start_first, start_last = (
+        _query_tile(START, Tq, Tk, Hq, G, BLOCK_M, HAS_SEG))
     q_a, q_t = _load_split(_rows(Q + b * sqb, qi, pos_first - (Tk - Tq), h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
                            False, UPCAST)
     k_base = K + b * skb + hkv * skh
@@ -223,14 +232,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """dQ for a row tile; DQ has dO's strides (sd*)."""
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    Hkv = Hq // G
-    b = (bh // Hkv).to(tl.int64)
-    hkv = bh % Hkv
-    rows, row_ok, qi, h, pos, pos_first, pos_last = _row_tile(tile, Tq, Tk, hkv, G, BLOCK_M)
-    start, start_first, start_last = _seg_starts(START, b, Tk, pos, pos_first, pos_last, HAS_SEG,
-                                                 BLOCK_M)
+    b, hkv, rows, row_ok, qi, h, pos, pos_first, pos_last, start, start_first, start_last = (
+        _query_tile(START, Tq, Tk, Hq, G, BLOCK_M, HAS_SEG))
     q_a, q_t = _load_split(_rows(Q + b * sqb, qi, pos_first - (Tk - Tq), h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
                            False, UPCAST)
     do_a, do_t = _load_split(_rows(DO + b * sdb, qi, pos_first - (Tk - Tq), h, sdt, sdh), rows, 0, D, DA, DT, BLOCK_M,

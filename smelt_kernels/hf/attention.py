@@ -114,6 +114,14 @@ def _mask_parts(fn) -> list[str]:
     return [owner]
 
 
+# torch.compile cannot trace the name reading above: it runs once, when a graph is traced (a
+# model's mask functions are fresh closures each call, of one structure per configuration)
+@torch.compiler.assume_constant_result
+def _unserved_part(fn) -> Optional[str]:
+    """The first piece of mask function ``fn`` the kernel's mask does not serve, or None."""
+    return next((p for p in _mask_parts(fn) if p not in _SERVED_PARTS), None)
+
+
 def smelt_attention_mask(
     batch_size: int,
     q_length: int,
@@ -134,12 +142,12 @@ def smelt_attention_mask(
             "StaticCache or a sliding-window cache)",
             "use DynamicCache",
         )
-    for part in _mask_parts(mask_function):
-        if part not in _SERVED_PARTS:
-            _refuse(
-                f"the mask function {part} (custom or_mask_function / and_mask_function, "
-                "chunked or block masks)"
-            )
+    part = _unserved_part(mask_function)
+    if part is not None:
+        _refuse(
+            f"the mask function {part} (custom or_mask_function / and_mask_function, "
+            "chunked or block masks)"
+        )
     if attention_mask is None:
         return None
     return attention_mask[:, -kv_length:]

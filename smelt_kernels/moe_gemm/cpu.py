@@ -44,6 +44,9 @@ __all__ = [
 ]
 
 _SOURCE = "csrc/moe_gemm/cpu_forward.cpp"
+# the environment variables each native entry point reads (checked before it runs)
+_FFN_ENV = ("SMELT_CPU_GENERIC", "SMELT_CPU_DECODE", "SMELT_CPU_POOL_MB", "SMELT_POISON")
+_ROUTE_ENV = ("SMELT_ROUTE_ISA", "SMELT_POISON")
 
 
 def missing(op: str) -> Optional[str]:
@@ -54,26 +57,31 @@ def missing(op: str) -> Optional[str]:
 
 def forward(x, w1, w2, topk_weights, topk_ids, save_preact: bool):
     """(y, preact, order, rev, offsets): see :func:`smelt_kernels.moe_gemm.ops.moe_ffn`."""
+    backends.check_env(*_FFN_ENV)
     return torch.ops.smelt_cpu.moe_ffn_fwd(x, w1, w2, topk_weights, topk_ids, save_preact)
 
 
 def infer(x, w1, w2, topk_weights, topk_ids, save_preact=False):
     """y of a forward that autograd does not record (no pre-activation kept)."""
+    backends.check_env(*_FFN_ENV)
     return torch.ops.smelt_cpu.moe_ffn_fwd(x, w1, w2, topk_weights, topk_ids, False)[0]
 
 
 def backward(grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets):
     """(dx, dw1, dw2, dtopk_weights) from the forward's saved sort and pre-activation."""
+    backends.check_env(*_FFN_ENV)
     return torch.ops.smelt_cpu.moe_ffn_bwd(
         grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev, offsets
     )
 
 
 def grouped_mm(a, b, offsets, gather, trans_b: bool):
+    backends.check_env("SMELT_POISON")
     return torch.ops.smelt_cpu.grouped_mm(a, b, offsets, gather, trans_b)
 
 
 def grouped_wgrad(dc, a, offsets, gather):
+    backends.check_env("SMELT_POISON")
     return torch.ops.smelt_cpu.grouped_mm_wgrad(dc, a, offsets, gather)
 
 
@@ -116,6 +124,7 @@ def variant(x, w1, w2, topk_weights, topk_ids, *_) -> tuple[str, str]:
         "panels-16bit": f"{str(x.dtype).replace('torch.', '')} on a CPU with a matrix unit",
     }
     reason = why.get(kernel, kernel)
+    backends.check_env(*_FFN_ENV)
     if backends.env_flag("SMELT_CPU_GENERIC"):
         reason = "SMELT_CPU_GENERIC=1 forces the packed panels"
     rows = topk_ids.numel() / E
@@ -135,12 +144,14 @@ def route_forward(logits: torch.Tensor, top_k: int, renormalize: bool):
     over the E experts of each row, its top-k in descending order, renormalised to sum 1
     when asked, in one pass (``cpu_route.cpp``); the backward recomputes the probabilities
     from the log-sum-exp. Selection is by logit; exact ties go to the lower expert index."""
+    backends.check_env(*_ROUTE_ENV)
     w, ids, lse, *_ = torch.ops.smelt_cpu.moe_route_fwd(logits, top_k, renormalize, False)
     return w, ids, lse
 
 
 def route_backward(grad_w, logits, lse, w, ids, top_k, renormalize):
     """The gradient of :func:`route_forward`'s weights with respect to the logits."""
+    backends.check_env(*_ROUTE_ENV)
     return torch.ops.smelt_cpu.moe_route_bwd(grad_w, logits, lse, w, ids, renormalize).to(
         logits.dtype
     )
@@ -148,6 +159,7 @@ def route_backward(grad_w, logits, lse, w, ids, top_k, renormalize):
 
 def route_infer(logits: torch.Tensor, top_k: int, renormalize: bool):
     """(weights, ids) of a call autograd does not record: the native op alone."""
+    backends.check_env(*_ROUTE_ENV)
     w, ids, *_ = torch.ops.smelt_cpu.moe_route_fwd(logits, top_k, renormalize, False)
     return w, ids
 

@@ -70,14 +70,12 @@ def _describe_moe(x, w1, w2, tw, ids, save_preact=None):
 
 
 backends.define(_OP, _describe_moe)
-backends.register(_OP, "torch", reference.moe_ffn_fwd, reference.moe_ffn_bwd, devices=None)
+backends.register(_OP, "torch", reference.moe_ffn_fwd, reference.moe_ffn_bwd)
 backends.register(
     _OP,
     "cpu",
     moe_cpu.forward,
     moe_cpu.backward,
-    devices=("cpu",),
-    priority=10,
     dtypes=_KERNEL_DTYPES,
     requires=lambda d: moe_cpu.missing("moe_ffn_fwd"),
     infer=moe_cpu.infer,
@@ -91,7 +89,6 @@ backends.register(
     _triton_forward,
     _triton_backward,
     auto=("cuda",),
-    priority=30,
     dtypes=_KERNEL_DTYPES,
 )
 backends.register(
@@ -99,23 +96,17 @@ backends.register(
     "cuda",
     _cuda_forward,
     backward_via=("triton",),
-    devices=("cuda",),
-    priority=20,
     dtypes=(torch.bfloat16, torch.float16),
     requires=_cuda_requires,
 )
 
 backends.define("grouped_gemm", lambda a, b, offsets, gather, trans_b: (a.device, a.dtype, {}))
-backends.register(
-    "grouped_gemm", "torch", reference.grouped_mm, reference.grouped_wgrad, devices=None
-)
+backends.register("grouped_gemm", "torch", reference.grouped_mm, reference.grouped_wgrad)
 backends.register(
     "grouped_gemm",
     "cpu",
     moe_cpu.grouped_mm,
     moe_cpu.grouped_wgrad,
-    devices=("cpu",),
-    priority=10,
     dtypes=_KERNEL_DTYPES,
     requires=lambda d: moe_cpu.missing("grouped_mm"),
 )
@@ -125,7 +116,6 @@ backends.register(
     backends.lazy(_TRITON, "grouped_mm"),
     backends.lazy(_TRITON, "grouped_wgrad"),
     auto=("cuda",),
-    priority=30,
     dtypes=_KERNEL_DTYPES,
 )
 
@@ -136,14 +126,12 @@ backends.define(
     lambda logits, top_k, renormalize: (logits.device, logits.dtype, {}),
     missing_runs_auto=True,
 )
-backends.register("route", "torch", reference.route, devices=None, direct=True)
+backends.register("route", "torch", reference.route, direct=True)
 backends.register(
     "route",
     "cpu",
     moe_cpu.route_forward,
     moe_cpu.route_backward,
-    devices=("cpu",),
-    priority=10,
     requires=lambda d: moe_cpu.missing("moe_route_fwd"),
     infer=moe_cpu.route_infer,
 )
@@ -429,12 +417,17 @@ def moe_ffn(
     """
     _validate(x, w1, w2, topk_weights, topk_ids)
     backends.check_values_flag(_OP, check_values)
-    if topk_ids.dtype == torch.int64 and (
-        x.device.type == "cpu" or (check_values is not False and backends.can_read_values(topk_ids))
-    ):
-        _check_ids(topk_ids, w1.shape[0])  # before narrowing: e + 2**32 is not e
-        check_values = False
-    ids = topk_ids.to(torch.int32).contiguous()
+    ids = topk_ids
+    if topk_ids.dtype == torch.int64:
+        cpu = x.device.type == "cpu"
+        if cpu and not backends.can_read_values(topk_ids):
+            # compiled: no host read here; the op checks the narrowed ids itself, and ids
+            # past int32 stay out of range instead of wrapping onto an expert
+            ids = topk_ids.clamp(-(2**31), 2**31 - 1)
+        elif cpu or (check_values is not False and backends.can_read_values(topk_ids)):
+            _check_ids(topk_ids, w1.shape[0])  # before narrowing: e + 2**32 is not e
+            check_values = False
+    ids = ids.to(torch.int32).contiguous()
     return _MOE(
         x.contiguous(),
         w1.contiguous(),

@@ -60,6 +60,34 @@ def _tile_pid(pid, n_tiles, n_cols, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _tile_expert(TILE_E, n_tiles, n, BN: tl.constexpr, GROUP: tl.constexpr):
+    # this program's tile t, its block nb of n columns, and the tile's expert (< 0: a
+    # padding tile, nothing to do)
+    t, nb = _tile_pid(tl.program_id(0), n_tiles, tl.cdiv(n, BN), GROUP)
+    return t, nb, tl.load(TILE_E + t)
+
+
+@triton.jit
+def _tile_tokens(A, s_a, TOK, TILE_R0, TILE_R1, t, nb, n, BM: tl.constexpr, BN: tl.constexpr):
+    # tile t's sorted rows and which exist, pointers to their tokens' rows of A (row stride
+    # s_a), and block nb's columns of n and which exist
+    rows, rmask = _tile_rows(TILE_R0, TILE_R1, t, BM)
+    tok = tl.load(TOK + rows, mask=rmask, other=0).to(tl.int64)
+    cols = nb * BN + tl.arange(0, BN)
+    return rows, rmask, A + tok * s_a, cols, cols < n
+
+
+@triton.jit
+def _a_slice(a_rows, rmask, k0, K, BK: tl.constexpr):
+    # columns k0 .. k0 + BK of the rows at a_rows (zero past K and in missing rows), their
+    # indices and which of them exist
+    ks = k0 + tl.arange(0, BK)
+    kmask = ks < K
+    return ks, kmask, tl.load(a_rows[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :],
+                              other=0.0)
+
+
+@triton.jit
 def _tile_rows(TILE_R0, TILE_R1, t, BM: tl.constexpr):
     # the sorted rows of tile t (a tile never spans two experts) and which of them exist
     rows = tl.load(TILE_R0 + t) + tl.arange(0, BM)
@@ -71,24 +99,17 @@ def _up_kernel(X, W1, TOK, TILE_E, TILE_R0, TILE_R1, PRE, HID,
                n_tiles, H, DE, s_x, s_we, s_wn,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                PREC: tl.constexpr, UPCAST: tl.constexpr):
-    t, nb = _tile_pid(tl.program_id(0), n_tiles, tl.cdiv(DE, BN), GROUP)
-    e = tl.load(TILE_E + t)
+    t, nb, e = _tile_expert(TILE_E, n_tiles, DE, BN, GROUP)
     if e < 0:
         return
-    rows, rmask = _tile_rows(TILE_R0, TILE_R1, t, BM)
-    tok = tl.load(TOK + rows, mask=rmask, other=0).to(tl.int64)
-    cols = nb * BN + tl.arange(0, BN)
-    cmask = cols < DE
-    a_rows = X + tok * s_x
+    rows, rmask, a_rows, cols, cmask = _tile_tokens(X, s_x, TOK, TILE_R0, TILE_R1, t, nb, DE, BM, BN)
     # weight rows of the gate and up columns (int64: an expert's matrix may pass 2^31 elements)
     w_gate = W1 + e.to(tl.int64) * s_we + cols.to(tl.int64)[None, :] * s_wn
     w_up = w_gate + DE * s_wn
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
-        ks = k0 + tl.arange(0, BK)
-        kmask = ks < H
-        a = tl.load(a_rows[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        ks, kmask, a = _a_slice(a_rows, rmask, k0, H, BK)
         bmask = kmask[:, None] & cmask[None, :]
         bg = tl.load(w_gate + ks[:, None], mask=bmask, other=0.0)
         bu = tl.load(w_up + ks[:, None], mask=bmask, other=0.0)
@@ -113,8 +134,7 @@ def _rows_kernel(A, B, C, IDX, TILE_E, TILE_R0, TILE_R1,
                  GROUP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     # C[r, :] = A[idx(r), :] @ B[e] with B[e][k][n] at B + e*s_be + k*s_bk + n*s_bn;
     # tiles of group `zero_group` (rows outside every group) are written as zeros
-    t, nb = _tile_pid(tl.program_id(0), n_tiles, tl.cdiv(N, BN), GROUP)
-    e = tl.load(TILE_E + t)
+    t, nb, e = _tile_expert(TILE_E, n_tiles, N, BN, GROUP)
     if e < 0:
         return
     rows, rmask = _tile_rows(TILE_R0, TILE_R1, t, BM)
@@ -129,9 +149,7 @@ def _rows_kernel(A, B, C, IDX, TILE_E, TILE_R0, TILE_R1,
         a_rows = A + src * s_a
         b_cols = B + e.to(tl.int64) * s_be + cols.to(tl.int64)[None, :] * s_bn
         for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            kmask = ks < K
-            a = tl.load(a_rows[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            ks, kmask, a = _a_slice(a_rows, rmask, k0, K, BK)
             b = tl.load(b_cols + (ks.to(tl.int64) * s_bk)[:, None],
                         mask=kmask[:, None] & cmask[None, :], other=0.0)
             if UPCAST:
@@ -169,21 +187,15 @@ def _dh_kernel(DY, W2, PRE, TW, ORDER, TOK, TILE_E, TILE_R0, TILE_R1, DP, HW, DT
                n_tiles, n_rows, H, DE, s_dy, s_we,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                PREC: tl.constexpr, UPCAST: tl.constexpr):
-    t, nb = _tile_pid(tl.program_id(0), n_tiles, tl.cdiv(DE, BN), GROUP)
-    e = tl.load(TILE_E + t)
+    t, nb, e = _tile_expert(TILE_E, n_tiles, DE, BN, GROUP)
     if e < 0:
         return
-    rows, rmask = _tile_rows(TILE_R0, TILE_R1, t, BM)
-    tok = tl.load(TOK + rows, mask=rmask, other=0).to(tl.int64)
-    cols = nb * BN + tl.arange(0, BN)
-    cmask = cols < DE
-    a_rows = DY + tok * s_dy
+    rows, rmask, a_rows, cols, cmask = _tile_tokens(DY, s_dy, TOK, TILE_R0, TILE_R1, t, nb, DE, BM,
+                                                    BN)
     w_cols = W2 + e.to(tl.int64) * s_we + cols[None, :]
     G = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
-        ks = k0 + tl.arange(0, BK)
-        kmask = ks < H
-        a = tl.load(a_rows[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        ks, kmask, a = _a_slice(a_rows, rmask, k0, H, BK)
         b = tl.load(w_cols + (ks.to(tl.int64) * DE)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)

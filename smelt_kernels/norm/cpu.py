@@ -23,13 +23,16 @@ def missing() -> Optional[str]:
 
 def forward(x, weight, eps):
     """(y, rstd): the normalised rows and each row's 1/rms (float32), which backward reads."""
+    backends.check_env("SMELT_POISON")
     return torch.ops.smelt_cpu.rms_norm_fwd(x, weight, eps)
 
 
 def backward(dy, x, weight, rstd):
     """(dx, dweight)."""
+    backends.check_env("SMELT_POISON")
     return torch.ops.smelt_cpu.rms_norm_bwd(dy, x, weight, rstd)
 
 
 def infer(x, weight, eps):
+    backends.check_env("SMELT_POISON")
     return torch.ops.smelt_cpu.rms_norm_fwd(x, weight, eps)[0]

@@ -25,14 +25,12 @@ def _same_dtype(weight_matches: bool) -> Optional[str]:
 backends.define(
     _OP, lambda x, weight, eps: (x.device, x.dtype, {"weight_matches": weight.dtype == x.dtype})
 )
-backends.register(_OP, "torch", reference.rms_norm, devices=None, direct=True)
+backends.register(_OP, "torch", reference.rms_norm, direct=True)
 backends.register(
     _OP,
     "cpu",
     cpu.forward,
     cpu.backward,
-    devices=("cpu",),
-    priority=10,
     dtypes=_NATIVE_DTYPES,
     requires=lambda d: cpu.missing(),
     supports=_same_dtype,

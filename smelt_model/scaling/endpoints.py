@@ -137,13 +137,8 @@ class Endpoints:
         return fit_surface(self.F, self.S, self.D, self.loss, delta, **kwargs)
 
 
-def read_csv(path: Union[str, Path]) -> dict[str, Endpoints]:
-    """Read endpoints per architecture from a CSV with a header.
-
-    Required columns: ``arch, F, S, D, loss`` (S a fraction, 0 <= S < 1). Optional:
-    ``scale``, ``cell`` (see :class:`Endpoints`) and ``score``. Other columns are ignored.
-    """
-    path = Path(path)
+def _read_rows(path: Path, rows: dict[str, list[dict[str, str]]]) -> list[str]:
+    """Add the data rows of one endpoints CSV to ``rows`` (by arch); returns its columns."""
     with path.open(newline="") as fh:
         reader = csv.DictReader(fh)
         if reader.fieldnames is None:
@@ -154,24 +149,41 @@ def read_csv(path: Union[str, Path]) -> dict[str, Endpoints]:
             raise ValueError(
                 f"{path}: missing column(s) {', '.join(missing)}; have {', '.join(fields)}"
             )
-        rows: dict[str, list[dict[str, str]]] = {}
         for lineno, raw in enumerate(reader, start=2):
             row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
             if not any(row.values()):
                 continue
             if not row["arch"]:
                 raise ValueError(f"{path}:{lineno}: empty arch")
-            rows.setdefault(row["arch"], []).append({**row, "_line": str(lineno)})
+            rows.setdefault(row["arch"], []).append({**row, "_where": f"{path}:{lineno}"})
+    return fields
+
+
+def read_csv(path: Union[str, Path, Sequence[Union[str, Path]]]) -> dict[str, Endpoints]:
+    """Read endpoints per architecture from a CSV with a header, or from several (the
+    ``endpoints.csv`` of several runs: their rows as one table).
+
+    Required columns: ``arch, F, S, D, loss`` (S a fraction, 0 <= S < 1). Optional:
+    ``scale``, ``cell`` (see :class:`Endpoints`) and ``score``, when every file has them.
+    Other columns are ignored.
+    """
+    paths = [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
+    if not paths:
+        raise ValueError("no endpoints file given")
+    rows: dict[str, list[dict[str, str]]] = {}
+    fields: Optional[list[str]] = None
+    for p in paths:
+        have = _read_rows(p, rows)
+        fields = have if fields is None else [c for c in fields if c in have]
+    where = ", ".join(str(p) for p in paths)
     if not rows:
-        raise ValueError(f"{path}: no data rows")
+        raise ValueError(f"{where}: no data rows")
 
     def num(r: dict[str, str], col: str) -> float:
         try:
             return float(r[col])
         except ValueError:
-            raise ValueError(
-                f"{path}:{r['_line']}: column {col} is not a number: {r[col]!r}"
-            ) from None
+            raise ValueError(f"{r['_where']}: column {col} is not a number: {r[col]!r}") from None
 
     out = {}
     for arch, rs in rows.items():
@@ -185,7 +197,7 @@ def read_csv(path: Union[str, Path]) -> dict[str, Endpoints]:
         try:
             out[arch] = Endpoints(cols["F"], cols["S"], cols["D"], cols["loss"], **opt)
         except ValueError as e:
-            raise ValueError(f"{path}: arch {arch!r}: {e}") from None
+            raise ValueError(f"{where}: arch {arch!r}: {e}") from None
     return out
 
 

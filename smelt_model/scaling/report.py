@@ -1,11 +1,15 @@
 """The scaling-law report: tables of fitted surfaces, frontiers, CE Gain and TPP (with
-bootstrap intervals), the frontier plot, and the command line::
+bootstrap intervals), the frontier plot, and the command line ``smelt-scaling``
+(``python -m smelt_model.scaling``)::
 
-    python -m smelt_model.scaling endpoints.csv --bootstrap 2000 --seed 0 --plot frontier.png
-    python -m smelt_model.scaling --paper        # the tables from the paper's coefficients
+    smelt-scaling runs/a/endpoints.csv runs/b/endpoints.csv --bootstrap 2000 --plot runs/f.png
+    smelt-scaling --paper        # the tables from the paper's coefficients
 
 The CSV has a header and columns ``arch, F, S, D, loss`` (S a fraction), optionally ``scale``
-or ``cell`` (grouping for the bootstrap) and ``score`` (a downstream metric).
+or ``cell`` (grouping for the bootstrap) and ``score`` (a downstream metric); several files
+(the ``endpoints.csv`` of several runs) are read as one table. Errors follow
+:mod:`smelt_tools.cli`: a bad option is one line and exit status 2, a file that cannot be
+read or fitted one line and exit status 1.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from smelt_tools.cli import ExitParser
+from smelt_tools import cli
 
+from ..plotting import plot_path, pyplot, save
 from .endpoints import (
     BootstrapResult,
     Endpoints,
@@ -37,6 +42,8 @@ from .surface import (
 
 __all__ = ["PAPER_SPARSITIES", "report", "plot_frontiers", "main"]
 
+PROG = "smelt-scaling"
+
 #: sparsities of the paper's cells (its S≈85/95/97%; these reproduce its TPP and CE Gain)
 PAPER_SPARSITIES = (0.85, 0.95, 0.97)
 
@@ -44,8 +51,8 @@ PAPER_SPARSITIES = (0.85, 0.95, 0.97)
 _MORE_RUNS = (
     "each evaluation of a training run adds one endpoint (its D, tokens so far; --eval-every "
     "sets how many), while F changes only with the model (--preset / --config) or --seq-len: "
-    "train each architecture at two or more model sizes or context lengths, then merge the "
-    "runs' endpoints.csv files (one header, all rows) and fit that"
+    "train each architecture at two or more model sizes or context lengths, then fit the "
+    "runs' endpoints.csv files together (give them all)"
 )
 
 
@@ -238,11 +245,7 @@ def plot_frontiers(
     C_range: Optional[tuple[float, float]] = None,
 ) -> None:
     """Loss against compute: the runs (if given) and each fitted frontier per sparsity."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if C_range is None:
         if data:
             allC = np.concatenate([e.C for e in data.values()])
@@ -284,20 +287,23 @@ def plot_frontiers(
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 # ----------------------------------------------------------------------------- command line
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = ExitParser(
-        prog="python -m smelt_model.scaling",
+def _parser() -> cli.Parser:
+    ap = cli.Parser(
+        prog=PROG,
         description="Fit loss surfaces per architecture; print coefficients, frontier "
         "exponents, CE Gain and TPP tables (with bootstrap intervals).",
     )
-    ap.add_argument("csv", nargs="?", help="endpoints CSV: arch,F,S,D,loss[,scale|cell][,score]")
+    ap.add_argument(
+        "csv",
+        nargs="*",
+        help="endpoints CSV(s): arch,F,S,D,loss[,scale|cell][,score]; several are one table",
+    )
     ap.add_argument(
         "--paper", action="store_true", help="use the paper's coefficients instead of fitting a CSV"
     )
@@ -326,42 +332,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     ap.add_argument("--q", type=float, nargs=2, default=[2.5, 97.5], help="interval percentiles")
     ap.add_argument("--delta", type=float, default=1e-3, help="Huber threshold on log-loss")
-    ap.add_argument("--plot", metavar="PATH", help="draw loss against compute with the frontiers")
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--plot", metavar="PATH", help="draw loss against compute with the frontiers (.png)"
+    )
+    return ap
 
-    if args.paper == (args.csv is not None):
-        ap.error("give an endpoints CSV or --paper (not both)")
+
+def _options(argv: Optional[Sequence[str]]):
+    args = _parser().parse_args(argv)
+    if args.paper == bool(args.csv):
+        raise cli.UsageError("give an endpoints CSV or --paper (not both)")
     if args.paper and args.bootstrap:
-        ap.error("--bootstrap needs endpoints (a CSV), not --paper")
+        raise cli.UsageError("--bootstrap needs endpoints (a CSV), not --paper")
     if args.bootstrap < 0:
-        ap.error("--bootstrap must be >= 0")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print(
-                "error: --plot needs matplotlib, which is not installed "
-                "(pip install matplotlib, or install smelt with the [plot] extra)",
-                file=sys.stderr,
-            )
-            return 2
+        raise cli.UsageError("--bootstrap must be >= 0")
+    args.plot = plot_path(args.plot)
+    return args
 
+
+def _run(argv: Optional[Sequence[str]] = None) -> int:
+    """The report (see the module docstring)."""
+    args = _options(argv)
     data: Optional[dict[str, Endpoints]] = None
     if args.paper:
         fits = {"baseline": PAPER_BASELINE, "smelt": PAPER_SMELT}
     else:
-        try:
-            data = read_csv(args.csv)
-        except (OSError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+        data = read_csv(args.csv)
     archs = list(fits) if data is None else sorted(data)
     ref = args.ref or ("baseline" if "baseline" in archs else archs[0])
     targets = args.tgt or [a for a in archs if a != ref]
     for name in [ref, *targets]:
         if name not in archs:
-            print(f"error: unknown arch {name!r}; the data has {', '.join(archs)}", file=sys.stderr)
-            return 1
+            raise cli.unknown("arch", name, archs)
     order = [ref, *[t for t in targets if t != ref]]
     if data is None:
         S = args.S or list(PAPER_SPARSITIES)
@@ -375,35 +377,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 fits[a] = data[a].fit(args.delta)
             except ValueError as e:
                 e_ = data[a]
-                print(
-                    f"error: cannot fit {a!r}: {e} (it has {len(e_)} "
+                raise cli.CommandError(
+                    f"cannot fit {a!r}: {e} (it has {len(e_)} "
                     f"endpoint{'s' if len(e_) != 1 else ''}: "
                     f"{len(np.unique(e_.F))} distinct F, {len(np.unique(e_.D))} distinct D); "
-                    f"{_MORE_RUNS}",
-                    file=sys.stderr,
-                )
-                return 1
+                    f"{_MORE_RUNS}"
+                ) from None
 
     boots = {}
     if args.bootstrap:
         for t in targets:
-            try:
-                boots[t] = bootstrap(
-                    data[ref],
-                    data[t],
-                    args.C,
-                    S,
-                    args.bootstrap,
-                    seed=args.seed,
-                    q=args.q,
-                    delta=args.delta,
-                    anchor=args.anchor,
-                    ref_fit=fits[ref],
-                    tgt_fit=fits[t],
-                )
-            except ValueError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 1
+            boots[t] = bootstrap(
+                data[ref],
+                data[t],
+                args.C,
+                S,
+                args.bootstrap,
+                seed=args.seed,
+                q=args.q,
+                delta=args.delta,
+                anchor=args.anchor,
+                ref_fit=fits[ref],
+                tgt_fit=fits[t],
+            )
             if boots[t].failed:
                 print(
                     f"note: {boots[t].failed} of {args.bootstrap} draws for {t} could not be "
@@ -411,7 +407,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     file=sys.stderr,
                 )
 
-    src = "the paper's coefficients" if args.paper else args.csv
+    src = "the paper's coefficients" if args.paper else ", ".join(args.csv)
     print(f"# Scaling analysis ({src})\n")
     print(report({a: fits[a] for a in order}, ref, targets, args.C, S, boots, counts, args.anchor))
     if data is not None:
@@ -422,3 +418,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plot_frontiers(args.plot, {a: fits[a] for a in order}, S, data)
         print(f"\nplot written to {args.plot}")
     return 0
+
+
+main = cli.command(PROG, _run)

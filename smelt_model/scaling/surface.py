@@ -46,8 +46,6 @@ __all__ = [
     "compute_for_loss",
     "ce_gain",
     "tpp",
-    "check_points",
-    "single_threaded_blas",
 ]
 
 ArrayLike = Union[float, Sequence[float], np.ndarray]

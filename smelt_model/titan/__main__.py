@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from smelt_tools.cli import CommandError, UsageError, command, one_line, unknown
+from smelt_tools.cli import CommandError, UsageError, command, one_line, wants_traceback
 
 PROG = "python -m smelt_model.titan"
 MODULE = "smelt_model.titan"
@@ -278,7 +278,7 @@ def _train(args: list[str]) -> int:
         cause = first_failure(e)
         if isinstance(cause, (KeyboardInterrupt, SystemExit)):
             raise
-        if os.environ.get("SMELT_TRACEBACK") == "1":
+        if wants_traceback():
             raise
         if not isinstance(cause, _USER_ERRORS):
             if _reported():  # a consequence of another rank's failure (a closed connection)
@@ -306,7 +306,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
         world = nproc or int(os.environ.get("WORLD_SIZE", "1") or 1)
         return _prepare_and_run(args, nproc, world, torchrun)
     except UsageError as e:  # under torchrun: printed by one process, not by each
-        if os.environ.get("SMELT_TRACEBACK") == "1" or not torchrun:
+        if wants_traceback() or not torchrun:
             raise
         return _report(e, 2)
 
@@ -324,9 +324,10 @@ def _prepare_and_run(args: list[str], nproc: Optional[int], world: int, torchrun
     if _option(args, "--module") == MODULE and not helping:
         from .. import presets
 
-        name = _option(args, "--config")
-        if name not in presets.names():
-            raise unknown("preset", name, presets.names())
+        try:  # any case, pair or model name: presets.model_name says what a model is
+            presets.model_name(_option(args, "--config"))
+        except UsageError as e:
+            raise UsageError(f"--config: {e}") from None
     if helping:
         from torchtitan.config import ConfigManager
 
@@ -348,5 +349,25 @@ def _prepare_and_run(args: list[str], nproc: Optional[int], world: int, torchrun
 
 main = command(PROG, _run)
 
+
+def _leave(status: int) -> None:
+    """End a training process with ``status`` once its output is out.
+
+    torchtitan leaves its process group to the interpreter's exit, where the C++ runtime
+    destroys gloo's still-joinable threads and aborts ("terminate called without an active
+    exception", SIGABRT) after the run has already finished or printed its one line. So the
+    exit handlers run (the byte recorder writes its files there), the streams are flushed,
+    and the process ends without the C++ teardown."""
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _leave(main())

@@ -45,7 +45,7 @@ from torchtitan.protocols.module import Module
 from torchtitan.tools.logging import logger
 
 from ..block import ForwardContext, Rotary, SegmentAttention
-from ..budget import ledger
+from ..budget import embedding_params, ledger
 from ..config import ModelConfig
 from ..executor import Interleaved
 from ..model import SmeltLM, SmeltOutput
@@ -162,13 +162,12 @@ class SmeltTitan(SmeltLM, BaseModel):
             times in FLOPs.
             """
             led = ledger(self.arch, mean_doc_len=min(self.mean_doc_len, seq_len), seq_len=seq_len)
-            embeddings = 2 * self.arch.vocab_size * self.arch.hidden_size
             logger.info(
                 f"smelt ledger ({self.preset or 'model'}, seq_len {seq_len}): "
                 f"params by part {led.params_by_part}, training FLOPs per token "
                 f"by part { {k: f'{v:.4g}' for k, v in led.flops_by_part.items()} }"
             )
-            return led.total_params + embeddings, int(round(led.flops_per_token))
+            return led.total_params + embedding_params(self.arch), int(round(led.flops_per_token))
 
     def __init__(self, config: Config):
         SmeltLM.__init__(self, config.arch, recompute=config.recompute)

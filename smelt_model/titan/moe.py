@@ -6,14 +6,15 @@ smelt's router semantics and router losses:
 
 * routing is :func:`smelt_kernels.moe_gemm.route` on the gate's fp32 logits: softmax over
   all experts, top-k, weights renormalised to sum 1 (``route_norm``; off: no renorm);
-* the router losses are those of :meth:`smelt_kernels.layers.MoE.router_loss`
-  (``aux_loss_weight`` times Switch load balancing ``E * sum_e f_e P_e``, plus
-  ``z_loss_weight`` times the mean squared log-sum-exp of the logits), computed over the
-  *global* batch: with a ``stats_group`` (the data-parallel ranks, set by
+* the router losses are :func:`smelt_kernels.moe_gemm.router_loss`, the function the
+  drop-in :class:`smelt_kernels.layers.MoE` calls (``aux_loss_weight`` times Switch load
+  balancing ``E * sum_e f_e P_e``, plus ``z_loss_weight`` times the mean squared
+  log-sum-exp of the logits; bitwise the same at any thread count), over the *global*
+  batch: with a ``stats_group`` (the data-parallel ranks, set by
   :func:`smelt_model.titan.parallelize.parallelize_smelt`) the expert counts and token
   count are summed over it (one all-reduce of E + 1 numbers), and each rank returns its
   share, so the shares sum to the loss of the whole batch and their gradients, summed by
-  FSDP, are the whole batch's. On one process it equals ``router_loss`` exactly.
+  FSDP, are the whole batch's. On one process it equals the drop-in layer's exactly.
 
 ``forward(x, *, return_aux=False)`` follows :class:`smelt_model.block.Block`'s call:
 ``y`` or ``(y, aux)`` (aux None in eval mode or when both weights are 0).
@@ -35,7 +36,7 @@ from torch import nn
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import MoE, RoutedExperts, TokenChoiceTopKRouter
 
-from smelt_kernels.moe_gemm import route
+from smelt_kernels.moe_gemm import route, router_loss
 
 from ..config import ModelConfig
 from .dispatch import CountingAllToAllTokenDispatcher, DedupAllToAllTokenDispatcher
@@ -143,27 +144,25 @@ class SmeltMoE(MoE):
         return keep, out, RouterStats(logits, counts) if self._has_router_loss else None
 
     def router_loss(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the weighted router losses of the batch (see the module doc).
+        """This rank's share of the weighted router losses of the batch (see the module doc):
+        :func:`smelt_kernels.moe_gemm.router_loss` with the statistics of ``stats_group``.
 
         ``logits`` (N, E) fp32 of this rank's tokens; ``counts`` (E,) how many of their
         (token, slot) pairs went to each expert.
         """
-        E, K = logits.shape[-1], self.router.top_k
         stats = torch.cat(
             [counts.detach().float(), torch.tensor([float(logits.shape[0])], device=logits.device)]
         )
         if self.stats_group is not None:
             dist.all_reduce(stats, group=self.stats_group)
-        n_tokens = stats[-1].clamp_min(1.0)
-        loss = logits.new_zeros(())
-        if self.aux_loss_weight > 0:
-            frac = stats[:-1] / (n_tokens * K)
-            prob_sum = torch.softmax(logits, dim=-1).sum(0)
-            loss = loss + self.aux_loss_weight * E * (frac * prob_sum).sum() / n_tokens
-        if self.z_loss_weight > 0:
-            z = torch.logsumexp(logits, dim=-1).pow(2).sum()
-            loss = loss + self.z_loss_weight * z / n_tokens
-        return loss
+        return router_loss(
+            logits,
+            stats[:-1],
+            top_k=self.router.top_k,
+            aux_loss_weight=self.aux_loss_weight,
+            z_loss_weight=self.z_loss_weight,
+            n_tokens=stats[-1],
+        )
 
 
 def _normal(std: float):

@@ -7,16 +7,9 @@ import json
 from pathlib import Path
 from typing import Sequence, Union
 
-__all__ = ["require", "read_log", "plot_runs"]
+__all__ = ["read_log", "plot_runs"]
 
 COLORS = {"baseline": "tab:blue", "smelt": "tab:orange"}
-
-
-def require() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
 
 
 def read_log(run: Union[str, Path]) -> tuple[list[dict], list[dict]]:
@@ -35,12 +28,9 @@ def plot_runs(
 ) -> Path:
     """Draw the runs' validation (solid) and training (faint) losses against FLOPs and
     seconds into ``path``."""
-    require()
-    import matplotlib
+    from ..plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for run in runs:
         steps, evals = read_log(run)
@@ -72,8 +62,4 @@ def plot_runs(
         ax.legend()
     fig.suptitle(title + " (faint: training loss)")
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save(fig, path)

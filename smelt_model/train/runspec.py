@@ -12,8 +12,9 @@ from .plainstate import read_json
 __all__ = ["RunSpec", "read_run_file", "compare", "NONBITWISE"]
 
 #: RunSpec fields a resumed run may change: they do not change the trajectory (``steps``
-#: moves where the run stops; the learning-rate schedule follows ``schedule_steps``)
-_FREE = ("eval_every", "save_every", "eval_tokens", "keep", "steps")
+#: moves where the run stops; the learning-rate schedule follows ``schedule_steps``; the
+#: initial weights are the checkpoint's)
+_FREE = ("eval_every", "save_every", "eval_tokens", "keep", "steps", "init")
 #: RunSpec fields that change the floating-point result but not the recipe
 NONBITWISE = ("threads", "backend")
 
@@ -43,13 +44,16 @@ class RunSpec:
     save_every: int
     eval_tokens: int
     keep: int = 2
-    #: length of the warm-up and cosine schedule (default ``steps``); steps past it keep
-    #: the final learning rate, so a run extended with a larger ``steps`` continues smoothly
+    #: length of the warm-up and cosine schedule (default ``steps``; see
+    #: :func:`smelt_model.train.trainer.lr_factor`); steps past it keep the final learning
+    #: rate, so a run extended with a larger ``steps`` continues smoothly
     schedule_steps: Optional[int] = None
     #: CPU threads of torch and the kernels (None: not recorded)
     threads: Optional[int] = None
     #: the kernel backend asked for (``--backend``)
     backend: str = "auto"
+    #: the folder the initial weights came from (``--init``; None: drawn from ``seed``)
+    init: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.schedule_steps is None:
@@ -95,6 +99,7 @@ def read_run_file(path: Path) -> RunSpec:
         "grad_clip": (int, float),
         "threads": (int, type(None)),
         "schedule_steps": (int, type(None)),
+        "init": (str, type(None)),
     }
     for name, value in d.items():
         kind = kinds.get(name, int)

@@ -1,5 +1,5 @@
-"""One training run: a model, AdamW with warm-up and cosine decay, packed batches, evaluation,
-logs and checkpoints.
+"""One training run on one process (CPU or one GPU): a model, AdamW with warm-up and cosine
+decay, packed batches, evaluation, logs and checkpoints.
 
 :class:`Trainer` advances one optimizer step per :meth:`Trainer.step` call, so a caller can
 interleave two runs (``--arch both``, ``bench/time_to_loss.py``) and both see the same
@@ -8,10 +8,12 @@ takes global rows ``s*R .. (s+1)*R - 1`` of the per-epoch permutations of the pa
 contexts (R contexts per step), so two runs with the same seed see the same data, and a run
 resumed at step ``s`` continues with exactly the rows an uninterrupted run would take.
 
-Under ``torch.distributed`` the step's R rows form micro-batches of ``batch_size`` rows;
-micro-batch ``m`` runs on rank ``m % world``. Each micro-batch's mean loss is weighted by its
-share of the step's valid targets, so the gradient is that of the mean over the whole step,
-whatever the world size.
+The step's R rows form micro-batches of ``batch_size`` rows (gradient accumulation); each
+micro-batch's mean loss is weighted by its share of the step's valid targets, so the
+gradient is that of the mean over the whole step, whatever the micro-batch size. The
+learning rate follows :func:`lr_factor`, torchtitan's warm-up and cosine schedule, so a
+preset's recipe (:func:`smelt_model.presets.recipe`) trains alike here and on torchtitan.
+Runs on several processes go through :mod:`smelt_model.titan`.
 
 ``run.json`` records everything that fixes the trajectory (:class:`RunSpec`, including the
 thread count and the kernel backend); a resumed run is compared with it before any model is
@@ -21,6 +23,7 @@ line and leaves the run's files as they are.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -44,6 +47,7 @@ from .runspec import RunSpec, compare, read_run_file
 __all__ = [
     "RunSpec",
     "Trainer",
+    "lr_factor",
     "valid_targets",
     "ENDPOINT_COLUMNS",
     "read_run_file",
@@ -74,18 +78,14 @@ def check_memory(
     batch_size: int,
     seq_len: int,
     dtype: str,
-    world: int = 1,
-    local_world: Optional[int] = None,
     device: str = "cpu",
     what: str = "this run",
     available: Optional[int] = None,
 ) -> dict[str, int]:
-    """The estimated peak bytes of training ``cfgs`` together (:mod:`smelt_model.memory`),
-    refused with :class:`~smelt_model.memory.MemoryRefusal` (one line) when it does not fit.
-
-    Under ``world`` processes FSDP shards weights, gradients and optimizer state; on the CPU
-    the ``local_world`` processes of this machine share its memory. ``available``: bytes to
-    compare with (default :func:`smelt_model.memory.available` of ``device``).
+    """The estimated peak bytes of training ``cfgs`` together in one process
+    (:mod:`smelt_model.memory`), refused with :class:`~smelt_model.memory.MemoryRefusal`
+    (one line) when it does not fit. ``available``: bytes to compare with (default
+    :func:`smelt_model.memory.available` of ``device``).
     """
     from .. import memory
 
@@ -100,19 +100,11 @@ def check_memory(
             param_bytes=4,
             act_bytes=act,
         )
-        for k in ("weights", "gradients", "optimizer", "workspace"):
-            p[k] = -(-p[k] // world)
         parts[arch] = p
     total = _combined(parts)
     dev = torch.device(device)
-    procs = 1
-    if dev.type == "cpu":
-        procs = local_world if local_world is not None else world
-        total = {k: v * procs for k, v in total.items()}
     name = " + ".join(cfgs)
-    where = ("this machine" if dev.type == "cpu" else str(dev)) + (
-        f" ({procs} processes)" if procs > 1 else ""
-    )
+    where = "this machine" if dev.type == "cpu" else str(dev)
     if available is None:
         available = memory.available(dev)
     memory.check(
@@ -132,29 +124,25 @@ def valid_targets(segment_ids, labels) -> int:
     return int(model_valid_targets(torch.as_tensor(labels), torch.as_tensor(segment_ids)).sum())
 
 
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_factor: float) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of the peak:
+    torchtitan's ``LRSchedulersContainer`` with ``decay_type="cosine"`` (the schedule of
+    every :class:`smelt_model.presets.Recipe`), over a run of ``total_steps``.
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _all_reduce(values: list[float], device) -> list[float]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
+    A linear warm-up ``(step + 1) / warmup_steps`` (a warm-up longer than the run is cut
+    to it), the peak at ``step == warmup_steps``, then a cosine from 1 down towards
+    ``min_lr_factor``, reached one step past the run. Steps from ``total_steps`` on (a run
+    extended with ``--steps``) keep ``min_lr_factor``."""
+    if step >= total_steps:
+        return min_lr_factor
+    warmup = min(warmup_steps, total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    if step == warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_factor + (1 - min_lr_factor) * cosine  # torchtitan's order of operations
 
 
 class Trainer:
@@ -166,8 +154,9 @@ class Trainer:
     (then a warning: the continued run is no longer bitwise equal to an uninterrupted one).
     A larger ``spec.steps`` extends the run. No checkpoint that loads is a ``ValueError``
     naming what was tried; the run's files are then left untouched. ``backend`` (default
-    the spec's) and ``device`` go to the model; ``warn`` receives one-line warnings
-    (default: stderr, rank 0).
+    the spec's) and ``device`` go to the model; ``init``: weights to start from (a
+    ``SmeltLM`` state dict of the spec's model, e.g. a ``save_pretrained`` folder's) instead
+    of the seed's draw; ``warn`` receives one-line warnings (default: stderr).
     """
 
     def __init__(
@@ -181,6 +170,7 @@ class Trainer:
         device: str = "cpu",
         resume: bool = False,
         allow_nonbitwise: bool = False,
+        init: Optional[dict[str, torch.Tensor]] = None,
         warn: Optional[Callable[[str], None]] = None,
     ):
         from dataclasses import replace
@@ -191,22 +181,20 @@ class Trainer:
             spec = replace(spec, backend=backend)
         self.spec, self.train_data, self.val_data = spec, train, val
         self.out = Path(out)
-        self.rank, self.world = _rank_world()
         self.warn = warn if warn is not None else self._warn
         self.device = torch.device(device)
         self.cfg = ModelConfig.from_dict(spec.config)
         rows = spec.tokens_per_step // spec.seq_len
         self.rows_per_step = rows
-        self.accum = rows // (spec.batch_size * self.world)
+        self.accum = rows // spec.batch_size
         if (
             rows * spec.seq_len != spec.tokens_per_step
-            or self.accum * spec.batch_size * self.world != rows
+            or self.accum * spec.batch_size != rows
             or self.accum < 1
         ):
             raise ValueError(
                 f"--tokens-per-step ({spec.tokens_per_step}) must be a multiple of --seq-len "
-                f"x --batch-size x world size ({spec.seq_len} x {spec.batch_size} x "
-                f"{self.world})"
+                f"x --batch-size ({spec.seq_len} x {spec.batch_size})"
             )
         self.ledger = budget.ledger(self.cfg, mean_doc_len=train.mean_doc_len, seq_len=spec.seq_len)
         self.flops_per_token = self.ledger.flops_per_token
@@ -214,12 +202,10 @@ class Trainer:
         saved = self._check_run_file(resume, allow_nonbitwise)
 
         torch.manual_seed(spec.seed)
-        model = SmeltLM(self.cfg, backend=spec.backend, recompute=spec.recompute).to(self.device)
-        if self.world > 1:
-            from ..parallel import shard
-
-            shard(model)
-        self.model = model
+        model = SmeltLM(self.cfg, backend=spec.backend, recompute=spec.recompute)
+        if init is not None and not resume:
+            model.load_state_dict(_fitting(init, model, "the initial weights"))
+        self.model = model = model.to(self.device)
         decay = [p for p in model.parameters() if p.ndim >= 2]
         other = [p for p in model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
@@ -230,37 +216,32 @@ class Trainer:
             lr=spec.lr,
             betas=(0.9, 0.95),
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        schedule = functools.partial(
+            lr_factor,
+            warmup_steps=spec.warmup_steps,
+            total_steps=spec.schedule_steps,
+            min_lr_factor=spec.min_lr_ratio,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step_count = 0
         self.seconds = 0.0
         self.last_val: Optional[float] = None
         if resume:
             self._resume(saved)
             return
-        if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-        _barrier()  # every rank has looked for run.json before rank 0 writes it
-        if self.rank == 0:
-            self._write_run_file()
-            for f in LOGS:
-                (self.out / f).unlink(missing_ok=True)
-            self._write_endpoint_header()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._write_run_file()
+        for f in LOGS:
+            (self.out / f).unlink(missing_ok=True)
+        self._write_endpoint_header()
 
-    def _warn(self, message: str) -> None:
-        if self.rank == 0:
-            import sys
+    @staticmethod
+    def _warn(message: str) -> None:
+        import sys
 
-            print(f"warning: {message}", file=sys.stderr, flush=True)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ schedule and data
-    def _lr_factor(self, step: int) -> float:
-        s = self.spec
-        if step < s.warmup_steps:
-            return (step + 1) / s.warmup_steps
-        span = max(1, s.schedule_steps - s.warmup_steps)
-        progress = min(1.0, (step - s.warmup_steps) / span)
-        return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
     def step_rows(self, step: int) -> np.ndarray:
         """Indices of the contexts optimizer step ``step`` (0-based) trains on."""
         n = len(self.train_data)
@@ -306,14 +287,12 @@ class Trainer:
         self.model.train()
         t0 = time.perf_counter()
         loss_sum, aux_sum = 0.0, 0.0
-        for a in range(self.accum):
-            m = a * self.world + self.rank
+        for m in range(self.accum):
             ids, seg, labels = self._tensors(d, rows[m * b : (m + 1) * b])
             n = valid_targets(seg.cpu().numpy(), labels.cpu().numpy())
             with self._autocast():
                 out = self.model(ids, seg, labels=labels)
-            weight = n / max(n_total, 1) * self.world
-            objective = out.loss * weight
+            objective = out.loss * (n / max(n_total, 1))
             if out.aux_loss is not None:
                 objective = objective + out.aux_loss / self.accum
                 aux_sum += float(out.aux_loss.detach())
@@ -321,13 +300,10 @@ class Trainer:
             loss_sum += float(out.loss.detach()) * n
         clip = s.grad_clip if s.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        loss_sum, aux_sum = _all_reduce([loss_sum, aux_sum], self.device)
         self.seconds += time.perf_counter() - t0
         self.step_count += 1
         rec = {
@@ -337,7 +313,7 @@ class Trainer:
             "flops": self.flops,
             "seconds": self.seconds,
             "loss": loss_sum / max(n_total, 1),
-            "aux_loss": aux_sum / (self.accum * self.world) if aux_sum else None,
+            "aux_loss": aux_sum / self.accum if aux_sum else None,
             "lr": lr,
             "grad_norm": float(norm),
         }
@@ -353,20 +329,16 @@ class Trainer:
             return None
         b = self.spec.batch_size
         n_rows = min(len(v), max(1, self.spec.eval_tokens // self.spec.seq_len))
-        n_rows -= n_rows % self.world
-        if n_rows == 0:
-            return None
         self.model.eval()
-        mine = np.arange(self.rank, n_rows, self.world)
+        rows = np.arange(n_rows)
         ce, count = 0.0, 0
-        for i in range(0, len(mine), b):
-            ids, seg, labels = self._tensors(v, mine[i : i + b])
+        for i in range(0, n_rows, b):
+            ids, seg, labels = self._tensors(v, rows[i : i + b])
             n = valid_targets(seg.cpu().numpy(), labels.cpu().numpy())
             with self._autocast():
                 out = self.model(ids, seg, labels=labels)
             ce += float(out.loss) * n
             count += n
-        ce, count = _all_reduce([ce, float(count)], self.device)
         self.last_val = ce / max(count, 1)
         rec = {
             "arch": self.spec.arch,
@@ -377,7 +349,7 @@ class Trainer:
             "val_loss": self.last_val,
         }
         self._log(rec)
-        if self.rank == 0 and self.tokens > 0:  # the scaling fit needs D > 0
+        if self.tokens > 0:  # the scaling fit needs D > 0
             row = [
                 self.spec.arch,
                 repr(self.flops_per_token),
@@ -394,9 +366,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ files
     def _log(self, rec: dict[str, Any]) -> None:
-        if self.rank == 0:
-            with open(self.out / "log.jsonl", "a") as fh:
-                fh.write(json.dumps(rec) + "\n")
+        with open(self.out / "log.jsonl", "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
 
     def _write_endpoint_header(self) -> None:
         (self.out / "endpoints.csv").write_text(",".join(ENDPOINT_COLUMNS) + "\n")
@@ -454,27 +425,9 @@ class Trainer:
                 raise ValueError(f"{path}: not a valid log ({str(e).splitlines()[0]})") from None
         return sizes
 
-    def state_for_checkpoint(self) -> tuple[dict, dict]:
-        """(weights, optimizer state) as full, unsharded state dicts."""
-        if self.world > 1:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-                get_optimizer_state_dict,
-            )
-
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return (
-                get_model_state_dict(self.model, options=opts),
-                get_optimizer_state_dict(self.model, self.optimizer, options=opts),
-            )
-        return self.model.state_dict(), self.optimizer.state_dict()
-
     def save(self) -> None:
-        """Write a checkpoint of the current step (all ranks call this)."""
-        weights, optim = self.state_for_checkpoint()
-        if self.rank != 0:
-            return
+        """Write a checkpoint of the current step."""
+        weights, optim = self.model.state_dict(), self.optimizer.state_dict()
         sizes = {f: (self.out / f).stat().st_size for f in LOGS if (self.out / f).exists()}
         state = {
             "step": self.step_count,
@@ -526,8 +479,6 @@ class Trainer:
             float(ckpt.state["seconds"]),
             ckpt.state["last_val"],
         )
-        if self.rank != 0:
-            return
         for f, size in sizes.items():  # drop what the interrupted run logged after its checkpoint
             if (self.out / f).stat().st_size > size:
                 os.truncate(self.out / f, size)
@@ -547,29 +498,11 @@ class Trainer:
     def _load(self, ckpt: checkpoint.Checkpoint) -> None:
         """Put the checkpoint's weights, optimizer, scheduler and RNG states in place."""
         st = ckpt.state
-        want = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
-        have = {k: tuple(v.shape) for k, v in ckpt.weights.items()}
-        if want != have:
-            odd = sorted(set(want) ^ set(have)) or [k for k in want if want[k] != have[k]]
-            raise ValueError(
-                f"{ckpt.path / checkpoint.WEIGHTS}: does not fit the run's model "
-                f"({len(odd)} tensor(s) differ, e.g. {odd[0]})"
-            )
+        weights = _fitting(ckpt.weights, self.model, ckpt.path / checkpoint.WEIGHTS)
         ckpt.check_fits(self.model, self.optimizer, self.scheduler)
         try:
-            if self.world > 1:
-                from torch.distributed.checkpoint.state_dict import (
-                    StateDictOptions,
-                    set_model_state_dict,
-                    set_optimizer_state_dict,
-                )
-
-                opts = StateDictOptions(full_state_dict=True)
-                set_model_state_dict(self.model, ckpt.weights, options=opts)
-                set_optimizer_state_dict(self.model, self.optimizer, st["optimizer"], options=opts)
-            else:
-                self.model.load_state_dict(ckpt.weights)
-                self.optimizer.load_state_dict(st["optimizer"])
+            self.model.load_state_dict(weights)
+            self.optimizer.load_state_dict(st["optimizer"])
             self.scheduler.load_state_dict(st["scheduler"])
             rng = st["rng"]
             torch.set_rng_state(rng["torch"])
@@ -580,3 +513,16 @@ class Trainer:
             raise ValueError(
                 f"{ckpt.path / checkpoint.STATE_JSON}: does not fit the run ({first})"
             ) from None
+
+
+def _fitting(weights: dict, model: torch.nn.Module, where) -> dict:
+    """``weights`` when they are ``model``'s state dict in names and shapes, else a
+    ``ValueError`` naming ``where`` and the first tensor that differs."""
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    have = {k: tuple(v.shape) for k, v in weights.items()}
+    if want != have:
+        odd = sorted(set(want) ^ set(have)) or [k for k in want if want[k] != have[k]]
+        raise ValueError(
+            f"{where}: does not fit the run's model ({len(odd)} tensor(s) differ, e.g. {odd[0]})"
+        )
+    return weights

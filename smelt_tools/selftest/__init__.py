@@ -1,32 +1,32 @@
 """smelt's self-test: every kernel that can run here against its reference. Run it first on a
-new machine or GPU::
+new machine or GPU (``smelt-selftest``, or ``python -m smelt_tools.selftest``)::
 
-    python -m smelt_tools.selftest --device cuda --quick  # the GPU backends (Triton, CUDA)
-    python -m smelt_tools.selftest --device cuda          # every case, float16 too
-    python -m smelt_tools.selftest                        # the CPU backends (under a minute)
-    python -m smelt_tools.selftest --quick                # a few cases each (seconds)
-    TRITON_INTERPRET=1 python -m smelt_tools.selftest --quick   # Triton too, interpreted
-    python -m smelt_tools.selftest --op moe_ffn --backend cpu triton --json selftest.json
+    smelt-selftest --device cuda --quick    # the GPU backends (Triton, CUDA): one case per op
+    smelt-selftest --device cuda            # every case, float16 too
+    smelt-selftest                          # the CPU backends (seconds)
+    smelt-selftest --quick                  # one case per op: a smoke test
+    TRITON_INTERPRET=1 smelt-selftest --quick   # Triton too, interpreted
+    smelt-selftest --op moe_ffn --backend cpu triton --json selftest.json
 
 Every implementation the registry (:mod:`smelt_kernels.backends`) holds for every op --
 ``route``, ``moe_ffn``, ``grouped_gemm``, ``segment_attention``, ``rotary``, ``rms_norm`` and
 any registered later -- that can run on the device is called through the op's public entry
 point with ``backend=`` its name, forward (with and without autograd) and backward (the
 gradients of every differentiable input through a random upstream gradient), in float32,
-bfloat16 and float16 (where the backend takes it; ``--quick`` leaves float16 out and runs a
-few cases per op), at small, odd and edge shapes: for the
-MoE one token, odd H and d_e, experts with no tokens, all tokens on one expert, no tokens
-and H = 0; for attention length-1 segments, one segment filling the context, GQA, the
-decode form (Tq < Tk), head dims 7 and 88 and no positions; empty inputs wherever an op
-defines them. Each output is compared with the op's ``"torch"`` backend computed in
-float64 from the same (rounded) inputs, under the one tolerance table
-:data:`~smelt_tools.selftest.results.TOLERANCES`: an error may be at most twice what plain
-PyTorch makes in the same low precision, plus a floor of two units of that precision (at
-least 1e-5) at the output's scale ("plain PyTorch" is the ``"torch"`` backend in that
-precision, or for attention, whose backend computes in float32 inside, the reference computed
-wholly in that precision). A value that is not finite where the reference is fails;
-expert ids must match exactly. Kernel outputs are poisoned (``SMELT_POISON=1``) so an
-element a kernel forgets to write fails too.
+bfloat16 and float16 (where the backend takes it), on the op's edge cases
+(:data:`smelt_kernels.testing.EDGES`, the list the tests run too): for the MoE one token,
+odd H and d_e, experts with no tokens, all tokens on one expert, no tokens and H = 0; for
+attention length-1 segments, one segment filling the context, GQA, the decode form
+(Tq < Tk), head dims 7 and 88 and zero-size dimensions; empty inputs wherever an op defines
+them. ``--quick`` is a smoke test: the one case per op marked quick, float32 and bfloat16.
+Each output is compared with the op's ``"torch"`` backend computed in float64 from the same
+(rounded) inputs, under the one tolerance rule of :mod:`smelt_kernels.testing`: an error
+may be at most twice what plain PyTorch makes in the same low precision, plus a floor of two
+units of that precision (at least 1e-5) at the output's scale ("plain PyTorch" is the
+``"torch"`` backend in that precision, or for attention, whose backend computes in float32
+inside, the reference computed wholly in that precision). A value that is not finite where
+the reference is fails; expert ids must match exactly. Kernel outputs are poisoned
+(``SMELT_POISON=1``) so an element a kernel forgets to write fails too.
 
 An implementation that cannot run on the device, a dtype it refuses, and bfloat16 of the
 Triton backend under ``TRITON_INTERPRET=1`` (the interpreter has no bfloat16 ``tl.dot``)
@@ -34,11 +34,13 @@ are listed as ``skipped: <reason>``, never as passing. Triton runs on CPU tensor
 ``TRITON_INTERPRET=1``.
 
 The command prints one progress line per op and backend (stderr), then a table -- op,
-backend, variant (``backends.select(...).variant``), dtype, cases, worst normalised error
-(error / bound; at most 1 passes), verdict -- what failed, and a summary line. Exit status:
-0 when everything that ran passed, 1 on any failure (or when stopped early: Ctrl-C or
-SIGTERM print the rows that finished), 2 on bad options (one line on stderr; also
-``--device cuda`` without a GPU). The rows run in a worker process, so a kernel that
+backend, variant (``backends.select(...).variant``), dtype, cases, worst normalised error,
+verdict -- with the legend of its ``worst`` column (:data:`LEGEND`: the largest error over
+its bound; at most 1 passes), what failed, and a summary line. Exit status: 0 when
+everything that ran passed, 1 on any failure (or when stopped early: Ctrl-C or SIGTERM
+print the rows that finished), 2 on bad options, checked before any work (one line
+``smelt-selftest: error: ...`` on stderr; also ``--device cuda`` without a GPU, or a
+``--json`` path that is a folder). The rows run in a worker process, so a kernel that
 crashes the process (a signal, a dead CUDA context) fails its row and the rest still run;
 ``--in-process`` runs in the command's own process instead.
 
@@ -52,11 +54,10 @@ from typing import Callable, Optional, Sequence
 
 from .results import (
     FAIL,
+    LEGEND,
     PASS,
     SKIPPED,
-    TOLERANCES,
     Result,
-    Tolerance,
     failed,
     format_failures,
     format_table,
@@ -67,8 +68,7 @@ from .results import (
 __all__ = [
     "run",
     "Result",
-    "Tolerance",
-    "TOLERANCES",
+    "LEGEND",
     "PASS",
     "FAIL",
     "SKIPPED",

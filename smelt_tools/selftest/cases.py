@@ -1,10 +1,11 @@
-"""The self-test's cases: small, odd and edge shapes for every shipped op, each with how to
-call the op's public entry point on a backend.
+"""The self-test's cases: the edge cases of every shipped op
+(:data:`smelt_kernels.testing.EDGES`, the list the tests run too), each with its inputs and
+how to call the op's public entry point on a backend.
 
 A :class:`Case` holds float32 (and integer) CPU tensors; the runner casts the floating ones
 to the dtype under test, moves them to the device, and calls :attr:`Case.call` with a
 backend name. :data:`CASES` maps each op name of the registry to a function that builds its
-cases; ``quick`` keeps the cases marked for ``--quick``.
+cases; ``quick`` marks the one per op that ``--quick`` runs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from smelt_kernels import testing
 from smelt_kernels.attention import apply_rotary, segment_attention
 from smelt_kernels.attention import reference as attention_reference
 from smelt_kernels.moe_gemm import grouped_gemm, moe_ffn, route
@@ -70,65 +72,47 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _cases(op: str, build: Callable) -> Callable[[], list[Case]]:
+    """The function that builds ``op``'s cases: one per edge case of
+    :data:`smelt_kernels.testing.EDGES`, seeded by its position."""
+    return lambda: [build(edge, seed) for seed, edge in enumerate(testing.EDGES[op])]
+
+
 # ----------------------------------------------------------------------------- moe_ffn
-def _moe(name, T, H, de, E, k, ids=None, quick=False, seed=0) -> Case:
+def _moe(edge: testing.MoeEdge, seed: int) -> Case:
     g = _gen(seed)
+    T, H, de, E = edge.T, edge.H, edge.de, edge.E
     x = torch.randn(T, H, generator=g)
     w1 = torch.randn(E, 2 * de, H, generator=g) * max(H, 1) ** -0.5
-    w2 = torch.randn(E, H, de, generator=g) * de**-0.5
-    if ids is None:  # k distinct experts per token, at random
-        ids = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :k]
-    tw = torch.softmax(torch.randn(T, ids.shape[1], generator=g), dim=-1)
+    w2 = torch.randn(E, H, de, generator=g) * max(de, 1) ** -0.5
+    ids = testing.moe_ids(T, E, edge.k, edge.routing, g)
+    tw = torch.softmax(torch.randn(T, edge.k, generator=g), dim=-1)
     return Case(
-        name,
-        dict(x=x, w1=w1, w2=w2, tw=tw, ids=ids.to(torch.int32)),
+        edge.name,
+        dict(x=x, w1=w1, w2=w2, tw=tw, ids=ids),
         call=lambda b, t: (moe_ffn(t["x"], t["w1"], t["w2"], t["tw"], t["ids"], backend=b),),
         outputs=("y",),
         differentiable=("x", "w1", "w2", "tw"),
         keep=("tw",),
         select=lambda t: (t["x"], t["w1"], t["w2"], t["tw"], t["ids"]),
-        quick=quick,
+        quick=edge.quick,
         seed=seed,
     )
 
 
-def moe_cases() -> list[Case]:
-    return [
-        _moe("T=1", 1, 24, 16, 4, 2, quick=True),
-        _moe("odd H and d_e", 13, 37, 19, 5, 3, seed=1),
-        _moe(
-            "experts with no tokens", 9, 32, 24, 6, 2, seed=2, ids=torch.tensor([1, 0]).repeat(9, 1)
-        ),  # experts 2..5 get no rows
-        _moe(
-            "all tokens on one expert",
-            11,
-            16,
-            8,
-            4,
-            1,
-            quick=True,
-            seed=3,
-            ids=torch.full((11, 1), 3),
-        ),
-        _moe("many rows per expert", 96, 48, 40, 4, 2, seed=4),
-        _moe("T=0", 0, 16, 8, 4, 2, quick=True, seed=5),
-        _moe("H=0", 5, 0, 8, 4, 2, seed=6),
-    ]
-
-
 # ----------------------------------------------------------------------------- grouped_gemm
-def _grouped(name, Ma, K, N, ends, gather_rows=None, quick=False, seed=0) -> Case:
+def _grouped(edge: testing.GroupedEdge, seed: int) -> Case:
     g = _gen(seed)
-    E = len(ends)
+    K = edge.K
     t = dict(
-        a=torch.randn(Ma, K, generator=g),
-        b=torch.randn(E, N, K, generator=g) * K**-0.5,
-        ends=torch.tensor(ends, dtype=torch.int32),
+        a=torch.randn(edge.rows, K, generator=g),
+        b=torch.randn(len(edge.ends), edge.N, K, generator=g) * max(K, 1) ** -0.5,
+        ends=torch.tensor(edge.ends, dtype=torch.int32),
     )
-    if gather_rows is not None:
-        t["gather"] = torch.randint(0, Ma, (gather_rows,), generator=g, dtype=torch.int32)
+    if edge.gather is not None:
+        t["gather"] = torch.randint(0, edge.rows, (edge.gather,), generator=g, dtype=torch.int32)
     return Case(
-        name,
+        edge.name,
         t,
         call=lambda b, t: (
             grouped_gemm(t["a"], t["b"], t["ends"], gather_idx=t.get("gather"), backend=b),
@@ -136,29 +120,20 @@ def _grouped(name, Ma, K, N, ends, gather_rows=None, quick=False, seed=0) -> Cas
         outputs=("c",),
         differentiable=("a", "b"),
         select=lambda t: (t["a"], t["b"], t["ends"], t.get("gather"), True),
-        quick=quick,
+        quick=edge.quick,
         seed=seed,
     )
 
 
-def grouped_cases() -> list[Case]:
-    return [
-        _grouped("empty group and tail rows", 37, 23, 19, [4, 4, 15, 30, 33], quick=True),
-        _grouped("gathered rows", 21, 16, 12, [3, 3, 20, 30], gather_rows=30, quick=True, seed=1),
-        _grouped("one group", 9, 8, 5, [9], seed=2),
-        _grouped("one row", 1, 13, 7, [0, 1], seed=3),
-        _grouped("no rows", 0, 8, 4, [0, 0, 0], seed=4),
-    ]
-
-
 # ----------------------------------------------------------------------------- route
-def _route(name, T, E, k, renormalize=True, quick=False, seed=0) -> Case:
+def _route(edge: testing.RouteEdge, seed: int) -> Case:
     g = _gen(seed)
+    T, E, k, renormalize = edge.T, edge.E, edge.k, edge.renormalize
     # logits a step of 0.125 apart within a row: no ties, even in 16-bit floats
     ranks = torch.argsort(torch.rand(T, E, generator=g), dim=1).float()
     logits = ranks * 0.125 - 2.0 + torch.randn(T, 1, generator=g)
     return Case(
-        name,
+        edge.name,
         dict(logits=logits),
         call=lambda b, t: route(t["logits"], k, renormalize, backend=b),
         outputs=("weights", "ids"),
@@ -166,60 +141,29 @@ def _route(name, T, E, k, renormalize=True, quick=False, seed=0) -> Case:
         exact=("ids",),
         float32_outputs=("weights",),
         select=lambda t: (t["logits"], k, renormalize),
-        quick=quick,
+        quick=edge.quick,
         seed=seed,
     )
 
 
-def route_cases() -> list[Case]:
-    return [
-        _route("T=1, k=1", 1, 8, 1, quick=True),
-        _route("odd E, k=4", 17, 33, 4, quick=True, seed=1),
-        _route("no renormalisation", 6, 12, 3, renormalize=False, seed=2),
-        _route("k=E", 3, 5, 5, seed=3),
-        _route("T=0", 0, 8, 2, seed=4),
-    ]
-
-
 # ----------------------------------------------------------------------------- attention
-def _segments(B: int, T: int, lengths: Optional[list[int]], seed: int) -> Optional[torch.Tensor]:
-    """(B, T) ids: row 0 from ``lengths``, other rows random lengths; None for no ids."""
-    if lengths is None:
-        return None
-    g = _gen(seed + 100)
-    rows = []
-    for b in range(B):
-        lens = list(lengths)
-        if b > 0:
-            lens, left = [], T
-            while left > 0:
-                n = min(left, int(torch.randint(1, max(2, T // 2) + 1, (1,), generator=g)))
-                lens.append(n)
-                left -= n
-        rows.append(
-            torch.repeat_interleave(
-                torch.arange(len(lens)) * 3 - 1 + b, torch.tensor(lens, dtype=torch.long)
-            )
-        )
-    return torch.stack(rows)
-
-
 def _plain_attention(t: dict) -> tuple:
     return attention_reference.segment_attention(t["q"], t["k"], t["v"], t.get("seg"), upcast=False)
 
 
-def _attention(name, B, Tq, Tk, hq, hkv, D, lengths, quick=False, seed=0) -> Case:
+def _attention(edge: testing.AttentionEdge, seed: int) -> Case:
     g = _gen(seed)
+    B, Tq, Tk, D = edge.B, edge.Tq, edge.Tk, edge.D
     t = dict(
-        q=torch.randn(B, Tq, hq, D, generator=g),
-        k=torch.randn(B, Tk, hkv, D, generator=g),
-        v=torch.randn(B, Tk, hkv, D, generator=g),
+        q=torch.randn(B, Tq, edge.Hq, D, generator=g),
+        k=torch.randn(B, Tk, edge.Hkv, D, generator=g),
+        v=torch.randn(B, Tk, edge.Hkv, D, generator=g),
     )
-    seg = _segments(B, Tk, lengths, seed)
+    seg = testing.segment_ids(edge.segments, B, Tk, seed)
     if seg is not None:
         t["seg"] = seg
     return Case(
-        name,
+        edge.name,
         t,
         call=lambda b, t: segment_attention(
             t["q"], t["k"], t["v"], t.get("seg"), return_lse=True, return_sink=True, backend=b
@@ -228,86 +172,55 @@ def _attention(name, B, Tq, Tk, hq, hkv, D, lengths, quick=False, seed=0) -> Cas
         differentiable=("q", "k", "v"),
         plain=_plain_attention,
         select=lambda t: (t["q"], t["k"], t["v"], t.get("seg")),
-        quick=quick,
+        quick=edge.quick,
         seed=seed,
     )
 
 
-def attention_cases() -> list[Case]:
-    return [
-        _attention("length-1 segments", 1, 9, 9, 2, 2, 16, [1] * 9, quick=True),
-        _attention("one segment filling the context, GQA 2:1", 2, 20, 20, 4, 2, 32, None, seed=1),
-        _attention("mixed segments, GQA 6:1", 2, 37, 37, 6, 1, 64, [5, 16, 1, 15], seed=2),
-        _attention("decode form Tq=1 < Tk", 2, 1, 19, 4, 2, 16, [7, 12], seed=3),
-        _attention(
-            "decode form Tq=3 < Tk, GQA 2:1, D=88", 1, 3, 21, 2, 1, 88, [10, 11], quick=True, seed=4
-        ),
-        _attention("odd head dim D=7", 1, 11, 11, 2, 1, 7, [4, 7], seed=5),
-        _attention("T=0", 1, 0, 0, 2, 1, 8, [], seed=6),
-    ]
-
-
 # ----------------------------------------------------------------------------- rotary
-def _rotary(name, B, T, heads, D, per_batch=False, quick=False, seed=0) -> Case:
+def _rotary(edge: testing.RotaryEdge, seed: int) -> Case:
     g = _gen(seed)
+    B, T, D = edge.B, edge.T, edge.D
     inv_freq = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    pos = torch.randint(0, 4096, (B, T), generator=g) if per_batch else torch.arange(T) + 3
+    pos = torch.randint(0, 4096, (B, T), generator=g) if edge.per_batch else torch.arange(T) + 3
     angles = (pos.double()[..., None] * inv_freq).float()
-    t = dict(x=torch.randn(B, T, heads, D, generator=g), cos=angles.cos(), sin=angles.sin())
+    t = dict(x=torch.randn(B, T, edge.heads, D, generator=g), cos=angles.cos(), sin=angles.sin())
     return Case(
-        name,
+        edge.name,
         t,
         call=lambda b, t: (apply_rotary(t["x"], t["cos"], t["sin"], backend=b),),
         outputs=("y",),
         differentiable=("x",),
         keep=("cos", "sin"),
         select=lambda t: (t["x"], t["cos"], t["sin"]),
-        quick=quick,
+        quick=edge.quick,
         seed=seed,
     )
 
 
-def rotary_cases() -> list[Case]:
-    return [
-        _rotary("one position, D=2", 1, 1, 1, 2, quick=True),
-        _rotary("odd heads and positions, D=10", 2, 7, 3, 10, seed=1),
-        _rotary("per-batch tables", 3, 5, 2, 12, per_batch=True, quick=True, seed=2),
-        _rotary("T=0", 2, 0, 2, 8, seed=3),
-    ]
-
-
 # ----------------------------------------------------------------------------- rms_norm
-def _norm(name, shape, quick=False, seed=0) -> Case:
+def _norm(edge: testing.NormEdge, seed: int) -> Case:
     g = _gen(seed)
+    shape = edge.shape
     t = dict(x=torch.randn(*shape, generator=g) * 3, w=torch.rand(shape[-1], generator=g) + 0.5)
     return Case(
-        name,
+        edge.name,
         t,
         call=lambda b, t: (rms_norm(t["x"], t["w"], 1e-5, backend=b),),
         outputs=("y",),
         differentiable=("x", "w"),
         select=lambda t: (t["x"], t["w"], 1e-5),
-        quick=quick,
+        quick=edge.quick,
         seed=seed,
     )
 
 
-def norm_cases() -> list[Case]:
-    return [
-        _norm("one row", (1, 8), quick=True),
-        _norm("odd width", (3, 37), seed=1),
-        _norm("leading batch dims", (2, 5, 96), quick=True, seed=2),
-        _norm("H=1", (4, 1), seed=3),
-        _norm("no rows", (0, 16), seed=4),
-    ]
-
-
-#: op name -> the function that builds its cases
+#: op name -> the function that builds its cases (the edge cases of smelt_kernels.testing)
 CASES: dict[str, Callable[[], list[Case]]] = {
-    "moe_ffn": moe_cases,
-    "grouped_gemm": grouped_cases,
-    "route": route_cases,
-    "segment_attention": attention_cases,
-    "rotary": rotary_cases,
-    "rms_norm": norm_cases,
+    "moe_ffn": _cases("moe_ffn", _moe),
+    "grouped_gemm": _cases("grouped_gemm", _grouped),
+    "route": _cases("route", _route),
+    "segment_attention": _cases("segment_attention", _attention),
+    "rotary": _cases("rotary", _rotary),
+    "rms_norm": _cases("rms_norm", _norm),
 }

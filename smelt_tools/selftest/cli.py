@@ -1,14 +1,15 @@
-"""The command line of the self-test, ``python -m smelt_tools.selftest`` (see the package
-docstring for what it checks).
+"""The command line of the self-test, ``smelt-selftest`` (or ``python -m
+smelt_tools.selftest``; see the package docstring for what it checks).
 
-The command reads its options and runs the rows in a worker process (the same command with
-``--worker-fd``), which reports each row back as a JSON line on a pipe. When the worker dies
-(a kernel that raises a signal) the row it was running fails with the case it was in and
-how the process ended, and a new worker carries on from the next row; so it does after a
-CUDA error that leaves the context unusable (an illegal memory access). The table is printed
-once, at the end; stopped early (Ctrl-C, or SIGTERM from a time limit), the command prints
-the rows that finished and says it was interrupted. This module imports torch only in the
-worker (or with ``--in-process``)."""
+The command follows the one convention of :mod:`smelt_tools.cli`: it reads and checks its
+options, the ``--json`` path included, before any work, then runs the rows in a worker
+process (the same command with ``--worker-fd``), which reports each row back as a JSON line
+on a pipe. When the worker dies (a kernel that raises a signal) the row it was running
+fails with the case it was in and how the process ended, and a new worker carries on from
+the next row; so it does after a CUDA error that leaves the context unusable (an illegal
+memory access). The table is printed once, at the end; stopped early (Ctrl-C, or SIGTERM
+from a time limit), the command prints the rows that finished and says it was interrupted.
+This module imports torch only in the worker (or with ``--in-process``)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from ..cli import Parser, UsageError
-from .results import FAIL, Result, failed, format_failures, format_table, summary, to_json
+from ..cli import CommandError, Parser, UsageError, command, output_path
+from . import results
+from .results import FAIL, LEGEND, Result
 
 __all__ = ["main"]
 
-PROG = "python -m smelt_tools.selftest"
+PROG = "smelt-selftest"
 _INTERRUPTED = 130  # a worker's exit status after Ctrl-C
 
 
@@ -41,12 +43,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Every smelt kernel that can run on the device against "
         "its float64 reference, forward and backward, per dtype. Exit status 0: all "
         "passed; 1: a failure (or interrupted); 2: bad options.",
+        epilog=LEGEND,
     )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a few cases per op, float32 and bfloat16 (seconds per backend)",
+        help="a smoke test: one case per op, float32 and bfloat16",
     )
     p.add_argument(
         "--op",
@@ -73,11 +76,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     return p
-
-
-def _bad(message: str) -> int:
-    print(f"selftest: error: {message}", file=sys.stderr, flush=True)
-    return 2
 
 
 class _Progress:
@@ -109,30 +107,48 @@ class _Run:
     def __init__(self, device: str):
         self.units: Optional[list] = None
         self.rows: dict[int, Result] = {}
-        self.device, self.environment = device, {}
+        self.device, self.environment, self.tolerances = device, {}, {}
         self.progress: Optional[_Progress] = None
         self.t0 = time.perf_counter()
 
-    def start(self, units, device: str, environment: dict) -> None:
-        self.units, self.device, self.environment = [tuple(u) for u in units], device, environment
+    def start(self, units, device: str, environment: dict, tolerances: dict) -> None:
+        self.units, self.device = [tuple(u) for u in units], device
+        self.environment, self.tolerances = environment, tolerances
         self.progress = self.progress or _Progress(self.units)
 
-    def finish(self, json_path: Optional[str]) -> int:
-        """Print the table, the failures and the summary; write the JSON; the exit status."""
-        results = [self.rows[i] for i in sorted(self.rows)]
+    def finish(self, json_path) -> int:
+        """Print the table, the failures and the summary; write the JSON (its folder made
+        where missing); the exit status."""
+        rows = [self.rows[i] for i in sorted(self.rows)]
         planned = len(self.units) if self.units is not None else 0
         seconds = time.perf_counter() - self.t0
-        print(format_table(results))
-        failures = format_failures(results)
+        print(results.format_table(rows))
+        failures = results.format_failures(rows)
         if failures:
             print()
             print(failures)
         print()
-        print(summary(results, self.device, seconds, planned), flush=True)
-        if json_path:
-            with open(json_path, "w") as f:
-                f.write(to_json(results, self.device, seconds, self.environment, planned) + "\n")
-        return 1 if failed(results) or len(results) < planned else 0
+        print(results.summary(rows, self.device, seconds, planned), flush=True)
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            data = results.to_json(
+                rows, self.device, seconds, self.environment, planned, self.tolerances
+            )
+            json_path.write_text(data + "\n")
+        return 1 if results.failed(rows) or len(rows) < planned else 0
+
+
+def _units(args):
+    """(the rows to run, the device) of these options; UsageError for bad names or a device
+    that is not there."""
+    from . import runner
+
+    try:
+        return runner.units(args.device, args.ops, args.backends, args.quick), (
+            runner.resolve_device(args.device)
+        )
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
 
 
 def _in_process(args, run: _Run) -> int:
@@ -140,13 +156,12 @@ def _in_process(args, run: _Run) -> int:
 
     from . import runner
 
-    try:
-        units = runner.units(args.device, args.ops, args.backends, args.quick)
-    except (ValueError, TypeError) as e:
-        return _bad(str(e))
-    dev = runner.resolve_device(args.device)
+    units, dev = _units(args)
     run.start(
-        [(u.op, u.backend, u.dtype_name) for u in units], str(dev), backends.report(dev).environment
+        [(u.op, u.backend, u.dtype_name) for u in units],
+        str(dev),
+        backends.report(dev).environment,
+        runner.tolerances(),
     )
     with runner.poisoned():
         for i, unit in enumerate(units):
@@ -169,15 +184,12 @@ def _worker(args) -> int:
         out.write(json.dumps(msg) + "\n")
         out.flush()
 
-    try:
-        units = runner.units(args.device, args.ops, args.backends, args.quick)
-    except (ValueError, TypeError) as e:
-        return _bad(str(e))
-    dev = runner.resolve_device(args.device)
+    units, dev = _units(args)
     send(
         units=[(u.op, u.backend, u.dtype_name) for u in units],
         device=str(dev),
         environment=backends.report(dev).environment,
+        tolerances=runner.tolerances(),
     )
     with runner.poisoned():
         for i in range(args.start, len(units)):
@@ -227,7 +239,7 @@ def _work(run: _Run, argv: list[str], start: int):
             for line in pipe:
                 msg = json.loads(line)
                 if "units" in msg:
-                    run.start(msg["units"], msg["device"], msg["environment"])
+                    run.start(msg["units"], msg["device"], msg["environment"], msg["tolerances"])
                 elif "unit" in msg:
                     current, case, partial = msg["unit"], None, None
                     run.progress.unit(current)
@@ -254,10 +266,10 @@ def _supervise(args, argv: list[str], run: _Run) -> int:
         if rc in (-signal.SIGTERM, -signal.SIGINT, _INTERRUPTED):  # stopped, not crashed
             raise _Stopped()
         if run.units is None:  # it never started: bad options (it said so), or it could not load
-            return (
-                2
-                if rc == 2
-                else _bad(f"the self-test's worker process ended before it started ({_ended(rc)})")
+            if rc == 2:
+                return 2
+            raise CommandError(
+                f"the self-test's worker process ended before it started ({_ended(rc)})"
             )
         if current is None:  # ended between rows
             after = max(run.rows, default=-1) + 1
@@ -275,7 +287,7 @@ def _supervise(args, argv: list[str], run: _Run) -> int:
         )
         run.rows[current] = row
         print(
-            f"selftest: {op} / {backend} / {dtype} crashed ({_ended(rc)}); going on with a "
+            f"{PROG}: {op} / {backend} / {dtype} crashed ({_ended(rc)}); going on with a "
             "new process",
             file=sys.stderr,
             flush=True,
@@ -288,15 +300,11 @@ def _stop(signum, frame):
     raise _Stopped()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _run(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = _parser().parse_args(argv)
-    except UsageError as e:
-        return _bad(str(e))
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        return _bad(f"--json: the folder of {args.json!r} does not exist")
+    args = _parser().parse_args(argv)
+    args.json = output_path(args.json, "--json")
     if args.worker_fd is not None:
         try:
             return _worker(args)
@@ -313,7 +321,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _in_process(args, run) if args.in_process else _supervise(args, argv, run)
     except (KeyboardInterrupt, _Stopped):
-        print("selftest: interrupted", file=sys.stderr, flush=True)
+        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
         if main_thread:  # a second Ctrl-C must not cut the table short
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         return run.finish(args.json) if run.units is not None else 1
@@ -321,3 +329,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for signum, handler in handlers.items():
             if handler is not None:  # None: installed outside Python, left as it is
                 signal.signal(signum, handler)
+
+
+main = command(PROG, _run)

@@ -1,5 +1,6 @@
-"""What the self-test measures against and what it hands back: the tolerance table, a
-:class:`Result` per op, backend and dtype, and their table, summary and JSON forms.
+"""What the self-test hands back: a :class:`Result` per op, backend and dtype, and their
+table (with the :data:`LEGEND` of its ``worst`` column), summary and JSON forms. The
+tolerance rule it measures with is :mod:`smelt_kernels.testing`'s.
 
 This module does not import torch, so that the command line can read options, start the
 worker process and print its results without paying for it.
@@ -13,8 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
 __all__ = [
-    "Tolerance",
-    "TOLERANCES",
+    "LEGEND",
     "Result",
     "PASS",
     "FAIL",
@@ -29,34 +29,11 @@ __all__ = [
 PASS, FAIL, SKIPPED = "pass", "FAIL", "skipped"
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """The bound on one output's error against the float64 reference::
-
-        max |got - ref| <= factor * max |plain - ref| + max(floor_ulps * eps, floor_min) * scale
-
-    ``plain``: what plain PyTorch (the op's ``"torch"`` backend, or the reference computed
-    wholly in the low precision where the backend upcasts inside) makes from the same inputs
-    in the same precision; ``eps``: the machine epsilon of the dtype the inputs were given
-    in (an fp32 output of a bf16 computation is only as good as bf16), or float32's for an
-    output the op computes in float32 whatever its inputs (the router's weights); ``scale``:
-    ``max(1, max |ref|)``. The floor covers cases where plain PyTorch rounds luckily, and
-    fp32, where both errors are rounding noise of different summation orders. An error
-    divided by its bound is the *normalised* error: at most 1 passes.
-    """
-
-    factor: float
-    floor_ulps: float
-    floor_min: float
-
-
-#: the one tolerance table: flash-attn's rule ("at most twice what plain PyTorch makes in the
-#: same low precision") with a floor of two units of the dtype, and at least 1e-5
-TOLERANCES: dict[str, Tolerance] = {
-    "float32": Tolerance(factor=2.0, floor_ulps=2.0, floor_min=1e-5),
-    "bfloat16": Tolerance(factor=2.0, floor_ulps=2.0, floor_min=1e-5),
-    "float16": Tolerance(factor=2.0, floor_ulps=2.0, floor_min=1e-5),
-}
+#: what the table's ``worst`` column holds (under the table and in ``--help``)
+LEGEND = (
+    "worst: the largest error / bound over every output and gradient of the row's cases "
+    "(at most 1 passes; the bound: 2 x plain torch's error + 2 units of the dtype)"
+)
 
 
 @dataclass
@@ -67,9 +44,10 @@ class Result:
     ``variant``: the variants ``backends.select(...).variant`` named over the cases (comma
     separated; empty where the implementation has none). ``cases``: how many cases ran;
     ``worst``: the largest normalised error over every output and gradient of those cases
-    (see :class:`Tolerance`; ``inf`` for a non-finite value or an exception, None when
-    nothing ran). ``verdict``: ``"pass"``, ``"FAIL"`` or ``"skipped"``; ``reason``: why it
-    was skipped, or what else to know (cases skipped and why); ``failures``: one line per
+    (error / bound, :class:`smelt_kernels.testing.Tolerance`; ``inf`` for a non-finite
+    value or an exception, None when nothing ran). ``verdict``: ``"pass"``, ``"FAIL"`` or
+    ``"skipped"``; ``reason``: why it was skipped, or what else to know (cases skipped and
+    why); ``failures``: one line per
     failing output (case, output, error and bound).
     """
 
@@ -110,7 +88,7 @@ def _worst(r: Result) -> str:
 
 def format_table(results: Sequence[Result]) -> str:
     """The results as a fixed-width table: op, backend, variant, dtype, cases, worst
-    normalised error, verdict (a skipped row says why)."""
+    normalised error, verdict (a skipped row says why), and the :data:`LEGEND` under it."""
     head = ("op", "backend", "variant", "dtype", "cases", "worst", "verdict")
     rows = []
     for r in results:
@@ -140,7 +118,7 @@ def format_table(results: Sequence[Result]) -> str:
         ]
         lines.append("  ".join(cells + [row[-1]]).rstrip())
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(head[-1]))
-    return "\n".join(lines)
+    return "\n".join(lines + [LEGEND])
 
 
 def format_failures(results: Sequence[Result]) -> str:
@@ -175,14 +153,16 @@ def to_json(
     seconds: float,
     environment: dict,
     planned: Optional[int] = None,
+    tolerances: Optional[dict] = None,
 ) -> str:
     """The run as JSON: device, environment variables that change a choice, the tolerance
-    table, every row and the summary line."""
+    table it ran under (``{dtype: {factor, floor_ulps, floor_min}}``), every row and the
+    summary line."""
     return json.dumps(
         {
             "device": device,
             "environment": environment,
-            "tolerances": {k: asdict(v) for k, v in TOLERANCES.items()},
+            "tolerances": tolerances or {},
             "results": [r.to_dict() for r in results],
             "failed": failed(results),
             "complete": planned is None or len(results) >= planned,

@@ -10,15 +10,15 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from smelt_kernels import backends
+from smelt_kernels import backends, testing
 
 from .cases import CASES, Case
-from .results import FAIL, PASS, SKIPPED, TOLERANCES, Result
+from .results import FAIL, PASS, SKIPPED, Result
 
 __all__ = [
     "Unit",
@@ -29,7 +29,7 @@ __all__ = [
     "run_unit",
     "run",
     "device_lost",
-    "compare",
+    "tolerances",
     "poisoned",
 ]
 
@@ -105,9 +105,12 @@ def units(
     (the reference last); dtypes. An implementation that cannot run on the device is one
     skipped row; a dtype it refuses, or one the Triton interpreter cannot stand in for, a
     skipped row of that dtype. ``quick`` leaves float16 out (on a GPU every dtype is a
-    kernel compile). Bad names or devices: ValueError / TypeError."""
+    kernel compile). Bad names or devices, or an environment variable with a value smelt
+    refuses: ValueError / TypeError."""
     dev = resolve_device(device)
     report = backends.report(dev)
+    if report.problems:  # every row would fail on it: say so once, before any runs
+        raise ValueError("; ".join(report.problems.values()))
     # the shipped ops in the order of their cases, then any registered later
     op_names = _names(
         "ops", ops, [op for op in CASES if op in report] + [op for op in report if op not in CASES]
@@ -191,56 +194,9 @@ def _evaluate(case: Case, backend: str, dtype: torch.dtype, device) -> tuple[dic
     return got, ref, plain
 
 
-def _max_abs(a: torch.Tensor) -> float:
-    return a.abs().max().item() if a.numel() else 0.0
-
-
-def compare(
-    name: str,
-    got: torch.Tensor,
-    ref: torch.Tensor,
-    plain: torch.Tensor,
-    dtype: torch.dtype,
-    exact: bool = False,
-    floor_dtype: Optional[torch.dtype] = None,
-) -> tuple[float, Optional[str]]:
-    """(normalised error, None or what failed) of one output against the reference, by the
-    tolerance table (:class:`~smelt_tools.selftest.results.Tolerance`) of ``dtype``, the
-    dtype the inputs were given in; ``floor_dtype``: the precision the floor is counted in,
-    when not ``dtype``'s (an output computed in float32 whatever the inputs)."""
-    got = got.detach().cpu()
-    if tuple(got.shape) != tuple(ref.shape):
-        return math.inf, f"{name}: shape {tuple(got.shape)}, the reference's {tuple(ref.shape)}"
-    if exact:
-        if torch.equal(got.to(ref.dtype), ref):
-            return 0.0, None
-        bad = int((got.to(ref.dtype) != ref).sum())
-        return math.inf, f"{name}: {bad} of {ref.numel()} values differ from the reference's"
-    if not got.is_floating_point():
-        return math.inf, f"{name}: dtype {got.dtype}, expected floating point"
-    g, r = got.double(), ref.double()
-    finite = torch.isfinite(r)
-    lost = int((~torch.isfinite(g) & finite).sum())
-    if lost:
-        return math.inf, f"{name}: {lost} NaN or inf values where the reference is finite"
-    if not torch.equal(torch.isfinite(g), finite):
-        return math.inf, f"{name}: finite values where the reference has NaN or inf"
-    if not torch.equal(torch.isnan(g), torch.isnan(r)):
-        return math.inf, f"{name}: NaN where the reference has inf (or the reverse)"
-    diff = torch.where(finite, g - r, torch.where(g == r, 0.0, math.inf))
-    err = _max_abs(diff)
-    base = _max_abs(torch.where(finite, plain.detach().cpu().double() - r, 0.0))
-    tol = TOLERANCES[str(dtype).replace("torch.", "")]
-    eps = torch.finfo(floor_dtype or dtype).eps
-    floor = max(tol.floor_ulps * eps, tol.floor_min) * max(1.0, _max_abs(r[finite]))
-    bound = tol.factor * base + floor
-    norm = err / bound
-    if norm <= 1.0:
-        return norm, None
-    return norm, (
-        f"{name}: max error {err:.3e} > bound {bound:.3e} ({tol.factor:g} x plain torch's "
-        f"{base:.3e} + floor {floor:.3e})"
-    )
+def tolerances() -> dict:
+    """The tolerance table the comparisons use, as plain data (what the JSON records)."""
+    return {k: asdict(v) for k, v in testing.TOLERANCES.items()}
 
 
 #: what a row's failures say when its device became unusable (a new process must go on)
@@ -271,7 +227,7 @@ def run_case(
             failures.append(f"case {case.name!r}: {name}: missing from the outputs")
             continue
         output = name.split(" ")[0]
-        norm, why = compare(
+        norm, why = testing.compare(
             name,
             got[name],
             r,

@@ -10,6 +10,7 @@ from helpers import device_for
 from smelt_kernels import backends
 from smelt_kernels.attention import cpu as attention_cpu
 from smelt_kernels.attention import segment_attention
+from smelt_kernels.testing import EDGES
 
 # the interpreter computes with numpy, which warns about the NaNs these tests put in on purpose
 pytestmark = [
@@ -33,11 +34,9 @@ def _grads(backend, q, k, v, seg, do):
 
 
 # ----------------------------------------------------------------------------- zero sizes
-ZERO_CASES = {  # (B, Tq, Tk, Hq, Hkv, D)
-    "no_queries": (1, 0, 5, 2, 1, 16),
-    "no_keys": (1, 0, 0, 2, 1, 16),
-    "no_batch": (0, 4, 4, 2, 1, 16),
-    "no_query_heads": (2, 3, 3, 0, 1, 16),
+#: the package's edge cases with a zero-size dimension (no queries, keys, batch or heads)
+ZERO_CASES = {
+    e.name: (e.B, e.Tq, e.Tk, e.Hq, e.Hkv, e.D) for e in EDGES["segment_attention"] if e.empty
 }
 
 

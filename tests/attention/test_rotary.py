@@ -13,18 +13,13 @@ from smelt_kernels.attention.rotary import (
     rotary_reference,
 )
 from smelt_kernels.layers import Rotary
+from smelt_kernels.testing import EDGES
 
 NATIVE = native_missing()
 needs_native = pytest.mark.skipif(NATIVE is not None, reason=f"native kernel missing: {NATIVE}")
 
-# (B, T, heads, head_dim, per-batch tables)
-SHAPES = [
-    (1, 1, 1, 2, False),
-    (2, 7, 3, 10, False),
-    (2, 33, 5, 64, False),
-    (3, 5, 2, 96, True),
-    (2, 0, 2, 8, False),
-]
+# (B, T, heads, head_dim, per-batch tables): the package's edge cases
+SHAPES = [(e.B, e.T, e.heads, e.D, e.per_batch) for e in EDGES["rotary"]]
 
 
 def _case(B, T, heads, D, per_batch, dtype, seed=0):

@@ -50,3 +50,27 @@ def test_compile_fullgraph_training_step():
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads_c[n], p.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_every_operator_fake_describes_its_real_outputs():
+    """Each op's edge cases (smelt_kernels.testing.EDGES, built as the self-test builds them)
+    on the CPU backends, forward and backward: every smelt operator reached gives outputs
+    whose sizes and strides its fake predicts (what inductor plans its buffers from)."""
+    from torch._subclasses.fake_utils import CrossRefFakeMode
+
+    from smelt_tools.selftest.cases import CASES
+
+    def ours(op):
+        return op.namespace in ("smelt", "smelt_cpu")
+
+    with CrossRefFakeMode(ignore_op_fn=lambda op: not ours(op)):
+        for build in CASES.values():
+            for case in build():
+                for backend in ("cpu", "torch"):
+                    t = case.inputs(torch.float32, "cpu", grad=True)
+                    heads = [o for o in case.call(backend, t)[: case.grad_outputs]]
+                    heads = [h for h in heads if h.requires_grad]
+                    if heads:
+                        leaves = [t[n] for n in case.differentiable]
+                        ups = [torch.ones_like(h) for h in heads]
+                        torch.autograd.grad(heads, leaves, ups, allow_unused=True)

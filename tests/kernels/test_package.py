@@ -56,6 +56,22 @@ def toy_op(monkeypatch):
     return "toy"
 
 
+def test_an_implementation_takes_its_familys_devices_and_priority(toy_op):
+    """Unless given, devices and priority are the family's: what auto's order follows."""
+    for name in ("torch", "cpu", "triton", "cuda"):
+        impl = backends.register("toy", name, lambda x: x, lambda g: g, replace=True)
+        fam = backends.family(name)
+        assert (impl.devices, impl.priority) == (fam.devices, fam.priority)
+    assert [i.backend for i in backends.implementations("toy")] == [
+        "triton",
+        "cuda",
+        "cpu",
+        "torch",
+    ]
+    mine = backends.register("toy", "cpu", lambda x: x, devices=None, priority=99, replace=True)
+    assert (mine.devices, mine.priority) == (None, 99)
+
+
 def test_backend_selection(toy_op, caplog):
     assert backends.select(toy_op, None, device="cpu", dtype=torch.float32, size=1).backend == "cpu"
     assert (

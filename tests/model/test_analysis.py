@@ -167,16 +167,24 @@ def test_cli_on_checkpoints(tmp_path, capsys):
         ]
     )
     err = capsys.readouterr().err
-    assert rc == 2 and "need 2000" in err and err.count("\n") == 1
+    assert rc == 1 and "need 2000" in err and err.count("\n") == 1
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     np.save(tmp_path / "ids.npy", np.arange(200))
     rc = analysis.main([str(tmp_path / "absent"), "--tokens", str(tmp_path / "ids.npy")])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and "not found" in err and err.count("\n") == 1
-    with pytest.raises(SystemExit):
-        analysis.main([str(tmp_path / "absent"), "--tokens", "x.pt", "--backend", "jax"])
+    assert rc == 1 and err.startswith("smelt-analysis: error: ") and "not found" in err
+    assert err.count("\n") == 1
+    for argv, fragment in [  # bad options: exit 2 before any file is read
+        (["--tokens", "x.pt", "--backend", "jax"], "--backend"),
+        (["--batch", "0"], "--batch"),
+        (["--plot", str(tmp_path)], "is a folder"),
+        (["--plot", str(tmp_path / "no" / "such" / "x.txt")], ".png"),
+    ]:
+        assert analysis.main([str(tmp_path / "absent"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("smelt-analysis: error: ") and fragment in err, err
     SmeltLM(micro(), backend="torch").save_pretrained(tmp_path / "ckpt")
     (tmp_path / "bad.npy").write_text("not an array")
     np.save(tmp_path / "floats.npy", np.ones(200))
@@ -186,9 +194,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["--tokens", str(tmp_path / "floats.npy")], "integer token ids"),
         ([], "pass held-out token ids with --tokens"),  # a bare folder: no run to take them from
     ]:
-        assert analysis.main([str(tmp_path / "ckpt"), *argv]) == 2
+        assert analysis.main([str(tmp_path / "ckpt"), *argv]) == 1
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and fragment in err and err.count("\n") == 1, err
+        assert err.startswith("smelt-analysis: error: ") and fragment in err, err
+        assert err.count("\n") == 1
 
 
 def test_a_pickled_token_file_runs_nothing(tmp_path, capsys):
@@ -206,14 +215,14 @@ def test_a_pickled_token_file_runs_nothing(tmp_path, capsys):
     torch.load(tmp_path / "ids.pt", weights_only=False)  # the payload is live: it opens a file
     assert marker.exists()
     marker.unlink()
-    assert analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "ids.pt")]) == 2
+    assert analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "ids.pt")]) == 1
     assert "a .pt file is a pickle" in capsys.readouterr().err
     assert not marker.exists()
     np.save(tmp_path / "obj.npy", np.array([Payload()], dtype=object), allow_pickle=True)
     np.load(tmp_path / "obj.npy", allow_pickle=True)
     assert marker.exists()
     marker.unlink()
-    assert analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "obj.npy")]) == 2
+    assert analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "obj.npy")]) == 1
     assert not marker.exists()
 
 
@@ -222,7 +231,7 @@ def test_a_pickled_token_file_runs_nothing(tmp_path, capsys):
 def pair(tmp_path_factory):
     """A trained SMELT / baseline pair (micro configs) in one folder, as ``--arch both``
     lays it out: PAIR/smelt and PAIR/baseline, each a run folder."""
-    from smelt_model.train.__main__ import main as train
+    from smelt_model.train.cli import main as train
 
     tmp = tmp_path_factory.mktemp("pair")
     corpus = tmp / "corpus"
@@ -287,6 +296,6 @@ def test_cli_refuses_a_latest_leading_out_of_the_run(pair, tmp_path, capsys):
     (run / "checkpoints" / "latest").write_text("../../../elsewhere\n")
     for path in (run, run / "checkpoints" / "latest"):
         capsys.readouterr()
-        assert analysis.main([str(path)]) == 2
+        assert analysis.main([str(path)]) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "latest" in err and "not a checkpoint folder" in err

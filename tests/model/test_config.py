@@ -92,3 +92,26 @@ def test_from_dict_rejects_unknown_fields():
     d["hiden_size"] = 3
     with pytest.raises(ValueError, match="hiden_size"):
         ModelConfig.from_dict(d)
+
+
+def test_one_name_scheme_for_pairs_and_models():
+    assert presets.resolve("tiny") == ("tiny-baseline", "tiny-smelt")
+    assert presets.resolve("200m-s95-SMELT") == ("200M-S95-smelt",)
+    assert presets.model_name("Tiny-Baseline") == "tiny-baseline"
+    assert presets.get("TINY-SMELT") == presets.pair("tiny")[1] == presets.pair("tiny-smelt")[1]
+    with pytest.raises(ValueError, match="did you mean '200M-S95-smelt'") as info:
+        presets.resolve("200M-S95-smlet")
+    assert "tiny-smelt" in str(info.value) and "tiny," in str(info.value)  # both forms known
+    with pytest.raises(ValueError, match="matched pair; name one of its models: tiny-baseline"):
+        presets.get("tiny")
+    with pytest.raises(TypeError, match="must be a str"):
+        presets.resolve(None)
+
+
+def test_a_pair_trains_by_one_recipe():
+    tiny, paper = presets.recipe("tiny"), presets.recipe("200M-S95-baseline")
+    assert presets.recipe("tiny-smelt") == tiny == presets.recipe(None)
+    assert presets.recipe("1.6B-S97") == paper and paper.seq_len == 4096
+    assert tiny.tokens_per_step == tiny.seq_len * tiny.batch_size
+    with pytest.raises(ValueError, match="unknown preset"):
+        presets.recipe("huge")

@@ -388,6 +388,25 @@ def test_read_csv_roundtrip_and_errors(tmp_path, noisy):
         read_csv(bad)
 
 
+def test_several_files_are_one_table(tmp_path, capsys, noisy):
+    data, _ = noisy
+    whole, a, b = tmp_path / "all.csv", tmp_path / "a.csv", tmp_path / "b.csv"
+    write_csv(whole, data, score=True)
+    lines = whole.read_text().splitlines()
+    half = len(lines) // 2
+    a.write_text("\n".join(lines[:half]) + "\n")
+    b.write_text("\n".join([lines[0], *lines[half:]]) + "\n")
+    one, two = read_csv(whole), read_csv([a, b])
+    for arch in one:
+        for col in ("F", "S", "D", "loss", "score"):
+            np.testing.assert_array_equal(getattr(one[arch], col), getattr(two[arch], col))
+    assert scaling.main([str(a), str(b)]) == 0
+    assert f"# Scaling analysis ({a}, {b})" in capsys.readouterr().out
+    (tmp_path / "c.csv").write_text("arch,F,S,D,loss\nsmelt,1e9,0.9,x,2.0\n")
+    with pytest.raises(ValueError, match="c.csv:2: column D"):
+        read_csv([a, tmp_path / "c.csv"])
+
+
 def test_cli_tables_and_bootstrap(tmp_path, capsys, noisy):
     data, _ = noisy
     p = tmp_path / "ep.csv"
@@ -420,18 +439,25 @@ def test_cli_plot(tmp_path, capsys, noisy):
     assert png.stat().st_size > 10_000
 
 
+def _error(capsys, rc, code, *fragments):
+    err = capsys.readouterr().err
+    assert rc == code and err.count("\n") == 1 and err.startswith("smelt-scaling: error: "), err
+    for f in fragments:
+        assert f in err, err
+
+
 def test_cli_errors(tmp_path, capsys, monkeypatch):
-    assert scaling.main([str(tmp_path / "missing.csv")]) == 1
-    assert "error" in capsys.readouterr().err
+    missing = tmp_path / "missing.csv"
+    _error(capsys, scaling.main([str(missing)]), 1, f"{missing}: No such file or directory")
+    assert "Errno" not in capsys.readouterr().err
     p = tmp_path / "one.csv"
     write_csv(p, {"baseline": synthetic(0.0, 0)["baseline"]})
-    assert scaling.main([str(p), "--tgt", "smelt"]) == 1
-    assert "unknown arch 'smelt'" in capsys.readouterr().err
+    _error(capsys, scaling.main([str(p), "--tgt", "smelt"]), 2, "unknown arch 'smelt'")
+    _error(capsys, scaling.main([]), 2, "give an endpoints CSV or --paper")
+    _error(capsys, scaling.main(["--paper", "--plot", str(tmp_path)]), 2, "is a folder")
+    _error(capsys, scaling.main(["--paper", "--plot", str(tmp_path / "x.txt")]), 2, ".png")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert scaling.main(["--paper", "--plot", str(tmp_path / "x.png")]) == 2
-    assert "needs matplotlib" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        scaling.main([])
+    _error(capsys, scaling.main(["--paper", "--plot", str(tmp_path / "x.png")]), 2, "matplotlib")
 
 
 def test_cli_module_entry_point_paper_tables():
@@ -459,7 +485,7 @@ def test_cli_on_too_few_runs_says_what_it_needs(tmp_path, capsys):
     p.write_text("\n".join(rows) + "\n")
     assert scaling.main([str(p)]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: cannot fit 'baseline'"), err
+    assert err.count("\n") == 1 and err.startswith("smelt-scaling: error: cannot fit 'baseline'")
     for fragment in (
         "need at least 7 points, got 5",
         "5 endpoints: 1 distinct F, 5 distinct D",
@@ -477,6 +503,5 @@ def test_cli_on_too_few_runs_says_what_it_needs(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "F needs at least two distinct values" in err
     assert "two or more model sizes" in err
-    with pytest.raises(SystemExit, match="2"):
-        scaling.main([str(p), "--bootstrap", "-1"])
-    assert capsys.readouterr().err == "error: --bootstrap must be >= 0\n"
+    assert scaling.main([str(p), "--bootstrap", "-1"]) == 2
+    assert capsys.readouterr().err == "smelt-scaling: error: --bootstrap must be >= 0\n"

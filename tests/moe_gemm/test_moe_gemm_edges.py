@@ -1,6 +1,8 @@
-"""Edge cases of the MoE kernels: zero-size dimensions on every backend (through the public
-ops and the native ops directly), forward and backward, and NaN router logits on every form
-of the native router.
+"""Edge cases of the MoE kernels: the package's list (``smelt_kernels.testing.EDGES``, which
+the self-test runs too: one token, odd sizes, experts with no tokens, all tokens on one
+expert, zero-size dimensions) on every backend through the public ops, zero sizes on the
+native ops directly, forward and backward, and NaN router logits on every form of the
+native router.
 
 A zero-size contraction is an empty sum: x (T, H=0) gives y = 0 (T, 0) and a zero
 pre-activation; K = 0 in the grouped GEMM gives c = 0. Nothing may crash, and nothing the
@@ -14,6 +16,7 @@ from helpers import device_for
 from helpers_moe import check, has_cpu_kernel
 
 from smelt_kernels.moe_gemm import grouped_gemm, moe_ffn, reference, route
+from smelt_kernels.testing import EDGES, moe_ids
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
@@ -30,14 +33,15 @@ def _device(backend):
     return device_for(backend)
 
 
-def _moe_case(T, H, de, E, k, ids, dtype, dev):
+def _moe_case(edge, dtype, dev):
+    T, H, de, E, k = edge.T, edge.H, edge.de, edge.E, edge.k
     g = torch.Generator().manual_seed(T * 131 + H * 7 + E)
     x = torch.randn(T, H, generator=g)
     w1 = torch.randn(E, 2 * de, H, generator=g) * 0.3
     w2 = torch.randn(E, H, de, generator=g) * 0.3
     tw = torch.rand(T, k, generator=g)
     dy = torch.randn(T, H, generator=g)
-    ids = torch.tensor(ids, dtype=torch.int32).reshape(T, k)
+    ids = moe_ids(T, E, k, edge.routing, g)
     cast = lambda t: t.to(dev, dtype)  # noqa: E731
     return [cast(x), cast(w1), cast(w2), tw.to(dev)], ids.to(dev), cast(dy)
 
@@ -48,30 +52,18 @@ def _run_moe(leaves, ids, dy, backend):
     return (y,) + torch.autograd.grad(y, xs, dy)
 
 
-# (T, H, d_e, E, k, ids): H = 0, T = 0, experts that get no token, one expert for everything
-MOE_CASES = {
-    "H0": (5, 0, 8, 4, 2, [[0, 1]] * 5),
-    "H0_T0": (0, 0, 8, 4, 2, []),
-    "T0": (0, 16, 8, 4, 2, []),
-    "idle_experts": (3, 16, 8, 6, 2, [[0, 1]] * 3),
-    "one_expert": (7, 24, 8, 9, 1, [[8]] * 7),
-    "more_experts_than_pairs": (2, 8, 16, 40, 3, [[39, 0, 17], [5, 39, 38]]),
-}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("edge", EDGES["moe_ffn"], ids=lambda e: e.name)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_moe_ffn_edge_shapes(backend, case, dtype):
+def test_moe_ffn_edge_shapes(backend, edge, dtype):
     """y and every gradient match the reference (exactly zero or empty where the sums are
     empty); nothing non-finite."""
     dev = _device(backend)
     if backend == "triton" and dtype == torch.bfloat16 and dev.type == "cpu":
         dtype = torch.float16  # the interpreter's bf16 tl.dot is broken
-    T, H, de, E, k, ids = MOE_CASES[case]
-    leaves, ids, dy = _moe_case(T, H, de, E, k, ids, dtype, dev)
+    leaves, ids, dy = _moe_case(edge, dtype, dev)
     got = _run_moe(leaves, ids, dy, backend)
-    if T == 0 or H == 0:  # empty sums: every output and gradient is exactly zero (or empty)
+    if edge.empty:  # empty sums: every output and gradient is exactly zero (or empty)
         for a, like in zip(got, [dy] + leaves):
             assert a.shape == like.shape and torch.equal(a, torch.zeros_like(like))
         return
@@ -102,31 +94,28 @@ def test_native_moe_ops_zero_sizes(T, H, de, save_preact):
         assert g.shape == like.shape and torch.equal(g, torch.zeros_like(like))
 
 
-def _grouped_case(M, K, N, E, ends, dtype, dev, gather=False):
+def _grouped_case(edge, gather, dtype, dev):
+    """A, B, the group ends and the gathered rows of ``edge``; ``gather`` gathers as many
+    rows as A has (from A's rows, or one zero row when it has none) where the edge does not
+    gather itself."""
+    M, K, N = edge.rows, edge.K, edge.N
     g = torch.Generator().manual_seed(M + 3 * K + 5 * N)
-    Ma = max(M, 1) if gather else M
+    n = edge.gather if edge.gather is not None else (M if gather else None)
+    Ma = max(M, 1) if n is not None else M
     a = torch.randn(Ma, K, generator=g).to(dev, dtype)
-    b = torch.randn(E, N, K, generator=g).to(dev, dtype)
-    idx = torch.randint(0, Ma, (M,), generator=g).to(dev) if gather else None
-    return a, b, torch.tensor(ends, dtype=torch.int32, device=dev), idx
-
-
-GROUPED_CASES = {  # (M, K, N, E, group ends)
-    "K0": (6, 0, 5, 3, [2, 4, 6]),
-    "N0": (6, 4, 0, 3, [2, 4, 6]),
-    "M0": (0, 4, 5, 3, [0, 0, 0]),
-    "empty_groups": (6, 4, 5, 3, [0, 0, 0]),
-    "tail_rows": (7, 3, 2, 2, [0, 3]),
-}
+    b = torch.randn(len(edge.ends), N, K, generator=g).to(dev, dtype)
+    idx = torch.randint(0, Ma, (n,), generator=g).to(dev) if n is not None else None
+    return a, b, torch.tensor(edge.ends, dtype=torch.int32, device=dev), idx
 
 
 @pytest.mark.parametrize("gather", [False, True])
-@pytest.mark.parametrize("case", GROUPED_CASES)
+@pytest.mark.parametrize("edge", EDGES["grouped_gemm"], ids=lambda e: e.name)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_grouped_gemm_edge_shapes(backend, case, gather):
+def test_grouped_gemm_edge_shapes(backend, edge, gather):
     dev = _device(backend)
-    M, K, N, E, ends = GROUPED_CASES[case]
-    a, b, ends_t, idx = _grouped_case(M, K, N, E, ends, torch.float32, dev, gather)
+    if gather and edge.gather is not None:
+        pytest.skip("the edge case gathers its rows itself")
+    a, b, ends_t, idx = _grouped_case(edge, gather, torch.float32, dev)
     a.requires_grad_()
     b.requires_grad_()
     c = grouped_gemm(a, b, ends_t, gather_idx=idx, backend=backend)
@@ -134,7 +123,7 @@ def test_grouped_gemm_edge_shapes(backend, case, gather):
     da, db = torch.autograd.grad(c, (a, b), dc)
     ar, br = a.detach().cpu().double().requires_grad_(), b.detach().cpu().double().requires_grad_()
     cr = grouped_gemm(
-        ar, br, ends_t.cpu(), gather_idx=idx.cpu() if gather else None, backend="torch"
+        ar, br, ends_t.cpu(), gather_idx=idx.cpu() if idx is not None else None, backend="torch"
     )
     dar, dbr = torch.autograd.grad(cr, (ar, br), dc.cpu().double())
     for name, x, y in (("c", c, cr), ("da", da, dar), ("db", db, dbr)):
@@ -157,14 +146,24 @@ def test_native_grouped_ops_zero_sizes(M, K, N, dtype):
         assert torch.equal(db, torch.zeros_like(db))
 
 
+@pytest.mark.parametrize("edge", EDGES["route"], ids=lambda e: e.name)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_route_no_tokens(backend):
+def test_route_edge_shapes(backend, edge):
+    """Weights, ids and the logits' gradient against the reference (ids exactly)."""
     dev = _device(backend)
-    logits = torch.randn(0, 8, device=dev, requires_grad=True)
-    w, ids = route(logits, 2, backend=backend)
-    assert w.shape == (0, 2) and ids.shape == (0, 2)
-    (g,) = torch.autograd.grad(w.sum(), logits)
-    assert g.shape == (0, 8)
+    g = torch.Generator().manual_seed(edge.T + edge.E)
+    ranks = torch.argsort(torch.rand(edge.T, edge.E, generator=g), dim=1).float()
+    logits = ranks * 0.125 + torch.randn(edge.T, 1, generator=g)  # no ties
+    dw = torch.randn(edge.T, edge.k, generator=g)
+    a = logits.to(dev).requires_grad_()
+    w, ids = route(a, edge.k, edge.renormalize, backend=backend)
+    (ga,) = torch.autograd.grad(w, a, dw.to(dev))
+    r = logits.clone().requires_grad_()
+    rw, rids = reference.route(r, edge.k, edge.renormalize)
+    (gr,) = torch.autograd.grad(rw, r, dw)
+    assert w.shape == (edge.T, edge.k) and torch.equal(ids.cpu().long(), rids.long())
+    torch.testing.assert_close(w.cpu(), rw, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(ga.cpu(), gr, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- NaN logits

@@ -97,3 +97,18 @@ def test_rejects_unknown_or_unavailable_backend():
     for name in names:  # a dtype the chosen backend does not take
         with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
             moe_ffn(c64["x"], c64["w1"], c64["w2"], c64["tw"], c64["ids"], backend=name)
+
+
+def test_compiled_call_with_int64_ids_traces_and_still_refuses_wide_ids():
+    """int64 ids are checked before they narrow to int32; compiled, without the host read
+    that would break the graph, an id past int32 still reaches the op's check out of range
+    (never as the id it wraps to)."""
+    case = make_case(2, 8, 4, 4, 2, torch.float32)
+    args = (case["x"], case["w1"], case["w2"], case["tw"])
+    fn = torch.compile(moe_ffn, fullgraph=True, backend="eager")
+    ok = torch.tensor([[0, 1], [2, 3]])
+    torch.testing.assert_close(fn(*args, ok), moe_ffn(*args, ok))
+    wide = torch.tensor([[0, 2**32 + 1], [2, 3]])  # 2**32 + 1 narrows to 1
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        fn(*args, wide)
+    torch._dynamo.reset()

@@ -9,11 +9,12 @@ from helpers import assert_close, fp64_oracle, run_with_grads
 
 from smelt_kernels.layers import RMSNorm
 from smelt_kernels.norm import implementation, native_missing, reference, rms_norm
+from smelt_kernels.testing import EDGES
 
 NATIVE = native_missing()
 needs_native = pytest.mark.skipif(NATIVE is not None, reason=f"native kernel missing: {NATIVE}")
 
-SHAPES = [(1, 8), (3, 37), (130, 320), (2, 65, 96), (0, 16), (1, 1, 7)]
+SHAPES = [e.shape for e in EDGES["rms_norm"]]  # the package's edge cases
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -126,6 +126,22 @@ def test_bad_arguments_are_refused(tmp_path):
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     out = _run(["--head-dims", "90", "--only", "triton"], timeout=120)
     assert out.returncode == 2 and "head-dims" in out.stderr
+    assert out.stderr.startswith("python -m smelt_tools.audit: error: ")
+
+
+@pytest.mark.parametrize("option", ["--json", "--markdown"])
+def test_output_paths_are_checked_before_any_work(option, tmp_path):
+    """A folder, or a path under a file, is one line and exit status 2 before anything
+    compiles (no progress line)."""
+    for path, message in (
+        (tmp_path, "is a folder, expected a file to write"),
+        (tmp_path / "file" / "out", "is not a folder"),
+    ):
+        (tmp_path / "file").write_text("")
+        out = _run([option, str(path), "--only", "triton"], timeout=120)
+        assert out.returncode == 2 and out.stdout == "", out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and option in lines[0] and message in lines[0], lines
 
 
 def test_parsers():

@@ -7,7 +7,7 @@ import pytest
 from train_helpers import losses, micro_config, run_cli
 
 from smelt_model.train import checkpoint
-from smelt_model.train.__main__ import main
+from smelt_model.train.cli import main
 
 
 def _args(corpus, cfg, out):

@@ -5,7 +5,8 @@ import json
 from train_helpers import micro_config, run_cli
 
 from smelt_model.train import data, tokenizer
-from smelt_model.train.__main__ import main, merge_endpoints
+from smelt_model.train.cli import main
+from smelt_model.train.loop import merge_endpoints
 
 
 def _base(corpus, cfg, out, *extra):
@@ -138,7 +139,9 @@ def test_bad_input_stops_with_one_line(corpus, tmp_path, capsys):
     for argv, fragment in cases:
         assert main(argv) != 0, argv
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("error: ") and fragment in err, err
+        assert (
+            err.count("\n") == 1 and err.startswith("smelt-train: error: ") and fragment in err
+        ), err
     # at the real command line: one line, no traceback
     proc = run_cli(_base(tmp_path / "missing", cfg, tmp_path / "z", *ok))
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1
@@ -211,7 +214,7 @@ def test_resume_with_another_preset_says_different_setup_without_building(
 def test_choices_come_from_the_registries():
     from smelt_kernels.backends import BACKENDS
     from smelt_model.executor import RECOMPUTE_POLICIES
-    from smelt_model.train.__main__ import build_parser
+    from smelt_model.train.cli import build_parser
 
     actions = {a.dest: a for a in build_parser()._actions}
     assert tuple(actions["backend"].choices) == ("auto",) + BACKENDS

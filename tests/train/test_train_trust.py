@@ -16,7 +16,7 @@ from train_helpers import losses, micro_config, run_cli
 
 from smelt_model.errors import CheckpointError
 from smelt_model.train import checkpoint, plainstate
-from smelt_model.train.__main__ import main
+from smelt_model.train.cli import main
 
 STEPS = 8
 
@@ -90,7 +90,7 @@ def _resume(corpus, cfg, out, capsys, *extra):
 
 def _refused(rc, err, *fragments):
     assert rc != 0
-    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert err.startswith("smelt-train: error: ") and err.count("\n") == 1, err
     for f in fragments:
         assert f in err, err
 

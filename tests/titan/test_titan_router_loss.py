@@ -1,0 +1,64 @@
+"""The torchtitan MoE's router loss is smelt_kernels.moe_gemm.router_loss: bitwise the same
+at one and two threads (value and gradient), and bitwise the drop-in layer's in one
+process."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
+
+import titan_helpers as th  # noqa: E402
+
+from smelt_kernels.layers import MoE  # noqa: E402
+from smelt_model import presets  # noqa: E402
+from smelt_model.titan.moe import moe_config  # noqa: E402
+
+_LOSS = """
+import json, sys, torch
+from smelt_model import presets
+from smelt_model.titan.moe import moe_config
+
+torch.set_num_threads(int(sys.argv[1]))
+cfg = presets.get("tiny-smelt").replace(aux_loss_weight=0.01, z_loss_weight=1e-3)
+moe = moe_config(cfg).build()
+g = torch.Generator().manual_seed(0)
+# more tokens than ATen's parallel grain (32768): a plain sum over them would split
+logits = torch.randn(40000, cfg.n_experts, generator=g).requires_grad_()
+ids = torch.topk(logits.detach(), cfg.top_k).indices.reshape(-1)
+counts = torch.bincount(ids, minlength=cfg.n_experts)
+loss = moe.router_loss(logits, counts)
+loss.backward()
+print(json.dumps([loss.item().hex(), logits.grad.double().sum().item().hex(),
+                  logits.grad.view(torch.int32).sum().item()]))
+"""
+
+
+def test_router_loss_is_bitwise_the_same_at_one_and_two_threads(tmp_path):
+    runs = [
+        th.run([sys.executable, "-c", _LOSS, str(n)], cwd=tmp_path, timeout=120) for n in (1, 2)
+    ]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    one, two = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert one == two
+
+
+def test_router_loss_is_the_drop_in_layers_in_one_process():
+    cfg = presets.get("tiny-smelt").replace(aux_loss_weight=0.01, z_loss_weight=1e-3)
+    ours = moe_config(cfg).build()
+    layer = MoE(
+        cfg.hidden_size,
+        cfg.n_experts,
+        cfg.expert_size,
+        cfg.top_k,
+        aux_loss_weight=cfg.aux_loss_weight,
+        z_loss_weight=cfg.z_loss_weight,
+    )
+    logits = torch.randn(300, cfg.n_experts, requires_grad=True)
+    ids = torch.topk(logits.detach(), cfg.top_k).indices
+    a = layer.router_loss(logits, ids)
+    b = ours.router_loss(logits, torch.bincount(ids.reshape(-1), minlength=cfg.n_experts))
+    assert torch.equal(a, b)
+    assert torch.equal(torch.autograd.grad(a, logits)[0], torch.autograd.grad(b, logits)[0])
