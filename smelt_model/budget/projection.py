@@ -301,7 +301,8 @@ class _Search:
         raise PlanError(
             f"no plan of {cfg.describe()} fits {cl.memory / 1e9:.4g} GB per GPU at "
             f"{self.tokens // cl.gpus} tokens per GPU: the smallest needs {m.total / 1e9:.4g} "
-            f"GB (sharded state {m.state / 1e9:.4g}, activations {m.activations / 1e9:.4g}) "
+            f"GB (sharded state {m.state / 1e9:.4g}, gathered weights and gradients "
+            f"{m.gathered / 1e9:.4g}, activations {m.activations / 1e9:.4g}) "
             f"and {memory.MARGIN:.0%} on top; use more GPUs, fewer tokens per GPU or a larger "
             f"memory= in the cluster SPEC"
         )

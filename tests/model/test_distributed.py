@@ -62,6 +62,13 @@ def _worker(rank, init_file, out_file):
             model = SmeltLM(_cfg(), backend="torch", recompute=recompute).double()
             shard(model, span_units=span_units, reshard_after_forward=reshard)
             assert all(hasattr(u, "unshard") for u in units(model, span_units))
+            for i in range(model.cfg.n_layers):  # runs after the shard's own hooks
+
+                def enter(block, args):
+                    if torch._C._current_graph_task_id() == -1:
+                        log.append(("enter", args[2].slot, "fwd"))
+
+                model.layer(i).register_forward_pre_hook(enter)
             ids = _batch()[2 * rank : 2 * rank + 2]
             loss = 0.0
             for _ in range(2):  # two micro-batches: the gradients accumulate
@@ -72,7 +79,7 @@ def _worker(rank, init_file, out_file):
                 dist.all_reduce(total)
                 loss += total.item() / WORLD
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            results[(span_units, reshard, recompute)] = (loss, grads, Counter(log))
+            results[(span_units, reshard, recompute)] = (loss, grads, list(log))
         if rank == 0:
             torch.save(results, out_file)
     finally:
@@ -99,7 +106,8 @@ def test_fsdp2_two_processes_match_single_process():
     names = dict(model.named_parameters())
     # prelude 0, span layers 1-2 (executed 1, 2, 1, 2), coda 3
     layers = {"span": ["span.layers.0"], "layer": ["span.layers.0", "span.layers.1"]}
-    for (span_units, reshard, _), (loss, grads, log) in results.items():
+    for (span_units, reshard, _), (loss, grads, events) in results.items():
+        log = Counter(e for e in events if e[0] != "enter")
         # the ranks' losses averaged, twice (accumulated)
         assert loss / 2 == pytest.approx(out.loss.item(), rel=1e-12)
         assert set(grads) == set(names)
@@ -112,3 +120,12 @@ def test_fsdp2_two_processes_match_single_process():
             assert log[("gather", unit, "bwd")] == (1 if reshard else 0), (unit, log)
             assert log[("reduce", unit, "bwd")] == 1, (unit, log)
         assert sum(log.values()) == (2 + reshard) * (3 + len(layers[span_units]))
+        # a unit first used at executed layer p is gathered when layer p - 1 starts (the
+        # first one with the root), before layer p - 1 computes: FSDP alone would gather
+        # it only when layer p starts
+        enters = [i for i, e in enumerate(events) if e[0] == "enter"]
+        first = {"prelude.0": 0, "span.layers.0": 1, "span.layers.1": 2, "coda.0": 5}
+        for unit in ["prelude.0", "coda.0"] + layers[span_units]:
+            at, p = events.index(("gather", unit, "fwd")), first[unit]
+            lo = enters[p - 2] if p >= 2 else -1
+            assert lo < at < enters[max(p - 1, 0)], (span_units, unit, events)

@@ -44,6 +44,7 @@ def test_each_layer_gets_its_dispatcher_and_sharding(monkeypatch, spec, dedup, k
     model = config.model_spec.model
     update_model_config(model, config)
     assert model.plan.letters == kinds and model.overlap and model.plan.dedup == dedup
+    assert model.chunks == 2 and model.plan.span_units == "layer"
     ep_cls = DedupAllToAllTokenDispatcher if dedup else CountingAllToAllTokenDispatcher
     for i, kind in enumerate(kinds):
         moe = model.moe[i]
@@ -140,3 +141,6 @@ def test_auto_runs_the_ledgers_best_plan_for_the_run(monkeypatch):
         overlap=False,
     )
     assert plan == expect and mesh.world == 8
+    # the span as one unit, where the run asks for it
+    config.moe_comm.span_units = "span"
+    assert run_plan(config, arch, "none")[0].span_units == "span"
