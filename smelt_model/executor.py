@@ -10,7 +10,7 @@ stack of blocks along it:
   unit that is gathered once and used r times; gradients of every visit accumulate into the
   shared weights through ordinary autograd.
 * :class:`Interleaved` runs several chunks of a batch through the blocks at once, switching
-  between them where a block waits on an exchange (two-chunk overlap of expert-parallel
+  between them where a block waits on an exchange (chunked overlap of expert-parallel
   all-to-alls with compute): a block that offers ``phases`` is run as a generator.
 * :class:`Executor` runs the plan with an activation policy (``recompute``): ``"none"``
   keeps every activation, ``"visit1"`` recomputes the span's first visit in backward (its

@@ -12,16 +12,19 @@ plan. A model on paper, not a measurement.
 A plan is searched over, per architecture: how many of the span's layers, and how many of
 the others, gather their experts instead of moving their tokens (spread evenly through
 their group; layers of one group are alike), the gather group (``node`` or ``all``), the
-span gathered as one unit or layer by layer, and the lightest activation recompute
-(``none``, ``visit1``, ``all``) that fits the cluster's memory per GPU
-(:mod:`.footprint`); where smelt's trainer cannot overlap a candidate
-(:func:`~smelt_model.budget.layout.overlap_conflict`: recompute, or span layers gathered
-one at a time), it is projected without the overlap. Each candidate's step is replayed
-by :mod:`.schedule` (compute, the in-node links and the NIC as separate resources, the
-two-chunk overlap, FSDP prefetch);
-the shortest step wins (near ties, equal to six digits: fewer gathered layers, then less
-memory). ``dedup`` and ``overlap`` are what
-smelt's trainer runs (both on by default).
+span's gathered experts kept with their layer's unit or gathered at every visit, the
+overlap's chunks (:data:`CHUNKS` that divide the sequences a GPU holds: equal chunks of
+whole sequences, as the trainer splits them), keeping gathered weights from the forward to
+the backward or not, and the lightest activation recompute (``none``, ``visit1``,
+``all``) that fits the cluster's memory per GPU (:mod:`.footprint`); a looped model's
+span layers are FSDP units of their own (``span_units="layer"``: the span as one unit
+moves the same bytes and hides less). Where smelt's trainer cannot overlap a candidate
+(:func:`~smelt_model.budget.layout.overlap_conflict`: span experts gathered at every
+visit), it is projected without the overlap. Each candidate's step is replayed by
+:mod:`.schedule` (compute, the in-node links and the NIC as separate resources, the
+chunked overlap, recompute, FSDP units and prefetch); the shortest step wins (near ties,
+equal to six digits: fewer gathered layers, fewer chunks, then less memory). ``dedup``
+and ``overlap`` are what smelt's trainer runs (both on by default).
 
 The projected gap of a pair = (looped step / baseline step) / F ratio: 1.00 means the
 looped model costs in time exactly what its FLOPs say.
@@ -166,7 +169,9 @@ def _layout(cfg: ModelConfig, n_span: int, n_rest: int) -> tuple[str, ...]:
     return tuple("gather" if i in gathered else "ep" for i in range(cfg.n_layers))
 
 
-#: the chunk counts the search gives the overlap (each must divide the sequences a GPU holds)
+#: the chunk counts the search gives the overlap (each must divide the sequences a GPU
+#: holds); more chunks shrink each chunk's grouped GEMMs and add all-to-all latency, which
+#: the model leaves out, so it stops at four
 CHUNKS = (2, 4)
 
 

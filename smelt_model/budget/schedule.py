@@ -20,26 +20,33 @@ order as a graph of work and waits, and plays it on the resources that run it:
 What waits for what (the schedule the runtime runs):
 
 * **EP layers.** Without overlap every all-to-all blocks: attention, dispatch, experts,
-  combine, then the next layer. With ``plan.overlap`` each rank's tokens are two chunks a
-  and b, and per layer: attention(a), start dispatch(a); attention(b) (hides dispatch(a)),
-  start dispatch(b); experts(a) once dispatch(a) is in, start combine(a) (experts(a) hides
-  dispatch(b)); experts(b) once dispatch(b) is in, start combine(b) (hides combine(a));
-  chunk a goes on to the next layer's attention once combine(a) is in, which hides
-  combine(b). The backward mirrors it: each chunk's gradient exchanges are in flight while
-  the other chunk's backward computes. An exchange is hidden only by the compute that
-  exists in its slot.
-* **FSDP units.** The root (the embeddings, final norm and head) first, every prelude and
-  coda layer a unit, the looped span one unit. A span gathered one layer at a time
-  (``plan.span_gather == "layer"``) keeps its dense weights and its ``ep`` layers' experts in
-  that unit, and each span ``gather`` layer's experts become a unit gathered before each
-  visit and reduced after each visit's backward. A unit's all-gather is issued
-  when the unit before it starts computing (FSDP2's prefetch of one unit) and must be in
-  before the unit's first layer runs; the backward re-gathers (with
-  ``plan.reshard_after_forward``) the same way in reverse, and a unit's gradients are
-  reduce-scattered once its backward is done (with a ``node`` gather group over several
-  nodes, a ``gather`` layer's reduced shard is then all-reduced over the NICs).
+  combine, then the next layer. With ``plan.overlap`` each rank's tokens are
+  ``plan.chunks`` chunks that take turns; with two, a and b, per layer: attention(a),
+  start dispatch(a); attention(b) (hides dispatch(a)), start dispatch(b); experts(a) once
+  dispatch(a) is in, start combine(a) (experts(a) hides dispatch(b)); experts(b) once
+  dispatch(b) is in, start combine(b) (hides combine(a)); chunk a goes on to the next
+  layer's attention once combine(a) is in, which hides combine(b). More chunks take turns
+  the same way. The backward mirrors it: each chunk's gradient exchanges are in flight
+  while the other chunks' backward computes. An exchange is hidden only by the compute
+  that exists in its slot.
 * **Recompute.** A recomputed layer runs its forward again, all-to-alls included, when the
-  gradient reaches it, before its backward.
+  gradient reaches it, before its backward. Its chunks run it together: they all finish the
+  layer before it (their exchanges waited for) before it starts, and it finishes for all
+  of them before the next layer starts, in the forward and in the backward, where the
+  recomputed forward and then the backward of the layer run between two such meetings.
+* **FSDP units** (:func:`fsdp_units`): the root (the embeddings, final norm and head),
+  every prelude and coda layer, and either the looped span as one unit
+  (``plan.span_units == "span"``) or every span layer as a unit of its own (``"layer"``),
+  kept gathered for all its visits: gathered before its first visit, freed after its last
+  (with ``plan.reshard_after_forward``), gathered again before its last visit's backward,
+  and reduced and freed after its first visit's backward. With ``plan.span_gather ==
+  "layer"`` each span ``gather`` layer's experts are a unit of their own, gathered before
+  each visit, forward and backward, and reduced once, after the first visit's backward
+  (FSDP2 reduces a unit's gradients when their accumulation is complete). The all-gathers
+  a layer needs are issued when the layer before it (in that pass) starts computing (the
+  trainer's prefetch) and must be in before it runs; a unit's gradients are
+  reduce-scattered once its last backward use is done (with a ``node`` gather group over
+  several nodes, a ``gather`` layer's reduced shard is then all-reduced over the NICs).
 
 Compute that waits for a transfer is *exposed* time, charged to the kind of the transfer
 it waited for last (``ep``, ``fsdp`` or ``gather``); transfers still running after the last

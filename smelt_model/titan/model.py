@@ -64,9 +64,12 @@ class FlexSegmentAttention(Module):
 
     Called as smelt's attention op is: ``(q, k, v, segment_ids, check_values) ->
     (out, None)`` with q (B, T, Hq, D), k and v (B, T, Hkv, D). The block mask is built
-    once per ``segment_ids`` tensor (every layer of a forward shares it; the two chunks of
-    an overlapped forward keep one each).
+    once per ``segment_ids`` tensor (every layer of a forward shares it; the chunks of an
+    overlapped forward keep one each, up to :attr:`KEPT`).
     """
+
+    #: block masks kept (one per chunk of an overlapped forward)
+    KEPT = 8
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -94,7 +97,8 @@ class FlexSegmentAttention(Module):
             mask_mod, B, None, T, T, device=device, BLOCK_SIZE=self.block_size
         )
         if segment_ids is not None:
-            self._masks = self._masks[-1:] + [(weakref.ref(segment_ids), mask)]
+            live = [(ref, m) for ref, m in self._masks if ref() is not None]
+            self._masks = live[-(self.KEPT - 1) :] + [(weakref.ref(segment_ids), mask)]
         return mask
 
     def forward(self, q, k, v, segment_ids, check_values=None):

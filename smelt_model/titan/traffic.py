@@ -11,7 +11,7 @@ dispatchers of :mod:`smelt_model.titan.dispatch` and the FSDP collectives of
 Definitions (one rank, one expert-parallel group of ``ep`` ranks, rows of ``D`` elements):
 
 * ``calls``: one entry per executed MoE call on an ``ep`` layer (in execution order: a looped
-  layer once per visit; with two-chunk overlap, once per chunk), with ``routing`` (how many
+  layer once per visit; with the chunked overlap, once per chunk), with ``routing`` (how many
   (token, slot) pairs this rank sent to each of the ``E`` experts), ``token_ranks`` (how many
   distinct tokens of this rank have at least one of their experts on each EP rank, its own
   included), ``dedup`` (whether a row was a (token, rank) pair), ``chunk`` (which part of
@@ -294,7 +294,7 @@ def routing_matrices(
     records: list[dict[str, Any]], step: Optional[int] = None
 ) -> list[list[list[int]]]:
     """The (ep, E) routing matrix of every executed ``ep`` MoE layer, in execution order (the
-    chunks of a two-chunk run summed).
+    chunks of an overlapped run summed).
 
     ``records``: the files of ONE expert-parallel group (as :func:`read` returns them for a
     run whose EP group is the world; filter by rank otherwise); ``step``: only that
