@@ -100,12 +100,13 @@ class Prefetch:
     """The gather order of a sharded model's FSDP units over its executed layers (module
     docstring), installed as hooks on every block.
 
-    Forward: at the start of executed layer ``p`` the units layer ``p + 1`` needs start
-    gathering (``unshard(async_op=True)``: a no-op for a unit already held), and a span
-    layer unit is kept after every visit but its last. Backward: when layer ``p``'s backward
-    starts, the units layer ``p - 1`` needs start gathering, and a span layer unit keeps its
-    weights after the backward of every visit but its first. Recomputed forwards (inside the
-    backward) change nothing.
+    Forward: at the start of executed layer ``p`` (after its own unit's gather) the units
+    layer ``p + 1`` needs start gathering (``unshard(async_op=True)``: a no-op for a unit
+    already held), and a span layer unit is kept after every visit but its last. Backward:
+    when layer ``p``'s backward starts (the gradient of its output, the residual stream,
+    arrives), the units layer ``p - 1`` needs start gathering, and a span layer unit keeps
+    its weights after the backward of every visit but its first. Recomputed forwards (inside
+    the backward) change nothing.
     """
 
     def __init__(self, model: nn.Module, span_units: str, reshard_after_forward: bool):
@@ -131,10 +132,9 @@ class Prefetch:
             self.nested.append(inner)
         for i in range(self.plan.n_layers):
             block = model.layer(i)
-            # after FSDP's pre-forward (the block's own gather first), before its
-            # post-forward (the backward hooks below fire before FSDP's pre-backward)
+            # after FSDP's hooks: a unit's own gather is issued before the next one's
             block.register_forward_pre_hook(self._pre, with_kwargs=True)
-            block.register_forward_hook(self._post, prepend=True, with_kwargs=True)
+            block.register_forward_hook(self._post, with_kwargs=True)
         model.register_forward_pre_hook(self._root_pre)
 
     def _needs(self, slot: int) -> list[nn.Module]:
@@ -170,7 +170,8 @@ class Prefetch:
         step = self._step(args, kwargs)
         if step is None or _in_backward() or not torch.is_grad_enabled():
             return
-        tensors = _grad_tensors(output)
+        # the residual stream only: a router loss's gradient arrives at the backward's start
+        tensors = _grad_tensors(output[0] if isinstance(output, tuple) else output)
         if not tensors:
             return
         unit = self.unit[step.slot]
@@ -178,7 +179,7 @@ class Prefetch:
         fired = []
 
         def backward_starts(grad: torch.Tensor) -> torch.Tensor:
-            if not fired:  # once per call, before FSDP's own pre-backward hook
+            if not fired:  # once per call, after FSDP's own pre-backward hook
                 fired.append(True)
                 if keep:
                     unit.set_reshard_after_backward(step.visit == 0, recurse=False)

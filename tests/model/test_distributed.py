@@ -16,12 +16,19 @@ from helpers import micro_config
 from smelt_model.model import SmeltLM
 
 WORLD = 2
-#: (span_units, reshard_after_forward, recompute) the workers shard a model with
-SETUPS = [("span", True, "none"), ("layer", True, "none"), ("layer", False, "all")]
+#: (span_units, reshard_after_forward, recompute, router loss weight) the workers shard a
+#: model with; with a router loss each rank's is its own batch's (SmeltLM sums no
+#: statistics over ranks), so only the collectives are compared
+SETUPS = [
+    ("span", True, "none", 0.0),
+    ("layer", True, "none", 0.0),
+    ("layer", False, "all", 0.0),
+    ("layer", True, "none", 0.01),
+]
 
 
-def _cfg():
-    return micro_config(aux_loss_weight=0.0)
+def _cfg(aux_loss_weight=0.0):
+    return micro_config(aux_loss_weight=aux_loss_weight)
 
 
 def _batch():
@@ -57,9 +64,9 @@ def _worker(rank, init_file, out_file):
     fpg.foreach_all_gather, fpg.foreach_reduce = gather, reduce
     try:
         results = {}
-        for span_units, reshard, recompute in SETUPS:
+        for span_units, reshard, recompute, aux in SETUPS:
             torch.manual_seed(0)
-            model = SmeltLM(_cfg(), backend="torch", recompute=recompute).double()
+            model = SmeltLM(_cfg(aux), backend="torch", recompute=recompute).double()
             shard(model, span_units=span_units, reshard_after_forward=reshard)
             assert all(hasattr(u, "unshard") for u in units(model, span_units))
             for i in range(model.cfg.n_layers):  # runs after the shard's own hooks
@@ -74,12 +81,13 @@ def _worker(rank, init_file, out_file):
             for _ in range(2):  # two micro-batches: the gradients accumulate
                 log.clear()
                 out = model(ids, labels=ids)
-                out.loss.backward()
+                objective = out.loss if out.aux_loss is None else out.loss + out.aux_loss
+                objective.backward()
                 total = out.loss.detach().clone()
                 dist.all_reduce(total)
                 loss += total.item() / WORLD
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            results[(span_units, reshard, recompute)] = (loss, grads, list(log))
+            results[(span_units, reshard, recompute, aux)] = (loss, grads, list(log))
         if rank == 0:
             torch.save(results, out_file)
     finally:
@@ -106,13 +114,14 @@ def test_fsdp2_two_processes_match_single_process():
     names = dict(model.named_parameters())
     # prelude 0, span layers 1-2 (executed 1, 2, 1, 2), coda 3
     layers = {"span": ["span.layers.0"], "layer": ["span.layers.0", "span.layers.1"]}
-    for (span_units, reshard, _), (loss, grads, events) in results.items():
+    for (span_units, reshard, _, aux), (loss, grads, events) in results.items():
         log = Counter(e for e in events if e[0] != "enter")
         # the ranks' losses averaged, twice (accumulated)
         assert loss / 2 == pytest.approx(out.loss.item(), rel=1e-12)
         assert set(grads) == set(names)
         for n, p in names.items():
-            torch.testing.assert_close(grads[n], 2 * p.grad, rtol=1e-10, atol=1e-13)
+            if not aux:
+                torch.testing.assert_close(grads[n], 2 * p.grad, rtol=1e-10, atol=1e-13)
         # the last micro-batch: every unit gathered once each way (none again for the
         # backward without resharding) and reduced once, the span's at both visits
         for unit in ["root", "prelude.0", "coda.0"] + layers[span_units]:
@@ -129,3 +138,9 @@ def test_fsdp2_two_processes_match_single_process():
             at, p = events.index(("gather", unit, "fwd")), first[unit]
             lo = enters[p - 2] if p >= 2 else -1
             assert lo < at < enters[max(p - 1, 0)], (span_units, unit, events)
+        # in the backward one layer ahead too, not all at its start: only the first two
+        # layers of the backward (coda 0 and the next) before coda 0's gradients are reduced
+        if reshard:
+            for unit in ["prelude.0"] + (["span.layers.0"] if span_units == "layer" else []):
+                gather = events.index(("gather", unit, "bwd"))
+                assert events.index(("reduce", "coda.0", "bwd")) < gather, (unit, events)
