@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import checkpoint
 
 from .plan import LoopPlan, Step
 
@@ -102,8 +102,7 @@ class Executor:
         if torch.is_grad_enabled() and self.should_recompute(step):
             if isinstance(x, Interleaved):
                 return x.checkpointed(block, step), None
-            with set_checkpoint_early_stop(False):
-                return checkpoint(block, x, ctx, step, use_reentrant=False)
+            return checkpoint(block, x, ctx, step, use_reentrant=False, early_stop=False)
         return block(x, ctx, step)
 
     def run(
@@ -239,8 +238,9 @@ class Interleaved:
             inner, _ = block(Interleaved.start(xs, ctxs, meet=True), None, step)
             return tuple(c[0] for c in inner.carries), [ch.extras[-1] for ch in inner.chunks]
 
-        with set_checkpoint_early_stop(False):
-            ys, extras = checkpoint(run, *(c[0] for c in state.carries), use_reentrant=False)
+        ys, extras = checkpoint(
+            run, *(c[0] for c in state.carries), use_reentrant=False, early_stop=False
+        )
         for chunk, extra in zip(state.chunks, extras):
             chunk.extras.append(extra)
         return Interleaved([(y,) for y in ys], state.chunks)
