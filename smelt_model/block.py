@@ -40,7 +40,7 @@ class ForwardContext:
     segment_ids: Optional[torch.Tensor]  # (B, T) for the tokens of this call
     cache: Any = None  # a smelt_model.generation.KVCache, or None
     cache_pos: int = 0  # where this call's tokens start in the cache
-    chunk: int = 0  # which part of the batch these tokens are (two-chunk overlap: 0 or 1)
+    chunk: int = 0  # which part of the batch these tokens are (chunked overlap: 0, 1, ...)
 
 
 class Block(nn.Module):

@@ -10,12 +10,16 @@ stack of blocks along it:
   unit that is gathered once and used r times; gradients of every visit accumulate into the
   shared weights through ordinary autograd.
 * :class:`Interleaved` runs several chunks of a batch through the blocks at once, switching
-  between them where a block waits on an exchange (two-chunk overlap of expert-parallel
+  between them where a block waits on an exchange (chunked overlap of expert-parallel
   all-to-alls with compute): a block that offers ``phases`` is run as a generator.
 * :class:`Executor` runs the plan with an activation policy (``recompute``): ``"none"``
   keeps every activation, ``"visit1"`` recomputes the span's first visit in backward (its
   activations are the ones held longest), ``"all"`` recomputes every executed layer.
-  Recomputation uses non-reentrant activation checkpointing.
+  Recomputation uses non-reentrant activation checkpointing, run to the end of the layer
+  (no early stop: a recomputed layer runs every exchange of its forward again). Chunks of
+  an :class:`Interleaved` batch are recomputed together: they meet before the layer
+  (each finishes the step it is in), run it interleaved under one checkpoint, and meet
+  after it; the backward's recompute runs them interleaved again.
 * :func:`activation_memory` measures the bytes a step saves for backward (any device),
   and the peak allocated memory on CUDA.
 * :class:`CapturedCall` captures a static-shape, sync-free callable (a forward, or a whole
@@ -96,7 +100,9 @@ class Executor:
         self, block: nn.Module, x: torch.Tensor, ctx: Any, step: Step
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if torch.is_grad_enabled() and self.should_recompute(step):
-            return checkpoint(block, x, ctx, step, use_reentrant=False)
+            if isinstance(x, Interleaved):
+                return x.checkpointed(block, step), None
+            return checkpoint(block, x, ctx, step, use_reentrant=False, early_stop=False)
         return block(x, ctx, step)
 
     def run(
@@ -134,8 +140,6 @@ class LoopedSpan(nn.Module):
         self, x: torch.Tensor, ctx: Any, extra: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         start, span = self.executor.plan.start, self.executor.plan.span
-        if isinstance(x, Interleaved):  # chunks of a batch, each paused where it left off
-            return x.advance(lambda layer: self.layers[layer - start], span), extra
         return self.executor.run(lambda layer: self.layers[layer - start], x, ctx, span, extra)
 
 
@@ -165,13 +169,17 @@ class Interleaved:
 
     carries: list[tuple[torch.Tensor, ...]]
     chunks: list[_Chunk]  # not a container FSDP looks into
+    #: every chunk finishes the steps of each :meth:`advance` (none left paused in them)
+    meet: bool = False
 
     @classmethod
-    def start(cls, xs: Sequence[torch.Tensor], ctxs: Sequence[Any]) -> "Interleaved":
+    def start(
+        cls, xs: Sequence[torch.Tensor], ctxs: Sequence[Any], meet: bool = False
+    ) -> "Interleaved":
         """The chunks ``xs`` (one context each), before the first step."""
         if len(xs) != len(ctxs) or not xs:
             raise ValueError(f"need one context per chunk, got {len(xs)} chunks, {len(ctxs)}")
-        return cls([(x,) for x in xs], [_Chunk(c) for c in ctxs])
+        return cls([(x,) for x in xs], [_Chunk(c) for c in ctxs], meet)
 
     def _resume(self, c: int, blocks: Callable[[int], nn.Module], todo: list[Step]) -> bool:
         """Run chunk c to its next pause (True) or until ``todo`` is done (False)."""
@@ -208,9 +216,34 @@ class Interleaved:
                     break  # the others stay paused where chunk 0's compute covered them
         last = steps[-1] if steps else None
         for c in range(1, n):
-            while running[c] and (todo[c] or self.chunks[c].step is not last):
+            while running[c] and (todo[c] or self.chunks[c].step is not last or self.meet):
                 running[c] = self._resume(c, blocks, todo[c])
-        return Interleaved(list(self.carries), self.chunks)
+        return Interleaved(list(self.carries), self.chunks, self.meet)
+
+    def drained(self) -> "Interleaved":
+        """Every chunk finished with the step it is in (its exchanges waited for)."""
+        for c in range(len(self.chunks)):
+            while self._resume(c, None, []):  # type: ignore[arg-type]
+                pass
+        return Interleaved(list(self.carries), self.chunks, self.meet)
+
+    def checkpointed(self, block: nn.Module, step: Step) -> "Interleaved":
+        """Every chunk through ``step`` of ``block`` under one activation checkpoint: the
+        chunks meet before and after it, and run it interleaved, in the forward and in the
+        backward's recompute (``block(chunks, None, step)``, as an unchecked step is run)."""
+        state = self.drained()
+        ctxs = [chunk.ctx for chunk in state.chunks]
+
+        def run(*xs: torch.Tensor):
+            inner, _ = block(Interleaved.start(xs, ctxs, meet=True), None, step)
+            return tuple(c[0] for c in inner.carries), [ch.extras[-1] for ch in inner.chunks]
+
+        ys, extras = checkpoint(
+            run, *(c[0] for c in state.carries), use_reentrant=False, early_stop=False
+        )
+        for chunk, extra in zip(state.chunks, extras):
+            chunk.extras.append(extra)
+        return Interleaved([(y,) for y in ys], state.chunks)
 
     def finish(self, fn: Callable[[torch.Tensor], Any]) -> list[Any]:
         """Finish every chunk in turn and return ``fn(x)`` of each: chunk 0's ``fn`` runs

@@ -131,23 +131,22 @@ def _format_comm(names: Sequence[str], comms: Sequence[Comm], plan: Optional[str
 def _plan_text(plan: ParallelPlan, cfg: ModelConfig) -> str:
     """``plan`` in a line: its layers (``|`` around the span) and how it runs."""
     letters = plan.letters
+    loop = loop_of(cfg)
     if cfg.is_looped:
-        loop = loop_of(cfg)
         letters = f"{letters[: loop.start]}|{letters[loop.start : loop.end]}|{letters[loop.end :]}"
     ways = ["no EP"]
     if plan.ep_layers:
         ways = [
             f"EP {plan.ep}",
             "de-duplicated" if plan.dedup else "stock dispatch",
-            "two-chunk overlap" if plan.overlap else "no overlap",
+            f"overlap in {plan.chunks} chunks" if plan.overlap else "no overlap",
         ]
     if plan.gather_layers:
-        span = cfg.is_looped and any(loop_of(cfg).in_span(i) for i in plan.gather_layers)
         ways.append(f"gathered over {'a node' if plan.gather_group == 'node' else 'all GPUs'}")
-    else:
-        span = False
-    if cfg.is_looped and (span or plan.span_gather == "layer"):
-        ways.append("span " + ("as one unit" if plan.span_gather == "unit" else "layer by layer"))
+    if cfg.is_looped:
+        ways.append("span layers as units" if plan.span_units == "layer" else "span as one unit")
+        if plan.span_gather == "layer" and any(loop.in_span(i) for i in plan.gather_layers):
+            ways.append("span experts gathered at every visit")
     ways.append("re-gathered for the backward" if plan.reshard_after_forward else "kept gathered")
     ways.append(f"recompute {plan.recompute}")
     return f"{letters}  ({', '.join(ways)})"

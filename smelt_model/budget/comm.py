@@ -39,9 +39,10 @@ and the parameters by part. What is counted, and how:
 * **FSDP2.** Parameters are all-gathered in ``dtype`` before the forward and again before
   the backward when ``plan.reshard_after_forward`` (as the stock layout does), and their
   gradients reduce-scattered once in ``reduce_dtype`` (fp32 by default, torchtitan's
-  ``mixed_precision_reduce``). The looped span is one FSDP unit, so its shared weights are
-  gathered once per forward and reduced once per step: every physical parameter counts
-  once, never once per visit. The experts
+  ``mixed_precision_reduce``). The looped span is one FSDP unit, or one unit per span
+  layer kept gathered for all its visits (``plan.span_units``): either way its shared
+  weights are gathered once per forward (and once for the backward) and reduced once per
+  step, so every physical parameter counts once, never once per visit. The experts
   of ``ep`` layers are sharded over the EP group's FSDP axis (``efsdp = dp_shard / ep``
   ranks; each EP rank holds ``1/ep`` of them); everything else but the experts of
   ``gather`` layers (attention, router, norms, the final norm, and the untied input and
@@ -51,11 +52,11 @@ and the parameters by part. What is counted, and how:
   every node; ``"all"``: all ``dp_shard`` ranks), all-gathered and reduce-scattered like
   FSDP once per step whatever the visits; with ``"node"`` over several nodes each rank then
   all-reduces its reduced shard with its replicas on the other nodes (``gather_all_reduce``,
-  in ``reduce_dtype``). When the span is gathered one layer at a time
-  (``plan.span_gather == "layer"``) each span ``gather`` layer's experts are a unit of
-  their own: gathered before each visit, forward and backward, and reduce-scattered (and
-  all-reduced between replicas) after each visit's backward, as FSDP2 does for a module
-  called more than once.
+  in ``reduce_dtype``). With ``plan.span_gather == "layer"`` each span ``gather`` layer's
+  experts are a unit of their own, gathered before each visit, forward and backward
+  (whatever ``reshard_after_forward`` says), and reduce-scattered (and all-reduced between
+  replicas) once per step: FSDP2 reduces a unit's gradients when the backward of its
+  first visit has accumulated them.
 * Collectives follow the ring convention: over ``n`` ranks a rank sends ``(n - 1) / n`` of
   the gathered (or reduced) buffer; an all-reduce sends twice that.
 """
@@ -253,16 +254,17 @@ def _recomputed(cfg: ModelConfig, policy: str) -> set[int]:
 
 def _passes(cfg: ModelConfig, plan: ParallelPlan, layers, own: bool) -> tuple[int, ...]:
     """(forward gathers, backward gathers, reductions) of the experts of ``layers``, summed:
-    once per step each, or once per visit for a span layer that is a unit of its ``own``
-    (a ``gather`` layer of a span gathered layer by layer)."""
+    once per step each (no backward gather without ``reshard_after_forward``), or, for a
+    span layer whose experts are a unit of their ``own`` (a ``gather`` layer with
+    ``span_gather == "layer"``), gathered once per visit each way and reduced once."""
     loop = loop_of(cfg)
     fwd = bwd = red = 0
     for layer in layers:
-        alone = own and loop.in_span(layer) and plan.span_gather == "layer"
-        again = loop.count if alone else 1
-        fwd += again if plan.reshard_after_forward else 1
-        bwd += again if plan.reshard_after_forward else 0
-        red += again
+        if own and loop.in_span(layer) and plan.span_gather == "layer":
+            fwd, bwd = fwd + loop.count, bwd + loop.count
+        else:
+            fwd, bwd = fwd + 1, bwd + (1 if plan.reshard_after_forward else 0)
+        red += 1
     return fwd, bwd, red
 
 

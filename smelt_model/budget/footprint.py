@@ -8,12 +8,15 @@
   every data-parallel rank, an ``ep`` layer's experts over its EP group times its
   expert-FSDP axis (again every rank), a ``gather`` layer's experts over its gather group
   only (a node's ranks with ``"node"``: each node holds a full replica).
-* ``gathered``: the FSDP units held unsharded at once (:func:`.schedule.fsdp_units`): in the
-  forward a unit and the next one, prefetched; in the backward a unit, its unsharded
-  gradients (in ``dtype``, and a ``reduce_dtype`` copy for the reduce-scatter) and the next
-  unit. Without ``plan.reshard_after_forward`` every unit stays gathered from the forward to its
-  backward. A span gathered as one unit holds all its gathered layers' experts for both
-  visits; one layer at a time holds one.
+* ``gathered``: the most the FSDP units hold unsharded at once over the step
+  (:func:`.schedule.fsdp_units`, :func:`.schedule.held_peak`): a unit from the start of
+  the layer before its first use (prefetched one layer ahead) to its release, the root
+  (embeddings, final norm, head) through each pass; in the backward also a unit's
+  unsharded gradients (in ``dtype``) from its first backward use to their reduction, and
+  a ``reduce_dtype`` copy while they are reduced. Without ``plan.reshard_after_forward``
+  every unit stays gathered from the forward to its backward. The span as one unit, or
+  its layers kept for all visits, hold every span layer at once while the span runs;
+  experts gathered at every visit (``span_gather="layer"``) are held one layer at a time.
 * ``activations``: what the backward keeps at the rank's tokens, from
   :func:`smelt_model.memory.estimate` (per executed layer, and the logits); a recomputed
   layer (``plan.recompute``) keeps only its input, and one layer is rebuilt at a time.
@@ -32,9 +35,9 @@ from .. import memory
 from ..config import ModelConfig
 from .cluster import Cluster
 from .comm import Comm, _recomputed
-from .layout import ParallelPlan
+from .layout import ParallelPlan, loop_of
 from .ledger import embedding_params, layer_params
-from .schedule import fsdp_units
+from .schedule import fsdp_units, held_peak
 from .workload import Workload
 
 __all__ = ["STATE_BYTES", "Footprint", "footprint"]
@@ -94,20 +97,23 @@ def footprint(
     sharded += n_gather * experts / comm.gather_group_size
 
     act, red = w.act_bytes, w.reduce_bytes
-    forward, _, _ = fsdp_units(cfg, plan)
-    units = [u.dense + u.efsdp / comm.ep + u.gathered for _, u in forward]
-    if plan.reshard_after_forward:
-        held = max(
-            max(a + b for a, b in zip(units, units[1:] + [0.0])) * act,
-            max(u * (2 * act + red) + nxt * act for u, nxt in zip(units, units[1:] + [0.0])),
-        )
-    else:
-        held = sum(units) * act + max(units) * (act + red)
+    forward, backward = fsdp_units(cfg, plan)
+
+    def size(u) -> float:  # elements of the unit a GPU holds gathered
+        return u.dense + u.efsdp / comm.ep + u.gathered
+
+    held = held_peak(
+        forward,
+        backward,
+        lambda u: size(u) * act,
+        lambda u, reduced: size(u) * (act + (red if reduced else 0)),
+        len(loop_of(cfg).steps),
+    )
 
     layer, logits = _per_layer_activations(cfg, comm.tokens_per_rank, w)
     again = len(_recomputed(cfg, plan.recompute))
     kept_input = comm.tokens_per_rank * cfg.hidden_size * act
-    activations = (cfg.executed_layers - again) * layer + again * kept_input + logits
+    activations = (len(loop_of(cfg).steps) - again) * layer + again * kept_input + logits
     if again:
         activations += layer  # the layer being rebuilt
     return Footprint(

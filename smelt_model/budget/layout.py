@@ -14,17 +14,25 @@ Each physical layer is one of two kinds:
 * ``gather``: its experts are FSDP-sharded over the ``gather_group`` (``"node"``: the ranks
   of one node, replicated across nodes, whose gradients are then all-reduced between the
   replicas; ``"all"``: every data-parallel rank) and all-gathered before use, so its tokens
-  never leave the rank. A gathered layer is kept for all visits of one forward when the
-  span is gathered as one unit (``span_gather="unit"``); with ``"layer"`` each span layer
-  is gathered on its own, before each visit, so fewer weights are held at once and more
-  bytes move.
+  never leave the rank. A gathered span layer's experts are kept for all visits of one
+  forward with the rest of its FSDP unit (``span_gather="unit"``); with ``"layer"`` they
+  are an FSDP unit of their own, gathered again before each visit, so fewer weights are
+  held at once and more bytes move.
+
+The FSDP units of the looped span (``span_units``): ``"span"`` makes the whole span one unit,
+gathered before its first layer runs; ``"layer"`` makes each span layer a unit of its own
+(its dense weights and experts), gathered before its first visit, one layer ahead of use,
+kept for the other visits of the forward, gathered once again for the backward (with
+``reshard_after_forward``) and kept for all its visits there, its gradients reduced once.
+Both move the same bytes; per layer, the gathers spread over the span's compute.
 
 ``dedup`` sends a token once to each EP rank that holds any of its experts (instead of once
-per (token, slot) pair); ``overlap`` splits each rank's batch into two chunks so that one
-chunk's all-to-alls are in flight while the other computes; ``recompute`` is the activation
-recompute the plan needs to fit in memory (smelt's policies: ``none``, ``visit1``, ``all``);
-``reshard_after_forward`` is FSDP's choice between gathering the weights again for the
-backward (less memory) and keeping them from the forward (less traffic).
+per (token, slot) pair); ``overlap`` splits each rank's batch into ``chunks`` chunks (of
+whole sequences) so that one chunk's all-to-alls are in flight while the others compute;
+``recompute`` is the activation recompute the plan needs to fit in memory (smelt's
+policies: ``none``, ``visit1``, ``all``); ``reshard_after_forward`` is FSDP's choice
+between gathering the weights again for the backward (less memory) and keeping them from
+the forward (less traffic).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ __all__ = [
     "LAYER_KINDS",
     "GATHER_GROUPS",
     "SPAN_GATHER",
+    "SPAN_UNITS",
     "RECOMPUTE",
     "PLAN_NAMES",
     "ParallelPlan",
@@ -50,6 +59,7 @@ __all__ = [
 LAYER_KINDS = ("ep", "gather")
 GATHER_GROUPS = ("node", "all")
 SPAN_GATHER = ("unit", "layer")
+SPAN_UNITS = ("span", "layer")
 #: activation recompute policies (those of :data:`smelt_model.executor.RECOMPUTE_POLICIES`)
 RECOMPUTE = ("none", "visit1", "all")
 #: whole-model plan names :func:`parse_plan` reads besides a per-layer list
@@ -77,8 +87,8 @@ class ParallelPlan:
     ep: int = 1
     #: the ranks a ``gather`` layer's experts are sharded over: ``"node"`` or ``"all"``
     gather_group: str = "node"
-    #: the span's ``gather`` layers held as one unit for all visits, or one ``"layer"`` at a
-    #: time (gathered again before each visit)
+    #: the span's ``gather`` layers' experts kept with their unit for all visits
+    #: (``"unit"``), or a unit of their own gathered again before each visit (``"layer"``)
     span_gather: str = "unit"
     dedup: bool = False
     overlap: bool = False
@@ -86,6 +96,11 @@ class ParallelPlan:
     #: FSDP frees gathered weights after the forward and gathers them again for the
     #: backward (torchtitan's default); False keeps them from the forward to the backward
     reshard_after_forward: bool = True
+    #: the looped span as one FSDP unit (``"span"``) or one unit per span layer, kept for
+    #: all its visits (``"layer"``)
+    span_units: str = "span"
+    #: the chunks (of whole sequences) the overlap splits each rank's batch into
+    chunks: int = 2
 
     def __post_init__(self) -> None:
         layers = self.layers
@@ -98,7 +113,9 @@ class ParallelPlan:
         _check_int("ep", self.ep, 1)
         _choice("gather_group", self.gather_group, GATHER_GROUPS)
         _choice("span_gather", self.span_gather, SPAN_GATHER)
+        _choice("span_units", self.span_units, SPAN_UNITS)
         _choice("recompute", self.recompute, RECOMPUTE)
+        _check_int("chunks", self.chunks, 2)
         for name in ("dedup", "overlap", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -147,7 +164,11 @@ class ParallelPlan:
 
     def __repr__(self) -> str:
         flags = [f"ep={self.ep}", f"gather={self.gather_group}/{self.span_gather}"]
+        if self.span_units != "span":
+            flags.append(f"span-units={self.span_units}")
         flags += [name for name in ("dedup", "overlap") if getattr(self, name)]
+        if self.overlap and self.chunks != 2:
+            flags.append(f"chunks={self.chunks}")
         if self.recompute != "none":
             flags.append(f"recompute={self.recompute}")
         if not self.reshard_after_forward:
@@ -166,12 +187,15 @@ def parse_plan(
     overlap: bool = True,
     recompute: str = "none",
     reshard_after_forward: bool = True,
+    span_units: str = "layer",
+    chunks: int = 2,
 ) -> ParallelPlan:
     """A :class:`ParallelPlan` for ``cfg`` from ``spec``: ``"ep"`` (every layer EP),
     ``"gather"`` (every layer gathered), ``"span-gather"`` (the looped span gathered, the
     rest EP) or a comma list with one ``ep`` / ``gather`` per physical layer. A
     :class:`ParallelPlan` passes through (checked against ``cfg``). The keywords set the
-    other fields; ``dedup`` and ``overlap`` default to what smelt's trainer runs."""
+    other fields; ``dedup``, ``overlap`` and ``span_units`` default to what smelt's trainer
+    runs."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     if isinstance(spec, ParallelPlan):
@@ -210,22 +234,25 @@ def parse_plan(
         overlap=overlap,
         recompute=recompute,
         reshard_after_forward=reshard_after_forward,
+        span_units=span_units,
+        chunks=chunks,
     )
     plan.check(cfg)
     return plan
 
 
 def overlap_conflict(plan: ParallelPlan, cfg: ModelConfig) -> Optional[str]:
-    """Why smelt's trainer cannot run ``plan``'s two-chunk overlap on ``cfg``, or None: it
-    runs without activation recompute, and not with span layers gathered one at a time
-    (each chunk would gather them again)."""
+    """Why smelt's trainer cannot run ``plan``'s chunked overlap on ``cfg``, or None: not
+    with span layers whose experts are gathered again at every visit (each chunk would
+    gather them again)."""
     if not plan.overlap:
         return None
-    if plan.recompute != "none":
-        return "the two-chunk overlap runs without activation recompute"
     loop = loop_of(cfg)
     if plan.span_gather == "layer" and any(loop.in_span(i) for i in plan.gather_layers):
-        return "the two-chunk overlap would gather span layers gathered one at a time per chunk"
+        return (
+            "the chunked overlap would gather the experts of span layers gathered at every "
+            "visit once per chunk"
+        )
     return None
 
 

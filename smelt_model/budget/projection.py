@@ -12,16 +12,19 @@ plan. A model on paper, not a measurement.
 A plan is searched over, per architecture: how many of the span's layers, and how many of
 the others, gather their experts instead of moving their tokens (spread evenly through
 their group; layers of one group are alike), the gather group (``node`` or ``all``), the
-span gathered as one unit or layer by layer, and the lightest activation recompute
-(``none``, ``visit1``, ``all``) that fits the cluster's memory per GPU
-(:mod:`.footprint`); where smelt's trainer cannot overlap a candidate
-(:func:`~smelt_model.budget.layout.overlap_conflict`: recompute, or span layers gathered
-one at a time), it is projected without the overlap. Each candidate's step is replayed
-by :mod:`.schedule` (compute, the in-node links and the NIC as separate resources, the
-two-chunk overlap, FSDP prefetch);
-the shortest step wins (near ties, equal to six digits: fewer gathered layers, then less
-memory). ``dedup`` and ``overlap`` are what
-smelt's trainer runs (both on by default).
+span's gathered experts kept with their layer's unit or gathered at every visit, the
+overlap's chunks (:data:`CHUNKS` that divide the sequences a GPU holds: equal chunks of
+whole sequences, as the trainer splits them), keeping gathered weights from the forward to
+the backward or not, and the lightest activation recompute (``none``, ``visit1``,
+``all``) that fits the cluster's memory per GPU (:mod:`.footprint`); a looped model's
+span layers are FSDP units of their own (``span_units="layer"``: the span as one unit
+moves the same bytes and hides less). Where smelt's trainer cannot overlap a candidate
+(:func:`~smelt_model.budget.layout.overlap_conflict`: span experts gathered at every
+visit), it is projected without the overlap. Each candidate's step is replayed by
+:mod:`.schedule` (compute, the in-node links and the NIC as separate resources, the
+chunked overlap, recompute, FSDP units and prefetch); the shortest step wins (near ties,
+equal to six digits: fewer gathered layers, fewer chunks, then less memory). ``dedup``
+and ``overlap`` are what smelt's trainer runs (both on by default).
 
 The projected gap of a pair = (looped step / baseline step) / F ratio: 1.00 means the
 looped model costs in time exactly what its FLOPs say.
@@ -166,6 +169,19 @@ def _layout(cfg: ModelConfig, n_span: int, n_rest: int) -> tuple[str, ...]:
     return tuple("gather" if i in gathered else "ep" for i in range(cfg.n_layers))
 
 
+#: the chunk counts the search gives the overlap (each must divide the sequences a GPU
+#: holds); more chunks shrink each chunk's grouped GEMMs and add all-to-all latency, which
+#: the model leaves out, so it stops at four
+CHUNKS = (2, 4)
+
+
+def overlap_chunks(tokens_per_gpu: int, seq_len: int) -> tuple[int, ...]:
+    """The chunk counts of :data:`CHUNKS` the overlap can split a GPU's batch into: equal
+    chunks of whole sequences (none when the batch is not whole sequences)."""
+    rows, rest = divmod(tokens_per_gpu, seq_len)
+    return () if rest else tuple(n for n in CHUNKS if rows % n == 0 and rows >= n)
+
+
 def _recomputes(cfg: ModelConfig) -> tuple[str, ...]:
     return ("none", "visit1", "all") if cfg.is_looped else ("none", "all")
 
@@ -173,29 +189,55 @@ def _recomputes(cfg: ModelConfig) -> tuple[str, ...]:
 class _Search:
     """The best plan over layouts (see the module docstring), each layout tried once."""
 
-    def __init__(self, cfg, cl: Cluster, tokens: int, w: Workload, reshards, **fixed):
+    def __init__(
+        self, cfg, cl: Cluster, tokens: int, w: Workload, reshards, span_units=True, **fixed
+    ):
         self.cfg, self.cl, self.tokens, self.w = cfg, cl, tokens, w
-        self.reshards, self.fixed = reshards, fixed
+        self.reshards, self.span_units, self.fixed = reshards, span_units, fixed
         self.best: Optional[tuple[tuple, Projection]] = None
         self.smallest: Optional[Footprint] = None
         self.tried: dict[tuple[str, ...], float] = {}
+        self.memory: dict[ParallelPlan, tuple[Comm, Footprint]] = {}
 
     def _variants(self, layers: tuple[str, ...]):
-        """Gather group x span mode x resharding (recompute is tried by :meth:`layout`)."""
+        """Gather group x span gathering x chunks x resharding (recompute is tried by
+        :meth:`layout`); a looped span's layers are FSDP units of their own."""
         cfg, cl = self.cfg, self.cl
         gathered = [i for i, k in enumerate(layers) if k == "gather"]
         groups = ("node", "all") if gathered and cl.gpus > cl.node_size else ("node",)
         in_span = cfg.is_looped and any(loop_of(cfg).in_span(i) for i in gathered)
+        fixed = dict(self.fixed)
+        chunks = overlap_chunks(self.tokens // cl.gpus, self.w.seq_len)
+        if not chunks:
+            fixed["overlap"] = False
+        if not fixed.get("overlap"):
+            chunks = (2,)
+        span_units = "layer" if cfg.is_looped and self.span_units else "span"
         for group in groups:
             for mode in ("unit", "layer") if in_span else ("unit",):
-                for reshard in self.reshards:
-                    yield ParallelPlan(
-                        layers=layers,
-                        gather_group=group,
-                        span_gather=mode,
-                        reshard_after_forward=reshard,
-                        **self.fixed,
-                    )
+                for n in chunks:
+                    for reshard in self.reshards:
+                        yield ParallelPlan(
+                            layers=layers,
+                            gather_group=group,
+                            span_gather=mode,
+                            reshard_after_forward=reshard,
+                            span_units=span_units,
+                            chunks=n,
+                            **fixed,
+                        )
+
+    def _memory(self, p: ParallelPlan) -> tuple[Comm, Footprint]:
+        """``p``'s ledger and memory; neither depends on the overlap or its chunks."""
+        key = dataclasses.replace(p, overlap=False, chunks=2)
+        if key not in self.memory:
+            cfg, cl, w = self.cfg, self.cl, self.w
+            c = comm(
+                cfg, self.tokens, dp_shard=cl.gpus, gpus_per_node=cl.node_size, plan=key, workload=w
+            )
+            self.memory[key] = (c, footprint(cfg, key, cl, c, w))
+        c, mem = self.memory[key]
+        return dataclasses.replace(c, plan=p), mem
 
     def layout(self, layers: tuple[str, ...]) -> float:
         """The shortest step of ``layers`` that fits (inf where none does or it cannot run)."""
@@ -211,22 +253,15 @@ class _Search:
                 p = dataclasses.replace(candidate, recompute=policy)
                 if overlap_conflict(p, cfg):  # the trainer runs this one without overlap
                     p = dataclasses.replace(p, overlap=False)
-                c = comm(
-                    cfg,
-                    self.tokens,
-                    dp_shard=cl.gpus,
-                    gpus_per_node=cl.node_size,
-                    plan=p,
-                    workload=w,
-                )
-                mem = footprint(cfg, p, cl, c, w)
+                c, mem = self._memory(p)
                 if self.smallest is None or mem.total < self.smallest.total:
                     self.smallest = mem
                 if not mem.fits(cl.memory):
                     continue
                 proj = Projection(cl, p, c, mem, simulate(cfg, p, cl, c, w))
-                # near ties (six digits) go to fewer gathered layers, then less memory
-                key = (float(f"{proj.step_s:.6g}"), len(p.gather_layers), mem.total)
+                # near ties (six digits) go to fewer gathered layers, fewer chunks, then
+                # less memory
+                key = (float(f"{proj.step_s:.6g}"), len(p.gather_layers), p.chunks, mem.total)
                 if self.best is None or key < self.best[0]:
                     self.best = (key, proj)
                 out = min(out, proj.step_s)
@@ -271,15 +306,19 @@ class _Search:
         raise PlanError(
             f"no plan of {cfg.describe()} fits {cl.memory / 1e9:.4g} GB per GPU at "
             f"{self.tokens // cl.gpus} tokens per GPU: the smallest needs {m.total / 1e9:.4g} "
-            f"GB (sharded state {m.state / 1e9:.4g}, activations {m.activations / 1e9:.4g}) "
+            f"GB (sharded state {m.state / 1e9:.4g}, gathered weights and gradients "
+            f"{m.gathered / 1e9:.4g}, activations {m.activations / 1e9:.4g}) "
             f"and {memory.MARGIN:.0%} on top; use more GPUs, fewer tokens per GPU or a larger "
             f"memory= in the cluster SPEC"
         )
 
 
-def _best(cfg, cl, tokens, w, layers=None, reshards=(True, False), **fixed) -> Projection:
-    """The best plan with the layer kinds ``layers`` (None: searched)."""
-    search = _Search(cfg, cl, tokens, w, reshards, **fixed)
+def _best(
+    cfg, cl, tokens, w, layers=None, reshards=(True, False), span_units=True, **fixed
+) -> Projection:
+    """The best plan with the layer kinds ``layers`` (None: searched); ``span_units``:
+    whether span layers may be FSDP units of their own (else the span is one unit)."""
+    search = _Search(cfg, cl, tokens, w, reshards, span_units, **fixed)
     if layers is None:
         search.counts()
         layers = _layout(cfg, 0, 0)
@@ -339,7 +378,7 @@ def project(
         return _evaluate(cfg, parse_plan(plan, cfg), cl, tokens, w)
     if plan is None:
         stock = stock_plan(cfg, cl.ep)  # torchtitan's defaults, resharding included
-        return _best(cfg, cl, tokens, w, stock.layers, reshards=(True,), ep=cl.ep)
+        return _best(cfg, cl, tokens, w, stock.layers, (True,), False, ep=cl.ep)
     layers = None if plan == "auto" else parse_plan(plan, cfg, ep=cl.ep).layers
     return _best(cfg, cl, tokens, w, layers, ep=cl.ep, dedup=True, overlap=True)
 

@@ -20,26 +20,33 @@ order as a graph of work and waits, and plays it on the resources that run it:
 What waits for what (the schedule the runtime runs):
 
 * **EP layers.** Without overlap every all-to-all blocks: attention, dispatch, experts,
-  combine, then the next layer. With ``plan.overlap`` each rank's tokens are two chunks a
-  and b, and per layer: attention(a), start dispatch(a); attention(b) (hides dispatch(a)),
-  start dispatch(b); experts(a) once dispatch(a) is in, start combine(a) (experts(a) hides
-  dispatch(b)); experts(b) once dispatch(b) is in, start combine(b) (hides combine(a));
-  chunk a goes on to the next layer's attention once combine(a) is in, which hides
-  combine(b). The backward mirrors it: each chunk's gradient exchanges are in flight while
-  the other chunk's backward computes. An exchange is hidden only by the compute that
-  exists in its slot.
-* **FSDP units.** The root (the embeddings, final norm and head) first, every prelude and
-  coda layer a unit, the looped span one unit. A span gathered one layer at a time
-  (``plan.span_gather == "layer"``) keeps its dense weights and its ``ep`` layers' experts in
-  that unit, and each span ``gather`` layer's experts become a unit gathered before each
-  visit and reduced after each visit's backward. A unit's all-gather is issued
-  when the unit before it starts computing (FSDP2's prefetch of one unit) and must be in
-  before the unit's first layer runs; the backward re-gathers (with
-  ``plan.reshard_after_forward``) the same way in reverse, and a unit's gradients are
-  reduce-scattered once its backward is done (with a ``node`` gather group over several
-  nodes, a ``gather`` layer's reduced shard is then all-reduced over the NICs).
+  combine, then the next layer. With ``plan.overlap`` each rank's tokens are
+  ``plan.chunks`` chunks that take turns; with two, a and b, per layer: attention(a),
+  start dispatch(a); attention(b) (hides dispatch(a)), start dispatch(b); experts(a) once
+  dispatch(a) is in, start combine(a) (experts(a) hides dispatch(b)); experts(b) once
+  dispatch(b) is in, start combine(b) (hides combine(a)); chunk a goes on to the next
+  layer's attention once combine(a) is in, which hides combine(b). More chunks take turns
+  the same way. The backward mirrors it: each chunk's gradient exchanges are in flight
+  while the other chunks' backward computes. An exchange is hidden only by the compute
+  that exists in its slot.
 * **Recompute.** A recomputed layer runs its forward again, all-to-alls included, when the
-  gradient reaches it, before its backward.
+  gradient reaches it, before its backward. Its chunks run it together: they all finish the
+  layer before it (their exchanges waited for) before it starts, and it finishes for all
+  of them before the next layer starts, in the forward and in the backward, where the
+  recomputed forward and then the backward of the layer run between two such meetings.
+* **FSDP units** (:func:`fsdp_units`): the root (the embeddings, final norm and head),
+  every prelude and coda layer, and either the looped span as one unit
+  (``plan.span_units == "span"``) or every span layer as a unit of its own (``"layer"``),
+  kept gathered for all its visits: gathered before its first visit, freed after its last
+  (with ``plan.reshard_after_forward``), gathered again before its last visit's backward,
+  and reduced and freed after its first visit's backward. With ``plan.span_gather ==
+  "layer"`` each span ``gather`` layer's experts are a unit of their own, gathered before
+  each visit, forward and backward, and reduced once, after the first visit's backward
+  (FSDP2 reduces a unit's gradients when their accumulation is complete). The all-gathers
+  a layer needs are issued when the layer before it (in that pass) starts computing (the
+  trainer's prefetch) and must be in before it runs; a unit's gradients are
+  reduce-scattered once its last backward use is done (with a ``node`` gather group over
+  several nodes, a ``gather`` layer's reduced shard is then all-reduced over the NICs).
 
 Compute that waits for a transfer is *exposed* time, charged to the kind of the transfer
 it waited for last (``ep``, ``fsdp`` or ``gather``); transfers still running after the last
@@ -48,6 +55,7 @@ compute (the final reductions) are exposed too. The step ends when everything is
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -91,57 +99,106 @@ class _Unit:
         self.dense, self.efsdp, self.gathered = dense, efsdp, gathered
 
 
-def fsdp_units(cfg: ModelConfig, plan: ParallelPlan):
-    """The FSDP units of one step: (forward gathers, backward gathers, reductions), lists
-    of ``(position, unit)`` in program order. A forward position is an index into the
-    executed layers, a backward position one into them reversed; a gather must be in before
-    its position runs, a reduction starts once its position's backward is done."""
+@dataclass(frozen=True)
+class Call:
+    """One use of an FSDP unit in one pass: it runs the positions ``start`` to ``end`` of
+    the pass (indices into the executed layers, reversed in the backward), is gathered
+    before ``start`` (``gather``) or already held, is freed after ``end`` (``release``), and
+    in the backward has its gradients reduced after ``end`` (``reduce``)."""
+
+    unit: _Unit
+    start: int
+    end: int
+    gather: bool
+    release: bool
+    reduce: bool = False
+
+
+@functools.lru_cache(maxsize=256)
+def fsdp_units(cfg: ModelConfig, plan: ParallelPlan) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
+    """The FSDP units of one step as calls of the forward and of the backward, each in
+    the order the calls start (see the module docstring)."""
     loop, p = loop_of(cfg), layer_params(cfg)
     dense = p["attention"] + p["router"] + p["norms"]
     experts = p["experts_total"]
-    as_unit, reshard = plan.span_gather == "unit", plan.reshard_after_forward
+    own_experts, reshard = plan.span_gather == "layer", plan.reshard_after_forward
+    n = len(loop.steps)
 
     def block(layers) -> _Unit:
         u = _Unit(dense=dense * len(layers))
         for layer in layers:
             if plan.kind(layer) == "ep":
                 u.efsdp += experts
-            elif as_unit or not loop.in_span(layer):
+            elif not own_experts or not loop.in_span(layer):
                 u.gathered += experts
             # else: the span layer's gathered experts are a unit of their own
         return u
 
     root = _Unit(dense=embedding_params(cfg) + cfg.hidden_size)
     blocks = {i: block([i]) for i in range(cfg.n_layers) if not loop.in_span(i)}
-    span = block(range(loop.start, loop.end)) if loop.length else None
-    # with the span gathered layer by layer, each span gather layer's experts are a unit
-    own = {
-        i: _Unit(gathered=experts) for i in plan.gather_layers if loop.in_span(i) and not as_unit
-    }
-    forward, backward, reductions = [(0, root)], [(0, root)] if reshard else [], []
+    if plan.span_units == "layer":
+        blocks.update({i: block([i]) for i in range(loop.start, loop.end)})
+    elif loop.length:
+        span = block(range(loop.start, loop.end))
+    own = {i: _Unit(gathered=experts) for i in plan.gather_layers if loop.in_span(i)}
+    own = own if own_experts else {}
+    last_visit = loop.count - 1
+    # the root holds the embeddings and the head: used first and last in each pass
+    forward = [Call(root, 0, n - 1, True, reshard)]
+    backward = [Call(root, 0, n - 1, reshard, True, True)]
     for pos, s in enumerate(loop.steps):
+        back = n - 1 - pos
         if not s.in_span:
-            forward.append((pos, blocks[s.layer]))
-            continue
-        if s.visit == 0 and s.layer == loop.start:
-            forward.append((pos, span))
-        if s.layer in own and (s.visit == 0 or reshard):
-            forward.append((pos, own[s.layer]))
-    last = len(loop.steps) - 1
-    for pos, s in enumerate(reversed(loop.steps)):
-        if not s.in_span:
-            backward += [(pos, blocks[s.layer])] if reshard else []
-            reductions.append((pos, blocks[s.layer]))
-            continue
-        if s.visit == loop.count - 1 and s.layer == loop.end - 1 and reshard:
-            backward.append((pos, span))
-        if s.layer in own:
-            backward += [(pos, own[s.layer])] if reshard else []
-            reductions.append((pos, own[s.layer]))
-        if s.visit == 0 and s.layer == loop.start:
-            reductions.append((pos, span))
-    reductions.append((last, root))
-    return forward, backward, reductions
+            forward.append(Call(blocks[s.layer], pos, pos, True, reshard))
+            backward.append(Call(blocks[s.layer], back, back, reshard, True, True))
+        elif plan.span_units == "layer":  # kept for all visits, in each pass
+            first, last = s.visit == 0, s.visit == last_visit
+            forward.append(Call(blocks[s.layer], pos, pos, first, last and reshard))
+            backward.append(Call(blocks[s.layer], back, back, last and reshard, first, first))
+        elif s.layer == loop.start and s.visit == 0:
+            forward.append(Call(span, pos, pos + len(loop.span) - 1, True, reshard))
+            backward.append(Call(span, back - len(loop.span) + 1, back, reshard, True, True))
+        if s.layer in own:  # gathered at every visit, reduced once
+            forward.append(Call(own[s.layer], pos, pos, True, True))
+            backward.append(Call(own[s.layer], back, back, True, True, s.visit == 0))
+    return tuple(forward), tuple(sorted(backward, key=lambda c: c.start))
+
+
+def held_peak(forward, backward, size, grads, n: int) -> float:
+    """The most bytes the FSDP units hold at once over one step: a unit from the start of
+    the position before the call that gathers it (prefetched one position ahead) to its
+    release (kept units stay held into the backward), ``size(unit)`` bytes each, and in the
+    backward ``grads(unit, reduced)`` more for its unsharded gradients, from its first
+    backward call to the reduction that consumes them (``reduced``: at that position)."""
+    delta = [0.0] * (2 * n + 1)  # changes of the held bytes at each position of the step
+
+    def hold(nbytes: float, since: int, until: int) -> None:
+        delta[max(since, 0)] += nbytes
+        delta[until + 1] -= nbytes
+
+    held: dict[int, int] = {}  # id(unit) -> the position it has been held from
+    for offset, calls in ((0, forward), (n, backward)):
+        for c in calls:
+            key = id(c.unit)
+            if c.gather or key not in held:  # prefetched one position ahead, in its pass
+                held[key] = offset + max(c.start - 1, 0) if c.gather else offset + c.start
+            if c.release:
+                hold(size(c.unit), held.pop(key), offset + c.end)
+    for c in (*forward, *backward):  # units never released (none in smelt's units)
+        if id(c.unit) in held:
+            hold(size(c.unit), held.pop(id(c.unit)), 2 * n - 1)
+    first: dict[int, int] = {}
+    for c in backward:
+        first.setdefault(id(c.unit), c.start)
+        if c.reduce:
+            end = n + c.end
+            hold(grads(c.unit, False), n + first.pop(id(c.unit)), end)
+            hold(grads(c.unit, True) - grads(c.unit, False), end, end)
+    peak = level = 0.0
+    for d in delta[:-1]:
+        level += d
+        peak = max(peak, level)
+    return peak
 
 
 class _Graph:
@@ -254,7 +311,7 @@ class _Replay:
         tokens, n_exec = comm.tokens_per_rank, led.executed_layers
         experts = led.flops_by_part["experts"] / n_exec * tokens / rate
         rest = led.flops_per_token * tokens / rate / n_exec - experts
-        self.chunks = 2 if plan.overlap else 1
+        self.chunks = plan.chunks if plan.overlap else 1
         # forward seconds of one chunk's attention and expert parts
         self.attn, self.experts = rest / 3 / self.chunks, experts / 3 / self.chunks
         self.bw = {"intra": cluster.intra, "inter": cluster.inter}
@@ -272,11 +329,11 @@ class _Replay:
         self.moved[kind] += sum(by_link.values())
         return {link: n / self.bw[link] for link, n in by_link.items() if n > 0}
 
-    def exchange(self, nbytes: float, after: Optional[int]) -> Optional[int]:
+    def exchange(self, nbytes: float, *after: Optional[int]) -> Optional[int]:
         secs = self._seconds("ep", {k: nbytes * f for k, f in self.ep_share.items()})
-        return self.g.add_transfer("ep", "ep", secs, after)
+        return self.g.add_transfer("ep", "ep", secs, *after)
 
-    def collective(self, stream: str, unit: _Unit, elem: int, after: Optional[int]) -> list:
+    def collective(self, stream: str, unit: _Unit, elem: int, *after: Optional[int]) -> list:
         c = self.comm
         fsdp = _ring(c.dp_shard) * unit.dense + _ring(c.efsdp) * unit.efsdp / c.ep
         gathered = _ring(c.gather_group_size) * unit.gathered
@@ -284,13 +341,13 @@ class _Replay:
         for kind, link, n in (("fsdp", self.dp_link, fsdp), ("gather", self.gather_link, gathered)):
             if n > 0:
                 secs = self._seconds(kind, {link: n * elem})
-                out.append(self.g.add_transfer(stream, kind, secs, after))
+                out.append(self.g.add_transfer(stream, kind, secs, *after))
         return out
 
-    def reduce(self, unit: _Unit, after: Optional[int]) -> None:
+    def reduce(self, unit: _Unit, *after: Optional[int]) -> None:
         """Reduce-scatter ``unit``'s gradients, then all-reduce the reduced shard of its
         gathered experts between node replicas."""
-        done = self.collective("reduce", unit, self.w.reduce_bytes, after)
+        done = self.collective("reduce", unit, self.w.reduce_bytes, *after)
         replicas, group = self.comm.gather_replicas, self.comm.gather_group_size
         if unit.gathered and replicas > 1:
             shard = 2 * _ring(replicas) * unit.gathered / group * self.w.reduce_bytes
@@ -299,50 +356,58 @@ class _Replay:
 
     def forward(self, layer: int, heads: list, wait: list) -> list:
         """One executed layer's forward, chunk by chunk, once its units are in (``wait``);
-        each chunk's last op."""
+        ``heads[c]`` are the ops chunk c waits for first. Returns each chunk's last op."""
         g, moves = self.g, self.plan.kind(layer) == "ep"
-        mid = [g.add_compute(self.attn, h, *wait) for h in heads]
+        mid = [g.add_compute(self.attn, *h, *wait) for h in heads]
         mid = [self.exchange(self.dispatch, e) if moves else e for e in mid]
         out = [g.add_compute(self.experts, e) for e in mid]
-        return [self.exchange(self.combine, e) if moves else e for e in out]
+        return [(self.exchange(self.combine, e) if moves else e,) for e in out]
 
     def backward(self, layer: int, heads: list, wait: list) -> list:
         """The mirror of :meth:`forward`: a chunk's gradient leaves as soon as it exists."""
         g, moves = self.g, self.plan.kind(layer) == "ep"
-        mid = [self.exchange(self.combine, h) if moves else h for h in heads]
-        mid = [g.add_compute(2 * self.experts, e, *wait) for e in mid]
+        mid = [self.exchange(self.combine, *h) if moves else h for h in heads]
+        mid = [g.add_compute(2 * self.experts, *_ops(e), *wait) for e in mid]
         out = [self.exchange(self.dispatch, e) if moves else e for e in mid]
-        return [g.add_compute(2 * self.attn, e) for e in out]
+        return [(g.add_compute(2 * self.attn, e),) for e in out]
 
     def lay_out(self) -> None:
         steps = loop_of(self.cfg).steps
         again = _recomputed(self.cfg, self.plan.recompute)
-        fwd, bwd, reductions = fsdp_units(self.cfg, self.plan)
-        heads = self._pass(steps, fwd, [], [None] * self.chunks, False, again)
-        self._pass(tuple(reversed(steps)), bwd, reductions, heads, True, again)
+        forward, backward = fsdp_units(self.cfg, self.plan)
+        heads = self._pass(steps, forward, [()] * self.chunks, False, again)
+        self._pass(tuple(reversed(steps)), backward, heads, True, again)
 
-    def _pass(self, order, gathers, reductions, heads, backward: bool, again) -> list:
-        # a unit's all-gather is issued when the unit before it starts (one unit ahead)
-        issue = [gathers[max(k - 1, 0)][0] for k in range(len(gathers))]
+    def _pass(self, order, calls, heads, backward: bool, again) -> list:
+        # the gathers a position needs are issued when the position before it starts
+        gathers: dict[int, list] = {}
+        for c in calls:
+            if c.gather:
+                gathers.setdefault(max(c.start - 1, 0), []).append(c)
         ready: dict[int, list] = {}
         for pos, step in enumerate(order):
-            # issued once the compute before this position is done
             before = self.g.compute[-1][0] if self.g.compute else None
-            for k, (need, unit) in enumerate(gathers):
-                if issue[k] == pos:
-                    ops = self.collective("gather", unit, self.w.act_bytes, before)
-                    ready.setdefault(need, []).extend(ops)
+            for c in gathers.get(pos, ()):
+                ready.setdefault(c.start, []).extend(
+                    self.collective("gather", c.unit, self.w.act_bytes, before)
+                )
             wait = ready.get(pos, [])
-            if not backward:
+            # a recomputed layer runs all chunks together: they meet before and after it
+            drain = step.slot in again or (pos > 0 and order[pos - 1].slot in again)
+            if drain:
+                heads = [tuple(op for h in heads for op in h)] * self.chunks
+            if backward and step.slot in again:  # rebuilt once the gradient reaches it
                 heads = self.forward(step.layer, heads, wait)
-                continue
-            if step.slot in again:  # rebuilt once the gradient reaches the layer
-                heads = self.forward(step.layer, heads, wait)
-            heads = self.backward(step.layer, heads, wait)
-            for at, unit in reductions:
-                if at == pos:
-                    self.reduce(unit, heads[-1])
+                heads = [tuple(op for h in heads for op in h)] * self.chunks
+            heads = (self.backward if backward else self.forward)(step.layer, heads, wait)
+            for c in calls if backward else ():
+                if c.reduce and c.end == pos:
+                    self.reduce(c.unit, *(op for h in heads for op in h))
         return heads
+
+
+def _ops(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
 
 
 def simulate(

@@ -16,7 +16,7 @@
   It needs no DeepEP build: plain all-to-alls, on NCCL and gloo.
 
 Both dispatchers run locally (no exchange) when no EP mesh is wired, and both offer the
-phased form that two-chunk overlap uses: :meth:`~CountingAllToAllTokenDispatcher.dispatch_phases`
+phased form that the chunked overlap uses: :meth:`~CountingAllToAllTokenDispatcher.dispatch_phases`
 and :meth:`~CountingAllToAllTokenDispatcher.combine_phases` are generators that start their
 token exchange, ``yield`` the tensors they hold (their *carry*), and on resumption (the same
 tensors sent back, possibly replaced by equal ones) wait for the exchange and finish. The

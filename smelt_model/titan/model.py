@@ -17,12 +17,14 @@ ids come from the per-document ``positions`` on the device
 :class:`~smelt_model.titan.loss.SmeltTitanOutput` (logits, and this rank's share of the
 router losses in training, scaled by 1 / gradient-accumulation steps).
 
-With ``Config.overlap`` (and a batch of two rows or more) the forward splits the batch into
-two chunks of rows and interleaves them through every executed layer
+With ``Config.overlap`` (and a batch of at least ``Config.chunks`` rows) the forward splits
+the batch into ``chunks`` chunks of rows and interleaves them through every executed layer
 (:class:`smelt_model.executor.Interleaved`): each MoE layer's dispatch and combine of one
-chunk are in flight while the other chunk computes, forward and backward (the schedule is in
-docs/titan.md, *Communication*). The result equals the forward without overlap; the router
-losses are computed over both chunks together.
+chunk are in flight while the other chunks compute, forward and backward (the schedule is
+in docs/titan.md, *Communication*). A layer the recompute policy recomputes runs its chunks
+together under one activation checkpoint, interleaved again when the backward recomputes
+it. The result equals the forward without overlap; the router losses are computed over
+all chunks together.
 
 Parameters and FLOPs come from the ledger (:func:`smelt_model.budget.ledger`); the model
 config travels inside every checkpoint as the uint8 buffer ``config_json`` (its JSON), so
@@ -62,9 +64,12 @@ class FlexSegmentAttention(Module):
 
     Called as smelt's attention op is: ``(q, k, v, segment_ids, check_values) ->
     (out, None)`` with q (B, T, Hq, D), k and v (B, T, Hkv, D). The block mask is built
-    once per ``segment_ids`` tensor (every layer of a forward shares it; the two chunks of
-    an overlapped forward keep one each).
+    once per ``segment_ids`` tensor (every layer of a forward shares it; the chunks of an
+    overlapped forward keep one each, up to :attr:`KEPT`).
     """
+
+    #: block masks kept (one per chunk of an overlapped forward)
+    KEPT = 8
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -92,7 +97,8 @@ class FlexSegmentAttention(Module):
             mask_mod, B, None, T, T, device=device, BLOCK_SIZE=self.block_size
         )
         if segment_ids is not None:
-            self._masks = self._masks[-1:] + [(weakref.ref(segment_ids), mask)]
+            live = [(ref, m) for ref, m in self._masks if ref() is not None]
+            self._masks = live[-(self.KEPT - 1) :] + [(weakref.ref(segment_ids), mask)]
         return mask
 
     def forward(self, q, k, v, segment_ids, check_values=None):
@@ -121,8 +127,10 @@ class SmeltTitan(SmeltLM, BaseModel):
         grad_accum_steps: int = 1
         #: mean document length the ledger's attention FLOPs assume (torchtitan's MFU)
         mean_doc_len: float = 800.0
-        #: two-chunk overlap of the expert-parallel exchanges with compute (module docstring)
+        #: chunked overlap of the expert-parallel exchanges with compute (module docstring)
         overlap: bool = False
+        #: the chunks of rows the overlap splits each batch into
+        chunks: int = 2
         #: the parallel plan the run uses (a smelt_model.budget.ParallelPlan; None: every
         #: layer expert-parallel, torchtitan's layout)
         plan: Any = None
@@ -140,11 +148,10 @@ class SmeltTitan(SmeltLM, BaseModel):
                 )
             if self.attention not in ATTENTION:
                 raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
-            if self.overlap and self.recompute != "none":
-                raise ValueError(
-                    "two-chunk overlap runs without activation recompute "
-                    f"(recompute {self.recompute!r}): choose one of the two"
-                )
+            if isinstance(self.chunks, bool) or not isinstance(self.chunks, int):
+                raise TypeError(f"chunks must be an int, got {self.chunks!r}")
+            if self.chunks < 2:
+                raise ValueError(f"chunks must be 2 or more, got {self.chunks}")
 
         def update_from_config(self, *, config, **kwargs) -> None:
             from .parallelize import update_model_config
@@ -171,6 +178,7 @@ class SmeltTitan(SmeltLM, BaseModel):
         self.config = config
         self.grad_accum_steps = config.grad_accum_steps
         self.overlap = config.overlap
+        self.chunks = config.chunks
         for i, moe_cfg in enumerate(config.moe):
             self.layer(i).moe = moe_cfg.build()
         if config.attention == "flex":
@@ -209,7 +217,7 @@ class SmeltTitan(SmeltLM, BaseModel):
         attention_masks: Any = None,
     ) -> SmeltTitanOutput:
         segment_ids = None if positions is None else segment_ids_from_positions(positions)
-        if self.overlap and tokens.dim() == 2 and tokens.shape[0] >= 2:
+        if self.overlap and tokens.dim() == 2 and tokens.shape[0] >= self.chunks:
             out = self._forward_interleaved(tokens, segment_ids)
         else:
             out = SmeltLM.forward(self, tokens, segment_ids)
@@ -221,10 +229,12 @@ class SmeltTitan(SmeltLM, BaseModel):
     def _forward_interleaved(
         self, tokens: torch.Tensor, segment_ids: Optional[torch.Tensor]
     ) -> SmeltOutput:
-        """``SmeltLM.forward`` (logits and router losses) on two chunks of rows at once."""
+        """``SmeltLM.forward`` (logits and router losses) on ``chunks`` chunks of rows at
+        once (their sizes differ by one row at most)."""
         self._check_inputs(tokens, segment_ids, None)
         B, T = tokens.shape
-        rows = [slice(0, (B + 1) // 2), slice((B + 1) // 2, B)]
+        bounds = [c * B // self.chunks for c in range(self.chunks + 1)]
+        rows = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
         cos, sin = self.rotary.tables(0, T, tokens.device)
         state = Interleaved.start(
             [self.embed(tokens[r]) for r in rows],
@@ -233,13 +243,11 @@ class SmeltTitan(SmeltLM, BaseModel):
                 for c, r in enumerate(rows)
             ],
         )
-        p = self.plan
-        for step in p.prelude:
-            state, _ = self.prelude[step.layer](state, None, step)
+        ex, p = self.executor, self.plan
+        state, _ = ex.run(lambda i: self.prelude[i], state, None, p.prelude)
         if self.span is not None:
             state, _ = self.span(state, None)
-        for step in p.coda:
-            state, _ = self.coda[step.layer - p.end](state, None, step)
+        state, _ = ex.run(lambda i: self.coda[i - p.end], state, None, p.coda)
         logits = torch.cat(state.finish(lambda x: self.lm_head(self.norm(x))))
         aux = None
         for step, stats in zip(p.steps, state.extras()):

@@ -20,7 +20,7 @@ smelt's router semantics and router losses:
 ``y`` or ``(y, aux)`` (aux None in eval mode or when both weights are 0).
 ``phases(x, keep=(), chunk=0)`` is the same computation as a generator that pauses while
 its dispatcher's token exchanges are in flight (:meth:`smelt_model.block.Block.phases`,
-two-chunk overlap); it returns :class:`RouterStats` in place of the router losses, so that
+chunked overlap); it returns :class:`RouterStats` in place of the router losses, so that
 the losses are computed over the chunks of the batch together (:meth:`router_loss`).
 """
 

@@ -20,11 +20,14 @@ section):
     ``unit`` (the default: the span's gathered experts are held for all its visits) or
     ``layer`` (each span layer's experts gathered again before each visit: less memory, more
     bytes).
+``--moe_comm.span_units``
+    ``layer`` (the default: each span layer an FSDP unit of its own, gathered one layer
+    ahead and kept for all its visits) or ``span`` (the whole span one unit).
 ``--moe_comm.dedup`` / ``--moe_comm.no-dedup``
     the de-duplicating dispatcher (one row per token and destination rank; on by default).
 ``--moe_comm.overlap``
-    two-chunk overlap of the all-to-alls with compute (off by default; needs a local batch of
-    two rows or more and no activation recompute).
+    chunked overlap of the all-to-alls with compute (off by default; the local batch must
+    be a multiple of ``--moe_comm.chunks``, 2 by default).
 ``--moe_comm.cluster SPEC``
     the cluster for ``auto`` and the node size for ``gather_group node``, as
     ``python -m smelt_model.budget --cluster`` reads it (``h100-8``, ``gpus_per_node=2``,
@@ -61,10 +64,14 @@ class MoECommConfig:
     """ranks a gather layer's experts are sharded over: node (replicated across nodes) or all"""
     span_gather: str = "unit"
     """the span's gathered experts held for all visits (unit) or gathered per visit (layer)"""
+    span_units: str = "layer"
+    """FSDP units of the span: one per span layer, kept for all visits (layer), or one (span)"""
     dedup: bool = True
     """send a token once to each expert-parallel rank that holds any of its experts"""
     overlap: bool = False
-    """split the batch in two chunks; one chunk's all-to-alls in flight while the other computes"""
+    """split the batch in chunks; one chunk's all-to-alls in flight while the others compute"""
+    chunks: int = 2
+    """the chunks of rows the overlap splits each rank's batch into"""
     cluster: str = ""
     """cluster SPEC for plan auto and the node size (python -m smelt_model.budget --cluster)"""
 
@@ -150,6 +157,13 @@ def resolve(
     """
     _choice("gather_group", section.gather_group, ("node", "all"))
     _choice("span_gather", section.span_gather, ("unit", "layer"))
+    _choice("span_units", section.span_units, ("layer", "span"))
+    if (
+        isinstance(section.chunks, bool)
+        or not isinstance(section.chunks, int)
+        or section.chunks < 2
+    ):
+        raise ValueError(f"--moe_comm.chunks {section.chunks!r}: give 2 or more")
     w = workload if workload is not None else budget.Workload()
     tokens = mesh.tokens_per_rank * mesh.world or None
     if section.plan == "auto":
@@ -158,6 +172,8 @@ def resolve(
             plan, _ = budget.plan(
                 arch, cluster, tokens, dedup=section.dedup, overlap=section.overlap, workload=w
             )
+            if section.span_units == "span":  # the span as one unit, as the run asks
+                plan = dataclasses.replace(plan, span_units="span")
         except ValueError as e:
             raise ValueError(f"--moe_comm.plan auto: {e}") from None
         if plan.recompute != recompute:
@@ -178,6 +194,8 @@ def resolve(
                 overlap=section.overlap,
                 recompute=recompute,
                 reshard_after_forward=reshard_after_forward,
+                span_units=section.span_units,
+                chunks=section.chunks,
             )
         except (ValueError, TypeError) as e:
             raise ValueError(f"--moe_comm.plan {section.plan}: {e}") from None
@@ -210,8 +228,7 @@ def _check_runnable(plan: Any, arch: ModelConfig, mesh: RunMesh) -> None:
     conflict = budget.overlap_conflict(plan, arch)
     if conflict is not None:
         raise ValueError(
-            f"--moe_comm.overlap: {conflict}; drop the overlap, or use "
-            f"--moe_comm.span_gather unit and no activation_checkpoint"
+            f"--moe_comm.overlap: {conflict}; drop the overlap, or use --moe_comm.span_gather unit"
         )
     if plan.gather_layers and mesh.replicate > 1:
         raise ValueError(
@@ -237,8 +254,8 @@ def with_node(mesh: RunMesh, section: MoECommConfig) -> RunMesh:
     return dataclasses.replace(mesh, local_world=min(mesh.world, node_size(section, mesh)))
 
 
-def describe(plan: Any, mesh: RunMesh) -> str:
-    """The line a run logs about its plan."""
+def describe(plan: Any, mesh: RunMesh, looped: bool = True) -> str:
+    """The line a run logs about its plan (``looped``: the model has a span)."""
     kinds = ",".join(plan.layers)
     parts = [f"layers {kinds}", f"ep {plan.ep}"]
     if plan.gather_layers:
@@ -249,9 +266,15 @@ def describe(plan: Any, mesh: RunMesh) -> str:
             f"{'s' if nodes > 1 else ''}), span {plan.span_gather}"
         )
     parts.append("dedup" if plan.dedup else "stock rows")
-    parts.append("overlap" if plan.overlap else "no overlap")
+    parts.append(f"overlap in {plan.chunks} chunks" if plan.overlap else "no overlap")
     if plan.recompute != "none":
         parts.append(f"recompute {plan.recompute}")
     if not plan.reshard_after_forward:
         parts.append("weights kept gathered from the forward to the backward")
+    if looped:
+        parts.append(
+            "each span layer an FSDP unit"
+            if plan.span_units == "layer"
+            else "the span one FSDP unit"
+        )
     return "smelt plan: " + "; ".join(parts)

@@ -13,15 +13,18 @@ torchtitan's activation-checkpointing choice and records the gradient-accumulati
 torchtitan's ``Module.parallelize`` (the ``ep`` layers' experts sharded, their dispatchers
 wired to the ``ep`` mesh; with overlap, their token exchanges on a process group of their
 own), the router statistics summed over the data-parallel ranks, then FSDP2 with the units
-:func:`smelt_model.parallel.shard` makes (each prelude and coda block, the looped span as
-ONE unit: its shared weights gathered once per forward and used r times, their gradients
-reduced once; the root last). FSDP places each parameter on its mesh: the ``ep`` layers'
-experts on torchtitan's expert-FSDP mesh, the ``gather`` layers' experts on their gather
-group (``all``: the data-parallel mesh of the dense weights; ``node``: a two-dimensional
-mesh, FSDP over the ranks of a node and replicas across nodes), everything else on the
-data-parallel mesh. With ``span_gather layer`` each span layer's gathered experts are a unit
-of their own (gathered at every visit). :func:`clip_grad_norm_by_mesh` is the gradient
-clipping these meshes need (torchtitan's stacks per-parameter norms of one mesh).
+:func:`smelt_model.parallel.shard` makes (each prelude and coda block; each span layer
+kept gathered for all its visits, or the looped span as one unit, as the plan's
+``span_units`` says: either way its shared weights are gathered once per forward and used
+r times, their gradients reduced once; the root last) and its prefetch order (whatever the
+next executed layer needs is gathered while the current one computes). FSDP places each
+parameter on its mesh: the ``ep`` layers' experts on torchtitan's expert-FSDP mesh, the
+``gather`` layers' experts on their gather group (``all``: the data-parallel mesh of the
+dense weights; ``node``: a two-dimensional mesh, FSDP over the ranks of a node and replicas
+across nodes), everything else on the data-parallel mesh. With ``span_gather layer`` each
+span layer's gathered experts are a unit of their own (gathered at every visit).
+:func:`clip_grad_norm_by_mesh` is the gradient clipping these meshes need (torchtitan's
+stacks per-parameter norms of one mesh).
 
 Activation checkpointing (``--activation_checkpoint`` choices -> smelt's policies,
 :data:`smelt_model.executor.RECOMPUTE_POLICIES`): ``none`` -> ``"none"``; ``full`` ->
@@ -136,10 +139,11 @@ def run_plan(config: Any, arch: Any, recompute: str) -> tuple[Any, RunMesh]:
         workload=workload,
         available=available,
     )
-    if plan.overlap and training is not None and training.local_batch_size < 2:
+    if plan.overlap and training is not None and training.local_batch_size % plan.chunks:
         raise ValueError(
-            f"--moe_comm.overlap splits each rank's batch in two chunks: "
-            f"--training.local_batch_size must be 2 or more, got {training.local_batch_size}"
+            f"--moe_comm.overlap splits each rank's batch in {plan.chunks} equal chunks of "
+            f"rows: --training.local_batch_size must be a multiple of {plan.chunks}, got "
+            f"{training.local_batch_size}"
         )
     return plan, mesh
 
@@ -205,6 +209,7 @@ def update_model_config(model_cfg: Any, config: Any) -> None:
         )
     model_cfg.plan = plan
     model_cfg.overlap = plan.overlap
+    model_cfg.chunks = plan.chunks
     model_cfg.node_size = mesh.local_world
     if training is None:
         return
@@ -398,15 +403,16 @@ def parallelize_smelt(
                         experts,
                         mesh=gather_mesh,
                         shard_placement_fn=lambda p, s=shard: s,
-                        **kwargs,
+                        **{**kwargs, "reshard_after_forward": True},
                     )
     kwargs["shard_placement_fn"] = _placement_fn(model, parallel_dims, dp_mesh, gather_mesh)
-    parallel.shard(model, mesh=dp_mesh, **kwargs)
+    span_units = plan.span_units if plan is not None else "span"
+    parallel.shard(model, mesh=dp_mesh, span_units=span_units, **kwargs)
     tt_fsdp.disable_fsdp_gradient_division(model)
     if plan is not None:
         world = parallel_dims.world_size
         run = RunMesh(world, min(world, model.config.node_size), parallel_dims.ep)
-        logger.info(describe(plan, run))
+        logger.info(describe(plan, run, model.cfg.is_looped))
         gathered = {p for m in _layer_experts(model, "gather") for p in m.parameters()}
         traffic.record_fsdp(model, gathered)
     return model

@@ -11,18 +11,21 @@ dispatchers of :mod:`smelt_model.titan.dispatch` and the FSDP collectives of
 Definitions (one rank, one expert-parallel group of ``ep`` ranks, rows of ``D`` elements):
 
 * ``calls``: one entry per executed MoE call on an ``ep`` layer (in execution order: a looped
-  layer once per visit; with two-chunk overlap, once per chunk), with ``routing`` (how many
+  layer once per visit; with the chunked overlap, once per chunk), with ``routing`` (how many
   (token, slot) pairs this rank sent to each of the ``E`` experts), ``token_ranks`` (how many
   distinct tokens of this rank have at least one of their experts on each EP rank, its own
-  included), ``dedup`` (whether a row was a (token, rank) pair) and ``chunk`` (which part of
-  the batch it carried: 0, or 0 and 1 with two-chunk overlap).
+  included), ``dedup`` (whether a row was a (token, rank) pair), ``chunk`` (which part of
+  the batch it carried: 0, or 0 to chunks - 1 with the chunked overlap) and ``recompute``
+  (whether it was a recomputed forward, run inside the backward; the matrices below leave
+  those out: they repeat the forward's routing).
 * token all-to-all events (``dispatch`` / ``combine``, ``forward`` / ``backward``) keep
   ``rows_to`` (rows sent to each EP rank, this rank's own entry included) and ``row_bytes``
   (``D`` times the element size). ``dispatch`` / ``forward`` sends this rank's routed rows
   out ((token, slot) rows, or (token, rank) rows with de-duplication); ``combine`` /
   ``forward`` returns the rows the rank received; the backward of each sends the gradients
-  the opposite way. ``bytes_to_others`` excludes the rank's own split (it never leaves the
-  rank), ``bytes_total`` includes it.
+  the opposite way; a recomputed forward's exchanges have the phase ``recompute``.
+  ``bytes_to_others`` excludes the rank's own split (it never leaves the rank),
+  ``bytes_total`` includes it.
 * ``counts`` / ``forward``: the small exchange of per-expert counts before each dispatch
   (int64); ``slots`` / ``forward``: with de-duplication, each row's local expert ids (int32)
   and routing scores (fp32, ``top_k`` each), and ``slots`` / ``backward`` the scores'
@@ -39,7 +42,9 @@ Definitions (one rank, one expert-parallel group of ``ep`` ranks, rows of ``D`` 
   and ``gather_all_reduce`` (the expert part of the FSDP collectives), named as the fields
   of :class:`smelt_model.budget.Comm` that predict them.
 
-A recomputed forward (activation checkpointing) runs and counts its exchanges again.
+A recomputed forward (activation checkpointing) runs and counts its exchanges again, as
+``dispatch_recompute`` and ``combine_recompute`` (the :class:`smelt_model.budget.Comm` fields
+of the same names).
 """
 
 from __future__ import annotations
@@ -142,12 +147,16 @@ class Recorder:
                 "token_ranks": [int(c) for c in token_ranks],
                 "dedup": bool(dedup),
                 "chunk": int(chunk),
+                "recompute": _phase() == "backward",
             }
         )
         return index
 
     def add(self, kind: str, phase: str, rows_to: list[int], row_bytes: int, call: int) -> None:
-        """Record one exchange: ``rows_to[j]`` rows of ``row_bytes`` sent to EP rank j."""
+        """Record one exchange: ``rows_to[j]`` rows of ``row_bytes`` sent to EP rank j (a
+        forward exchange run inside the backward is a recomputed one)."""
+        if phase == "forward" and _phase() == "backward":
+            phase = "recompute"
         mine = self.ep_rank if self.ep_rank is not None else 0
         total = int(sum(rows_to)) * row_bytes
         self.events.append(
@@ -259,7 +268,7 @@ def _layer_calls(record: dict[str, Any], step: Optional[int], key: str) -> list[
     """One rank's ``key`` vectors per executed layer: the i-th call of every chunk summed."""
     chunks: dict[int, list[list[int]]] = {}
     for c in record["calls"]:
-        if step is None or c["step"] == step:
+        if (step is None or c["step"] == step) and not c.get("recompute"):
             chunks.setdefault(c.get("chunk", 0), []).append(c[key])
     if not chunks:
         return []
@@ -285,7 +294,7 @@ def routing_matrices(
     records: list[dict[str, Any]], step: Optional[int] = None
 ) -> list[list[list[int]]]:
     """The (ep, E) routing matrix of every executed ``ep`` MoE layer, in execution order (the
-    chunks of a two-chunk run summed).
+    chunks of an overlapped run summed).
 
     ``records``: the files of ONE expert-parallel group (as :func:`read` returns them for a
     run whose EP group is the world; filter by rank otherwise); ``step``: only that

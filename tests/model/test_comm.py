@@ -256,6 +256,7 @@ def test_cli_cluster(capsys):
     assert out.count("a model on paper") == 2 and "EP 16 (over 2 nodes)" in out
     assert out.count("gap (step ratio / F ratio") == 2 and "step, torchtitan stock" in out
     assert "tiny-smelt best plan: " in out and "| marks the looped span" in out
+    assert "span layers as units" in out
     assert budget.main(["tiny-smelt", "--cluster", "h100-8"]) == 0
     assert "gap" not in capsys.readouterr().out
     assert budget.main(["tiny", "--cluster", "h100-8", "--plan", "ep"]) == 0
@@ -264,6 +265,7 @@ def test_cli_cluster(capsys):
     assert budget.main(["tiny", "--cluster", "h100-8,memory=1"]) == 0
     out = capsys.readouterr().out
     assert "tiny-smelt: no plan of" in out and "fits 1 GB per GPU" in out
+    assert "gathered weights and gradients" in out
 
 
 @pytest.mark.parametrize(

@@ -19,19 +19,28 @@ def test_parse_plan_names_and_lists():
     assert budget.parse_plan("gather", cfg).gather_layers == (0, 1, 2, 3)
     p = budget.parse_plan("span-gather", cfg, ep=2)
     assert p.layers == ("ep", "gather", "gather", "ep") and p.letters == "egge"
-    assert (p.ep, p.gather_group, p.span_gather, p.dedup, p.overlap) == (
+    assert (p.ep, p.gather_group, p.span_gather, p.dedup, p.overlap, p.chunks) == (
         2,
         "node",
         "unit",
         True,
         True,
+        2,
     )
+    assert p.span_units == "layer"  # what smelt's trainer runs; the dataclass's default: span
+    assert budget.ParallelPlan(p.layers).span_units == "span"
     assert budget.parse_plan(p.spec, cfg, ep=2) == p
     assert budget.parse_plan(" ep, gather ,ep,ep", cfg, ep=2).gather_layers == (1,)
     assert budget.parse_plan(p, cfg) is p
-    assert repr(p) == "ParallelPlan('egge', ep=2, gather=node/unit, dedup, overlap)"
-    q = budget.parse_plan("ep", cfg, ep=4, dedup=False, overlap=False, recompute="all")
+    assert (
+        repr(p) == "ParallelPlan('egge', ep=2, gather=node/unit, span-units=layer, dedup, overlap)"
+    )
+    q = budget.parse_plan(
+        "ep", cfg, ep=4, dedup=False, overlap=False, recompute="all", span_units="span"
+    )
     assert repr(q) == "ParallelPlan('eeee', ep=4, gather=node/unit, recompute=all)"
+    r = budget.parse_plan("ep", cfg, ep=4, span_units="span", chunks=4)
+    assert repr(r) == "ParallelPlan('eeee', ep=4, gather=node/unit, dedup, overlap, chunks=4)"
 
 
 @pytest.mark.parametrize(
@@ -44,6 +53,9 @@ def test_parse_plan_names_and_lists():
         ("ep", dict(ep=0), ValueError, "ep must be >= 1"),
         ("ep", dict(gather_group="rack"), ValueError, "gather_group must be one of node, all"),
         ("ep", dict(span_gather="half"), ValueError, "span_gather must be one of unit, layer"),
+        ("ep", dict(span_units="unit"), ValueError, "span_units must be one of span, layer"),
+        ("ep", dict(chunks=1), ValueError, "chunks must be >= 2"),
+        ("ep", dict(chunks=2.0), TypeError, "chunks must be an int"),
         ("ep", dict(recompute="some"), ValueError, "recompute must be one of none"),
         ("ep", dict(dedup=1), TypeError, "dedup must be a bool"),
         (3, {}, TypeError, "plan spec must be a str"),
@@ -215,12 +227,22 @@ def test_span_gathered_as_a_unit_or_layer_by_layer():
     layer = budget.parse_plan("span-gather", cfg, ep=2, span_gather="layer")
     a = budget.comm(cfg, 16, dp_shard=4, plan=unit)
     b = budget.comm(cfg, 16, dp_shard=4, plan=layer)
-    # two span layers of 96 expert parameters over a group of 4: once per step as a unit,
-    # once per visit (twice) layer by layer
+    # two span layers of 96 expert parameters over a group of 4: gathered once per step
+    # with their unit, once per visit (twice) each way on their own; reduced once either way
+    # (FSDP2 reduces a unit run twice after its first visit's backward)
     assert a.gather_all_gather_forward == 2 * 96 * 3 / 4 * 2
     assert b.gather_all_gather_forward == 2 * a.gather_all_gather_forward
-    assert b.gather_reduce_scatter == 2 * a.gather_reduce_scatter
+    assert b.gather_all_gather_backward == 2 * a.gather_all_gather_backward
+    assert b.gather_reduce_scatter == a.gather_reduce_scatter
     assert a.ep_bytes == b.ep_bytes and a.fsdp_bytes == b.fsdp_bytes
+    # without resharding a unit keeps them for the backward; their own unit still gathers
+    keep = dict(reshard_after_forward=False)
+    a2 = budget.comm(cfg, 16, dp_shard=4, plan=dataclasses.replace(unit, **keep))
+    b2 = budget.comm(cfg, 16, dp_shard=4, plan=dataclasses.replace(layer, **keep))
+    assert a2.gather_all_gather_backward == 0 and b2.gather_bytes == b.gather_bytes
+    # the span's FSDP units (one, or one per layer) move the same bytes
+    span = budget.comm(cfg, 16, dp_shard=4, plan=dataclasses.replace(unit, span_units="span"))
+    assert (span.fsdp_bytes, span.gather_bytes) == (a.fsdp_bytes, a.gather_bytes)
     # the experts of the gathered layers left the efsdp FSDP axis
     stock = budget.comm(cfg, 16, ep=2, dp_shard=4)
     assert a.fsdp_by_part["experts"] == pytest.approx(stock.fsdp_by_part["experts"] / 2)

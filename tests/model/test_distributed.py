@@ -1,8 +1,11 @@
 """FSDP2 on two CPU processes (gloo) with the package's recipe (:func:`smelt_model.parallel.shard`:
-every block its own unit, the shared span one unit): same loss and grads as one process."""
+every block its own unit, the shared span one unit or one unit per span layer): same loss
+and grads as one process, over two steps of gradient accumulation, and each unit gathered
+once per pass and reduced once per backward, whatever its visits."""
 
 import os
 import tempfile
+from collections import Counter
 
 import pytest
 import torch
@@ -13,10 +16,19 @@ from helpers import micro_config
 from smelt_model.model import SmeltLM
 
 WORLD = 2
+#: (span_units, reshard_after_forward, recompute, router loss weight) the workers shard a
+#: model with; with a router loss each rank's is its own batch's (SmeltLM sums no
+#: statistics over ranks), so only the collectives are compared
+SETUPS = [
+    ("span", True, "none", 0.0),
+    ("layer", True, "none", 0.0),
+    ("layer", False, "all", 0.0),
+    ("layer", True, "none", 0.01),
+]
 
 
-def _cfg():
-    return micro_config(aux_loss_weight=0.0)
+def _cfg(aux_loss_weight=0.0):
+    return micro_config(aux_loss_weight=aux_loss_weight)
 
 
 def _batch():
@@ -24,24 +36,62 @@ def _batch():
     return torch.randint(0, 97, (2 * WORLD, 16), generator=g)
 
 
+def _unit(fqn: str) -> str:
+    parts = fqn.split(".")
+    if parts[0] == "span":
+        return ".".join(parts[:3])
+    return ".".join(parts[:2]) if parts[0] in ("prelude", "coda") else "root"
+
+
 def _worker(rank, init_file, out_file):
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
+
     from smelt_model.parallel import shard, units
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    log = []
+    stock_gather, stock_reduce = fpg.foreach_all_gather, fpg.foreach_reduce
+
+    def gather(params, *a, **k):
+        phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+        log.append(("gather", _unit(params[0]._param_fqn), phase))
+        return stock_gather(params, *a, **k)
+
+    def reduce(params, *a, **k):
+        log.append(("reduce", _unit(params[0]._param_fqn), "bwd"))
+        return stock_reduce(params, *a, **k)
+
+    fpg.foreach_all_gather, fpg.foreach_reduce = gather, reduce
     try:
-        torch.manual_seed(0)
-        model = SmeltLM(_cfg(), backend="torch").double()
-        shard(model)  # the shared span: gathered once, used r times
-        assert model.span in units(model) and all(hasattr(u, "unshard") for u in units(model))
-        ids = _batch()[2 * rank : 2 * rank + 2]
-        out = model(ids, labels=ids)
-        out.loss.backward()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        results = {}
+        for span_units, reshard, recompute, aux in SETUPS:
+            torch.manual_seed(0)
+            model = SmeltLM(_cfg(aux), backend="torch", recompute=recompute).double()
+            shard(model, span_units=span_units, reshard_after_forward=reshard)
+            assert all(hasattr(u, "unshard") for u in units(model, span_units))
+            for i in range(model.cfg.n_layers):  # runs after the shard's own hooks
+
+                def enter(block, args):
+                    if torch._C._current_graph_task_id() == -1:
+                        log.append(("enter", args[2].slot, "fwd"))
+
+                model.layer(i).register_forward_pre_hook(enter)
+            ids = _batch()[2 * rank : 2 * rank + 2]
+            loss = 0.0
+            for _ in range(2):  # two micro-batches: the gradients accumulate
+                log.clear()
+                out = model(ids, labels=ids)
+                objective = out.loss if out.aux_loss is None else out.loss + out.aux_loss
+                objective.backward()
+                total = out.loss.detach().clone()
+                dist.all_reduce(total)
+                loss += total.item() / WORLD
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            results[(span_units, reshard, recompute, aux)] = (loss, grads, list(log))
         if rank == 0:
-            torch.save((loss.item() / WORLD, grads), out_file)
+            torch.save(results, out_file)
     finally:
+        fpg.foreach_all_gather, fpg.foreach_reduce = stock_gather, stock_reduce
         dist.destroy_process_group()
 
 
@@ -55,14 +105,42 @@ def test_fsdp2_two_processes_match_single_process():
         mp.start_processes(
             _worker, args=(init_file, out_file), nprocs=WORLD, join=True, start_method="spawn"
         )
-        loss, grads = torch.load(out_file)
+        results = torch.load(out_file)
     torch.manual_seed(0)
     model = SmeltLM(_cfg(), backend="torch").double()
     ids = _batch()
     out = model(ids, labels=ids)
     out.loss.backward()
-    assert loss == pytest.approx(out.loss.item(), rel=1e-12)
     names = dict(model.named_parameters())
-    assert set(grads) == set(names)
-    for n, p in names.items():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-10, atol=1e-13)
+    # prelude 0, span layers 1-2 (executed 1, 2, 1, 2), coda 3
+    layers = {"span": ["span.layers.0"], "layer": ["span.layers.0", "span.layers.1"]}
+    for (span_units, reshard, _, aux), (loss, grads, events) in results.items():
+        log = Counter(e for e in events if e[0] != "enter")
+        # the ranks' losses averaged, twice (accumulated)
+        assert loss / 2 == pytest.approx(out.loss.item(), rel=1e-12)
+        assert set(grads) == set(names)
+        for n, p in names.items():
+            if not aux:
+                torch.testing.assert_close(grads[n], 2 * p.grad, rtol=1e-10, atol=1e-13)
+        # the last micro-batch: every unit gathered once each way (none again for the
+        # backward without resharding) and reduced once, the span's at both visits
+        for unit in ["root", "prelude.0", "coda.0"] + layers[span_units]:
+            assert log[("gather", unit, "fwd")] == 1, (span_units, unit, log)
+            assert log[("gather", unit, "bwd")] == (1 if reshard else 0), (unit, log)
+            assert log[("reduce", unit, "bwd")] == 1, (unit, log)
+        assert sum(log.values()) == (2 + reshard) * (3 + len(layers[span_units]))
+        # a unit first used at executed layer p is gathered when layer p - 1 starts (the
+        # first one with the root), before layer p - 1 computes: FSDP alone would gather
+        # it only when layer p starts
+        enters = [i for i, e in enumerate(events) if e[0] == "enter"]
+        first = {"prelude.0": 0, "span.layers.0": 1, "span.layers.1": 2, "coda.0": 5}
+        for unit in ["prelude.0", "coda.0"] + layers[span_units]:
+            at, p = events.index(("gather", unit, "fwd")), first[unit]
+            lo = enters[p - 2] if p >= 2 else -1
+            assert lo < at < enters[max(p - 1, 0)], (span_units, unit, events)
+        # in the backward one layer ahead too, not all at its start: only the first two
+        # layers of the backward (coda 0 and the next) before coda 0's gradients are reduced
+        if reshard:
+            for unit in ["prelude.0"] + (["span.layers.0"] if span_units == "layer" else []):
+                gather = events.index(("gather", unit, "bwd"))
+                assert events.index(("reduce", "coda.0", "bwd")) < gather, (unit, events)

@@ -101,6 +101,9 @@ def test_extreme_times_stay_finite():
         dict(gather_group="all"),
         dict(recompute="all", overlap=False, dedup=False),
         dict(recompute="visit1"),
+        dict(recompute="all", chunks=4),
+        dict(span_units="span"),
+        dict(span_units="span", span_gather="layer"),
     ],
 )
 def test_the_replay_moves_the_ledgers_bytes(changes):
@@ -130,6 +133,76 @@ def test_overlap_hides_what_compute_can_cover():
     assert b.exposed["ep"] < a.exposed["ep"]
     # without overlap every exchange waits in full, at no more than the link's speed
     assert a.exposed["ep"] >= a.comm.ep_bytes * 0.5 / SMALL.intra * 0.999
+    # more chunks: a chunk's exchange is smaller and more compute runs beside it
+    four = budget.project(cfg, SMALL, 256, plan=dataclasses.replace(two, chunks=4))
+    assert four.exposed["ep"] < b.exposed["ep"] and four.compute_s == b.compute_s
+
+
+def test_recompute_with_overlap_meets_at_each_recomputed_layer():
+    """A recomputed layer runs its chunks together: they wait for each other before and
+    after it, in the forward and in the backward's recompute, so more of the exchanges
+    shows than with the overlap alone, and less than without it."""
+    cfg = _looped()
+    base = budget.parse_plan("ep", cfg, ep=2, recompute="all")
+    hidden, met, blocking = (
+        budget.project(cfg, SMALL, 256, plan=dataclasses.replace(base, **kw))
+        for kw in (dict(recompute="none"), {}, dict(overlap=False))
+    )
+    assert hidden.exposed["ep"] < met.exposed["ep"] < blocking.exposed["ep"]
+    assert met.comm.ep_bytes == blocking.comm.ep_bytes > hidden.comm.ep_bytes
+
+
+def test_span_layers_as_units_spread_the_spans_gather():
+    """With the span one unit, its whole gather waits behind the layer before it; with a
+    unit per span layer, each gathers behind the layer before it, and the bytes are the
+    same. Here (slow links, the span's layers alike) that shows less FSDP time."""
+    cfg = _looped(n_layers=6, loop=LoopSpec(start=1, length=4, count=2))
+    layer = budget.parse_plan("ep", cfg, ep=2)
+    span = dataclasses.replace(layer, span_units="span")
+    a, b = (budget.project(cfg, SMALL, 256, plan=p) for p in (span, layer))
+    assert a.comm.fsdp_bytes == b.comm.fsdp_bytes
+    assert b.exposed["fsdp"] < a.exposed["fsdp"] and b.step_s < a.step_s
+    assert b.memory.gathered <= a.memory.gathered
+
+
+def test_fsdp_calls_of_span_layer_units():
+    """Each span layer: gathered at its first visit, kept, freed after its last (forward);
+    gathered for its last visit's backward, kept, reduced and freed after its first
+    visit's backward. Positions count executed layers, reversed in the backward."""
+    cfg = _looped()  # executed: 0, 1, 2, 1, 2, 3
+    forward, backward = schedule.fsdp_units(cfg, budget.parse_plan("ep", cfg, ep=2))
+    span1 = [c for c in forward if c.start in (1, 3)]
+    assert [(c.start, c.gather, c.release) for c in span1] == [(1, True, False), (3, False, True)]
+    assert span1[0].unit is span1[1].unit
+    back = [c for c in backward if c.unit is span1[0].unit]  # reversed: 3 -> 2, 1 -> 4
+    assert [(c.start, c.gather, c.release, c.reduce) for c in back] == [
+        (2, True, False, False),
+        (4, False, True, True),
+    ]
+    # kept from the forward: no backward gather
+    keep = budget.parse_plan("ep", cfg, ep=2, reshard_after_forward=False)
+    forward, backward = schedule.fsdp_units(cfg, keep)
+    assert not any(c.release for c in forward)
+    assert not any(c.gather for c in backward)
+
+
+def test_held_peak_by_hand():
+    """Two units of 10 and 100 bytes, three positions each way: the big one prefetched one
+    position ahead of its use; gradients from the first backward use to the reduction."""
+    Call, small, big = schedule.Call, schedule._Unit(dense=10), schedule._Unit(dense=100)
+    forward = [Call(small, 0, 0, True, True), Call(big, 2, 2, True, True)]
+    backward = [Call(big, 0, 0, True, True, True), Call(small, 2, 2, True, True, True)]
+
+    def peak(grads):
+        return schedule.held_peak(forward, backward, lambda u: u.dense, grads, 3)
+
+    assert peak(lambda u, reduced: 0.0) == 100  # never both at once
+    # the big unit's gradients, and its reduce-scatter copy at the position it is reduced
+    assert peak(lambda u, reduced: u.dense * (2 if reduced else 1)) == 300
+    # kept from the forward to the backward: both at once
+    kept = [dataclasses.replace(c, release=False) for c in forward]
+    again = [dataclasses.replace(c, gather=False) for c in backward]
+    assert schedule.held_peak(kept, again, lambda u: u.dense, lambda u, r: 0.0, 3) == 110
 
 
 # ----------------------------------------------------------------------------- memory
@@ -144,11 +217,15 @@ def test_footprint_by_hand():
     # dense and ep experts over all 4 ranks, gather experts over the 2 of a node
     assert f.state == pytest.approx(16 * ((dense + 2 * experts) / 4 + 2 * experts / 2))
     assert f.total == f.state + f.gathered + f.activations + f.runtime
-    # the span gathered as one unit holds both its layers' experts; layer by layer, one
+    # the span's gathered experts kept with their units hold both layers' at once in the
+    # forward; gathered at every visit, one at a time (in the backward, FSDP2 holds both
+    # visits' gradients of each until the first visit's backward)
+    span = dataclasses.replace(p, span_units="span", reshard_after_forward=False)
+    unit = fp.footprint(cfg, span, SMALL, c, budget.Workload())
     layer = fp.footprint(
-        cfg, dataclasses.replace(p, span_gather="layer"), SMALL, c, budget.Workload()
+        cfg, dataclasses.replace(span, span_gather="layer"), SMALL, c, budget.Workload()
     )
-    assert layer.gathered < f.gathered
+    assert layer.gathered < unit.gathered
     # recompute keeps the inputs only
     again = fp.footprint(cfg, dataclasses.replace(p, recompute="all"), SMALL, c, budget.Workload())
     assert again.activations < f.activations and again.state == f.state
@@ -156,18 +233,34 @@ def test_footprint_by_hand():
 
 
 # ----------------------------------------------------------------------------- the search
+#: 64 tokens per GPU on SMALL as four sequences of 16, so that the overlap has whole ones
+ROWS = dict(seq_len=16, mean_doc_len=8)
+
+
 def test_plan_is_the_best_of_the_named_plans_and_fits():
     cfg = _looped()
-    best, proj = budget.plan(cfg, SMALL, 256)
+    best, proj = budget.plan(cfg, SMALL, 256, **ROWS)
     assert proj.plan == best and proj.fits and best.dedup and best.overlap
+    assert best.span_units == "layer" and best.chunks in (2, 4)
     for spec in ("ep", "gather", "span-gather"):
-        assert proj.step_s <= budget.project(cfg, SMALL, 256, plan=spec).step_s * (1 + 1e-6)
-    assert proj.step_s <= budget.project(cfg, SMALL, 256, plan=None).step_s
-    fixed, p = budget.plan(cfg, SMALL, 256, layers="span-gather")
+        other = budget.project(cfg, SMALL, 256, plan=spec, **ROWS)
+        assert proj.step_s <= other.step_s * (1 + 1e-6)
+    assert proj.step_s <= budget.project(cfg, SMALL, 256, plan=None, **ROWS).step_s
+    fixed, p = budget.plan(cfg, SMALL, 256, layers="span-gather", **ROWS)
     assert fixed.layers == ("ep", "gather", "gather", "ep") and p.fits
-    stock = budget.project(cfg, SMALL, 256, plan=None).plan
+    stock = budget.project(cfg, SMALL, 256, plan=None, **ROWS).plan
     assert (stock.dedup, stock.overlap, stock.reshard_after_forward) == (False, False, True)
-    assert stock.gather_layers == ()
+    assert stock.gather_layers == () and stock.span_units == "span"
+    # the overlap splits whole sequences: none in a batch of part of one
+    assert not budget.plan(cfg, SMALL, 256)[0].overlap
+    assert budget.plan(cfg, SMALL, 256, seq_len=32, mean_doc_len=8)[0].chunks == 2
+    from smelt_model.budget.projection import overlap_chunks
+
+    assert (overlap_chunks(64, 16), overlap_chunks(64, 32), overlap_chunks(48, 16)) == (
+        (2, 4),
+        (2,),
+        (),
+    )
 
 
 def test_a_plan_that_cannot_fit_is_one_clear_error():
@@ -219,18 +312,19 @@ def test_plans_are_ones_the_trainer_runs():
     cfg = _looped()
     p = budget.parse_plan("span-gather", cfg, ep=2)
     assert budget.overlap_conflict(p, cfg) is None
-    assert "without activation recompute" in budget.overlap_conflict(
-        dataclasses.replace(p, recompute="visit1"), cfg
-    )
+    assert budget.overlap_conflict(dataclasses.replace(p, recompute="visit1"), cfg) is None
     assert "per chunk" in budget.overlap_conflict(dataclasses.replace(p, span_gather="layer"), cfg)
     assert (
-        budget.overlap_conflict(dataclasses.replace(p, overlap=False, recompute="all"), cfg) is None
+        budget.overlap_conflict(
+            dataclasses.replace(p, span_gather="layer", overlap=False, recompute="all"), cfg
+        )
+        is None
     )
-    # a memory limit that forces recompute gives a plan without the overlap
+    # a memory limit that forces recompute keeps the overlap
     tokens = 4 * 2**16
     free, _ = budget.plan(cfg, SMALL, tokens)
     assert free.recompute == "none" and free.overlap
     need = budget.project(cfg, SMALL, tokens, plan=free).memory.total
     tight, proj = budget.plan(cfg, SMALL, tokens, memory_limit=need)
-    assert tight.recompute != "none" and not tight.overlap and proj.fits
+    assert tight.recompute != "none" and tight.overlap and proj.fits
     assert budget.overlap_conflict(tight, cfg) is None

@@ -1,6 +1,7 @@
-"""Two-chunk overlap in one process: SmeltTitan with its batch split in two chunks, each
-MoE layer's exchanges paused in flight (a one-rank gloo group, so the dispatchers exchange
-for real), equals SmeltLM: logits, router losses and every gradient."""
+"""Chunked overlap in one process: SmeltTitan with its batch split in chunks, each MoE
+layer's exchanges paused in flight (a one-rank gloo group, so the dispatchers exchange for
+real), equals SmeltLM: logits, router losses and every gradient, with and without
+activation recompute."""
 
 import pytest
 import torch
@@ -70,20 +71,22 @@ def test_overlap_equals_the_forward_without_it(ep_mesh, loop, dedup):
         )
 
 
-@pytest.mark.parametrize("recompute", ["visit1", "all"])
-def test_recomputed_layers_exchange_again_with_the_same_gradients(ep_mesh, recompute):
-    """Without overlap, a recomputed layer runs its (de-duplicated) exchanges again in the
-    backward; the gradients are those of SmeltLM."""
-    cfg = _cfg()
-    smelt, titan = _pair(cfg, recompute=recompute)
+def _wired(cfg, ep_mesh, **fields):
+    smelt, titan = _pair(cfg, **fields)
     for i in range(cfg.n_layers):
         routed = titan.layer(i).moe.routed_experts
         cls = DedupAllToAllTokenDispatcher
         routed.token_dispatcher = cls(cls.Config(num_experts=cfg.n_experts, top_k=cfg.top_k))
         routed.token_dispatcher.wire_meshes(ep_mesh=ep_mesh)
-    tokens, positions, labels = _batch(cfg)
+    return smelt, titan
+
+
+def _same_gradients(smelt, titan, B=2):
+    tokens, positions, labels = _batch(smelt.cfg)
+    tokens, positions, labels = (t.repeat(B // 2, 1) for t in (tokens, positions, labels))
     ref = smelt(tokens, segment_ids_from_positions(positions))
     out = titan(tokens, positions=positions)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
     _objective(ref.logits, ref.aux_loss, labels).backward()
     _objective(out.logits, out.aux_loss, labels).backward()
     grads = to_smelt({n: p.grad for n, p in titan.named_parameters()})
@@ -93,6 +96,32 @@ def test_recomputed_layers_exchange_again_with_the_same_gradients(ep_mesh, recom
         )
 
 
-def test_overlap_refuses_recompute():
-    with pytest.raises(ValueError, match="overlap"):
-        _pair(_cfg(), overlap=True, recompute="visit1")
+@pytest.mark.parametrize("recompute", ["visit1", "all"])
+def test_recomputed_layers_exchange_again_with_the_same_gradients(ep_mesh, recompute):
+    """Without overlap, a recomputed layer runs its (de-duplicated) exchanges again in the
+    backward; the gradients are those of SmeltLM."""
+    _same_gradients(*_wired(_cfg(), ep_mesh, recompute=recompute))
+
+
+@pytest.mark.parametrize("recompute, chunks", [("visit1", 2), ("all", 4)])
+def test_overlap_with_recompute_equals_smeltlm(ep_mesh, recompute, chunks):
+    """A recomputed layer runs its chunks together under one checkpoint, interleaved in the
+    forward and again in the backward's recompute: every exchange of its forward runs twice
+    (counted on the dispatchers), and the gradients are SmeltLM's."""
+    from smelt_model.titan import dispatch
+
+    smelt, titan = _wired(_cfg(), ep_mesh, recompute=recompute, overlap=True, chunks=chunks)
+    starts = []
+    stock = dispatch.DedupAllToAllTokenDispatcher.dispatch_phases
+
+    def counting(self, *a, **k):
+        starts.append(torch.is_grad_enabled())
+        return (yield from stock(self, *a, **k))
+
+    dispatch.DedupAllToAllTokenDispatcher.dispatch_phases = counting
+    try:
+        _same_gradients(smelt, titan, B=4)
+    finally:
+        dispatch.DedupAllToAllTokenDispatcher.dispatch_phases = stock
+    again = {"visit1": 2, "all": 6}[recompute]  # of the 6 executed layers
+    assert len(starts) == (6 + again) * chunks

@@ -44,6 +44,7 @@ def test_each_layer_gets_its_dispatcher_and_sharding(monkeypatch, spec, dedup, k
     model = config.model_spec.model
     update_model_config(model, config)
     assert model.plan.letters == kinds and model.overlap and model.plan.dedup == dedup
+    assert model.chunks == 2 and model.plan.span_units == "layer"
     ep_cls = DedupAllToAllTokenDispatcher if dedup else CountingAllToAllTokenDispatcher
     for i, kind in enumerate(kinds):
         moe = model.moe[i]
@@ -69,17 +70,22 @@ def test_the_cluster_comes_from_the_mesh_and_the_spec():
         (dict(plan="bogus"), "--moe_comm.plan bogus: unknown plan 'bogus'"),
         (dict(plan="ep,gather"), "has 2 entries; the model has 4 physical layers"),
         (dict(gather_group="x"), "--moe_comm.gather_group 'x': choose one of"),
-        (dict(overlap=True), "--training.local_batch_size must be 2 or more"),
+        (dict(overlap=True), "--training.local_batch_size must be a multiple of 2, got 1"),
+        (dict(overlap=True, chunks=4), "must be a multiple of 4, got 2"),
+        (dict(chunks=1), "--moe_comm.chunks 1: give 2 or more"),
+        (dict(span_units="block"), "--moe_comm.span_units 'block': choose one of layer, span"),
         (dict(cluster="ep=4"), "ep=4, but the run has 2"),
         (
             dict(plan="span-gather", overlap=True, span_gather="layer"),
-            "would gather span layers gathered one at a time per chunk",
+            "would gather the experts of span layers gathered at every visit once per chunk",
         ),
     ],
 )
 def test_a_plan_the_run_cannot_use_is_refused(monkeypatch, moe_comm, needle):
     config = _config(monkeypatch, **moe_comm)
-    config.training.local_batch_size = 1 if moe_comm.get("overlap") else 2
+    config.training.local_batch_size = (
+        1 if moe_comm.get("overlap") and "chunks" not in moe_comm else 2
+    )
     with pytest.raises(ValueError) as e:
         run_plan(config, config.model_spec.model.arch, "none")
     assert needle in str(e.value) and "\n" not in str(e.value)
@@ -135,3 +141,6 @@ def test_auto_runs_the_ledgers_best_plan_for_the_run(monkeypatch):
         overlap=False,
     )
     assert plan == expect and mesh.world == 8
+    # the span as one unit, where the run asks for it
+    config.moe_comm.span_units = "span"
+    assert run_plan(config, arch, "none")[0].span_units == "span"

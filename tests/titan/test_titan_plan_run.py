@@ -1,9 +1,9 @@
 """SMELT tiny on four CPU processes (gloo): expert parallelism over groups of 2 beside the
 looped span's experts gathered over "nodes" of 2 ranks (FSDP inside a node, replicas on the
-other node, their gradients all-reduced between them), one span layer at a time (each
-gathered again at every visit), with torchtitan's stock rows and no overlap. One
-instrumented run (tests/titan/titan_worker.py), checked against a single-process SmeltLM
-and its wire bytes against the ledger."""
+other node, their gradients all-reduced between them), gathered again at every visit, each
+span layer an FSDP unit, with torchtitan's stock rows, no overlap and every layer
+recomputed. One instrumented run (tests/titan/titan_worker.py), checked against a
+single-process SmeltLM and its wire bytes against the ledger."""
 
 import json
 import math
@@ -69,6 +69,7 @@ def run(tmp_path_factory):
         "--moe_comm.no-dedup",
         "--moe_comm.span_gather",
         "layer",
+        "activation_checkpoint:full",
     ]
     proc = th.torchrun(args, cwd=tmp, nproc=WORLD, timeout=300, SMELT_TITAN_COMM=tmp / "comm")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -106,21 +107,21 @@ def test_first_step_equals_a_single_process_smeltlm(run):
     losses = run["json"]["losses"]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert "gather over 2 ranks (node, 2 replicas), span layer; stock rows" in run["log"]
+    assert "no overlap; recompute all;" in run["log"]
 
 
 def test_the_ledger_counts_the_bytes_on_the_wire(run):
     """Per EP group (ranks 0-1 and 2-3), rank and step: the stock all-to-alls equal
-    budget.comm on the realised routing, and the gathered span experts' FSDP bytes (104
-    experts over 2 ranks: no padding) equal the ledger's gather fields: all-gathers over the
-    node's 2 ranks at every visit, forward and backward; FSDP2 reduces the gradients of a unit
-    run twice once per step (reduce-scatter over the node, all-reduce between the 2 replicas),
-    as for a span held as one unit."""
+    budget.comm on the realised routing (every layer's forward exchanges run again in its
+    recompute), and the gathered span experts' FSDP bytes (104 experts over 2 ranks: no
+    padding) equal the ledger's gather fields: all-gathers over the node's 2 ranks at every
+    visit, forward and backward; FSDP2 reduces the gradients of a unit run twice once per
+    step (reduce-scatter over the node, all-reduce between the 2 replicas)."""
     records = traffic.read(run["dir"] / "comm")
     cfg = presets.get(PRESET)
-    plan = budget.parse_plan(
-        "span-gather", cfg, ep=EP, dedup=False, overlap=False, span_gather="layer"
-    )
-    unit = budget.parse_plan("span-gather", cfg, ep=EP, dedup=False, overlap=False)
+    kw = dict(ep=EP, dedup=False, overlap=False, recompute="all")
+    plan = budget.parse_plan("span-gather", cfg, span_gather="layer", **kw)
+    unit = budget.parse_plan("span-gather", cfg, **kw)
     for r in records:
         groups = {(e["kind"], e["group"], e["group_size"]) for e in r["fsdp"]}
         assert groups == {
@@ -141,8 +142,14 @@ def test_the_ledger_counts_the_bytes_on_the_wire(run):
                 assert sent["combine_forward"] == led.combine_by_rank[rank]
                 assert sent["combine_backward"] == led.dispatch_by_rank[rank]
                 assert sent["dispatch_backward"] == led.combine_by_rank[rank]
+                # every layer recomputed: its forward's exchanges again
+                assert sent["dispatch_recompute"] == led.dispatch_by_rank[rank]
+                assert sent["combine_recompute"] == led.combine_by_rank[rank]
                 for key in ("gather_all_gather_forward", "gather_all_gather_backward"):
                     assert sent[key] == pytest.approx(getattr(led, key), rel=1e-12), key
                     assert sent[key] == pytest.approx(2 * getattr(once, key), rel=1e-12), key
                 for key in ("gather_reduce_scatter", "gather_all_reduce"):
-                    assert sent[key] == pytest.approx(getattr(once, key), rel=1e-12), key
+                    assert sent[key] == pytest.approx(getattr(led, key), rel=1e-12), key
+                    assert getattr(led, key) == getattr(once, key), key
+            for key in ("dispatch_recompute", "combine_recompute"):
+                assert getattr(led, key) == getattr(led, key.replace("recompute", "forward"))

@@ -1,6 +1,8 @@
 """SMELT tiny on torchtitan, FSDP 2 x EP 2 on two CPU processes (gloo), from a seed made
-from a SmeltLM, with a mixed plan (the looped span's experts gathered, the other layers
-expert-parallel), the de-duplicating dispatcher and two-chunk overlap: one instrumented run
+from a SmeltLM, with a mixed plan (one span layer's experts gathered, the other layers
+expert-parallel), each span layer an FSDP unit kept gathered for both visits, the
+de-duplicating dispatcher, the overlap in four chunks and the span's first visit
+recomputed (overlapped again in the backward): one instrumented run
 (tests/titan/titan_worker.py), checked against a single-process SmeltLM, for its FSDP
 collectives, the bytes on the wire against the ledger, and exported."""
 
@@ -26,6 +28,8 @@ from smelt_model.titan.state_dict import to_smelt, write_seed  # noqa: E402
 
 PRESET = "tiny-smelt"
 STEPS = 4
+PLAN = "ep,ep,gather,ep"  # tiny-smelt: layer 0, the span's layers 1 and 2, layer 3
+CHUNKS = 4
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,7 @@ def run(tmp_path_factory):
         "--training.seq_len",
         "64",
         "--training.local_batch_size",
-        "2",
+        str(CHUNKS),
         "--parallelism.expert_parallel_degree",
         "2",
         "--dataloader.dataset",
@@ -64,8 +68,11 @@ def run(tmp_path_factory):
         "--checkpoint.interval",
         "1000",
         "--moe_comm.plan",
-        "span-gather",
+        PLAN,
         "--moe_comm.overlap",
+        "--moe_comm.chunks",
+        str(CHUNKS),
+        "activation_checkpoint:selective",
     ]
     proc = th.torchrun(args, cwd=tmp, SMELT_TITAN_COMM=tmp / "comm")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -101,41 +108,49 @@ def test_a_few_steps_with_falling_loss(run):
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
     assert th.losses(run["log"])[0] == pytest.approx(losses[0], rel=1e-4)
-    assert "smelt plan: layers ep,gather,gather,ep; ep 2;" in run["log"]
+    line = "smelt plan: layers ep,ep,gather,ep; ep 2; gather over 2 ranks (node, 1 replica)"
+    assert line in run["log"]
+    assert "overlap in 4 chunks; recompute visit1;" in run["log"]
+    assert "each span layer an FSDP unit" in run["log"]
 
 
-def test_the_looped_span_is_gathered_once_per_forward_and_reduced_once(run):
+def test_each_span_layer_is_gathered_once_per_pass_and_reduced_once(run):
+    """Each span layer is an FSDP unit run at both visits: gathered once in the forward
+    (kept for the second visit), once for the backward (kept for both visits' backward,
+    the first visit's recompute included), its gradients reduced once. The expert-parallel
+    span layer has two parameter groups (its experts on the expert-FSDP mesh of 1 rank,
+    the rest on the data-parallel mesh of 2); the gathered one, one (2 ranks)."""
     events = [e for e in run["json"]["collectives"] if e["step"] is not None]
-    gathers = Counter(
-        (e["step"], e["phase"])
-        for e in events
-        if e["kind"] == "all_gather" and e["units"] == ["span"]
-    )
-    reduces = Counter(
-        (e["step"], e["group_size"])
-        for e in events
-        if e["kind"] == "reduce_scatter" and e["units"] == ["span"]
-    )
-    for step in range(1, STEPS):  # the last step also ran the export-check forward
-        assert gathers[(step, "forward")] == 1, gathers
-        assert gathers[(step, "backward")] == 1, gathers
-        # one reduce-scatter: the span's gathered experts share the data-parallel mesh (2)
-        # with its dense weights, and no expert-parallel layer is left in the span
-        assert reduces[(step, 2)] == 1 and reduces[(step, 1)] == 0, reduces
+    for layer, groups in (("span.layers.0", (1, 2)), ("span.layers.1", (2,))):
+        mine = [e for e in events if e["layers"] == [layer]]
+        gathers = Counter((e["step"], e["phase"]) for e in mine if e["kind"] == "all_gather")
+        reduces = Counter(
+            (e["step"], e["group_size"]) for e in mine if e["kind"] == "reduce_scatter"
+        )
+        for step in range(1, STEPS):  # the last step also ran the export-check forward
+            # FSDP skips the all-gather of a group of one rank: only the 2-rank group's shows
+            assert gathers[(step, "forward")] == 1, (layer, gathers)
+            assert gathers[(step, "backward")] == 1, (layer, gathers)
+            assert sorted(n for (s, n), k in reduces.items() for _ in range(k) if s == step) == [
+                *groups
+            ], (layer, reduces)
     assert all(len(e["units"]) == 1 for e in events)
 
 
 def test_dedup_rows_follow_the_realised_routing(run):
     """Each chunk's MoE call on an ep layer sends one row per (token, rank) pair: its
-    token_ranks; the combine returns what the other rank sent; the backward mirrors both."""
+    token_ranks; the combine returns what the other rank sent; the backward mirrors both,
+    and the recomputed first visit sends its forward's rows again."""
     records = traffic.read(run["dir"] / "comm")
     cfg = presets.get(PRESET)
     assert [r["ep_rank"] for r in records] == [0, 1] and records[0]["ep_size"] == 2
-    ep_layers = 2  # the prelude's and the coda's layer; the span's two are gathered
+    ep_layers = 4  # layer 0, layer 1 at both visits, layer 3 (the span's layer 2 is gathered)
     by_call = [{c["call"]: c for c in r["calls"] if c["step"] == 1} for r in records]
     for i, r in enumerate(records):
         calls = by_call[i]
-        assert len(calls) == ep_layers * 2 and {c["chunk"] for c in calls.values()} == {0, 1}
+        again = [c for c in calls.values() if c["recompute"]]
+        assert len(calls) - len(again) == ep_layers * CHUNKS and len(again) == CHUNKS
+        assert {c["chunk"] for c in calls.values()} == set(range(CHUNKS))
         for c in calls.values():
             assert c["dedup"] and sum(c["routing"]) == 64 * cfg.top_k  # a chunk: one row of 64
             assert max(c["token_ranks"]) <= 64 <= sum(c["token_ranks"])
@@ -148,23 +163,28 @@ def test_dedup_rows_follow_the_realised_routing(run):
             # the peer's call of the same layer and chunk: the same position in its record
             peer = list(other.values())[list(calls).index(ev["call"])]["token_ranks"]
             received = [mine[0], peer[0]] if i == 0 else [peer[1], mine[1]]
-            out = (ev["kind"], ev["phase"]) in (("dispatch", "forward"), ("combine", "backward"))
+            out = (ev["kind"], ev["phase"]) in (
+                ("dispatch", "forward"),
+                ("dispatch", "recompute"),
+                ("combine", "backward"),
+            )
             assert ev["rows_to"] == (mine if out else received), (i, ev)
 
 
 def test_the_ledger_counts_the_bytes_on_the_wire(run):
     """budget.comm with the run's plan and realised token_ranks equals, per rank and step, the
-    bytes its all-to-alls sent to the other rank (forward and backward), and the FSDP bytes
-    of the gathered span experts (104 experts split evenly over 2 ranks: no padding); the
-    de-duplicated rows are fewer than the stock rows of the same routing by the ledger's
-    factor."""
+    bytes its all-to-alls sent to the other rank (forward, backward and the recomputed
+    forward), and the FSDP bytes of the gathered span layer's experts (104 experts split
+    evenly over 2 ranks: no padding); the de-duplicated rows are fewer than the stock rows
+    of the same routing by the ledger's factor."""
     from smelt_model import budget
 
     records = traffic.read(run["dir"] / "comm")
     cfg = presets.get(PRESET)
-    plan = budget.parse_plan("span-gather", cfg, ep=2, dedup=True, overlap=True)
-    stock = budget.parse_plan("span-gather", cfg, ep=2, dedup=False, overlap=True)
-    tokens = 2 * 64 * 2
+    kw = dict(ep=2, overlap=True, chunks=CHUNKS, recompute="visit1")
+    plan = budget.parse_plan(PLAN, cfg, dedup=True, **kw)
+    stock = budget.parse_plan(PLAN, cfg, dedup=False, **kw)
+    tokens = 2 * 64 * CHUNKS
     for step in range(1, STEPS):  # the last step also holds the worker's export-check forward
         ranks = traffic.token_rank_matrices(records, step=step)
         led = budget.comm(cfg, tokens, dp_shard=2, plan=plan, dtype="float32", token_ranks=ranks)
@@ -189,6 +209,9 @@ def test_the_ledger_counts_the_bytes_on_the_wire(run):
             fewer = sent["dispatch_forward"] / rows.dispatch_by_rank[rank]
             assert fewer == pytest.approx(led.dispatch_by_rank[rank] / rows.dispatch_by_rank[rank])
             assert fewer < 0.5  # k 8 of 104 experts over 2 ranks: about 0.25 (uniform)
+        # one recomputed ep layer (layer 1's first visit): the ledger counts its busier rank
+        for key in ("dispatch_recompute", "combine_recompute"):
+            assert max(r["steps"][str(step)][key] for r in records) == getattr(led, key), key
 
 
 def test_export_gives_the_torchtitan_models_logits(run):

@@ -6,7 +6,8 @@ Runs torchtitan's trainer as ``python -m smelt_model.titan`` would (same patches
 config), and writes into OUT_DIR (rank 0):
 
 * ``run.json``: the objective of every step (summed over ranks), and FSDP's collectives
-  per unit (all-gathers and reduce-scatters, with their phase and step);
+  per unit (all-gathers and reduce-scatters, with their phase and step; ``units`` names
+  the looped span ``span``, ``layers`` names each span layer ``span.layers.<i>``);
 * ``step1.safetensors``: the global batch of step 1 (``input``, ``positions``,
   ``labels``), the full gradient of every parameter before the first optimizer step
   (``grad.<name>``) and, after training, the model's logits on that batch in eval mode
@@ -21,6 +22,7 @@ go to ``run.json`` (``compare``) and their gradients to ``grad_as_run.<name>`` a
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -43,6 +45,11 @@ def _unit_of(fqn: str) -> str:
     return "root"
 
 
+def _layer_of(fqn: str) -> str:
+    parts = fqn.split(".")
+    return ".".join(parts[:3]) if parts[0] == "span" else _unit_of(fqn)
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     args = sys.argv[2:]
@@ -52,6 +59,9 @@ def main() -> None:
 
     patches.apply()
     args = patches.launch_args(args)
+    # a torchtitan subcommand (activation_checkpoint:full ...) takes the options after it
+    subcommands = [a for a in args if re.fullmatch(r"[a-z_]+:[a-z-]+", a)]
+    args = [a for a in args if a not in subcommands] + subcommands
     if "--module" not in args:
         args = ["--module", "smelt_model.titan"] + args
 
@@ -73,6 +83,7 @@ def main() -> None:
                 {
                     "kind": kind,
                     "units": fqns,
+                    "layers": sorted({_layer_of(p._param_fqn) for p in fsdp_params}),
                     "phase": phase,
                     "step": sl.get_step(),
                     "group_size": size,
