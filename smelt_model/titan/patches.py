@@ -434,17 +434,29 @@ def apply() -> list[str]:
     return applied()
 
 
+def _first_subcommand(args: list[str]) -> int:
+    """Where torchtitan's first subcommand (``activation_checkpoint:full``: a config field,
+    a colon, a choice; nothing else on its command line has that form) stands in ``args``,
+    or ``len(args)``. Options after a subcommand are that subcommand's own, so added options
+    go before it."""
+    for i, arg in enumerate(args):
+        if re.fullmatch(r"[a-z_]+:[a-z0-9_-]+", arg):
+            return i
+    return len(args)
+
+
 def launch_args(args: list[str]) -> list[str]:
     """``args`` plus the options of the flag patches this process needs, each unless the
-    command line sets that option itself."""
-    out = list(args)
+    command line sets that option itself, placed before any torchtitan subcommand."""
+    added: list[str] = []
     for name in needed():
         flag = _BY_NAME[name].flag
         if flag is not None:
             given, option = flag
             if not _sets(given, args):
-                out += list(option)
-    return out
+                added += list(option)
+    at = _first_subcommand(args) if added else len(args)
+    return list(args[:at]) + added + list(args[at:])
 
 
 def config_defaults(config: Any) -> Any:

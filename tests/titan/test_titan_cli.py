@@ -130,6 +130,18 @@ def test_nproc_per_node_reports_a_bad_option_alone_with_status_2(tmp_path):
     ], proc.stderr
 
 
+def test_added_options_go_before_a_torchtitan_subcommand():
+    """Options after ``activation_checkpoint:full`` are that subcommand's own: the options
+    the patches add go before it, and the command line parses."""
+    args = ["--module", "smelt_model.titan", "--config", "tiny-smelt", "activation_checkpoint:full"]
+    out = patches.launch_args(args)
+    assert out[-1] == "activation_checkpoint:full" and set(args) <= set(out)
+    config = launcher._parse(out)
+    assert type(config.activation_checkpoint).__name__ == "Config"
+    assert "Full" in type(config.activation_checkpoint).__qualname__
+    assert config.parallelism.spmd_backend == "partial_dtensor"
+
+
 def test_the_launcher_names_the_patches_it_applies(capsys):
     needed = patches.needed()
     names = [p.name for p in patches.PATCHES]
