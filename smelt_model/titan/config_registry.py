@@ -43,7 +43,7 @@ from .loader import PackedDocuments, SmeltTokenizer
 from .loss import SmeltLoss
 from .model import SmeltTitan
 from .moe_comm import MoECommConfig
-from .parallelize import clip_grad_norm_by_mesh, parallelize_smelt
+from .parallelize import parallelize_smelt
 
 __all__ = [
     "SmeltTrainer",
@@ -56,29 +56,19 @@ __all__ = [
 
 
 class SmeltTrainer(Trainer):
-    """torchtitan's trainer with the ``moe_comm`` options, clipping gradients that lie on
-    several meshes (:func:`~smelt_model.titan.parallelize.clip_grad_norm_by_mesh`).
-
-    torchtitan 0.3.0's ``Trainer.train_step`` calls ``distributed.utils.clip_grad_norm_``,
-    which stacks the per-parameter norms of one mesh (two with expert parallelism); a plan
-    whose gathered experts live on an in-node mesh beside the data-parallel one needs the
-    norm per mesh. For the duration of each step that function is the by-mesh one (the
-    stock one where it can: same results); nothing else changes.
-    """
+    """torchtitan's trainer with the ``moe_comm`` options (the parallel plan,
+    de-duplication, overlap). Gradients that lie on several meshes (experts gathered over an
+    in-node mesh beside the data-parallel one) are clipped by the patch
+    ``clip_grad_by_mesh`` (:mod:`smelt_model.titan.patches`), which the launcher installs and
+    this trainer makes sure of when torchtitan's own entry point builds it."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         moe_comm: MoECommConfig = field(default_factory=MoECommConfig)
 
-    def train_step(self, *args: Any, **kwargs: Any) -> Any:
-        from torchtitan.distributed import utils as dist_utils
-
-        stock = dist_utils.clip_grad_norm_
-        dist_utils.clip_grad_norm_ = functools.partial(clip_grad_norm_by_mesh, stock)
-        try:
-            return super().train_step(*args, **kwargs)
-        finally:
-            dist_utils.clip_grad_norm_ = stock
+    def __init__(self, config: Any) -> None:
+        patches.install("clip_grad_by_mesh")
+        super().__init__(config)
 
 
 #: the parameters AdamW does not decay: the norm gains (every parameter of fewer than two

@@ -268,6 +268,19 @@ def _install_cpu_metrics() -> None:
 
 
 # ----------------------------------------------------------------------------- the list
+def _install_clip_grad_by_mesh() -> None:
+    from torchtitan.distributed import utils as dist_utils
+
+    stock = dist_utils.clip_grad_norm_
+
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        from .parallelize import clip_grad_norm_by_mesh
+
+        return clip_grad_norm_by_mesh(stock, *args, **kwargs)
+
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu_device",
@@ -402,6 +415,18 @@ PATCHES: tuple[Patch, ...] = (
         _no_accelerator,
         install=_install_cpu_metrics,
     ),
+    Patch(
+        "clip_grad_by_mesh",
+        TORCHTITAN,
+        "its clip_grad_norm_ stacks the per-parameter norms of one mesh (two under expert "
+        "parallelism) and fails on gradients that lie on more (experts gathered over an "
+        "in-node mesh beside the data-parallel one); the patch takes each mesh's norm and "
+        "combines them, and calls the stock function wherever it works (the same result)",
+        "always (installed by the launcher, or by smelt's trainer config when torchtitan's "
+        "own entry point runs it)",
+        _always,
+        install=_install_clip_grad_by_mesh,
+    ),
 )
 
 _BY_NAME = {p.name: p for p in PATCHES}
@@ -425,13 +450,20 @@ def apply() -> list[str]:
     Must run before ``torchtitan.trainer`` (or any torchtitan module that reads the
     device type at import) is imported."""
     for name in needed():
-        patch = _BY_NAME[name]
-        if patch.install is not None and name not in _applied:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                patch.install()
-            _applied.append(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            install(name)
     return applied()
+
+
+def install(name: str) -> bool:
+    """Install the code patch ``name`` now, once, where it is needed (what :func:`apply`
+    does for all of them); whether it is installed."""
+    patch = _BY_NAME[name]
+    if name not in _applied and patch.install is not None and patch.needed():
+        patch.install()
+        _applied.append(name)
+    return name in _applied
 
 
 def _first_subcommand(args: list[str]) -> int:
