@@ -37,10 +37,11 @@ def fake_blocks(step_ms, others=None, fraction=None):
     that row's block (``round`` counts from 0 per architecture, rows are ``train``,
     ``prefill``, ``decode (batch1)``, ...); ``others(arch, round, row)`` the cores other
     processes held meanwhile (default none); ``fraction[arch]`` the share of the step its
-    components add up to (default 0.5). ``.calls`` counts the blocks of each architecture."""
+    components add up to (default 0.5); blocks without ``components`` time the step alone,
+    as the real one does. ``.calls`` counts the blocks of each architecture."""
     calls = {"baseline": 0, "smelt": 0}
 
-    def block(cfg, wl, args, device, dtype, modes, first, watch):
+    def block(cfg, wl, args, device, dtype, modes, first, watch, components=True):
         arch = "smelt" if cfg.loop is not None else "baseline"
         r = calls[arch]
         calls[arch] += 1
@@ -55,6 +56,9 @@ def fake_blocks(step_ms, others=None, fraction=None):
             if mode not in modes:
                 continue
             step = t(mode)
+            if not components:
+                out[mode] = {"tokens": wl.tokens, "step": step}
+                continue
             parts = {n: timing(step.median_ms * frac / len(COMPONENTS)) for n in COMPONENTS}
             tries = 1 if frac <= 1 + args.tolerance else args.max_tries
             pt = PartsTiming(step, parts, dict.fromkeys(COMPONENTS, 1), frac, args.tolerance, tries)

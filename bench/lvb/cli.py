@@ -68,7 +68,14 @@ def _parser() -> cli.Parser:
         default=1,
         help="rounds to run even when every row is settled sooner (default 1)",
     )
-    add("--max-rounds", type=int, default=40, help="rounds at most (default 40)")
+    add("--max-rounds", type=int, default=100, help="rounds at most (default 100)")
+    add(
+        "--component-rounds",
+        type=int,
+        default=3,
+        help="rounds whose blocks also time each component round-robin with the step; "
+        "later blocks time the step alone, so more pairs fit --max-time (default 3)",
+    )
     add(
         "--max-time",
         type=float,
@@ -108,7 +115,12 @@ def _parser() -> cli.Parser:
         help="measurements of a step and its components before giving up (3)",
     )
     add("--decode-prompt", type=int, default=None, help="prompt length for decode")
-    add("--decode-steps", type=int, default=None, help="timed decode steps per block (default 32)")
+    add(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="timed decode steps per block (default 128 on the CPU, 32 on CUDA)",
+    )
     add(
         "--decode-batch",
         type=int,
@@ -147,7 +159,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         seq_len=4096 if cuda else 2048,
         mean_doc_len=800.0,
         decode_prompt=512 if cuda else 256,
-        decode_steps=32,
+        decode_steps=32 if cuda else 128,
         decode_batch=[1, 64] if cuda else [1, 8],
     )
     for k, v in defaults.items():

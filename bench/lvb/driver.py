@@ -83,7 +83,17 @@ def run_pair(args, log: Optional[Callable[[str], None]] = _log) -> dict[str, Any
         began = time.monotonic()
         for a in ARCHS if r % 2 == 0 else ARCHS[::-1]:
             blocks[a].append(
-                runners.measure_block(cfgs[a], wl, args, device, dtype, modes, r == 0, watch)
+                runners.measure_block(
+                    cfgs[a],
+                    wl,
+                    args,
+                    device,
+                    dtype,
+                    modes,
+                    r == 0,
+                    watch,
+                    components=r < args.component_rounds,
+                )
             )
         states, seen = {}, None
         for name, mode, key in summary.rows_of(modes, wl):
@@ -113,6 +123,7 @@ def run_pair(args, log: Optional[Callable[[str], None]] = _log) -> dict[str, Any
             "rounds": len(blocks["baseline"]),
             "order": "ABBA blocks, one model in memory",
             "repeats_per_block": args.repeats,
+            "component_rounds": min(args.component_rounds, len(blocks["baseline"])),
             "decode_steps_per_block": wl.decode_steps,
             "min_rounds": args.min_rounds,
             "max_rounds": args.max_rounds,

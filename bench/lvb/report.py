@@ -30,14 +30,17 @@ legend
   gap by      the pairs' gaps one by one: the lowest and highest kept, and those left out
    round
   verdict     meets / misses: the whole interval at or below / above the row's target;
-              unsettled: the interval still holds the target when the run stops, or lies
-              within --resolution of it; machine busy: most pairs were contended, no gap is
-              given; no target: none is set for the row on this device. The run stops when
-              every row is settled, before a round that would pass --max-time, or at
+              at target: the interval holds the target but lies within --resolution of
+              it (the gap is the target as near as the clock can tell: settled);
+              unsettled: the interval still holds the target, wider than that, when the
+              run stops; machine busy: most pairs were contended, no gap is given; no
+              target: none is set for the row on this device. The run stops when every
+              row is settled, before a round that would pass --max-time, or at
               --max-rounds
   components  each part timed alone at the step's shapes, round-robin with the step in one
-              loop; ms per step (median x runs per step) and % of the step; the ratio column
-              is smelt / baseline, F the part's FLOPs ratio (- where the ledger counts none)
+              loop, in the first --component-rounds rounds; ms per step (median x runs
+              per step) and % of that loop's step; the ratio column is smelt / baseline,
+              F the part's FLOPs ratio (- where the ledger counts none)
   other       step - components: residual adds, rotary tables, router losses, reshapes and
               framework overhead (Python, dispatch, allocation), plus the parts' timing
               error. Components exceeding the step by more than {tol:.0%} are remeasured
@@ -56,7 +59,8 @@ def _component_lines(arch: dict[str, Any], mode: str, row: dict[str, Any]) -> li
     lines = []
     mb, ms = arch["baseline"][mode], arch["smelt"][mode]
     cb, cs = mb["components_ms"], ms["components_ms"]
-    tb, ts = mb["timing"]["median_ms"], ms["timing"]["median_ms"]
+    # the components' shares are of the step timed in the same loop (the component rounds)
+    tb, ts = mb["components_step"]["median_ms"], ms["components_step"]["median_ms"]
     fb, fs = mb.get("components_flops", {}), ms.get("components_flops", {})
     ok = mb["components_note"] is None and ms["components_note"] is None
     lines.append(f"  components (ms per step, % of step){'':14}{'ratio':>8}")

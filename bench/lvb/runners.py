@@ -193,15 +193,34 @@ def component_runners(
     return parts
 
 
+def _time_step(fn, parts, timed: dict[str, Any]) -> dict[str, Any]:
+    """``{"parts": PartsTiming}`` for a step timed with its components, ``{"step": Timing}``
+    for one timed alone."""
+    if parts is not None:
+        return {"parts": measure_parts(fn, parts, **timed)}
+    alone = {k: v for k, v in timed.items() if k not in ("tolerance", "max_tries")}
+    return {"step": measure(fn, **alone)}
+
+
 def measure_block(
-    cfg: ModelConfig, wl: Workload, args, device, dtype, modes, first: bool, watch
+    cfg: ModelConfig,
+    wl: Workload,
+    args,
+    device,
+    dtype,
+    modes,
+    first: bool,
+    watch,
+    components: bool = True,
 ) -> dict[str, Any]:
     """One architecture's block of one round: build it, measure every mode, free it.
 
-    Train and prefill time the step and its components round-robin
-    (:func:`smelt_tools.timing.measure_parts`); every row's timing carries what ``watch``
-    saw while it was timed (``Timing.load``). The first block of a run also records the
-    activations a step saves and, on CUDA, its peak allocation."""
+    Train and prefill time the step and, with ``components``, its components round-robin
+    (:func:`smelt_tools.timing.measure_parts`; without, the step alone, which makes the
+    rounds after the first ``--component-rounds`` shorter, so more pairs fit the same
+    time); every row's timing carries what ``watch`` saw while it was timed
+    (``Timing.load``). The first block of a run also records the activations a step saves
+    and, on CUDA, its peak allocation."""
     model = build(cfg, device, dtype, args.backend, args.recompute)
     timed = dict(
         device=device,
@@ -217,8 +236,8 @@ def measure_block(
     }
     if "train" in modes:
         fn, info, (ids, seg), opt = train_runner(model, wl, device, args)
-        parts = component_runners(model, wl, device, True, opt)
-        out["train"] = dict(info, parts=measure_parts(fn, parts, **timed))
+        parts = component_runners(model, wl, device, True, opt) if components else None
+        out["train"] = dict(info, **_time_step(fn, parts, timed))
         if first:
             params = list(model.parameters())
             act = activation_memory(
@@ -232,10 +251,10 @@ def measure_block(
         model.zero_grad(set_to_none=True)
     if "prefill" in modes:
         fn, info = prefill_runner(model, wl, device, args)
-        parts = component_runners(model, wl, device, False)
+        parts = component_runners(model, wl, device, False) if components else None
         out["prefill"] = dict(
             info,
-            parts=measure_parts(fn, parts, **timed),
+            **_time_step(fn, parts, timed),
             peak_bytes=_cuda_peak(fn, device) if first else None,
         )
         del fn, parts

@@ -36,7 +36,8 @@ def row_timing(block: dict[str, Any], mode: str, key: Optional[str]) -> Timing:
     """The timing of one row in one block."""
     if mode == "decode":
         return block["decode"][key]["timing"]
-    return block[mode]["parts"].step
+    m = block[mode]
+    return m["parts"].step if "parts" in m else m["step"]
 
 
 def _contended(block: dict[str, Any], mode: str, key: Optional[str], limit: float):
@@ -81,17 +82,23 @@ def _kept(blocks: list[dict], pairs: list[Pair]) -> list[dict]:
     return kept or blocks
 
 
-def _merge_parts(blocks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The blocks of one mode: timings pooled, the add-up check redone on the pooled medians."""
-    pts = [b["parts"] for b in blocks]
+def _merge_parts(blocks: list[dict[str, Any]], fallback: list[dict[str, Any]]) -> dict[str, Any]:
+    """The blocks of one mode: the step's timings pooled over all of them; the components'
+    over those that timed them (the first ``--component-rounds``; ``fallback``, every block
+    of the architecture, when none of the kept ones did), with the add-up check redone on
+    the pooled medians of those same blocks."""
+    with_parts = [b for b in blocks if "parts" in b] or [b for b in fallback if "parts" in b]
+    pts = [b["parts"] for b in with_parts]
     step = merge([p.step for p in pts])
     parts = {k: merge([p.parts[k] for p in pts]) for k in pts[0].parts}
     counts = pts[0].counts
     frac = sum(parts[k].median_ms * counts[k] for k in parts) / step.median_ms
     pooled = PartsTiming(step, parts, counts, frac, pts[0].tolerance, max(p.tries for p in pts))
-    out = {k: v for k, v in blocks[0].items() if k != "parts"}
+    out = {k: v for k, v in with_parts[0].items() if k != "parts"}
     out.update(
-        timing=step,
+        timing=merge([row_timing({"m": b}, "m", None) for b in blocks]),
+        components_blocks=len(pts),
+        components_step=step,
         components_ms=pooled.parts_ms,
         components_fraction=frac,
         components_tries=[p.tries for p in pts],
@@ -122,7 +129,7 @@ def arch_results(blocks, cfgs, leds, mem, args, device, modes, wl: Workload, ite
         for mode in ("train", "prefill"):
             if mode in modes:
                 kept = _kept(blocks[a], pairs[mode])
-                res[mode] = _merge_parts([b[mode] for b in kept])
+                res[mode] = _merge_parts([b[mode] for b in kept], [b[mode] for b in blocks[a]])
                 res[mode]["components_flops"] = component_flops(leds[a], wl.tokens, mode == "train")
         if "decode" in modes:
             res["decode"] = {}
@@ -171,6 +178,7 @@ def _json_timings(arch: dict[str, Any]) -> None:
     for mode in ("train", "prefill"):
         if mode in arch:
             arch[mode]["timing"] = arch[mode]["timing"].to_dict()
+            arch[mode]["components_step"] = arch[mode]["components_step"].to_dict()
     for d in arch.get("decode", {}).values():
         d["timing"] = d["timing"].to_dict()
 

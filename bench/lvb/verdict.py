@@ -9,14 +9,18 @@ after every round, and :func:`judge` turns the final state into the verdict:
 
 * **meets** -- the whole interval is at or below the target;
 * **misses** -- the whole interval is above it;
-* **unsettled** -- the interval still holds the target when the run ends (``--max-time``,
-  ``--max-rounds``), or it has closed to within ``--resolution`` of the target (the gap is
-  at its target as near as this run can tell);
+* **at target** -- the interval holds the target but lies wholly within ``--resolution``
+  of it: the gap equals the target as near as a wall clock can tell. This is a settled
+  answer, and the one a row whose gap *is* its target must get: no number of pairs puts
+  such a row's interval on one side, so meets or misses there would be a coin toss that
+  changes from run to run;
+* **unsettled** -- the interval still holds the target, and reaches past ``--resolution``
+  of it, when the run ends (``--max-time``, ``--max-rounds``);
 * **machine busy** -- most pairs were left out because the process did not get its cores;
   no number is given;
 * **no target** -- none is set for the row on this device (its interval is still given).
 
-Every verdict but meets and misses says what to do next.
+Meets, misses and at target are settled; the others say what to do next.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ __all__ = [
     "TARGET_SCOPE",
     "RESOLUTION",
     "VERDICTS",
+    "SETTLED",
     "STATES",
     "target_for",
     "row_state",
@@ -47,9 +52,12 @@ TARGET_SCOPE: dict[str, str] = {
     "cpu": "set for the tiny pair: train, prefill <= 1.03; decode at batch 1, 8 <= 1.05",
     "cuda": "set for 200M-S95 at 32k tokens, bf16, one H200: train <= 1.00; prefill, decode: none",
 }
-#: an interval that has closed to within this (relative) of the target stops the row
-RESOLUTION = 0.01
-VERDICTS = ("meets", "misses", "unsettled", "machine busy", "no target")
+#: an interval that lies within this (relative) of its target settles the row as "at target":
+#: a CPU wall clock on a shared 2-core machine does not resolve finer than this in minutes
+RESOLUTION = 0.02
+VERDICTS = ("meets", "misses", "at target", "unsettled", "machine busy", "no target")
+#: the verdicts that answer the question (the rest say what to do next)
+SETTLED = ("meets", "misses", "at target")
 #: what :func:`row_state` returns; only "open" asks for more rounds
 STATES = ("decided", "tied", "measured", "busy", "open")
 
@@ -134,10 +142,8 @@ def judge(
             out["reason"] = kept
     elif state == "tied":
         out.update(
-            verdict="unsettled",
-            reason=f"the interval lies within {resolution:.0%} of the target: the gap is at "
-            "its target as near as this run can tell",
-            advice="a smaller --resolution with a longer --max-time can split it",
+            verdict="at target",
+            reason=f"the interval lies within {resolution:.0%} of the target",
         )
     elif est.low is None:
         out.update(
@@ -158,7 +164,7 @@ def judge(
 
 def describe(v: dict[str, Any]) -> str:
     """One line: the verdict, the gap and its interval against the target, and for every
-    verdict but meets and misses why, and what to do."""
+    verdict but meets and misses why (and, unless it is settled, what to do)."""
     est = GapEstimate(v["gap"], v["low"], v["high"], v["confidence"], v["pairs"], v["left_out"])
     t = v["target"]
     verdict = v["verdict"]
@@ -167,9 +173,9 @@ def describe(v: dict[str, Any]) -> str:
     elif verdict == "no target":
         text = f"no target: {_gap_text(est)}"
     else:
-        sign = {"meets": "<=", "misses": ">"}.get(verdict, "vs")
+        sign = {"meets": "<=", "misses": ">", "at target": "~"}.get(verdict, "vs")
         text = f"{verdict}: {_gap_text(est)} {sign} {t:.2f}"
-        if verdict == "unsettled" or v["reason"]:
+        if verdict in ("unsettled", "at target") or v["reason"]:
             text += f"; {v['reason']}"
     if v["advice"]:
         text += f": {v['advice']}"

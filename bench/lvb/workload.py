@@ -70,6 +70,7 @@ def make_workload(args) -> Workload:
         "decode_prompt",
         "decode_steps",
         "max_tries",
+        "component_rounds",
     )
     for name in positive:
         v = getattr(args, name)

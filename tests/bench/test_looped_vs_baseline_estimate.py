@@ -101,7 +101,8 @@ def _est(gap, low, high, pairs=8, left_out=0):
         (_est(1.01, 0.99, 1.03), 1.03, "decided"),  # at the target still meets
         (_est(1.06, 1.04, 1.08), 1.03, "decided"),  # misses
         (_est(1.03, 1.00, 1.06), 1.03, "open"),  # straddles: more rounds
-        (_est(1.03, 1.024, 1.036), 1.03, "tied"),  # within 1% of the target
+        (_est(1.03, 1.024, 1.036), 1.03, "tied"),  # within 2% of the target
+        (_est(1.02, 1.008, 1.044), 1.03, "open"),  # holds it, reaching past 2% below
         (_est(1.2, 1.1, 1.3), None, "measured"),  # no target: an interval is enough
         (_est(1.2, None, None, pairs=3), None, "open"),
         (_est(None, None, None, pairs=0, left_out=6), 1.03, "busy"),
@@ -129,7 +130,10 @@ def test_each_verdict_says_what_it_saw_and_what_to_do():
     v, t = text(_est(1.03, 1.00, 1.06), 1.03, "open")
     assert v["verdict"] == "unsettled" and "--max-time" in t and "holds the target" in t
     v, t = text(_est(1.03, 1.024, 1.036), 1.03, "tied")
-    assert v["verdict"] == "unsettled" and "within 1% of the target" in t
+    assert v["verdict"] == "at target" and v["verdict"] in verdict.SETTLED
+    assert t == (
+        "at target: gap 1.030 (1.024-1.036) ~ 1.03; the interval lies within 2% of the target"
+    )
     v, t = text(_est(1.0, None, None, pairs=2), 1.03, "open")
     assert v["verdict"] == "unsettled" and "needs 6" in t and "--max-time" in t
     seen = "other processes busy on 1.40 of 2 cores"
@@ -139,5 +143,13 @@ def test_each_verdict_says_what_it_saw_and_what_to_do():
     assert "1.5" not in t
     v, t = text(_est(1.2, 1.1, 1.3), None, "measured")
     assert v["verdict"] == "no target" and t == "no target: gap 1.200 (1.100-1.300)"
-    assert set(verdict.VERDICTS) == {"meets", "misses", "unsettled", "machine busy", "no target"}
-    assert math.isclose(verdict.RESOLUTION, 0.01)
+    assert set(verdict.VERDICTS) == {
+        "meets",
+        "misses",
+        "at target",
+        "unsettled",
+        "machine busy",
+        "no target",
+    }
+    assert set(verdict.SETTLED) == {"meets", "misses", "at target"}
+    assert math.isclose(verdict.RESOLUTION, 0.02)

@@ -163,3 +163,43 @@ def test_no_round_starts_that_would_pass_max_time(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "another round would pass --max-time 45 s" in out
     assert "unsettled" in out and "needs 6" in out and "--max-time" in out
+
+
+def test_a_gap_at_its_target_settles_as_at_target(monkeypatch, tmp_path):
+    """A row whose gap is its target never gets an interval on one side; once the interval
+    lies within --resolution of the target the row is settled, and the same every run."""
+    at = [1.03 * g for g in TIGHT]  # the train row's target exactly, with 0.4% noise
+    monkeypatch.setattr(runners, "measure_block", fake_blocks(_gaps({"train": at})))
+    out = tmp_path / "r.json"
+    argv = SMALL + ["--mode", "train", "--json", str(out)]
+    assert cli.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["schedule"]["stopped"] == "every row settled"
+    train = res["summary"]["train"][0]["verdict"]
+    assert train["verdict"] == "at target" and train["low"] <= 1.03 <= train["high"]
+    monkeypatch.setattr(runners, "measure_block", fake_blocks(_gaps({"train": at})))
+    assert cli.main(argv + ["--resolution", "0.001", "--max-rounds", "8"]) == 0
+    res = json.loads(out.read_text())
+    assert res["summary"]["train"][0]["verdict"]["verdict"] == "unsettled"
+
+
+def test_components_are_timed_in_the_first_rounds_only(monkeypatch, tmp_path):
+    seen = []
+    inner = fake_blocks(_gaps({"train": TIGHT}))
+
+    def block(*a, components=True):
+        seen.append(components)
+        return inner(*a, components=components)
+
+    monkeypatch.setattr(runners, "measure_block", block)
+    out = tmp_path / "r.json"
+    argv = SMALL + ["--mode", "train", "--component-rounds", "2", "--json", str(out)]
+    assert cli.main(argv + ["--min-rounds", "5", "--max-rounds", "5"]) == 0
+    assert seen == [True] * 4 + [False] * 6  # two rounds of two blocks, then the step alone
+    res = json.loads(out.read_text())
+    assert res["schedule"]["component_rounds"] == 2
+    for arch in ("baseline", "smelt"):
+        train = res["arch"][arch]["train"]
+        assert train["components_blocks"] == 2 and train["timing"]["repeats"] == 10
+        assert train["components_ms"] and train["components_step"]["repeats"] == 4
+    assert cli.main(SMALL + ["--component-rounds", "0"]) == 2
