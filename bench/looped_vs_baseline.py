@@ -1,14 +1,15 @@
 """Wall-clock against the FLOPs match: a budget-matched baseline / SMELT pair, side by side.
 
-    python bench/looped_vs_baseline.py                       # CPU, the tiny pair, a few minutes
+    python bench/looped_vs_baseline.py                       # CPU, the tiny pair, <= 10 minutes
     python bench/looped_vs_baseline.py --preset 200M-S95 --device cuda --tokens 32768
 
 For each architecture it measures a training step (forward + backward + AdamW), prefill, and
 per-token decode latency at batch 1 and a larger batch, with tokens/s and memory. One table
 per mode puts the ledger's FLOPs ratio next to the wall-clock ratio; their quotient is the
 efficiency gap (1.00: the loop costs exactly its FLOPs), given with a confidence interval,
-and each row gets a verdict against its target: meets, misses, unsettled (with what to do)
-or machine busy (with what the run saw). ``--json`` writes every number with the
+and each row gets a verdict against its target: meets, misses, at target (within
+``--resolution`` of it), unsettled (with what to do) or machine busy (with what the run
+saw). ``--json`` writes every number with the
 environment; ``--markdown`` the tables; ``--plot`` draws wall-clock against FLOPs. Nothing is
 written unless asked. The printed legend explains every column.
 
@@ -27,7 +28,9 @@ How it measures, and why:
   distribution-free interval (``--confidence``, 95%): a burst of load landing on one
   architecture's block moves one pair, not the estimate (``lvb/estimate.py``).
 * **It stops when the answer is settled.** After every round each row is asked: is its
-  interval wholly at or below the target (meets) or wholly above it (misses)? The run ends
+  interval wholly at or below the target (meets), wholly above it (misses), or within
+  ``--resolution`` (2%) of it on both sides (at target: a gap that is its target never
+  gets an interval on one side)? The run ends
   when every row is settled, before a round that would pass ``--max-time`` (600 s), or at
   ``--max-rounds``; a row still unsettled says so, and why, and what to do.
 * **It watches the machine.** Around every row's timed calls it reads the process's CPU
@@ -38,7 +41,8 @@ How it measures, and why:
   stays the measured quantity.
 * **Components add up to the step.** The step and its components (attention, MoE GEMMs,
   routing, norms, embedding + head + loss, the optimizer) are timed round-robin in one loop
-  at the step's shapes and thread count (:func:`smelt_tools.timing.measure_parts`); where
+  at the step's shapes and thread count (:func:`smelt_tools.timing.measure_parts`), in
+  the first ``--component-rounds`` rounds (later blocks time the step alone); where
   the components still exceed the step by more than ``--tolerance``, the measurement is
   repeated (``--max-tries``) and the row says so.
 * **Decode** runs the model's single-token step compiled once
