@@ -1,6 +1,6 @@
 """Wall-clock against the FLOPs match: a budget-matched baseline / SMELT pair, side by side.
 
-    python bench/looped_vs_baseline.py                       # CPU, the tiny pair, <= 10 minutes
+    python bench/looped_vs_baseline.py                       # CPU, the tiny pair, <= 15 minutes
     python bench/looped_vs_baseline.py --preset 200M-S95 --device cuda --tokens 32768
 
 For each architecture it measures a training step (forward + backward + AdamW), prefill, and
@@ -31,7 +31,7 @@ How it measures, and why:
   interval wholly at or below the target (meets), wholly above it (misses), or within
   ``--resolution`` (2%) of it on both sides (at target: a gap that is its target never
   gets an interval on one side)? The run ends
-  when every row is settled, before a round that would pass ``--max-time`` (600 s), or at
+  when every row is settled, before a round that would pass ``--max-time`` (900 s), or at
   ``--max-rounds``; a row still unsettled says so, and why, and what to do.
 * **It watches the machine.** Around every row's timed calls it reads the process's CPU
   time, what other processes, the hypervisor (steal) and a CPU quota took from its cores

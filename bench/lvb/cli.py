@@ -79,8 +79,8 @@ def _parser() -> cli.Parser:
     add(
         "--max-time",
         type=float,
-        default=600.0,
-        help="seconds at most: no round starts that would end later (default 600)",
+        default=900.0,
+        help="seconds at most: no round starts that would end later (default 900)",
     )
     add(
         "--confidence",
