@@ -5,7 +5,6 @@ span layer an FSDP unit, with torchtitan's stock rows, no overlap and every laye
 recomputed. One instrumented run (tests/titan/titan_worker.py), checked against a
 single-process SmeltLM and its wire bytes against the ledger."""
 
-import json
 import math
 import re
 
@@ -16,7 +15,6 @@ import torch.nn.functional as F
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
 import titan_helpers as th  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
 from smelt_model import budget, presets  # noqa: E402
 from smelt_model.model import SmeltLM  # noqa: E402
@@ -72,13 +70,7 @@ def run(tmp_path_factory):
         "activation_checkpoint:full",
     ]
     proc = th.torchrun(args, cwd=tmp, nproc=WORLD, timeout=300, SMELT_TITAN_COMM=tmp / "comm")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {
-        "dir": tmp,
-        "log": proc.stdout + proc.stderr,
-        "json": json.loads((tmp / "out" / "run.json").read_text()),
-        "tensors": load_file(str(tmp / "out" / "step1.safetensors")),
-    }
+    return th.worker_results(proc, tmp)
 
 
 def test_first_step_equals_a_single_process_smeltlm(run):

@@ -6,7 +6,6 @@ recomputed (overlapped again in the backward): one instrumented run
 (tests/titan/titan_worker.py), checked against a single-process SmeltLM, for its FSDP
 collectives, the bytes on the wire against the ledger, and exported."""
 
-import json
 import math
 import sys
 from collections import Counter
@@ -18,7 +17,6 @@ import torch.nn.functional as F
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
 import titan_helpers as th  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
 from smelt_model import presets  # noqa: E402
 from smelt_model.model import SmeltLM  # noqa: E402
@@ -75,13 +73,7 @@ def run(tmp_path_factory):
         "activation_checkpoint:selective",
     ]
     proc = th.torchrun(args, cwd=tmp, SMELT_TITAN_COMM=tmp / "comm")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {
-        "dir": tmp,
-        "log": proc.stdout + proc.stderr,
-        "json": json.loads((tmp / "out" / "run.json").read_text()),
-        "tensors": load_file(str(tmp / "out" / "step1.safetensors")),
-    }
+    return th.worker_results(proc, tmp)
 
 
 def test_first_step_equals_a_single_process_smeltlm(run):

@@ -4,7 +4,6 @@ parallelism 2: step 1's batch gives the same loss and gradients with the stock-r
 dispatcher on the same model (tests/titan/titan_worker.py --compare-stock-dispatch), the
 loss falls, and the dispatcher sends one row per (token, rank) pair."""
 
-import json
 import math
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
 import titan_helpers as th  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
 from smelt_model.titan import traffic  # noqa: E402
 
@@ -60,13 +58,7 @@ def run(tmp_path_factory):
         str(tmp / "dump"),
     ]
     proc = th.torchrun(args, cwd=tmp, SMELT_TITAN_COMM=tmp / "comm")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {
-        "dir": tmp,
-        "log": proc.stdout + proc.stderr,
-        "json": json.loads((tmp / "out" / "run.json").read_text()),
-        "tensors": load_file(str(tmp / "out" / "step1.safetensors")),
-    }
+    return th.worker_results(proc, tmp)
 
 
 def test_the_override_reaches_every_layer(run):

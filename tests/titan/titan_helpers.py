@@ -1,6 +1,7 @@
 """Running torchtitan commands from the tests: torchrun with two CPU processes, one thread
 each, the worktree's packages first on the path (no torchtitan import here)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -106,3 +107,18 @@ STOCK = [
     "--training.local_batch_size",
     "2",
 ]
+
+
+def worker_results(proc: subprocess.CompletedProcess, tmp: Path) -> dict:
+    """What a finished ``titan_worker.py`` run in ``tmp`` left: its folder, its log, the
+    ``run.json`` summary and the first step's tensors; the test fails with the output's tail
+    when the run did not succeed."""
+    from safetensors.torch import load_file
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {
+        "dir": tmp,
+        "log": proc.stdout + proc.stderr,
+        "json": json.loads((tmp / "out" / "run.json").read_text()),
+        "tensors": load_file(str(tmp / "out" / "step1.safetensors")),
+    }
