@@ -14,7 +14,8 @@ stack of blocks along it:
   all-to-alls with compute): a block that offers ``phases`` is run as a generator.
 * :class:`Executor` runs the plan with an activation policy (``recompute``): ``"none"``
   keeps every activation, ``"visit1"`` recomputes the span's first visit in backward (its
-  activations are the ones held longest), ``"all"`` recomputes every executed layer.
+  activations are the ones held longest), ``"all"`` recomputes every executed layer,
+  ``"all-but-N"`` every one but the last N (:meth:`LoopPlan.recomputed` says which).
   Recomputation uses non-reentrant activation checkpointing, run to the end of the layer
   (no early stop: a recomputed layer runs every exchange of its forward again). Chunks of
   an :class:`Interleaved` batch are recomputed together: they meet before the layer
@@ -54,7 +55,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .plan import LoopPlan, Step
+from .plan import RECOMPUTE_POLICIES, LoopPlan, Step
 
 __all__ = [
     "Step",
@@ -68,8 +69,6 @@ __all__ = [
     "CapturedCall",
     "maybe_capture",
 ]
-
-RECOMPUTE_POLICIES = ("none", "visit1", "all")
 
 
 class Executor:
@@ -85,16 +84,11 @@ class Executor:
 
     @recompute.setter
     def recompute(self, policy: str) -> None:
-        if policy not in RECOMPUTE_POLICIES:
-            raise ValueError(f"recompute must be one of {RECOMPUTE_POLICIES}, got {policy!r}")
+        self._slots = self.plan.recomputed(policy)
         self._recompute = policy
 
     def should_recompute(self, step: Step) -> bool:
-        if self._recompute == "all":
-            return True
-        if self._recompute == "visit1":
-            return step.in_span and step.visit == 0 and self.plan.count > 1
-        return False
+        return step.slot in self._slots
 
     def run_step(
         self, block: nn.Module, x: torch.Tensor, ctx: Any, step: Step

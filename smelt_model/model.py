@@ -53,7 +53,7 @@ class SmeltLM(nn.Module):
 
     ``backend``: ``"auto"`` (best available per device), ``"torch"``, ``"cpu"``, ``"triton"``
     or ``"cuda"``, passed to the attention and MoE ops. ``recompute``: the executor's
-    activation policy (``"none"``, ``"visit1"``, ``"all"``).
+    activation policy (``"none"``, ``"visit1"``, ``"all"``, ``"all-but-N"``).
     """
 
     def __init__(self, cfg: ModelConfig, backend: str = "auto", recompute: str = "none"):

@@ -5,6 +5,12 @@ into a static sequence of :class:`Step` s (physical layer, visit, KV-cache slot,
 scale). The model config, the budget ledger, the matcher and the executor all ask it.
 This module needs nothing but the standard library (the budget tools import it without
 torch); :mod:`smelt_model.executor` re-exports both names.
+
+It also says which executed layers an activation-recompute policy runs again in the
+backward (:meth:`LoopPlan.recomputed`): ``"none"``; ``"visit1"`` (the span's first visit,
+whose activations are held longest); ``"all"`` (every executed layer); ``"all-but-N"``
+(every executed layer but the last N, whose activations are kept: their backward comes
+first, and a cluster's memory left over after ``"all"`` goes to them).
 """
 
 from __future__ import annotations
@@ -12,7 +18,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Step", "LoopPlan"]
+__all__ = ["Step", "LoopPlan", "RECOMPUTE_POLICIES", "check_recompute"]
+
+#: the named activation-recompute policies; ``"all-but-N"`` (N >= 1) is also one
+RECOMPUTE_POLICIES = ("none", "visit1", "all")
+_ALL_BUT = "all-but-"
+
+
+def check_recompute(policy: Any) -> str:
+    """``policy`` if it names a recompute policy (module docstring), else ValueError
+    (TypeError for a non-string) naming it."""
+    if not isinstance(policy, str):
+        raise TypeError(f"recompute must be a string, got {type(policy).__name__}")
+    if policy in RECOMPUTE_POLICIES:
+        return policy
+    kept = policy[len(_ALL_BUT) :] if policy.startswith(_ALL_BUT) else ""
+    if kept.isdigit() and kept == str(int(kept)) and int(kept) >= 1:
+        return policy
+    raise ValueError(
+        f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)} or all-but-N (N >= 1 "
+        f"executed layers kept), got {policy!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -98,6 +124,24 @@ class LoopPlan:
     def visits(self, layer: int) -> tuple[Step, ...]:
         """Every execution of physical ``layer``, in order."""
         return tuple(s for s in self.steps if s.layer == layer)
+
+    def recomputed(self, policy: str) -> frozenset[int]:
+        """The slots (executed-layer indices) whose forward ``policy`` runs again in the
+        backward (module docstring); ValueError for an unknown policy, or for
+        ``"all-but-N"`` that would keep every executed layer."""
+        check_recompute(policy)
+        if policy == "all":
+            return frozenset(s.slot for s in self.steps)
+        if policy == "visit1":
+            return frozenset(s.slot for s in self.span if s.visit == 0 and self.count > 1)
+        if policy == "none":
+            return frozenset()
+        kept, n = int(policy[len(_ALL_BUT) :]), len(self.steps)
+        if kept >= n:
+            raise ValueError(
+                f"recompute {policy} keeps {kept} of the {n} executed layers: use none"
+            )
+        return frozenset(range(n - kept))
 
     def pairs(self) -> tuple[tuple[int, int], ...]:
         """The plan as (physical layer, visit) pairs."""

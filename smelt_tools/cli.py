@@ -37,7 +37,7 @@ import difflib
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Iterable, NoReturn, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence, Union
 
 __all__ = [
     "UsageError",
@@ -46,6 +46,7 @@ __all__ = [
     "command",
     "run_cli",
     "one_line",
+    "checked",
     "wants_traceback",
     "add_threads",
     "threads",
@@ -68,6 +69,20 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
+
+
+def checked(check: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` from ``check`` (a function that returns the value or raises
+    ValueError / TypeError): its own message becomes the usage error."""
+
+    def parse(text: str) -> Any:
+        try:
+            return check(text)
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(one_line(e)) from None
+
+    parse.__name__ = getattr(check, "__name__", "value")
+    return parse
 
 
 def one_line(message: object) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from smelt_kernels import backends
 from smelt_model import presets
-from smelt_model.executor import RECOMPUTE_POLICIES
+from smelt_model.plan import RECOMPUTE_POLICIES, check_recompute
 from smelt_tools import cli
 from smelt_tools.timing import environment
 from smelt_tools.watch import CONTENTION_LIMIT
@@ -133,7 +133,12 @@ def _parser() -> cli.Parser:
         action="store_true",
         help="decode with the eager model, not the compiled decode step",
     )
-    add("--recompute", default="none", choices=tuple(RECOMPUTE_POLICIES))
+    add(
+        "--recompute",
+        default="none",
+        type=cli.checked(check_recompute),
+        metavar="{" + ",".join(RECOMPUTE_POLICIES) + ",all-but-N}",
+    )
     add(
         "--no-capture",
         dest="capture",

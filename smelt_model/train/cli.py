@@ -55,7 +55,7 @@ _RECIPE = {
 
 def build_parser() -> cli.Parser:
     from smelt_kernels import backends
-    from smelt_model.executor import RECOMPUTE_POLICIES
+    from smelt_model.plan import RECOMPUTE_POLICIES, check_recompute
 
     ap = cli.Parser(
         prog=PROG, description="Train baseline / SMELT models on packed documents, one process."
@@ -103,9 +103,10 @@ def build_parser() -> cli.Parser:
     opt.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     opt.add_argument(
         "--recompute",
-        choices=RECOMPUTE_POLICIES,
+        type=cli.checked(check_recompute),
         default=RECOMPUTE_POLICIES[0],
-        help="what the looped span recomputes in backward",
+        metavar="{" + ",".join(RECOMPUTE_POLICIES) + ",all-but-N}",
+        help="which executed layers the backward recomputes (all-but-N: all but the last N)",
     )
     stop = ap.add_argument_group("when to stop (the first reached)")
     stop.add_argument("--steps", type=int)

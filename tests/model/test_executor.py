@@ -80,18 +80,48 @@ def test_recompute_policies_same_gradients_less_memory():
     seg = (torch.arange(20) >= 9).long().expand(2, 20).contiguous()
     params = list(model.parameters())
     results, saved = {}, {}
-    for policy in ("none", "visit1", "all"):
+    policies = ("none", "visit1", "all", "all-but-1", "all-but-4")
+    for policy in policies:
         model.recompute = policy
         results[policy] = _loss_and_grads(model, ids, seg)
         _, mem = activation_memory(lambda: model(ids, seg, labels=ids).loss, exclude=params)
         saved[policy] = mem.saved_bytes
     loss0, g0 = results["none"]
-    for policy in ("visit1", "all"):
+    for policy in policies[1:]:
         loss, g = results[policy]
         torch.testing.assert_close(loss, loss0, rtol=0, atol=0)
         for n in g0:
             torch.testing.assert_close(g[n], g0[n], rtol=1e-12, atol=1e-14)
     assert saved["all"] < saved["visit1"] < saved["none"], saved
+    # the more layers kept, the more is saved; all-but-4 keeps as many as visit1 recomputes
+    assert saved["all"] < saved["all-but-1"] < saved["all-but-4"] < saved["none"], saved
+
+
+def test_recompute_all_but_n_checkpoints_all_but_the_last_n_executed_layers():
+    from smelt_model import executor
+
+    model = SmeltLM(micro(), backend="torch")  # prelude 0, span 1-2 x2, coda 3: 6 executed
+    assert model.plan.recomputed("all-but-2") == frozenset({0, 1, 2, 3})
+    assert model.plan.recomputed("visit1") == frozenset({1, 2})
+    assert model.plan.recomputed("all") == frozenset(range(6))
+    ran = []
+    stock = executor.checkpoint
+
+    def counting(fn, x, ctx, step, **kw):
+        ran.append(step.slot)
+        return stock(fn, x, ctx, step, **kw)
+
+    executor.checkpoint = counting
+    try:
+        model.recompute = "all-but-2"
+        model(torch.randint(0, 97, (1, 8)), labels=torch.randint(0, 97, (1, 8))).loss.backward()
+    finally:
+        executor.checkpoint = stock
+    assert ran == [0, 1, 2, 3]
+    for bad, error in (("all-but-6", ValueError), ("all-but-x", ValueError), (2, TypeError)):
+        with pytest.raises(error, match="recompute"):
+            model.recompute = bad
+    assert model.recompute == "all-but-2"  # a refused policy changes nothing
 
 
 def test_activation_memory_counts_saved_tensors_once():
