@@ -19,7 +19,13 @@ next executed layer needs is gathered when the current one starts, forward and b
 so that a gather runs behind one layer's compute even when the host waits on the device
 inside a layer (the expert-parallel dispatch reads its split sizes back). FSDP units
 nested inside a block (e.g. a layer's experts sharded on their own) are prefetched the
-same way.
+same way. With ``prefetch="loop"`` (the default) the order also follows the loop: when the
+span's last visit starts, every coda unit's gather is issued, and when the backward of the
+span's first visit starts, every prelude unit's: the span's units are held through those
+visits, so the links would otherwise idle while a whole visit computes (the coda's units
+are then held from the last visit on, the prelude's from the first visit's backward on).
+``"next"`` keeps to one layer ahead; so does ``"loop"`` where span layers hold units
+gathered at every visit (their gathers would queue behind the coda's).
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-__all__ = ["SPAN_UNITS", "shard", "units", "Prefetch"]
+__all__ = ["SPAN_UNITS", "PREFETCH", "shard", "units", "Prefetch"]
 
 #: how the looped span is cut into FSDP units (module docstring)
 SPAN_UNITS = ("span", "layer")
+#: the orders of FSDP's all-gathers (module docstring)
+PREFETCH = ("loop", "next")
 
 
 def units(model: nn.Module, span_units: str = "span") -> list[nn.Module]:
@@ -48,20 +56,27 @@ def units(model: nn.Module, span_units: str = "span") -> list[nn.Module]:
 
 
 def shard(
-    model: nn.Module, mesh: Any = None, span_units: str = "span", **fsdp_kwargs: Any
+    model: nn.Module,
+    mesh: Any = None,
+    span_units: str = "span",
+    prefetch: str = "loop",
+    **fsdp_kwargs: Any,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 over ``mesh`` and return it.
 
     ``mesh``: a 1-D ``DeviceMesh``; by default one over all ranks of the initialised
     process group, on the device type of the model's parameters. ``span_units``: ``"span"``
-    or ``"layer"`` (module docstring). ``fsdp_kwargs`` go to every ``fully_shard`` call
-    (e.g. ``mp_policy``, ``reshard_after_forward``).
+    or ``"layer"``; ``prefetch``: ``"loop"`` or ``"next"`` (module docstring).
+    ``fsdp_kwargs`` go to every ``fully_shard`` call (e.g. ``mp_policy``,
+    ``reshard_after_forward``).
     """
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if prefetch not in PREFETCH:
+        raise ValueError(f"prefetch must be one of {PREFETCH}, got {prefetch!r}")
     wrapped = units(model, span_units)
     if mesh is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -77,7 +92,7 @@ def shard(
         fully_shard(unit, mesh=mesh, **fsdp_kwargs)
     if hasattr(model, "plan") and hasattr(model, "layer"):
         reshard = fsdp_kwargs.get("reshard_after_forward")
-        Prefetch(model, span_units, True if reshard is None else bool(reshard))
+        Prefetch(model, span_units, True if reshard is None else bool(reshard), prefetch)
     return model
 
 
@@ -106,10 +121,19 @@ class Prefetch:
     when layer ``p``'s backward starts (the gradient of its output, the residual stream,
     arrives), the units layer ``p - 1`` needs start gathering, and a span layer unit keeps
     its weights after the backward of every visit but its first. Recomputed forwards (inside
-    the backward) change nothing.
+    the backward) change nothing. With ``prefetch="loop"``, the first layer of the span's
+    last visit also starts every coda unit's gather, and the backward of the span's last
+    layer at its first visit every prelude unit's (in the order they are used), unless a
+    span layer holds units gathered at every visit.
     """
 
-    def __init__(self, model: nn.Module, span_units: str, reshard_after_forward: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        span_units: str,
+        reshard_after_forward: bool,
+        prefetch: str = "loop",
+    ):
         from torch.distributed.fsdp import FSDPModule
 
         self.plan = model.plan
@@ -130,6 +154,20 @@ class Prefetch:
                 self.unit.append(None)
             inner = [m for m in block.modules() if m is not block and isinstance(m, FSDPModule)]
             self.nested.append(inner)
+        p = self.plan
+        spans = [s.slot for s in p.steps if s.in_span]
+        #: forward: the slot whose start issues the coda's gathers, and the coda's slots;
+        #: backward: the slot whose backward issues the prelude's, and the prelude's slots
+        self.loop: Optional[tuple[int, list[int], int, list[int]]] = None
+        if (
+            prefetch == "loop"
+            and p.length
+            and p.count > 1
+            and not any(self.nested[i] for i in spans)
+        ):
+            last = p.start + (p.count - 1) * p.length
+            coda = list(range(spans[-1] + 1, len(p.steps)))
+            self.loop = (last, coda, p.start + p.length - 1, list(range(p.start - 1, -1, -1)))
         for i in range(self.plan.n_layers):
             block = model.layer(i)
             # after FSDP's hooks: a unit's own gather is issued before the next one's
@@ -165,6 +203,9 @@ class Prefetch:
             last = step.visit == self.plan.count - 1
             unit.set_reshard_after_forward(self.reshard_after_forward and last, recurse=False)
         self._gather(self._needs(step.slot + 1))
+        if self.loop is not None and step.slot == self.loop[0]:
+            for slot in self.loop[1]:
+                self._gather(self._needs(slot))
 
     def _post(self, block: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         step = self._step(args, kwargs)
@@ -184,6 +225,9 @@ class Prefetch:
                 if keep:
                     unit.set_reshard_after_backward(step.visit == 0, recurse=False)
                 self._gather(self._needs(step.slot - 1))
+                if self.loop is not None and step.slot == self.loop[2]:
+                    for slot in self.loop[3]:
+                        self._gather(self._needs(slot))
             return grad
 
         for t in tensors:

@@ -1,7 +1,8 @@
 """FSDP2 on two CPU processes (gloo) with the package's recipe (:func:`smelt_model.parallel.shard`:
 every block its own unit, the shared span one unit or one unit per span layer): same loss
-and grads as one process, over two steps of gradient accumulation, and each unit gathered
-once per pass and reduced once per backward, whatever its visits."""
+and grads as one process, over two steps of gradient accumulation, each unit gathered
+once per pass and reduced once per backward, whatever its visits, and the gathers issued in
+the order the prefetch (``next`` or ``loop``) says."""
 
 import os
 import tempfile
@@ -16,14 +17,14 @@ from helpers import micro_config
 from smelt_model.model import SmeltLM
 
 WORLD = 2
-#: (span_units, reshard_after_forward, recompute, router loss weight) the workers shard a
-#: model with; with a router loss each rank's is its own batch's (SmeltLM sums no
+#: (span_units, reshard_after_forward, recompute, router loss weight, prefetch) the workers
+#: shard a model with; with a router loss each rank's is its own batch's (SmeltLM sums no
 #: statistics over ranks), so only the collectives are compared
 SETUPS = [
-    ("span", True, "none", 0.0),
-    ("layer", True, "none", 0.0),
-    ("layer", False, "all", 0.0),
-    ("layer", True, "none", 0.01),
+    ("span", True, "none", 0.0, "next"),
+    ("layer", True, "none", 0.0, "loop"),
+    ("layer", False, "all-but-1", 0.0, "loop"),
+    ("layer", True, "none", 0.01, "next"),
 ]
 
 
@@ -64,10 +65,10 @@ def _worker(rank, init_file, out_file):
     fpg.foreach_all_gather, fpg.foreach_reduce = gather, reduce
     try:
         results = {}
-        for span_units, reshard, recompute, aux in SETUPS:
+        for span_units, reshard, recompute, aux, prefetch in SETUPS:
             torch.manual_seed(0)
             model = SmeltLM(_cfg(aux), backend="torch", recompute=recompute).double()
-            shard(model, span_units=span_units, reshard_after_forward=reshard)
+            shard(model, span_units=span_units, reshard_after_forward=reshard, prefetch=prefetch)
             assert all(hasattr(u, "unshard") for u in units(model, span_units))
             for i in range(model.cfg.n_layers):  # runs after the shard's own hooks
 
@@ -75,7 +76,13 @@ def _worker(rank, init_file, out_file):
                     if torch._C._current_graph_task_id() == -1:
                         log.append(("enter", args[2].slot, "fwd"))
 
+                def leave(block, args, output):  # the backward of the layer starts
+                    if torch._C._current_graph_task_id() == -1 and output[0].requires_grad:
+                        slot = args[2].slot
+                        output[0].register_hook(lambda g, s=slot: log.append(("enter", s, "bwd")))
+
                 model.layer(i).register_forward_pre_hook(enter)
+                model.layer(i).register_forward_hook(leave)
             ids = _batch()[2 * rank : 2 * rank + 2]
             loss = 0.0
             for _ in range(2):  # two micro-batches: the gradients accumulate
@@ -87,7 +94,7 @@ def _worker(rank, init_file, out_file):
                 dist.all_reduce(total)
                 loss += total.item() / WORLD
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            results[(span_units, reshard, recompute, aux)] = (loss, grads, list(log))
+            results[(span_units, reshard, recompute, aux, prefetch)] = (loss, grads, list(log))
         if rank == 0:
             torch.save(results, out_file)
     finally:
@@ -114,7 +121,7 @@ def test_fsdp2_two_processes_match_single_process():
     names = dict(model.named_parameters())
     # prelude 0, span layers 1-2 (executed 1, 2, 1, 2), coda 3
     layers = {"span": ["span.layers.0"], "layer": ["span.layers.0", "span.layers.1"]}
-    for (span_units, reshard, _, aux), (loss, grads, events) in results.items():
+    for (span_units, reshard, _, aux, prefetch), (loss, grads, events) in results.items():
         log = Counter(e for e in events if e[0] != "enter")
         # the ranks' losses averaged, twice (accumulated)
         assert loss / 2 == pytest.approx(out.loss.item(), rel=1e-12)
@@ -131,13 +138,23 @@ def test_fsdp2_two_processes_match_single_process():
         assert sum(log.values()) == (2 + reshard) * (3 + len(layers[span_units]))
         # a unit first used at executed layer p is gathered when layer p - 1 starts (the
         # first one with the root), before layer p - 1 computes: FSDP alone would gather
-        # it only when layer p starts
-        enters = [i for i, e in enumerate(events) if e[0] == "enter"]
+        # it only when layer p starts. Following the loop, the coda's is issued when the
+        # span's last visit starts (executed layer 3)
+        enters = {e[1:]: i for i, e in enumerate(events) if e[0] == "enter"}
         first = {"prelude.0": 0, "span.layers.0": 1, "span.layers.1": 2, "coda.0": 5}
+        if prefetch == "loop":
+            first["coda.0"] = 4
         for unit in ["prelude.0", "coda.0"] + layers[span_units]:
             at, p = events.index(("gather", unit, "fwd")), first[unit]
-            lo = enters[p - 2] if p >= 2 else -1
-            assert lo < at < enters[max(p - 1, 0)], (span_units, unit, events)
+            lo = enters[(p - 2, "fwd")] if p >= 2 else -1
+            assert lo < at < enters[(max(p - 1, 0), "fwd")], (prefetch, unit, events)
+        if (
+            reshard and span_units == "layer"
+        ):  # backward: the prelude's gathered when the span's layer 2 at visit 1
+            # (executed layer 2) starts its backward, else when executed layer 1 does
+            at = events.index(("gather", "prelude.0", "bwd"))
+            p = 2 if prefetch == "loop" else 1
+            assert enters[(p + 1, "bwd")] < at < enters[(p, "bwd")], (prefetch, events)
         # in the backward one layer ahead too, not all at its start: only the first two
         # layers of the backward (coda 0 and the next) before coda 0's gradients are reduced
         if reshard:
