@@ -25,7 +25,7 @@ from .cli import main
 from .cluster import CLUSTER_PRESETS, TOKENS_PER_GPU, Cluster, parse_cluster
 from .comm import Comm, CommRatios, comm, ratios
 from .footprint import Footprint
-from .layout import ParallelPlan, overlap_conflict, parse_plan
+from .layout import ParallelPlan, loop_prefetch, overlap_conflict, parse_plan
 from .ledger import (
     PARTS,
     Ledger,
@@ -34,6 +34,7 @@ from .ledger import (
     decode_flops_per_token,
     dense_control,
     embedding_params,
+    head_flops,
     layer_counts,
     layer_params,
     ledger,
@@ -56,6 +57,7 @@ __all__ = [
     "match",
     "dense_control",
     "embedding_params",
+    "head_flops",
     "decode_flops_per_token",
     "MatchError",
     "main",
@@ -69,6 +71,7 @@ __all__ = [
     "ParallelPlan",
     "parse_plan",
     "overlap_conflict",
+    "loop_prefetch",
     "dedup_factor",
     "CLUSTER_PRESETS",
     "TOKENS_PER_GPU",

@@ -19,6 +19,7 @@ their bytes, memory and projected step times, and the gap (:mod:`.projection`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -27,7 +28,7 @@ from smelt_tools import cli
 from ..config import ModelConfig
 from .cluster import TOKENS_PER_GPU, parse_cluster
 from .comm import Comm, _bytes, comm, ratios
-from .layout import PLAN_NAMES, ParallelPlan, loop_of, parse_plan
+from .layout import PLAN_NAMES, ParallelPlan, loop_of, loop_prefetch, parse_plan
 from .ledger import Ledger, compare, ledger
 from .matcher import match
 from .projection import Projection, _time, project
@@ -148,6 +149,8 @@ def _plan_text(plan: ParallelPlan, cfg: ModelConfig) -> str:
         if plan.span_gather == "layer" and any(loop.in_span(i) for i in plan.gather_layers):
             ways.append("span experts gathered at every visit")
     ways.append("re-gathered for the backward" if plan.reshard_after_forward else "kept gathered")
+    if loop_prefetch(plan, cfg):
+        ways.append("loop-aware prefetch")
     ways.append(f"recompute {plan.recompute}")
     return f"{letters}  ({', '.join(ways)})"
 
@@ -195,6 +198,7 @@ def _format_cluster(spec, names, cfgs, tokens, plan_spec, w: Workload) -> str:
     gb = lambda x: f"{x / 1e9:.2f} GB"  # noqa: E731
     rows = [
         ("compute (recompute included)", get(lambda p: p.compute_s), _time),
+        ("  of which the output head", get(lambda p: p.model.head_s), _time),
         ("EP all-to-alls, sent", get(lambda p: p.comm.ep_bytes), _bytes),
         ("FSDP, sent", get(lambda p: p.comm.fsdp_bytes), _bytes),
         ("gathered experts, sent", get(lambda p: p.comm.gather_bytes), _bytes),
@@ -213,7 +217,16 @@ def _format_cluster(spec, names, cfgs, tokens, plan_spec, w: Workload) -> str:
     ]
     lines += _table(names, rows)
     if len(ok) == 2:
-        lines += _gap_lines(label, ok, stock, compare(*cfgs, *w.doc).flops)
+        flops = compare(*cfgs, *w.doc).flops
+        lines += _gap_lines(label, ok, stock, flops)
+        if w.head:  # the same search with the steps cut to F's parts
+            bare = dataclasses.replace(w, head=False)
+            parts = [_attempt(c, cl, tokens, plan_spec, bare) for c in cfgs]
+            if not any(isinstance(p, str) for p in parts):
+                lines.append(
+                    f"without the output head's compute (F's parts only): {label} gap "
+                    f"{parts[1].step_s / parts[0].step_s / flops:.4f}"
+                )
     return "\n".join(lines)
 
 
@@ -225,10 +238,12 @@ def _gap_lines(label: str, best, stock, flops: float) -> list[str]:
     out = [text]
     if gap > 1.00005:
         extra = best[1].step_s - best[0].step_s * flops  # beyond what the FLOPs account for
+        b, a = best[1], best[0]
         out.append(
             f"above 1.00 by {gap - 1:.2%} ({_time(extra)} per step more than the F ratio "
-            f"allows): exposed traffic of the looped model {_exposed(best[1])}, of the "
-            f"baseline {_exposed(best[0])}"
+            f"allows): compute {b.compute_s / a.compute_s:.4f}x the baseline's (recompute "
+            f"{b.plan.recompute} against {a.plan.recompute}); exposed traffic of the looped "
+            f"model {_exposed(b)}, of the baseline {_exposed(a)}"
         )
     return out
 

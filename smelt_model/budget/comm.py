@@ -244,12 +244,7 @@ def _resolve_plan(cfg: ModelConfig, plan: Any, ep: Optional[int]) -> tuple[Paral
 
 def _recomputed(cfg: ModelConfig, policy: str) -> set[int]:
     """Slots (executed-layer indices) whose forward runs again in the backward."""
-    steps = loop_of(cfg).steps
-    if policy == "all":
-        return {s.slot for s in steps}
-    if policy == "visit1" and cfg.is_looped:
-        return {s.slot for s in steps if s.in_span and s.visit == 0}
-    return set()
+    return set(loop_of(cfg).recomputed(policy))
 
 
 def _passes(cfg: ModelConfig, plan: ParallelPlan, layers, own: bool) -> tuple[int, ...]:

@@ -30,9 +30,16 @@ Both move the same bytes; per layer, the gathers spread over the span's compute.
 per (token, slot) pair); ``overlap`` splits each rank's batch into ``chunks`` chunks (of
 whole sequences) so that one chunk's all-to-alls are in flight while the others compute;
 ``recompute`` is the activation recompute the plan needs to fit in memory (smelt's
-policies: ``none``, ``visit1``, ``all``); ``reshard_after_forward`` is FSDP's choice
+policies: ``none``, ``visit1``, ``all``, ``all-but-N``); ``reshard_after_forward`` is FSDP's choice
 between gathering the weights again for the backward (less memory) and keeping them from
 the forward (less traffic).
+
+``prefetch`` is the order of FSDP's all-gathers: ``"next"`` gathers what an executed layer
+needs while the layer before it computes (torchtitan's order); ``"loop"`` (smelt's) does the
+same, and also issues every gather of the coda when the span's last visit starts, and every
+gather of the prelude's backward when the backward of the span's first visit starts: the
+span's units are held there, so the links would idle while up to a whole visit computes. It
+holds those units longer; with span experts gathered at every visit it is ``"next"``.
 """
 
 from __future__ import annotations
@@ -42,26 +49,30 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..config import ModelConfig, _check_int
-from ..plan import LoopPlan
+from ..plan import RECOMPUTE_POLICIES, LoopPlan, check_recompute
 
 __all__ = [
     "LAYER_KINDS",
     "GATHER_GROUPS",
     "SPAN_GATHER",
     "SPAN_UNITS",
+    "PREFETCH",
     "RECOMPUTE",
     "PLAN_NAMES",
     "ParallelPlan",
     "parse_plan",
     "overlap_conflict",
+    "loop_prefetch",
 ]
 
 LAYER_KINDS = ("ep", "gather")
 GATHER_GROUPS = ("node", "all")
 SPAN_GATHER = ("unit", "layer")
 SPAN_UNITS = ("span", "layer")
-#: activation recompute policies (those of :data:`smelt_model.executor.RECOMPUTE_POLICIES`)
-RECOMPUTE = ("none", "visit1", "all")
+PREFETCH = ("next", "loop")
+#: the named activation recompute policies (:data:`smelt_model.plan.RECOMPUTE_POLICIES`;
+#: ``"all-but-N"`` is one too)
+RECOMPUTE = RECOMPUTE_POLICIES
 #: whole-model plan names :func:`parse_plan` reads besides a per-layer list
 PLAN_NAMES = ("ep", "gather", "span-gather")
 
@@ -101,6 +112,9 @@ class ParallelPlan:
     span_units: str = "span"
     #: the chunks (of whole sequences) the overlap splits each rank's batch into
     chunks: int = 2
+    #: the order of FSDP's all-gathers: ``"next"`` (one layer ahead) or ``"loop"`` (module
+    #: docstring)
+    prefetch: str = "next"
 
     def __post_init__(self) -> None:
         layers = self.layers
@@ -114,8 +128,9 @@ class ParallelPlan:
         _choice("gather_group", self.gather_group, GATHER_GROUPS)
         _choice("span_gather", self.span_gather, SPAN_GATHER)
         _choice("span_units", self.span_units, SPAN_UNITS)
-        _choice("recompute", self.recompute, RECOMPUTE)
+        check_recompute(self.recompute)
         _check_int("chunks", self.chunks, 2)
+        _choice("prefetch", self.prefetch, PREFETCH)
         for name in ("dedup", "overlap", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -156,6 +171,7 @@ class ParallelPlan:
                 f"plan has {self.n_layers} layer entries; the model has {cfg.n_layers} "
                 f"physical layers"
             )
+        loop_of(cfg).recomputed(self.recompute)  # all-but-N keeps fewer than all
         if self.ep_layers and cfg.n_experts % self.ep:
             raise ValueError(
                 f"plan ep ({self.ep}) must divide n_experts ({cfg.n_experts}): each EP rank "
@@ -173,6 +189,8 @@ class ParallelPlan:
             flags.append(f"recompute={self.recompute}")
         if not self.reshard_after_forward:
             flags.append("keep-gathered")
+        if self.prefetch != "next":
+            flags.append(f"prefetch={self.prefetch}")
         return f"ParallelPlan({self.letters!r}, {', '.join(flags)})"
 
 
@@ -189,13 +207,14 @@ def parse_plan(
     reshard_after_forward: bool = True,
     span_units: str = "layer",
     chunks: int = 2,
+    prefetch: str = "loop",
 ) -> ParallelPlan:
     """A :class:`ParallelPlan` for ``cfg`` from ``spec``: ``"ep"`` (every layer EP),
     ``"gather"`` (every layer gathered), ``"span-gather"`` (the looped span gathered, the
     rest EP) or a comma list with one ``ep`` / ``gather`` per physical layer. A
     :class:`ParallelPlan` passes through (checked against ``cfg``). The keywords set the
-    other fields; ``dedup``, ``overlap`` and ``span_units`` default to what smelt's trainer
-    runs."""
+    other fields; ``dedup``, ``overlap``, ``span_units`` and ``prefetch`` default to what
+    smelt's trainer runs."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     if isinstance(spec, ParallelPlan):
@@ -236,6 +255,7 @@ def parse_plan(
         reshard_after_forward=reshard_after_forward,
         span_units=span_units,
         chunks=chunks,
+        prefetch=prefetch,
     )
     plan.check(cfg)
     return plan
@@ -273,3 +293,13 @@ def name_of(plan: ParallelPlan, cfg: Optional[ModelConfig] = None) -> str:
         if plan.layers == tuple("gather" if loop.in_span(i) else "ep" for i in range(cfg.n_layers)):
             return "span-gather"
     return plan.letters
+
+
+def loop_prefetch(plan: ParallelPlan, cfg: ModelConfig) -> bool:
+    """Whether ``plan``'s gathers on ``cfg`` follow the loop (module docstring): asked
+    for, a span visited more than once, and no span experts gathered at every visit (their
+    gathers would queue behind the coda's)."""
+    loop = loop_of(cfg)
+    if plan.prefetch != "loop" or not loop.length or loop.count < 1 + 1:
+        return False
+    return not (plan.span_gather == "layer" and any(loop.in_span(i) for i in plan.gather_layers))

@@ -35,6 +35,7 @@ __all__ = [
     "layer_params",
     "layer_counts",
     "embedding_params",
+    "head_flops",
     "mean_attended",
     "ledger",
     "compare",
@@ -75,6 +76,12 @@ def embedding_params(cfg: ModelConfig) -> int:
     """Parameters of the untied input embedding and output head (vocab x hidden each): the
     budgets leave them out; FSDP traffic and memory estimates count them."""
     return 2 * cfg.vocab_size * cfg.hidden_size
+
+
+def head_flops(cfg: ModelConfig) -> int:
+    """Training FLOPs per token of the output head's matmul (``6 x vocab x hidden``): F
+    leaves it out, as the paper does; a projected step counts it, since a step runs it."""
+    return 6 * cfg.vocab_size * cfg.hidden_size
 
 
 def _shared(p: dict[str, int]) -> int:

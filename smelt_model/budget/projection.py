@@ -15,8 +15,10 @@ their group; layers of one group are alike), the gather group (``node`` or ``all
 span's gathered experts kept with their layer's unit or gathered at every visit, the
 overlap's chunks (:data:`CHUNKS` that divide the sequences a GPU holds: equal chunks of
 whole sequences, as the trainer splits them), keeping gathered weights from the forward to
-the backward or not, and the lightest activation recompute (``none``, ``visit1``,
-``all``) that fits the cluster's memory per GPU (:mod:`.footprint`); a looped model's
+the backward or not, the order of FSDP's gathers (``prefetch``: ``loop`` or ``next``, for a
+looped model), and the lightest activation recompute that fits the cluster's
+memory per GPU (:mod:`.footprint`): ``none``, else ``all-but-N`` with the most layers
+kept, else ``all``; a looped model's
 span layers are FSDP units of their own (``span_units="layer"``: the span as one unit
 moves the same bytes and hides less). Where smelt's trainer cannot overlap a candidate
 (:func:`~smelt_model.budget.layout.overlap_conflict`: span experts gathered at every
@@ -41,7 +43,14 @@ from ..config import ModelConfig
 from .cluster import TOKENS_PER_GPU, Cluster, parse_cluster
 from .comm import Comm, _bytes, comm
 from .footprint import Footprint, footprint
-from .layout import ParallelPlan, loop_of, overlap_conflict, parse_plan, stock_plan
+from .layout import (
+    ParallelPlan,
+    loop_of,
+    loop_prefetch,
+    overlap_conflict,
+    parse_plan,
+    stock_plan,
+)
 from .ledger import compare
 from .schedule import StepModel, simulate
 from .workload import Workload, workload_of
@@ -182,8 +191,9 @@ def overlap_chunks(tokens_per_gpu: int, seq_len: int) -> tuple[int, ...]:
     return () if rest else tuple(n for n in CHUNKS if rows % n == 0 and rows >= n)
 
 
-def _recomputes(cfg: ModelConfig) -> tuple[str, ...]:
-    return ("none", "visit1", "all") if cfg.is_looped else ("none", "all")
+def _policy(n: int, again: int) -> str:
+    """The recompute policy that runs ``again`` of ``n`` executed layers again."""
+    return "none" if again == 0 else "all" if again == n else f"all-but-{n - again}"
 
 
 class _Search:
@@ -213,19 +223,24 @@ class _Search:
         if not fixed.get("overlap"):
             chunks = (2,)
         span_units = "layer" if cfg.is_looped and self.span_units else "span"
+        prefetch = ("loop", "next") if cfg.is_looped and self.span_units else ("next",)
         for group in groups:
             for mode in ("unit", "layer") if in_span else ("unit",):
                 for n in chunks:
                     for reshard in self.reshards:
-                        yield ParallelPlan(
-                            layers=layers,
-                            gather_group=group,
-                            span_gather=mode,
-                            reshard_after_forward=reshard,
-                            span_units=span_units,
-                            chunks=n,
-                            **fixed,
-                        )
+                        for order in prefetch:
+                            p = ParallelPlan(
+                                layers=layers,
+                                gather_group=group,
+                                span_gather=mode,
+                                reshard_after_forward=reshard,
+                                span_units=span_units,
+                                chunks=n,
+                                prefetch=order,
+                                **fixed,
+                            )
+                            if order == "next" or loop_prefetch(p, cfg):
+                                yield p
 
     def _memory(self, p: ParallelPlan) -> tuple[Comm, Footprint]:
         """``p``'s ledger and memory; neither depends on the overlap or its chunks."""
@@ -249,25 +264,45 @@ class _Search:
             self.tried[layers] = out
             return out
         for candidate in self._variants(layers):
-            for policy in _recomputes(cfg):
-                p = dataclasses.replace(candidate, recompute=policy)
-                if overlap_conflict(p, cfg):  # the trainer runs this one without overlap
-                    p = dataclasses.replace(p, overlap=False)
-                c, mem = self._memory(p)
-                if self.smallest is None or mem.total < self.smallest.total:
-                    self.smallest = mem
-                if not mem.fits(cl.memory):
-                    continue
-                proj = Projection(cl, p, c, mem, simulate(cfg, p, cl, c, w))
-                # near ties (six digits) go to fewer gathered layers, fewer chunks, then
-                # less memory
-                key = (float(f"{proj.step_s:.6g}"), len(p.gather_layers), p.chunks, mem.total)
-                if self.best is None or key < self.best[0]:
-                    self.best = (key, proj)
-                out = min(out, proj.step_s)
-                break  # a heavier recompute only adds work
+            p = self._lightest(candidate)
+            if p is None:
+                continue
+            c, mem = self._memory(p)
+            proj = Projection(cl, p, c, mem, simulate(cfg, p, cl, c, w))
+            # near ties (six digits) go to fewer gathered layers, fewer chunks, then less
+            # memory
+            key = (float(f"{proj.step_s:.6g}"), len(p.gather_layers), p.chunks, mem.total)
+            if self.best is None or key < self.best[0]:
+                self.best = (key, proj)
+            out = min(out, proj.step_s)
         self.tried[layers] = out
         return out
+
+    def _lightest(self, candidate: ParallelPlan) -> Optional[ParallelPlan]:
+        """``candidate`` with the fewest recomputed layers that fits (a heavier recompute
+        only adds work): none, else ``all-but-N`` with the largest N, else all; None when
+        not even all fits. Memory falls as layers are recomputed, so it is bisected."""
+        n = len(loop_of(self.cfg).steps)
+
+        def fitting(again: int) -> Optional[ParallelPlan]:
+            p = dataclasses.replace(candidate, recompute=_policy(n, again))
+            if overlap_conflict(p, self.cfg):  # the trainer runs this one without overlap
+                p = dataclasses.replace(p, overlap=False)
+            mem = self._memory(p)[1]
+            if self.smallest is None or mem.total < self.smallest.total:
+                self.smallest = mem
+            return p if mem.fits(self.cl.memory) else None
+
+        if (p := fitting(0)) is not None or (last := fitting(n)) is None:
+            return p
+        lo, hi = 0, n  # lo does not fit, hi does
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if (p := fitting(mid)) is not None:
+                hi, last = mid, p
+            else:
+                lo = mid
+        return last
 
     def counts(self) -> None:
         """Every layout on a coarse grid of gathered counts per group, then single steps

@@ -6,7 +6,10 @@ order as a graph of work and waits, and plays it on the resources that run it:
 * ``compute``: the GPU's arithmetic, one thing at a time in program order, at
   ``peak x mfu``; per executed layer an attention part (attention, router, norms and the
   attention scores of the ledger) and an expert part, a forward a third of the training
-  FLOPs and the backward two thirds;
+  FLOPs and the backward two thirds; after the last layer the output head (its matmul,
+  :func:`~smelt_model.budget.head_flops`, unless ``Workload.head`` is False), chunk by
+  chunk as each chunk's last exchange comes in (the runtime's ``Interleaved.finish``), and
+  its backward, chunk by chunk, before the last layer's;
 * ``intra``: the GPU's in-node links (NVLink), and ``inter``: its NIC, separate resources
   that run at once. An EP all-to-all puts the bytes for peers in the node on ``intra`` and
   those for peers on other nodes on ``inter``; an FSDP collective over the ranks of one node
@@ -44,7 +47,10 @@ What waits for what (the schedule the runtime runs):
   each visit, forward and backward, and reduced once, after the first visit's backward
   (FSDP2 reduces a unit's gradients when their accumulation is complete). The all-gathers
   a layer needs are issued when the layer before it (in that pass) starts computing (the
-  trainer's prefetch) and must be in before it runs; a unit's gradients are
+  trainer's prefetch; with ``plan.prefetch == "loop"`` the coda's when the span's last
+  visit starts, and the prelude's backward ones when the backward of the span's first
+  visit starts, :func:`~smelt_model.budget.layout.loop_prefetch`) and must be in before
+  it runs; a unit's gradients are
   reduce-scattered once its last backward use is done (with a ``node`` gather group over
   several nodes, a ``gather`` layer's reduced shard is then all-reduced over the NICs).
 
@@ -55,6 +61,7 @@ compute (the final reductions) are exposed too. The step ends when everything is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -62,8 +69,8 @@ from typing import Optional
 from ..config import ModelConfig
 from .cluster import Cluster
 from .comm import Comm, _recomputed
-from .layout import ParallelPlan, loop_of
-from .ledger import cached_ledger, embedding_params, layer_params
+from .layout import ParallelPlan, loop_of, loop_prefetch
+from .ledger import cached_ledger, embedding_params, head_flops, layer_params
 from .routing import _ring
 from .workload import Workload
 
@@ -88,6 +95,8 @@ class StepModel:
     busy: dict[str, float]
     #: bytes the replay moved per kind (they equal the communication ledger's)
     moved: dict[str, float]
+    #: the output head's compute, forward and backward (part of ``compute_s``)
+    head_s: float = 0.0
 
 
 class _Unit:
@@ -104,7 +113,8 @@ class Call:
     """One use of an FSDP unit in one pass: it runs the positions ``start`` to ``end`` of
     the pass (indices into the executed layers, reversed in the backward), is gathered
     before ``start`` (``gather``) or already held, is freed after ``end`` (``release``), and
-    in the backward has its gradients reduced after ``end`` (``reduce``)."""
+    in the backward has its gradients reduced after ``end`` (``reduce``). Its gather is
+    issued when position ``issue`` starts (None: the position before ``start``)."""
 
     unit: _Unit
     start: int
@@ -112,6 +122,12 @@ class Call:
     gather: bool
     release: bool
     reduce: bool = False
+    issue: Optional[int] = None
+
+    @property
+    def issued(self) -> int:
+        """The position whose start issues this call's gather."""
+        return max(self.start - 1, 0) if self.issue is None else self.issue
 
 
 @functools.lru_cache(maxsize=256)
@@ -161,15 +177,26 @@ def fsdp_units(cfg: ModelConfig, plan: ParallelPlan) -> tuple[tuple[Call, ...], 
         if s.layer in own:  # gathered at every visit, reduced once
             forward.append(Call(own[s.layer], pos, pos, True, True))
             backward.append(Call(own[s.layer], back, back, True, True, s.visit == 0))
+    if loop_prefetch(plan, cfg):  # the coda's and the prelude's backward's, early
+        last = loop.start + (loop.count - 1) * loop.length  # the span's last visit starts
+        first_back = n - loop.start - loop.length  # the backward of its first visit starts
+        forward = [
+            dataclasses.replace(c, issue=last) if c.gather and c.start > last else c
+            for c in forward
+        ]
+        backward = [
+            dataclasses.replace(c, issue=first_back) if c.gather and c.start > first_back else c
+            for c in backward
+        ]
     return tuple(forward), tuple(sorted(backward, key=lambda c: c.start))
 
 
 def held_peak(forward, backward, size, grads, n: int) -> float:
     """The most bytes the FSDP units hold at once over one step: a unit from the start of
-    the position before the call that gathers it (prefetched one position ahead) to its
-    release (kept units stay held into the backward), ``size(unit)`` bytes each, and in the
-    backward ``grads(unit, reduced)`` more for its unsharded gradients, from its first
-    backward call to the reduction that consumes them (``reduced``: at that position)."""
+    the position that issues its gather (:attr:`Call.issued`) to its release (kept units
+    stay held into the backward), ``size(unit)`` bytes each, and in the backward
+    ``grads(unit, reduced)`` more for its unsharded gradients, from its first backward call
+    to the reduction that consumes them (``reduced``: at that position)."""
     delta = [0.0] * (2 * n + 1)  # changes of the held bytes at each position of the step
 
     def hold(nbytes: float, since: int, until: int) -> None:
@@ -180,8 +207,8 @@ def held_peak(forward, backward, size, grads, n: int) -> float:
     for offset, calls in ((0, forward), (n, backward)):
         for c in calls:
             key = id(c.unit)
-            if c.gather or key not in held:  # prefetched one position ahead, in its pass
-                held[key] = offset + max(c.start - 1, 0) if c.gather else offset + c.start
+            if c.gather or key not in held:  # held from its gather's issue, in its pass
+                held[key] = offset + c.issued if c.gather else offset + c.start
             if c.release:
                 hold(size(c.unit), held.pop(key), offset + c.end)
     for c in (*forward, *backward):  # units never released (none in smelt's units)
@@ -312,8 +339,9 @@ class _Replay:
         experts = led.flops_by_part["experts"] / n_exec * tokens / rate
         rest = led.flops_per_token * tokens / rate / n_exec - experts
         self.chunks = plan.chunks if plan.overlap else 1
-        # forward seconds of one chunk's attention and expert parts
+        # forward seconds of one chunk's attention and expert parts, and of its output head
         self.attn, self.experts = rest / 3 / self.chunks, experts / 3 / self.chunks
+        self.out_head = head_flops(cfg) * tokens / rate / 3 / self.chunks if w.head else 0.0
         self.bw = {"intra": cluster.intra, "inter": cluster.inter}
         self.dp_link = "intra" if cluster.gpus <= cluster.gpus_per_node else "inter"
         self.gather_link = "intra" if comm.gather_group_size <= cluster.gpus_per_node else "inter"
@@ -376,6 +404,16 @@ class _Replay:
         again = _recomputed(self.cfg, self.plan.recompute)
         forward, backward = fsdp_units(self.cfg, self.plan)
         heads = self._pass(steps, forward, [()] * self.chunks, False, again)
+        # the output head of each chunk as soon as its last exchange is in (the others'
+        # still in flight), then its backward; the root's gather for the backward (when
+        # it was freed) is issued once the forward is done
+        g, root = self.g, backward[0]
+        heads = [(g.add_compute(self.out_head, *h),) for h in heads]
+        ready = []
+        if root.gather:
+            ready = self.collective("gather", root.unit, self.w.act_bytes, *heads[-1])
+        heads = [(g.add_compute(2 * self.out_head, *h, *ready),) for h in heads]
+        backward = (dataclasses.replace(root, gather=False), *backward[1:])
         self._pass(tuple(reversed(steps)), backward, heads, True, again)
 
     def _pass(self, order, calls, heads, backward: bool, again) -> list:
@@ -383,7 +421,7 @@ class _Replay:
         gathers: dict[int, list] = {}
         for c in calls:
             if c.gather:
-                gathers.setdefault(max(c.start - 1, 0), []).append(c)
+                gathers.setdefault(c.issued, []).append(c)
         ready: dict[int, list] = {}
         for pos, step in enumerate(order):
             before = self.g.compute[-1][0] if self.g.compute else None
@@ -418,4 +456,4 @@ def simulate(
     r = _Replay(cfg, plan, cluster, comm, w)
     r.lay_out()
     step, compute, exposed, busy = _play(r.g)
-    return StepModel(step, compute, exposed, busy, dict(r.moved))
+    return StepModel(step, compute, exposed, busy, dict(r.moved), 3 * r.out_head * r.chunks)

@@ -1,11 +1,14 @@
 """The options every communication count and projection shares, in one place.
 
 :class:`Workload` holds the element types that travel (``dtype`` of the all-to-alls and
-the gathered weights, ``reduce_dtype`` of the reduced gradients) and the document mix the
-FLOPs count assumes (``mean_doc_len`` in contexts of ``seq_len``). :func:`~smelt_model.budget.comm`,
-:func:`~smelt_model.budget.ratios`, :func:`~smelt_model.budget.project`,
-:func:`~smelt_model.budget.project_pair` and :func:`~smelt_model.budget.plan` take either
-``workload=Workload(...)`` or the same names as keywords (``dtype="float32"``).
+the gathered weights, ``reduce_dtype`` of the reduced gradients), the document mix the
+FLOPs count assumes (``mean_doc_len`` in contexts of ``seq_len``), and whether a projected
+step computes the output head (``head``: its matmul, ``6 x vocab x hidden`` FLOPs per token,
+which F leaves out and a training step runs; False projects F's parts alone).
+:func:`~smelt_model.budget.comm`, :func:`~smelt_model.budget.ratios`,
+:func:`~smelt_model.budget.project`, :func:`~smelt_model.budget.project_pair` and
+:func:`~smelt_model.budget.plan` take either ``workload=Workload(...)`` or the same names as
+keywords (``dtype="float32"``).
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ class Workload:
     reduce_dtype: str = "float32"
     mean_doc_len: float = 800
     seq_len: int = 4096
+    head: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.head, bool):
+            raise TypeError(f"head must be a bool, got {self.head!r}")
         for name in ("dtype", "reduce_dtype"):
             value = getattr(self, name)
             dtype_bytes(value, name)

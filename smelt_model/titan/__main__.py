@@ -126,7 +126,7 @@ def _check(config, world: int) -> None:
     """What the parser cannot know: the overrides, the mesh against the world and the
     model, the run's lengths."""
     from .model import SmeltTitan
-    from .parallelize import _check_parallelism, recompute_policy, run_plan
+    from .parallelize import _check_parallelism, kept_layers, recompute_policy, run_plan
 
     _check_overrides(config)
     p = config.parallelism
@@ -169,7 +169,8 @@ def _check(config, world: int) -> None:
     try:
         if isinstance(model, SmeltTitan.Config):
             _check_parallelism(model.arch, p)
-            run_plan(config, model.arch, recompute_policy(config.activation_checkpoint))
+            recompute = recompute_policy(config.activation_checkpoint, kept_layers(config))
+            run_plan(config, model.arch, recompute)
     except (ValueError, TypeError) as e:
         raise UsageError(one_line(e)) from None
     if (

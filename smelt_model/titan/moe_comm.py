@@ -23,6 +23,14 @@ section):
 ``--moe_comm.span_units``
     ``layer`` (the default: each span layer an FSDP unit of its own, gathered one layer
     ahead and kept for all its visits) or ``span`` (the whole span one unit).
+``--moe_comm.prefetch``
+    ``loop`` (the default: FSDP's gathers one layer ahead, and the coda's issued when the
+    span's last visit starts, the prelude's backward ones when the backward of its first
+    visit starts; :mod:`smelt_model.parallel`) or ``next`` (one layer ahead only).
+``--moe_comm.keep_activations N``
+    with ``--activation_checkpoint.mode full``: the last N executed layers keep their
+    activations instead of being recomputed (smelt's recompute policy ``all-but-N``; an
+    ``auto`` plan says which N fits).
 ``--moe_comm.dedup`` / ``--moe_comm.no-dedup``
     the de-duplicating dispatcher (one row per token and destination rank; on by default).
 ``--moe_comm.overlap``
@@ -66,6 +74,10 @@ class MoECommConfig:
     """the span's gathered experts held for all visits (unit) or gathered per visit (layer)"""
     span_units: str = "layer"
     """FSDP units of the span: one per span layer, kept for all visits (layer), or one (span)"""
+    prefetch: str = "loop"
+    """FSDP's gather order: one layer ahead and the coda's / prelude's early (loop), or next"""
+    keep_activations: int = 0
+    """with --activation_checkpoint.mode full: the last N executed layers are not recomputed"""
     dedup: bool = True
     """send a token once to each expert-parallel rank that holds any of its experts"""
     overlap: bool = False
@@ -158,6 +170,7 @@ def resolve(
     _choice("gather_group", section.gather_group, ("node", "all"))
     _choice("span_gather", section.span_gather, ("unit", "layer"))
     _choice("span_units", section.span_units, ("layer", "span"))
+    _choice("prefetch", section.prefetch, ("loop", "next"))
     if (
         isinstance(section.chunks, bool)
         or not isinstance(section.chunks, int)
@@ -174,13 +187,16 @@ def resolve(
             )
             if section.span_units == "span":  # the span as one unit, as the run asks
                 plan = dataclasses.replace(plan, span_units="span")
+            if section.prefetch == "next":  # one layer ahead, as the run asks
+                plan = dataclasses.replace(plan, prefetch="next")
         except ValueError as e:
             raise ValueError(f"--moe_comm.plan auto: {e}") from None
         if plan.recompute != recompute:
             raise ValueError(
                 f"--moe_comm.plan auto: the best plan on this cluster ({plan!r}) recomputes "
                 f"{plan.recompute!r}; run it with the matching activation_checkpoint (none, "
-                f"selective = visit1, full = all) or give the plan"
+                f"selective = visit1, full = all, full with --moe_comm.keep_activations N "
+                f"= all-but-N) or give the plan"
             )
     else:
         try:
@@ -196,6 +212,7 @@ def resolve(
                 reshard_after_forward=reshard_after_forward,
                 span_units=section.span_units,
                 chunks=section.chunks,
+                prefetch=section.prefetch,
             )
         except (ValueError, TypeError) as e:
             raise ValueError(f"--moe_comm.plan {section.plan}: {e}") from None
@@ -271,6 +288,8 @@ def describe(plan: Any, mesh: RunMesh, looped: bool = True) -> str:
         parts.append(f"recompute {plan.recompute}")
     if not plan.reshard_after_forward:
         parts.append("weights kept gathered from the forward to the backward")
+    if looped and plan.prefetch == "loop":
+        parts.append("loop-aware prefetch")
     if looped:
         parts.append(
             "each span layer an FSDP unit"

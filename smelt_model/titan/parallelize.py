@@ -65,8 +65,17 @@ __all__ = [
 _EXPERT_LAYOUT = {"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)}
 
 
-def recompute_policy(ac_config: Any) -> str:
-    """smelt's recompute policy for torchtitan's activation-checkpointing config."""
+def recompute_policy(ac_config: Any, keep_activations: int = 0) -> str:
+    """smelt's recompute policy for torchtitan's activation-checkpointing config and
+    ``--moe_comm.keep_activations`` (the last N executed layers kept under ``full``)."""
+    keep = keep_activations
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"--moe_comm.keep_activations {keep!r}: give 0 or more layers")
+    if keep and not isinstance(ac_config, FullAC.Config):
+        raise ValueError(
+            f"--moe_comm.keep_activations {keep}: it keeps layers out of full activation "
+            f"checkpointing; add --activation_checkpoint.mode full"
+        )
     if ac_config is None:
         return "none"
     if isinstance(ac_config, MemoryBudgetAC.Config):
@@ -78,8 +87,13 @@ def recompute_policy(ac_config: Any) -> str:
     if isinstance(ac_config, SelectiveAC.Config):
         return "visit1"
     if isinstance(ac_config, FullAC.Config):
-        return "all"
+        return f"all-but-{keep}" if keep else "all"
     raise ValueError(f"unsupported activation_checkpoint config {type(ac_config).__name__}")
+
+
+def kept_layers(config: Any) -> int:
+    """``--moe_comm.keep_activations`` of a trainer config (0 without the section)."""
+    return getattr(getattr(config, "moe_comm", None), "keep_activations", 0)
 
 
 def _check_parallelism(arch, parallelism) -> None:
@@ -193,7 +207,9 @@ def update_model_config(model_cfg: Any, config: Any) -> None:
     _check_parallelism(arch, parallelism)
     training = getattr(config, "training", None)
     if training is not None:
-        model_cfg.recompute = recompute_policy(getattr(config, "activation_checkpoint", None))
+        model_cfg.recompute = recompute_policy(
+            getattr(config, "activation_checkpoint", None), kept_layers(config)
+        )
     plan, mesh = run_plan(config, arch, model_cfg.recompute)
     ep = parallelism.expert_parallel_degree
     for i, moe_cfg in enumerate(model_cfg.moe):
@@ -362,7 +378,8 @@ def parallelize_smelt(
             "(compile the loss only, or turn compile off)"
         )
     _check_parallelism(model.cfg, parallelism)
-    if model.recompute != recompute_policy(ac_config):
+    kept = model.recompute.rpartition("-")[2] if model.recompute.startswith("all-but-") else 0
+    if model.recompute != recompute_policy(ac_config, int(kept)):
         raise ValueError("the model was built for another activation_checkpoint choice")
     plan = model.config.plan
     if parallel_dims.ep_enabled:
@@ -407,7 +424,8 @@ def parallelize_smelt(
                     )
     kwargs["shard_placement_fn"] = _placement_fn(model, parallel_dims, dp_mesh, gather_mesh)
     span_units = plan.span_units if plan is not None else "span"
-    parallel.shard(model, mesh=dp_mesh, span_units=span_units, **kwargs)
+    prefetch = plan.prefetch if plan is not None else "loop"
+    parallel.shard(model, mesh=dp_mesh, span_units=span_units, prefetch=prefetch, **kwargs)
     tt_fsdp.disable_fsdp_gradient_division(model)
     if plan is not None:
         world = parallel_dims.world_size

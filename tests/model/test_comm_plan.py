@@ -27,19 +27,31 @@ def test_parse_plan_names_and_lists():
         True,
         2,
     )
-    assert p.span_units == "layer"  # what smelt's trainer runs; the dataclass's default: span
-    assert budget.ParallelPlan(p.layers).span_units == "span"
+    # what smelt's trainer runs; the dataclass's defaults: span, next
+    assert (p.span_units, p.prefetch) == ("layer", "loop")
+    assert (budget.ParallelPlan(p.layers).span_units, budget.ParallelPlan(p.layers).prefetch) == (
+        "span",
+        "next",
+    )
     assert budget.parse_plan(p.spec, cfg, ep=2) == p
     assert budget.parse_plan(" ep, gather ,ep,ep", cfg, ep=2).gather_layers == (1,)
     assert budget.parse_plan(p, cfg) is p
     assert (
-        repr(p) == "ParallelPlan('egge', ep=2, gather=node/unit, span-units=layer, dedup, overlap)"
+        repr(p) == "ParallelPlan('egge', ep=2, gather=node/unit, span-units=layer, dedup, "
+        "overlap, prefetch=loop)"
     )
     q = budget.parse_plan(
-        "ep", cfg, ep=4, dedup=False, overlap=False, recompute="all", span_units="span"
+        "ep",
+        cfg,
+        ep=4,
+        dedup=False,
+        overlap=False,
+        recompute="all-but-2",
+        span_units="span",
+        prefetch="next",
     )
-    assert repr(q) == "ParallelPlan('eeee', ep=4, gather=node/unit, recompute=all)"
-    r = budget.parse_plan("ep", cfg, ep=4, span_units="span", chunks=4)
+    assert repr(q) == "ParallelPlan('eeee', ep=4, gather=node/unit, recompute=all-but-2)"
+    r = budget.parse_plan("ep", cfg, ep=4, span_units="span", chunks=4, prefetch="next")
     assert repr(r) == "ParallelPlan('eeee', ep=4, gather=node/unit, dedup, overlap, chunks=4)"
 
 
@@ -57,6 +69,11 @@ def test_parse_plan_names_and_lists():
         ("ep", dict(chunks=1), ValueError, "chunks must be >= 2"),
         ("ep", dict(chunks=2.0), TypeError, "chunks must be an int"),
         ("ep", dict(recompute="some"), ValueError, "recompute must be one of none"),
+        ("ep", dict(recompute="all-but-0"), ValueError, r"or all-but-N \(N >= 1"),
+        ("ep", dict(recompute="all-but-07"), ValueError, "got 'all-but-07'"),
+        ("ep", dict(recompute="all-but-6"), ValueError, "keeps 6 of the 6 executed layers"),
+        ("ep", dict(recompute=None), TypeError, "recompute must be a string"),
+        ("ep", dict(prefetch="early"), ValueError, "prefetch must be one of next, loop"),
         ("ep", dict(dedup=1), TypeError, "dedup must be a bool"),
         (3, {}, TypeError, "plan spec must be a str"),
     ],
@@ -183,7 +200,7 @@ def test_only_ep_layers_are_counted():
 
 def test_recompute_repeats_the_forward_all_to_alls():
     cfg = _looped()
-    for policy, slots in (("all", 6), ("visit1", 2), ("none", 0)):
+    for policy, slots in (("all", 6), ("visit1", 2), ("none", 0), ("all-but-5", 1)):
         plan = budget.parse_plan("ep", cfg, ep=2, dedup=False, recompute=policy)
         c = budget.comm(cfg, 16, dp_shard=2, plan=plan)
         assert c.dispatch_recompute == pytest.approx(c.dispatch_forward * slots / 6)
@@ -263,6 +280,8 @@ def test_workload_options_have_one_home():
         budget.comm(cfg, 8, workload={"dtype": "float32"})
     with pytest.raises(ValueError, match="mean_doc_len"):
         budget.Workload(mean_doc_len=0)
+    with pytest.raises(TypeError, match="head must be a bool"):
+        budget.Workload(head=1)
     # FSDP's resharding is the plan's choice, not the workload's
     with pytest.raises(TypeError, match="reshard_after_forward"):
         budget.comm(cfg, 8, reshard_after_forward=False)

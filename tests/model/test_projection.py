@@ -104,6 +104,8 @@ def test_extreme_times_stay_finite():
         dict(recompute="all", chunks=4),
         dict(span_units="span"),
         dict(span_units="span", span_gather="layer"),
+        dict(recompute="all-but-2", chunks=4),
+        dict(prefetch="next"),
     ],
 )
 def test_the_replay_moves_the_ledgers_bytes(changes):
@@ -115,9 +117,14 @@ def test_the_replay_moves_the_ledgers_bytes(changes):
     assert m.moved["fsdp"] == pytest.approx(c.fsdp_bytes)
     assert m.moved["gather"] == pytest.approx(c.gather_bytes)
     assert m.step_s == pytest.approx(m.compute_s + sum(m.exposed.values()))
-    flops = budget.ledger(cfg).flops_per_token * 64 / (SMALL.peak * SMALL.mfu)
-    again = {"all": 6, "visit1": 2}.get(p.recompute, 0)  # recomputed executed layers
-    assert m.compute_s == pytest.approx(flops * (1 + again / 6 / 3))
+    rate = SMALL.peak * SMALL.mfu
+    flops = budget.ledger(cfg).flops_per_token * 64 / rate
+    again = {"all": 6, "visit1": 2, "all-but-2": 4}.get(p.recompute, 0)  # recomputed layers
+    head = budget.head_flops(cfg) * 64 / rate  # F leaves the output head out; a step runs it
+    assert m.head_s == pytest.approx(head) and head == pytest.approx(6 * 64 * 32 * 64 / rate)
+    assert m.compute_s == pytest.approx(flops * (1 + again / 6 / 3) + head)
+    bare = schedule.simulate(cfg, p, SMALL, c, budget.Workload(head=False))
+    assert bare.head_s == 0 and bare.compute_s == pytest.approx(m.compute_s - head)
 
 
 def test_overlap_hides_what_compute_can_cover():
@@ -135,7 +142,8 @@ def test_overlap_hides_what_compute_can_cover():
     assert a.exposed["ep"] >= a.comm.ep_bytes * 0.5 / SMALL.intra * 0.999
     # more chunks: a chunk's exchange is smaller and more compute runs beside it
     four = budget.project(cfg, SMALL, 256, plan=dataclasses.replace(two, chunks=4))
-    assert four.exposed["ep"] < b.exposed["ep"] and four.compute_s == b.compute_s
+    assert four.exposed["ep"] < b.exposed["ep"]
+    assert four.compute_s == pytest.approx(b.compute_s, rel=1e-12)
 
 
 def test_recompute_with_overlap_meets_at_each_recomputed_layer():
@@ -184,6 +192,49 @@ def test_fsdp_calls_of_span_layer_units():
     forward, backward = schedule.fsdp_units(cfg, keep)
     assert not any(c.release for c in forward)
     assert not any(c.gather for c in backward)
+
+
+def test_loop_prefetch_issues_the_codas_gathers_at_the_last_visit():
+    """With prefetch loop, the coda's gathers are issued when the span's last visit starts
+    and the prelude's backward gathers when the backward of its first visit starts; the
+    units are then held longer, and where the links are slow the step waits less."""
+    cfg = _looped(n_layers=6, loop=LoopSpec(start=1, length=2, count=2))  # 0 1 2 1 2 3 4 5
+    loop = budget.parse_plan("ep", cfg, ep=2)
+    nxt = dataclasses.replace(loop, prefetch="next")
+    assert budget.loop_prefetch(loop, cfg) and not budget.loop_prefetch(nxt, cfg)
+    forward, backward = schedule.fsdp_units(cfg, loop)
+    # (position used, position whose start issues the gather)
+    assert [(c.start, c.issued) for c in forward if c.gather] == [
+        (0, 0),  # the root
+        (0, 0),
+        (1, 0),
+        (2, 1),
+        (5, 3),  # the coda: issued when the last visit starts (position 3)
+        (6, 3),
+        (7, 3),
+    ]
+    # the backward: the coda at 0-2, the span's second visit at 3-4 (its units gathered
+    # one ahead), its first visit at 5-6, the prelude at 7, issued when position 5 starts
+    assert [(c.start, c.issued) for c in backward if c.gather] == [
+        (0, 0),
+        (0, 0),
+        (1, 0),
+        (2, 1),
+        (3, 2),
+        (4, 3),
+        (7, 5),
+    ]
+    assert [(c.start, c.issued) for c in schedule.fsdp_units(cfg, nxt)[1] if c.gather][-1] == (
+        7,
+        6,
+    )
+    a, b = (budget.project(cfg, SMALL, 256, plan=p) for p in (nxt, loop))
+    assert a.comm.fsdp_bytes == b.comm.fsdp_bytes
+    assert b.exposed["fsdp"] < a.exposed["fsdp"] and b.memory.gathered > a.memory.gathered
+    # span experts gathered at every visit: one layer ahead
+    every = budget.parse_plan("span-gather", cfg, ep=2, span_gather="layer", overlap=False)
+    assert not budget.loop_prefetch(every, cfg)
+    assert not budget.loop_prefetch(budget.parse_plan("ep", _looped(loop=None)), _looped(loop=None))
 
 
 def test_held_peak_by_hand():
@@ -328,3 +379,23 @@ def test_plans_are_ones_the_trainer_runs():
     tight, proj = budget.plan(cfg, SMALL, tokens, memory_limit=need)
     assert tight.recompute != "none" and tight.overlap and proj.fits
     assert budget.overlap_conflict(tight, cfg) is None
+
+
+def test_the_search_keeps_as_many_layers_as_fit():
+    """Between none and all, the lightest recompute that fits: all but the most layers."""
+    cfg = _looped()
+    tokens = 4 * 2**16
+    free, _ = budget.plan(cfg, SMALL, tokens)
+    sizes = {
+        policy: budget.project(
+            cfg, SMALL, tokens, plan=dataclasses.replace(free, recompute=policy)
+        ).memory.total
+        for policy in ("none", "all-but-5", "all-but-4", "all-but-3", "all")
+    }
+    assert sizes["all"] < sizes["all-but-3"] < sizes["all-but-4"] < sizes["all-but-5"]
+    # room for all but 4 kept layers' worth
+    limit = (sizes["all-but-4"] + sizes["all-but-5"]) / 2 * 1.1
+    tight, proj = budget.plan(cfg, SMALL, tokens, memory_limit=limit)
+    assert tight.recompute == "all-but-4" and proj.fits
+    slower = budget.project(cfg, SMALL, tokens, plan=dataclasses.replace(tight, recompute="all"))
+    assert proj.step_s < slower.step_s and proj.compute_s < slower.compute_s

@@ -160,14 +160,26 @@ def test_recompute_follows_torchtitans_activation_checkpointing_choice():
     assert recompute_policy(None) == "none"
     assert recompute_policy(SelectiveAC.Config()) == "visit1"
     assert recompute_policy(FullAC.Config()) == "all"
+    assert recompute_policy(FullAC.Config(), 3) == "all-but-3"
     with pytest.raises(ValueError, match="memory-budget"):
         recompute_policy(MemoryBudgetAC.Config())
+    with pytest.raises(ValueError, match="add --activation_checkpoint.mode full"):
+        recompute_policy(SelectiveAC.Config(), 2)
+    with pytest.raises(ValueError, match="keep_activations -1"):
+        recompute_policy(FullAC.Config(), -1)
     config = config_registry.trainer_config("tiny-smelt")
     config.activation_checkpoint = FullAC.Config()
     config.training.global_batch_size = 32
     update_model_config(config.model_spec.model, config)
     assert config.model_spec.model.recompute == "all"
     assert config.model_spec.model.grad_accum_steps == 4
+    config.moe_comm.keep_activations = 2  # the last two executed layers kept
+    update_model_config(config.model_spec.model, config)
+    assert config.model_spec.model.recompute == "all-but-2"
+    assert config.model_spec.model.build().executor.recompute == "all-but-2"
+    config.moe_comm.keep_activations = 99
+    with pytest.raises(ValueError, match="recompute all-but-99 keeps 99 of the 6 executed"):
+        update_model_config(config.model_spec.model, config)
     for option, value in (("tensor_parallel_degree", 2), ("expert_parallel_degree", 3)):
         config = config_registry.trainer_config("tiny-smelt")
         setattr(config.parallelism, option, value)

@@ -74,6 +74,7 @@ def test_the_cluster_comes_from_the_mesh_and_the_spec():
         (dict(overlap=True, chunks=4), "must be a multiple of 4, got 2"),
         (dict(chunks=1), "--moe_comm.chunks 1: give 2 or more"),
         (dict(span_units="block"), "--moe_comm.span_units 'block': choose one of layer, span"),
+        (dict(prefetch="early"), "--moe_comm.prefetch 'early': choose one of loop, next"),
         (dict(cluster="ep=4"), "ep=4, but the run has 2"),
         (
             dict(plan="span-gather", overlap=True, span_gather="layer"),
@@ -141,6 +142,14 @@ def test_auto_runs_the_ledgers_best_plan_for_the_run(monkeypatch):
         overlap=False,
     )
     assert plan == expect and mesh.world == 8
-    # the span as one unit, where the run asks for it
-    config.moe_comm.span_units = "span"
-    assert run_plan(config, arch, "none")[0].span_units == "span"
+    assert plan.prefetch == "loop"  # the looped model's gathers follow the loop
+    # the span as one unit, and one layer ahead, where the run asks for them
+    config.moe_comm.span_units, config.moe_comm.prefetch = "span", "next"
+    chosen = run_plan(config, arch, "none")[0]
+    assert (chosen.span_units, chosen.prefetch) == ("span", "next")
+    # a plan whose recompute the run does not match says which option would
+    tight = _config(monkeypatch, world=8, ep=8, plan="auto", cluster="memory=10GB")
+    tight.training.seq_len, tight.training.local_batch_size = 4096, 32
+    with pytest.raises(ValueError, match="recomputes 'all-but-3'; .* --moe_comm.keep_activations"):
+        run_plan(tight, arch, "none")
+    assert run_plan(tight, arch, "all-but-3")[0].recompute == "all-but-3"
