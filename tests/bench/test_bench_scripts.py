@@ -2,6 +2,7 @@
 anything is measured; nothing is written into the repository unless asked; no script or
 package touches ``sys.path``. (Timings themselves are not tested.)"""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -170,7 +171,12 @@ def test_time_to_loss_writes_outside_the_repository_by_default():
 def test_the_main_jobs_choices_come_from_the_registry():
     actions = {a.dest: a for a in cli._parser()._actions}
     assert tuple(actions["backend"].choices) == ("auto",) + tuple(BACKENDS)
-    assert tuple(actions["recompute"].choices) == tuple(RECOMPUTE_POLICIES)
+    recompute = actions["recompute"]
+    assert recompute.metavar == "{" + ",".join(RECOMPUTE_POLICIES) + ",all-but-N}"
+    assert [recompute.type(p) for p in RECOMPUTE_POLICIES] == list(RECOMPUTE_POLICIES)
+    assert recompute.type("all-but-3") == "all-but-3"
+    with pytest.raises(argparse.ArgumentTypeError, match="got 'some'"):
+        recompute.type("some")
 
 
 def test_no_script_or_package_touches_sys_path():

@@ -218,7 +218,18 @@ def test_choices_come_from_the_registries():
 
     actions = {a.dest: a for a in build_parser()._actions}
     assert tuple(actions["backend"].choices) == ("auto",) + BACKENDS
-    assert tuple(actions["recompute"].choices) == tuple(RECOMPUTE_POLICIES)
+    recompute = actions["recompute"]
+    assert recompute.metavar == "{" + ",".join(RECOMPUTE_POLICIES) + ",all-but-N}"
+    assert [recompute.type(p) for p in RECOMPUTE_POLICIES + ("all-but-2",)] == [
+        *RECOMPUTE_POLICIES,
+        "all-but-2",
+    ]
+
+
+def test_a_bad_recompute_policy_is_one_line(capsys):
+    assert main(["--preset", "tiny", "--recompute", "all-but-0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--recompute: recompute must be one of none" in err, err
 
 
 def test_default_cadence_suits_a_short_run(corpus, tmp_path):
