@@ -103,7 +103,7 @@ def test_recomputed_layers_exchange_again_with_the_same_gradients(ep_mesh, recom
     _same_gradients(*_wired(_cfg(), ep_mesh, recompute=recompute))
 
 
-@pytest.mark.parametrize("recompute, chunks", [("visit1", 2), ("all", 4)])
+@pytest.mark.parametrize("recompute, chunks", [("visit1", 2), ("all", 4), ("all-but-2", 2)])
 def test_overlap_with_recompute_equals_smeltlm(ep_mesh, recompute, chunks):
     """A recomputed layer runs its chunks together under one checkpoint, interleaved in the
     forward and again in the backward's recompute: every exchange of its forward runs twice
@@ -123,5 +123,5 @@ def test_overlap_with_recompute_equals_smeltlm(ep_mesh, recompute, chunks):
         _same_gradients(smelt, titan, B=4)
     finally:
         dispatch.DedupAllToAllTokenDispatcher.dispatch_phases = stock
-    again = {"visit1": 2, "all": 6}[recompute]  # of the 6 executed layers
+    again = {"visit1": 2, "all": 6, "all-but-2": 4}[recompute]  # of the 6 executed layers
     assert len(starts) == (6 + again) * chunks
