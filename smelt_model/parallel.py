@@ -68,7 +68,9 @@ def shard(
     process group, on the device type of the model's parameters. ``span_units``: ``"span"``
     or ``"layer"``; ``prefetch``: ``"loop"`` or ``"next"`` (module docstring).
     ``fsdp_kwargs`` go to every ``fully_shard`` call (e.g. ``mp_policy``,
-    ``reshard_after_forward``).
+    ``reshard_after_forward``), but the root's weights (the embeddings, the final norm and
+    the head, used last in the forward and first in the backward) are never freed after
+    the forward, as FSDP2 does for a root by default.
     """
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -89,7 +91,10 @@ def shard(
         device_type = next(model.parameters()).device.type
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for unit in wrapped:
-        fully_shard(unit, mesh=mesh, **fsdp_kwargs)
+        kwargs = fsdp_kwargs
+        if unit is model:  # the root: its weights would be gathered again at once
+            kwargs = {**fsdp_kwargs, "reshard_after_forward": False}
+        fully_shard(unit, mesh=mesh, **kwargs)
     if hasattr(model, "plan") and hasattr(model, "layer"):
         reshard = fsdp_kwargs.get("reshard_after_forward")
         Prefetch(model, span_units, True if reshard is None else bool(reshard), prefetch)

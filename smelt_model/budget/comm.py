@@ -37,7 +37,8 @@ and the parameters by part. What is counted, and how:
   all-to-alls again in the backward (``dispatch_recompute``, ``combine_recompute``). The
   exchange of the split sizes (``ep`` integers per rank) is not counted.
 * **FSDP2.** Parameters are all-gathered in ``dtype`` before the forward and again before
-  the backward when ``plan.reshard_after_forward`` (as the stock layout does), and their
+  the backward when ``plan.reshard_after_forward`` (as the stock layout does; never the
+  root's, the embeddings and the final norm, which the root keeps), and their
   gradients reduce-scattered once in ``reduce_dtype`` (fp32 by default, torchtitan's
   ``mixed_precision_reduce``). The looped span is one FSDP unit, or one unit per span
   layer kept gathered for all its visits (``plan.span_units``): either way its shared
@@ -247,6 +248,10 @@ def _recomputed(cfg: ModelConfig, policy: str) -> set[int]:
     return set(loop_of(cfg).recomputed(policy))
 
 
+#: the parts the root FSDP unit holds, gathered once per step (never freed after the forward)
+ROOT_PARTS = ("embeddings", "final_norm")
+
+
 def _passes(cfg: ModelConfig, plan: ParallelPlan, layers, own: bool) -> tuple[int, ...]:
     """(forward gathers, backward gathers, reductions) of the experts of ``layers``, summed:
     once per step each (no backward gather without ``reshard_after_forward``), or, for a
@@ -346,9 +351,11 @@ def comm(
     ep_layer = _ring(dp_shard // ep) * experts / ep
     e_fwd, e_bwd, e_red = _passes(cfg, plan_, plan_.ep_layers, own=False)
     again = 2 if plan_.reshard_after_forward else 1
-    by_part = {part: n * (again * act + red) for part, n in dense.items()}
+    passes = {part: 1 if part in ROOT_PARTS else again for part in dense}  # the root's: once
+    by_part = {part: n * (passes[part] * act + red) for part, n in dense.items()}
     by_part["experts"] = ep_layer * ((e_fwd + e_bwd) * act + e_red * red)
     dense_n = sum(dense.values())
+    regathered = sum(n for part, n in dense.items() if passes[part] == 2)
 
     group = dp_shard if plan_.gather_group == "all" else min(node, dp_shard)
     replicas = dp_shard // group
@@ -365,7 +372,7 @@ def comm(
         dispatch_backward=worst_c * row,
         combine_backward=worst_d * row,
         fsdp_all_gather_forward=(dense_n + e_fwd * ep_layer) * act,
-        fsdp_all_gather_backward=((again - 1) * dense_n + e_bwd * ep_layer) * act,
+        fsdp_all_gather_backward=(regathered + e_bwd * ep_layer) * act,
         fsdp_reduce_scatter=(dense_n + e_red * ep_layer) * red,
         dispatch_by_rank=tuple(d * row for d in dispatch),
         combine_by_rank=tuple(c * row for c in combine),

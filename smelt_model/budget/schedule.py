@@ -37,7 +37,8 @@ What waits for what (the schedule the runtime runs):
   layer before it (their exchanges waited for) before it starts, and it finishes for all
   of them before the next layer starts, in the forward and in the backward, where the
   recomputed forward and then the backward of the layer run between two such meetings.
-* **FSDP units** (:func:`fsdp_units`): the root (the embeddings, final norm and head),
+* **FSDP units** (:func:`fsdp_units`): the root (the embeddings, final norm and head,
+  gathered once and kept for the backward),
   every prelude and coda layer, and either the looped span as one unit
   (``plan.span_units == "span"``) or every span layer as a unit of its own (``"layer"``),
   kept gathered for all its visits: gathered before its first visit, freed after its last
@@ -159,9 +160,10 @@ def fsdp_units(cfg: ModelConfig, plan: ParallelPlan) -> tuple[tuple[Call, ...], 
     own = {i: _Unit(gathered=experts) for i in plan.gather_layers if loop.in_span(i)}
     own = own if own_experts else {}
     last_visit = loop.count - 1
-    # the root holds the embeddings and the head: used first and last in each pass
-    forward = [Call(root, 0, n - 1, True, reshard)]
-    backward = [Call(root, 0, n - 1, reshard, True, True)]
+    # the root holds the embeddings and the head: used first and last in the forward,
+    # and kept for the backward, which uses them first and last too
+    forward = [Call(root, 0, n - 1, True, False)]
+    backward = [Call(root, 0, n - 1, False, True, True)]
     for pos, s in enumerate(loop.steps):
         back = n - 1 - pos
         if not s.in_span:
@@ -405,15 +407,10 @@ class _Replay:
         forward, backward = fsdp_units(self.cfg, self.plan)
         heads = self._pass(steps, forward, [()] * self.chunks, False, again)
         # the output head of each chunk as soon as its last exchange is in (the others'
-        # still in flight), then its backward; the root's gather for the backward (when
-        # it was freed) is issued once the forward is done
-        g, root = self.g, backward[0]
+        # still in flight), then its backward (the root's weights are kept)
+        g = self.g
         heads = [(g.add_compute(self.out_head, *h),) for h in heads]
-        ready = []
-        if root.gather:
-            ready = self.collective("gather", root.unit, self.w.act_bytes, *heads[-1])
-        heads = [(g.add_compute(2 * self.out_head, *h, *ready),) for h in heads]
-        backward = (dataclasses.replace(root, gather=False), *backward[1:])
+        heads = [(g.add_compute(2 * self.out_head, *h),) for h in heads]
         self._pass(tuple(reversed(steps)), backward, heads, True, again)
 
     def _pass(self, order, calls, heads, backward: bool, again) -> list:

@@ -216,8 +216,7 @@ def test_loop_prefetch_issues_the_codas_gathers_at_the_last_visit():
     # the backward: the coda at 0-2, the span's second visit at 3-4 (its units gathered
     # one ahead), its first visit at 5-6, the prelude at 7, issued when position 5 starts
     assert [(c.start, c.issued) for c in backward if c.gather] == [
-        (0, 0),
-        (0, 0),
+        (0, 0),  # the root is kept from the forward
         (1, 0),
         (2, 1),
         (3, 2),
