@@ -25,7 +25,11 @@ and the parameters by part. What is counted, and how:
   combine sent outputs. A row is ``hidden_size`` elements of ``dtype``; the stock
   dispatcher sends one per (token, slot) pair routed to an expert on another rank, a
   de-duplicating one (``plan.dedup``) one per (token, destination rank) pair, and the
-  combine returns as many rows as the dispatch sent (:mod:`.routing`). Only what a rank
+  combine returns as many rows as the dispatch sent (:mod:`.routing`). A de-duplicated row
+  also carries its local slots, ``top_k`` int32 expert ids and ``top_k`` fp32 scores
+  (``slots_forward``; the scores' gradients, ``top_k`` fp32, travel back in the backward,
+  ``slots_backward``, from the rank that received the row), which the stock dispatcher
+  keeps on the rank. Only what a rank
   **sends to other ranks** is counted: the split that stays on the rank crosses no link.
   Experts are placed contiguously, ``n_experts / ep`` per rank (torchtitan's ``Shard(0)``).
   Under uniform routing (the default) every rank sends the same. With ``routing`` (one
@@ -33,9 +37,10 @@ and the parameters by part. What is counted, and how:
   ``token_ranks`` (one ``(ep, ep)`` matrix per executed ``ep`` layer), each collective
   field is the sum over layers of what the **busiest** rank sends in it (the collective
   ends when that rank is done), and ``dispatch_by_rank`` / ``combine_by_rank`` give every
-  rank's own forward sums. A recomputed layer (``plan.recompute``) runs its forward
-  all-to-alls again in the backward (``dispatch_recompute``, ``combine_recompute``). The
-  exchange of the split sizes (``ep`` integers per rank) is not counted.
+  rank's own forward sums (``slots_by_rank`` the slots'). A recomputed layer
+  (``plan.recompute``) runs its forward all-to-alls again in the backward
+  (``dispatch_recompute``, ``combine_recompute``, ``slots_recompute``). The exchange of the
+  split sizes (``ep`` integers per rank) is not counted.
 * **FSDP2.** Parameters are all-gathered in ``dtype`` before the forward and again before
   the backward when ``plan.reshard_after_forward`` (as the stock layout does; never the
   root's, the embeddings and the final norm, which the root keeps), and their
@@ -124,6 +129,14 @@ class Comm:
     #: the forward all-to-alls of recomputed ``ep`` layers, run again in the backward
     dispatch_recompute: float = 0.0
     combine_recompute: float = 0.0
+    #: de-duplicated rows' local slots: ids and scores forward, the scores' gradients back
+    slots_forward: float = 0.0
+    slots_backward: float = 0.0
+    slots_recompute: float = 0.0
+    #: what each EP rank sends in the forward slots, and in the backward's score gradients
+    #: (half a slot for each row it received)
+    slots_by_rank: tuple[float, ...] = ()
+    slots_back_by_rank: tuple[float, ...] = ()
     #: ranks a ``gather`` layer's experts are sharded over, and the replicas of that group
     gather_group_size: int = 1
     gather_replicas: int = 1
@@ -143,7 +156,8 @@ class Comm:
 
     @property
     def ep_bytes(self) -> float:
-        """The EP all-to-alls together (forward, backward and recomputed forward)."""
+        """The EP all-to-alls together (forward, backward and recomputed forward), the
+        de-duplicated rows' slots included."""
         return (
             self.dispatch_forward
             + self.combine_forward
@@ -151,14 +165,20 @@ class Comm:
             + self.combine_backward
             + self.dispatch_recompute
             + self.combine_recompute
+            + self.slots_forward
+            + self.slots_backward
+            + self.slots_recompute
         )
 
     @property
     def ep_by_rank(self) -> tuple[float, ...]:
         """What each EP rank sends in all the all-to-alls of all layers."""
         again = self._recompute_share()
+        zero = (0.0,) * len(self.dispatch_by_rank)
+        out, back = self.slots_by_rank or zero, self.slots_back_by_rank or zero
         return tuple(
-            (2 + again) * (d + c) for d, c in zip(self.dispatch_by_rank, self.combine_by_rank)
+            (2 + again) * (d + c) + (1 + again) * s + b
+            for d, c, s, b in zip(self.dispatch_by_rank, self.combine_by_rank, out, back)
         )
 
     def _recompute_share(self) -> float:
@@ -248,6 +268,9 @@ def _recomputed(cfg: ModelConfig, policy: str) -> set[int]:
     return set(loop_of(cfg).recomputed(policy))
 
 
+#: bytes per slot of a de-duplicated row: its local expert id (int32) and score (fp32)
+SLOT_BYTES = 4 + 4
+
 #: the parts the root FSDP unit holds, gathered once per step (never freed after the forward)
 ROOT_PARTS = ("embeddings", "final_norm")
 
@@ -308,6 +331,7 @@ def comm(
     tokens = tokens_per_step // dp_shard
     act, red = w.act_bytes, w.reduce_bytes
     row = cfg.hidden_size * act
+    slot = SLOT_BYTES * cfg.top_k if plan_.dedup else 0  # a de-duplicated row's ids, scores
     routed, ranked = check_counts(
         routing,
         token_ranks,
@@ -381,6 +405,11 @@ def comm(
         ep_layers=len(steps),
         dispatch_recompute=again_d * row,
         combine_recompute=again_c * row,
+        slots_forward=worst_d * slot,
+        slots_backward=worst_c * slot / 2,
+        slots_recompute=again_d * slot,
+        slots_by_rank=tuple(d * slot for d in dispatch) if slot else (),
+        slots_back_by_rank=tuple(c * slot / 2 for c in combine) if slot else (),
         gather_group_size=group,
         gather_replicas=replicas,
         gather_all_gather_forward=g_fwd * _ring(group) * experts * act,

@@ -354,6 +354,9 @@ class _Replay:
         per_layer = max(comm.ep_layers, 1) * self.chunks
         self.dispatch = comm.dispatch_forward / per_layer
         self.combine = comm.combine_forward / per_layer
+        # a de-duplicated dispatch carries its rows' slots; the scores' gradients go back
+        self.slots_out = comm.slots_forward / per_layer
+        self.slots_back = comm.slots_backward / per_layer
 
     def _seconds(self, kind: str, by_link: dict[str, float]) -> dict[str, float]:
         self.moved[kind] += sum(by_link.values())
@@ -389,7 +392,7 @@ class _Replay:
         ``heads[c]`` are the ops chunk c waits for first. Returns each chunk's last op."""
         g, moves = self.g, self.plan.kind(layer) == "ep"
         mid = [g.add_compute(self.attn, *h, *wait) for h in heads]
-        mid = [self.exchange(self.dispatch, e) if moves else e for e in mid]
+        mid = [self.exchange(self.dispatch + self.slots_out, e) if moves else e for e in mid]
         out = [g.add_compute(self.experts, e) for e in mid]
         return [(self.exchange(self.combine, e) if moves else e,) for e in out]
 
@@ -398,7 +401,7 @@ class _Replay:
         g, moves = self.g, self.plan.kind(layer) == "ep"
         mid = [self.exchange(self.combine, *h) if moves else h for h in heads]
         mid = [g.add_compute(2 * self.experts, *_ops(e), *wait) for e in mid]
-        out = [self.exchange(self.dispatch, e) if moves else e for e in mid]
+        out = [self.exchange(self.dispatch + self.slots_back, e) if moves else e for e in mid]
         return [(g.add_compute(2 * self.attn, e),) for e in out]
 
     def lay_out(self) -> None:

@@ -47,7 +47,9 @@ class Flight:
     """One exchange: ``send[j]`` rows to rank j of ``group``, ``recv[j]`` rows from it.
 
     ``kind`` / ``call``: what the recorder calls it (None: not recorded); ``row_bytes``:
-    override for the recorded row size (default: the tensor's row).
+    override for the recorded row size of the forward (e.g. rows that travel with a plain
+    exchange beside them; default: the tensor's row). The gradients' exchange in the
+    backward is recorded at their own row size.
     """
 
     __slots__ = (
@@ -85,7 +87,8 @@ class Flight:
 
     def _record(self, phase: str, rows_to: list[int], t: torch.Tensor) -> None:
         if self.kind is not None and RECORDER.enabled:
-            row = self.row_bytes if self.row_bytes is not None else _row_bytes(t)
+            given = self.row_bytes if phase != "backward" else None
+            row = given if given is not None else _row_bytes(t)
             RECORDER.add(self.kind, phase, rows_to, row, self.call)
 
 

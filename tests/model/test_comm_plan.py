@@ -124,7 +124,13 @@ def test_uniform_dedup_by_hand():
     assert c.dispatch_forward == pytest.approx(per_collective)
     assert c.combine_forward == c.dispatch_backward == c.combine_backward == c.dispatch_forward
     stock = budget.comm(cfg, 8, ep=2, dp_shard=2)
-    assert c.ep_bytes / stock.ep_bytes == pytest.approx(budget.dedup_factor(4, 2, 2))
+    # each de-duplicated row carries its 2 slots: an int32 id and an fp32 score each, and
+    # the scores' gradients come back
+    rows = per_collective / 8
+    assert (c.slots_forward, c.slots_backward) == pytest.approx((rows * 16, rows * 8))
+    assert stock.slots_forward == stock.slots_backward == 0
+    moved = c.ep_bytes - c.slots_forward - c.slots_backward
+    assert moved / stock.ep_bytes == pytest.approx(budget.dedup_factor(4, 2, 2))
 
 
 def test_token_ranks_by_hand():
@@ -139,6 +145,10 @@ def test_token_ranks_by_hand():
     assert c.combine_by_rank == (2 * row, 3 * row)
     assert c.dispatch_forward == c.combine_backward == 3 * row
     assert c.combine_forward == c.dispatch_backward == 3 * row
+    assert c.slots_by_rank == (3 * 16, 2 * 16) and c.slots_forward == 3 * 16
+    # the scores' gradients go back from the rank that received the rows
+    assert c.slots_back_by_rank == (2 * 8, 3 * 8) and c.slots_backward == 3 * 8
+    assert c.ep_by_rank == (2 * 5 * row + 3 * 16 + 2 * 8, 2 * 5 * row + 2 * 16 + 3 * 8)
     # with routing beside it, the two must agree: experts 0, 1 on rank 0, 2, 3 on rank 1
     routing = [[[3, 1, 2, 2], [2, 0, 3, 3]], [[4, 4, 0, 0], [0, 0, 4, 4]]]
     assert budget.comm(cfg, 8, dp_shard=2, plan=plan, token_ranks=token_ranks, routing=routing) == c

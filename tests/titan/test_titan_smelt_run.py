@@ -194,6 +194,9 @@ def test_the_ledger_counts_the_bytes_on_the_wire(run):
             assert sent["combine_forward"] == led.combine_by_rank[rank], (step, rank)
             assert sent["combine_backward"] == led.dispatch_by_rank[rank], (step, rank)
             assert sent["dispatch_backward"] == led.combine_by_rank[rank], (step, rank)
+            # each de-duplicated row's slots (ids and scores), and the scores' gradients
+            assert sent["slots_forward"] == led.slots_by_rank[rank] > 0, (step, rank)
+            assert sent["slots_backward"] == led.slots_back_by_rank[rank], (step, rank)
             for key in ("gather_all_gather_forward", "gather_all_gather_backward"):
                 assert sent[key] == pytest.approx(getattr(led, key), rel=1e-12), (step, key)
             assert sent["gather_reduce_scatter"] == pytest.approx(led.gather_reduce_scatter)
@@ -202,7 +205,7 @@ def test_the_ledger_counts_the_bytes_on_the_wire(run):
             assert fewer == pytest.approx(led.dispatch_by_rank[rank] / rows.dispatch_by_rank[rank])
             assert fewer < 0.5  # k 8 of 104 experts over 2 ranks: about 0.25 (uniform)
         # one recomputed ep layer (layer 1's first visit): the ledger counts its busier rank
-        for key in ("dispatch_recompute", "combine_recompute"):
+        for key in ("dispatch_recompute", "combine_recompute", "slots_recompute"):
             assert max(r["steps"][str(step)][key] for r in records) == getattr(led, key), key
 
 
