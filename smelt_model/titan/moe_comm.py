@@ -271,8 +271,9 @@ def with_node(mesh: RunMesh, section: MoECommConfig) -> RunMesh:
     return dataclasses.replace(mesh, local_world=min(mesh.world, node_size(section, mesh)))
 
 
-def describe(plan: Any, mesh: RunMesh, looped: bool = True) -> str:
-    """The line a run logs about its plan (``looped``: the model has a span)."""
+def describe(plan: Any, mesh: RunMesh, looped: bool = True, arch: Any = None) -> str:
+    """The line a run logs about its plan (``looped``: the model has a span; ``arch``: the
+    model's config, to say whether the loop-aware prefetch applies to it)."""
     kinds = ",".join(plan.layers)
     parts = [f"layers {kinds}", f"ep {plan.ep}"]
     if plan.gather_layers:
@@ -288,7 +289,8 @@ def describe(plan: Any, mesh: RunMesh, looped: bool = True) -> str:
         parts.append(f"recompute {plan.recompute}")
     if not plan.reshard_after_forward:
         parts.append("weights kept gathered from the forward to the backward")
-    if looped and plan.prefetch == "loop":
+    follows = plan.prefetch == "loop" if arch is None else budget.loop_prefetch(plan, arch)
+    if looped and follows:
         parts.append("loop-aware prefetch")
     if looped:
         parts.append(

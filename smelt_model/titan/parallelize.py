@@ -430,7 +430,7 @@ def parallelize_smelt(
     if plan is not None:
         world = parallel_dims.world_size
         run = RunMesh(world, min(world, model.config.node_size), parallel_dims.ep)
-        logger.info(describe(plan, run, model.cfg.is_looped))
+        logger.info(describe(plan, run, model.cfg.is_looped, model.cfg))
         gathered = {p for m in _layer_experts(model, "gather") for p in m.parameters()}
         traffic.record_fsdp(model, gathered)
     return model

@@ -54,6 +54,22 @@ def test_each_layer_gets_its_dispatcher_and_sharding(monkeypatch, spec, dedup, k
         assert ("ep" in str(state["w1_EFD"])) == (kind == "e")
 
 
+def test_the_plan_line_says_whether_the_gathers_follow_the_loop(monkeypatch):
+    from smelt_model.titan.moe_comm import describe
+
+    config = _config(monkeypatch, plan="span-gather")
+    arch = config.model_spec.model.arch
+    mesh = RunMesh(world=2, local_world=2, ep=2)
+    plan = run_plan(config, arch, "none")[0]
+    assert "; loop-aware prefetch;" in describe(plan, mesh, True, arch)
+    # span experts gathered at every visit keep to one layer ahead
+    config = _config(monkeypatch, plan="span-gather", span_gather="layer")
+    plan = run_plan(config, arch, "none")[0]
+    assert plan.prefetch == "loop" and "loop-aware" not in describe(plan, mesh, True, arch)
+    config = _config(monkeypatch, plan="ep", prefetch="next")
+    assert "loop-aware" not in describe(run_plan(config, arch, "none")[0], mesh, True, arch)
+
+
 def test_the_cluster_comes_from_the_mesh_and_the_spec():
     mesh = RunMesh(world=16, local_world=8, ep=8)
     c = run_cluster("", mesh)
