@@ -35,6 +35,7 @@ looped model costs in time exactly what its FLOPs say.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -224,23 +225,22 @@ class _Search:
             chunks = (2,)
         span_units = "layer" if cfg.is_looped and self.span_units else "span"
         prefetch = ("loop", "next") if cfg.is_looped and self.span_units else ("next",)
-        for group in groups:
-            for mode in ("unit", "layer") if in_span else ("unit",):
-                for n in chunks:
-                    for reshard in self.reshards:
-                        for order in prefetch:
-                            p = ParallelPlan(
-                                layers=layers,
-                                gather_group=group,
-                                span_gather=mode,
-                                reshard_after_forward=reshard,
-                                span_units=span_units,
-                                chunks=n,
-                                prefetch=order,
-                                **fixed,
-                            )
-                            if order == "next" or loop_prefetch(p, cfg):
-                                yield p
+        modes = ("unit", "layer") if in_span else ("unit",)
+        for group, mode, n, reshard, order in itertools.product(
+            groups, modes, chunks, self.reshards, prefetch
+        ):
+            p = ParallelPlan(
+                layers=layers,
+                gather_group=group,
+                span_gather=mode,
+                reshard_after_forward=reshard,
+                span_units=span_units,
+                chunks=n,
+                prefetch=order,
+                **fixed,
+            )
+            if order == "next" or loop_prefetch(p, cfg):
+                yield p
 
     def _memory(self, p: ParallelPlan) -> tuple[Comm, Footprint]:
         """``p``'s ledger and memory; neither depends on the overlap or its chunks."""
