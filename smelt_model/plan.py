@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Step", "LoopPlan", "RECOMPUTE_POLICIES", "check_recompute"]
+__all__ = ["Step", "LoopPlan", "RECOMPUTE_POLICIES", "check_recompute", "kept_layers"]
 
 #: the named activation-recompute policies; ``"all-but-N"`` (N >= 1) is also one
 RECOMPUTE_POLICIES = ("none", "visit1", "all")
@@ -39,6 +39,12 @@ def check_recompute(policy: Any) -> str:
         f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)} or all-but-N (N >= 1 "
         f"executed layers kept), got {policy!r}"
     )
+
+
+def kept_layers(policy: str) -> int:
+    """N of a checked ``"all-but-N"`` policy; 0 for the named ones."""
+    check_recompute(policy)
+    return int(policy[len(_ALL_BUT) :]) if policy.startswith(_ALL_BUT) else 0
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,7 @@ class LoopPlan:
             return frozenset(s.slot for s in self.span if s.visit == 0 and self.count > 1)
         if policy == "none":
             return frozenset()
-        kept, n = int(policy[len(_ALL_BUT) :]), len(self.steps)
+        kept, n = kept_layers(policy), len(self.steps)
         if kept >= n:
             raise ValueError(
                 f"recompute {policy} keeps {kept} of the {n} executed layers: use none"

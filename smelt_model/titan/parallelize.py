@@ -48,6 +48,7 @@ from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 from torchtitan.tools.logging import logger
 
 from .. import parallel
+from ..plan import kept_layers as _policy_kept
 from . import traffic
 from .dispatch import CountingAllToAllTokenDispatcher, DedupAllToAllTokenDispatcher
 from .exchange import dedicated_group
@@ -378,8 +379,7 @@ def parallelize_smelt(
             "(compile the loss only, or turn compile off)"
         )
     _check_parallelism(model.cfg, parallelism)
-    kept = model.recompute.rpartition("-")[2] if model.recompute.startswith("all-but-") else 0
-    if model.recompute != recompute_policy(ac_config, int(kept)):
+    if model.recompute != recompute_policy(ac_config, _policy_kept(model.recompute)):
         raise ValueError("the model was built for another activation_checkpoint choice")
     plan = model.config.plan
     if parallel_dims.ep_enabled:
