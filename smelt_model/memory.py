@@ -195,28 +195,38 @@ def _address_space_headroom() -> Optional[int]:
     return max(0, soft - used)
 
 
-def available(device=None) -> Optional[Available]:
+def available(device=None, *, processes: int = 1) -> Optional[Available]:
     """Bytes a new allocation may still use on ``device`` (default the CPU), as an int
     whose ``limit`` says what bounds it: a CUDA device's free memory; on the CPU the
     smallest of ``MemAvailable``, the cgroup's headroom and, under an address-space limit
-    (``RLIMIT_AS``), that limit less the process's virtual size. None when the platform
-    says none of them."""
+    (``RLIMIT_AS``), that limit less the process's virtual size. ``processes``: how many
+    processes of this machine (a run's local ranks) share the CPU's memory; each gets an
+    equal share of ``MemAvailable`` and the cgroup's headroom, while ``RLIMIT_AS`` is every
+    process's own. None when the platform says none of them."""
     import torch
 
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be a positive int, got {processes!r}")
     dev = torch.device("cpu" if device is None else device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         return Available(int(free), f"the free memory of {dev}")
+    shared = f" shared by {processes} processes" if processes > 1 else ""
+    machine = _proc_kib("/proc/meminfo", "MemAvailable")
     found = [
         (x, limit)
         for x, limit in (
-            (_proc_kib("/proc/meminfo", "MemAvailable"), "MemAvailable"),
-            (_cgroup_headroom(), "the cgroup's memory limit"),
+            (_share(machine, processes), "MemAvailable" + shared),
+            (_share(_cgroup_headroom(), processes), "the cgroup's memory limit" + shared),
             (_address_space_headroom(), "RLIMIT_AS (ulimit -v) less this process's virtual size"),
         )
         if x is not None
     ]
     return Available(*min(found)) if found else None
+
+
+def _share(nbytes: Optional[int], processes: int) -> Optional[int]:
+    return None if nbytes is None else nbytes // processes
 
 
 def check(

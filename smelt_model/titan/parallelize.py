@@ -189,7 +189,8 @@ def _reshard_after_forward(parallelism: Any) -> bool:
 
 def _available_per_rank(mesh: RunMesh) -> Any:
     """Bytes one rank may use: its GPU's free memory, or on the CPU the machine's available
-    memory shared by the ranks of the node (None when the platform does not say)."""
+    memory shared by the ranks of the node, within the rank's own address-space limit
+    (None when the platform does not say)."""
     import os
 
     from .. import memory
@@ -197,8 +198,7 @@ def _available_per_rank(mesh: RunMesh) -> Any:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return memory.available(device)
-    free = memory.available()
-    return None if free is None else free // max(1, mesh.local_world)
+    return memory.available(processes=max(1, mesh.local_world))
 
 
 def update_model_config(model_cfg: Any, config: Any) -> None:

@@ -57,3 +57,27 @@ def test_a_training_run_over_the_limit_is_refused_before_any_work(tmp_path):
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert "needs an estimated" in lines[0] and "RLIMIT_AS" in lines[0], lines[0]
     assert not out_dir.exists()
+
+
+def test_local_ranks_share_the_machine_but_not_the_address_space_limit(monkeypatch):
+    """With two ranks on a machine each gets half of MemAvailable and of the cgroup's
+    headroom, but RLIMIT_AS bounds every process alone, so it is never halved."""
+    import pytest
+
+    from smelt_model import memory
+
+    monkeypatch.setattr(memory, "_proc_kib", lambda path, field: 40 * GiB)
+    monkeypatch.setattr(memory, "_cgroup_headroom", lambda: 30 * GiB)
+    monkeypatch.setattr(memory, "_address_space_headroom", lambda: 12 * GiB)
+    one = memory.available()
+    assert one == 12 * GiB and one.limit.startswith("RLIMIT_AS")
+    two = memory.available(processes=2)
+    assert two == 12 * GiB and two.limit.startswith("RLIMIT_AS")
+    four = memory.available(processes=4)
+    assert four == 30 * GiB // 4
+    assert four.limit == "the cgroup's memory limit shared by 4 processes"
+    monkeypatch.setattr(memory, "_address_space_headroom", lambda: None)
+    assert memory.available(processes=2) == 15 * GiB
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="processes"):
+            memory.available(processes=bad)
