@@ -209,6 +209,8 @@ class _Search:
         self.smallest: Optional[Footprint] = None
         self.tried: dict[tuple[str, ...], float] = {}
         self.memory: dict[ParallelPlan, tuple[Comm, Footprint]] = {}
+        #: False once a layout with ``ep`` layers was passed over: EP does not divide the experts
+        self.ep_divides = True
 
     def _variants(self, layers: tuple[str, ...]):
         """Gather group x span gathering x chunks x resharding (recompute is tried by
@@ -261,6 +263,7 @@ class _Search:
         cfg, cl, w = self.cfg, self.cl, self.w
         out = float("inf")
         if "ep" in layers and cfg.n_experts % self.fixed["ep"]:
+            self.ep_divides = False
             self.tried[layers] = out
             return out
         for candidate in self._variants(layers):
@@ -338,13 +341,21 @@ class _Search:
         if self.smallest is None:  # no layout could run: say why
             ParallelPlan(layers=layers, **self.fixed).check(cfg)
         m = self.smallest
+        only = (
+            ""
+            if self.ep_divides
+            else f" (EP {self.fixed['ep']} does not divide its {cfg.n_experts} experts, so "
+            "every layer gathers its experts)"
+        )
+        hint = "more GPUs, fewer tokens per GPU or a larger memory= in the cluster SPEC"
+        if not self.ep_divides:
+            hint = "an ep= in the cluster SPEC that divides the experts, " + hint
         raise PlanError(
             f"no plan of {cfg.describe()} fits {cl.memory / 1e9:.4g} GB per GPU at "
-            f"{self.tokens // cl.gpus} tokens per GPU: the smallest needs {m.total / 1e9:.4g} "
-            f"GB (sharded state {m.state / 1e9:.4g}, gathered weights and gradients "
-            f"{m.gathered / 1e9:.4g}, activations {m.activations / 1e9:.4g}) "
-            f"and {memory.MARGIN:.0%} on top; use more GPUs, fewer tokens per GPU or a larger "
-            f"memory= in the cluster SPEC"
+            f"{self.tokens // cl.gpus} tokens per GPU{only}: the smallest needs "
+            f"{m.total / 1e9:.4g} GB (sharded state {m.state / 1e9:.4g}, gathered weights and "
+            f"gradients {m.gathered / 1e9:.4g}, activations {m.activations / 1e9:.4g}) "
+            f"and {memory.MARGIN:.0%} on top; use {hint}"
         )
 
 

@@ -323,6 +323,21 @@ def test_a_plan_that_cannot_fit_is_one_clear_error():
     odd = _looped(n_experts=6)
     p, _ = budget.plan(odd, dataclasses.replace(SMALL, ep=4, gpus=8, gpus_per_node=4), 256)
     assert p.ep_layers == ()
+    # and where those do not fit either, the refusal says why there were no others
+    with pytest.raises(budget.PlanError) as refused:
+        budget.plan(
+            odd,
+            dataclasses.replace(SMALL, ep=4, gpus=8, gpus_per_node=4),
+            4 * 2**20,
+            memory_limit=1e9,
+        )
+    assert "(EP 4 does not divide its 6 experts, so every layer gathers its experts)" in str(
+        refused.value
+    )
+    assert "use an ep= in the cluster SPEC that divides the experts" in str(refused.value)
+    with pytest.raises(budget.PlanError) as refused:
+        budget.plan(cfg, SMALL, 4 * 2**20, memory_limit=1e9)
+    assert "does not divide" not in str(refused.value)
     with pytest.raises(ValueError, match=r"plan ep \(4\) must divide n_experts \(6\)"):
         budget.project(
             odd, dataclasses.replace(SMALL, ep=4, gpus=8, gpus_per_node=4), 256, plan=None
