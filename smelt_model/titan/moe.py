@@ -107,7 +107,9 @@ class SmeltMoE(MoE):
         counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat)
         )
-        if self.training:
+        # torchtitan's expert-load buffer counts each forward once: a layer rebuilt for its
+        # backward (activation checkpointing, run by the autograd engine) routes again
+        if self.training and torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(counts)
         return logits, weights, ids, counts

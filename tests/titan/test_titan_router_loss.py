@@ -62,3 +62,23 @@ def test_router_loss_is_the_drop_in_layers_in_one_process():
     b = ours.router_loss(logits, torch.bincount(ids.reshape(-1), minlength=cfg.n_experts))
     assert torch.equal(a, b)
     assert torch.equal(torch.autograd.grad(a, logits)[0], torch.autograd.grad(b, logits)[0])
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_expert_load_counts_each_forward_once(recompute):
+    """torchtitan's ``tokens_per_expert_E`` counts every routed slot of a training forward
+    once, also when activation checkpointing routes the layer again for its backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = presets.get("tiny-smelt")
+    moe = moe_config(cfg).build()
+    moe.train()
+    x = torch.randn(2, 5, cfg.hidden_size, requires_grad=True)
+    y = checkpoint(moe, x, use_reentrant=False) if recompute else moe(x)
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert int(moe.tokens_per_expert_E.sum()) == 2 * 5 * cfg.top_k
+    moe.eval()
+    with torch.no_grad():
+        moe(x)
+    assert int(moe.tokens_per_expert_E.sum()) == 2 * 5 * cfg.top_k
