@@ -77,11 +77,13 @@ stage bench_peers 60 "$PY" bench/bench_peers.py --out "$OUT"
 stage looped_vs_baseline 40 "$PY" bench/looped_vs_baseline.py --preset 200M-S95 --device cuda \
   --tokens 32768 --max-time 30 --quiet --json "$OUT/looped_vs_baseline_cuda.json"
 # SMELT tiny through torchtitan's trainer on one GPU: smelt's kernels inside its loop (a few
-# steps; the loss and throughput lines are in the log)
+# steps; the loss and throughput lines are in the log), every layer but the last two
+# recomputed for its backward (recompute all-but-2 on CUDA)
 if "$PY" -c "import torchtitan" 2>/dev/null; then
   stage titan_smelt_tiny 30 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
     -m smelt_model.titan --config tiny-smelt --training.steps 6 --training.seq_len 256 \
-    --training.local_batch_size 4 --dump_folder "$(mktemp -d)"
+    --training.local_batch_size 4 --moe_comm.keep_activations 2 \
+    --dump_folder "$(mktemp -d)" activation_checkpoint:full
 else
   echo "| titan_smelt_tiny | 0 | skipped: torchtitan is not importable (carry it in ./wheels) |" >>"$SUMMARY"
 fi

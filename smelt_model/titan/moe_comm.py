@@ -28,9 +28,9 @@ section):
     span's last visit starts, the prelude's backward ones when the backward of its first
     visit starts; :mod:`smelt_model.parallel`) or ``next`` (one layer ahead only).
 ``--moe_comm.keep_activations N``
-    with ``--activation_checkpoint.mode full``: the last N executed layers keep their
-    activations instead of being recomputed (smelt's recompute policy ``all-but-N``; an
-    ``auto`` plan says which N fits).
+    with ``activation_checkpoint:full`` (last on the command line): the last N executed
+    layers keep their activations instead of being recomputed (smelt's recompute policy
+    ``all-but-N``; an ``auto`` plan says which N fits).
 ``--moe_comm.dedup`` / ``--moe_comm.no-dedup``
     the de-duplicating dispatcher (one row per token and destination rank; on by default).
 ``--moe_comm.overlap``
@@ -77,7 +77,7 @@ class MoECommConfig:
     prefetch: str = "loop"
     """FSDP's gather order: one layer ahead and the coda's / prelude's early (loop), or next"""
     keep_activations: int = 0
-    """with --activation_checkpoint.mode full: the last N executed layers are not recomputed"""
+    """with activation_checkpoint:full: the last N executed layers are not recomputed"""
     dedup: bool = True
     """send a token once to each expert-parallel rank that holds any of its experts"""
     overlap: bool = False

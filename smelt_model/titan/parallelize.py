@@ -75,7 +75,7 @@ def recompute_policy(ac_config: Any, keep_activations: int = 0) -> str:
     if keep and not isinstance(ac_config, FullAC.Config):
         raise ValueError(
             f"--moe_comm.keep_activations {keep}: it keeps layers out of full activation "
-            f"checkpointing; add --activation_checkpoint.mode full"
+            "checkpointing; add activation_checkpoint:full (last on the command line)"
         )
     if ac_config is None:
         return "none"

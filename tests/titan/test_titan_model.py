@@ -163,7 +163,7 @@ def test_recompute_follows_torchtitans_activation_checkpointing_choice():
     assert recompute_policy(FullAC.Config(), 3) == "all-but-3"
     with pytest.raises(ValueError, match="memory-budget"):
         recompute_policy(MemoryBudgetAC.Config())
-    with pytest.raises(ValueError, match="add --activation_checkpoint.mode full"):
+    with pytest.raises(ValueError, match="add activation_checkpoint:full"):
         recompute_policy(SelectiveAC.Config(), 2)
     with pytest.raises(ValueError, match="keep_activations -1"):
         recompute_policy(FullAC.Config(), -1)
