@@ -56,6 +56,7 @@ from typing import Any, Optional
 
 from .. import budget
 from ..config import ModelConfig
+from ..plan import kept_layers
 
 __all__ = ["MoECommConfig", "RunMesh", "resolve", "describe", "run_cluster"]
 
@@ -194,9 +195,8 @@ def resolve(
         if plan.recompute != recompute:
             raise ValueError(
                 f"--moe_comm.plan auto: the best plan on this cluster ({plan!r}) recomputes "
-                f"{plan.recompute!r}; run it with the matching activation_checkpoint (none, "
-                f"selective = visit1, full = all, full with --moe_comm.keep_activations N "
-                f"= all-but-N) or give the plan"
+                f"{plan.recompute!r}; run it with {recompute_args(plan.recompute)} or give "
+                f"the plan"
             )
     else:
         try:
@@ -269,6 +269,19 @@ def node_size(section: MoECommConfig, mesh: RunMesh) -> int:
 def with_node(mesh: RunMesh, section: MoECommConfig) -> RunMesh:
     """``mesh`` with the node size the options give."""
     return dataclasses.replace(mesh, local_world=min(mesh.world, node_size(section, mesh)))
+
+
+def recompute_args(policy: str) -> str:
+    """The torchtitan command-line words that select smelt's recompute ``policy``."""
+    kept = kept_layers(policy)
+    if kept:
+        return f"--moe_comm.keep_activations {kept} activation_checkpoint:full (last)"
+    words = {
+        "none": "activation_checkpoint:none",
+        "visit1": "activation_checkpoint:selective",
+        "all": "activation_checkpoint:full",
+    }
+    return words[policy] + " (last)"
 
 
 def describe(plan: Any, mesh: RunMesh, looped: bool = True, arch: Any = None) -> str:

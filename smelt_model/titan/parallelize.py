@@ -81,7 +81,7 @@ def recompute_policy(ac_config: Any, keep_activations: int = 0) -> str:
         return "none"
     if isinstance(ac_config, MemoryBudgetAC.Config):
         raise ValueError(
-            "--activation_checkpoint memory-budget needs torch.compile, which "
+            "activation_checkpoint:memory-budget needs torch.compile, which "
             "the SMELT models do not use; choose none, selective (smelt "
             "'visit1') or full (smelt 'all')"
         )

@@ -166,6 +166,15 @@ def test_auto_runs_the_ledgers_best_plan_for_the_run(monkeypatch):
     # a plan whose recompute the run does not match says which option would
     tight = _config(monkeypatch, world=8, ep=8, plan="auto", cluster="memory=10GB")
     tight.training.seq_len, tight.training.local_batch_size = 4096, 32
-    with pytest.raises(ValueError, match="recomputes 'all-but-3'; .* --moe_comm.keep_activations"):
+    with pytest.raises(ValueError) as refused:
         run_plan(tight, arch, "none")
+    assert (
+        "recomputes 'all-but-3'; run it with --moe_comm.keep_activations 3 "
+        "activation_checkpoint:full (last) or give the plan"
+    ) in str(refused.value)
+    from smelt_model.titan.moe_comm import recompute_args
+
+    assert recompute_args("visit1") == "activation_checkpoint:selective (last)"
+    assert recompute_args("all") == "activation_checkpoint:full (last)"
+    assert recompute_args("none") == "activation_checkpoint:none (last)"
     assert run_plan(tight, arch, "all-but-3")[0].recompute == "all-but-3"
