@@ -72,8 +72,12 @@ def test_expert_load_counts_each_forward_once(recompute):
 
     cfg = presets.get("tiny-smelt")
     moe = moe_config(cfg).build()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # built, not initialised: its storage may hold anything
+        for p in moe.parameters():
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
     moe.train()
-    x = torch.randn(2, 5, cfg.hidden_size, requires_grad=True)
+    x = torch.randn(2, 5, cfg.hidden_size, generator=g, requires_grad=True)
     y = checkpoint(moe, x, use_reentrant=False) if recompute else moe(x)
     y.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
