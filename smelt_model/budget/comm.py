@@ -39,8 +39,11 @@ and the parameters by part. What is counted, and how:
   ends when that rank is done), and ``dispatch_by_rank`` / ``combine_by_rank`` give every
   rank's own forward sums (``slots_by_rank`` the slots'). A recomputed layer
   (``plan.recompute``) runs its forward all-to-alls again in the backward
-  (``dispatch_recompute``, ``combine_recompute``, ``slots_recompute``). The exchange of the
-  split sizes (``ep`` integers per rank) is not counted.
+  (``dispatch_recompute``, ``combine_recompute``, ``slots_recompute``). Before each
+  dispatch (each chunk's, with the overlap) the ranks exchange split sizes: the counts of
+  the receiver's local experts, int64 (and, de-duplicating, the number of rows), to every
+  other EP rank (``counts_forward``, ``counts_recompute``); they are not in ``ep_bytes``
+  (a few kB, whose cost is latency, which the step model leaves out).
 * **FSDP2.** Parameters are all-gathered in ``dtype`` before the forward and again before
   the backward when ``plan.reshard_after_forward`` (as the stock layout does; never the
   root's, the embeddings and the final norm, which the root keeps), and their
@@ -137,6 +140,10 @@ class Comm:
     #: (half a slot for each row it received)
     slots_by_rank: tuple[float, ...] = ()
     slots_back_by_rank: tuple[float, ...] = ()
+    #: the split sizes exchanged before each dispatch, and before a recomputed one (not in
+    #: ``ep_bytes``)
+    counts_forward: float = 0.0
+    counts_recompute: float = 0.0
     #: ranks a ``gather`` layer's experts are sharded over, and the replicas of that group
     gather_group_size: int = 1
     gather_replicas: int = 1
@@ -271,6 +278,9 @@ def _recomputed(cfg: ModelConfig, policy: str) -> set[int]:
 #: bytes per slot of a de-duplicated row: its local expert id (int32) and score (fp32)
 SLOT_BYTES = 4 + 4
 
+#: bytes of one split size (int64)
+COUNT_BYTES = 8
+
 #: the parts the root FSDP unit holds, gathered once per step (never freed after the forward)
 ROOT_PARTS = ("embeddings", "final_norm")
 
@@ -365,6 +375,11 @@ def comm(
     worst_c = sum(c for _, c in worst)
     again_d = sum(d for s, (d, _) in zip(steps, worst) if s.slot in again)
     again_c = sum(c for s, (_, c) in zip(steps, worst) if s.slot in again)
+    # split sizes: each dispatch (one per chunk with the overlap) sends every other EP rank
+    # the counts of its local experts, and de-duplicating the number of rows
+    calls = plan_.chunks if plan_.overlap else 1
+    counts = calls * (ep - 1) * (cfg.n_experts // ep + plan_.dedup) * COUNT_BYTES
+    again_n = sum(1 for s in steps if s.slot in again)
 
     # per rank and pass: the dense parts over every rank, an ep layer's experts (1/ep of
     # them on this rank) over the efsdp ranks, a gather layer's over its group
@@ -410,6 +425,8 @@ def comm(
         slots_recompute=again_d * slot,
         slots_by_rank=tuple(d * slot for d in dispatch) if slot else (),
         slots_back_by_rank=tuple(c * slot / 2 for c in combine) if slot else (),
+        counts_forward=len(steps) * counts,
+        counts_recompute=again_n * counts,
         gather_group_size=group,
         gather_replicas=replicas,
         gather_all_gather_forward=g_fwd * _ring(group) * experts * act,

@@ -27,9 +27,10 @@ Definitions (one rank, one expert-parallel group of ``ep`` ranks, rows of ``D`` 
   ``bytes_to_others`` excludes the rank's own split (it never leaves the rank),
   ``bytes_total`` includes it.
 * ``counts`` / ``forward``: the small exchange of per-expert counts before each dispatch
-  (int64); ``slots`` / ``forward``: with de-duplication, each row's local expert ids (int32)
-  and routing scores (fp32, ``top_k`` each), and ``slots`` / ``backward`` the scores'
-  gradients: the ledger's ``slots_*`` fields; the counts are not in the ledger.
+  (int64; de-duplicating, with the number of rows), the ledger's ``counts_*`` fields;
+  ``slots`` / ``forward``: with de-duplication, each row's local expert ids (int32) and
+  routing scores (fp32, ``top_k`` each), and ``slots`` / ``backward`` the scores'
+  gradients: the ledger's ``slots_*`` fields.
 * ``fsdp``: every FSDP all-gather and reduce-scatter (and the all-reduce between replicas of
   an HSDP group) of a parameter group that holds the expert weights of a ``gather`` layer,
   with its process group (``group``: the mesh's dimension names, ``group_size``), its phase,

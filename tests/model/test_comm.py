@@ -31,6 +31,23 @@ def test_uniform_ep_bytes_by_hand():
     assert budget.comm(_small(), 8, ep=2, dp_shard=2, dtype="float32").ep_bytes == 512
 
 
+def test_split_sizes_by_hand():
+    """Before each dispatch a rank sends every other EP rank the counts of that rank's
+    experts (int64), de-duplicating also the number of rows; one exchange per chunk with
+    the overlap, again for a recomputed layer; not part of ep_bytes."""
+    cfg = _small()  # 4 experts, 2 executed MoE layers
+    stock = budget.comm(cfg, 8, ep=2, dp_shard=2)
+    assert (stock.counts_forward, stock.counts_recompute) == (2 * 1 * 2 * 8, 0)
+    assert stock.ep_bytes == 4 * 2 * 4 * 8  # the rows alone
+    four = budget.comm(cfg, 16, ep=4, dp_shard=4)
+    assert four.counts_forward == 2 * 3 * 1 * 8
+    plan = budget.parse_plan("ep", cfg, ep=2, overlap=True, chunks=2, recompute="all")
+    c = budget.comm(cfg, 8, dp_shard=2, plan=plan)
+    assert c.counts_forward == 2 * 2 * 1 * (2 + 1) * 8
+    assert c.counts_recompute == c.counts_forward
+    assert budget.comm(cfg, 8, ep=1, dp_shard=2).counts_forward == 0
+
+
 def test_uniform_ep_four_ranks():
     # 16 tokens over 4 ranks: 8 rows per rank, 3/4 of them leave it
     c = budget.comm(_small(), 16, ep=4, dp_shard=4)

@@ -137,6 +137,9 @@ def test_the_ledger_counts_the_bytes_on_the_wire(run):
                 # every layer recomputed: its forward's exchanges again
                 assert sent["dispatch_recompute"] == led.dispatch_by_rank[rank]
                 assert sent["combine_recompute"] == led.combine_by_rank[rank]
+                # the split sizes before each dispatch, and before each recomputed one
+                assert sent["counts_forward"] == led.counts_forward > 0
+                assert sent["counts_recompute"] == led.counts_recompute > 0
                 for key in ("gather_all_gather_forward", "gather_all_gather_backward"):
                     assert sent[key] == pytest.approx(getattr(led, key), rel=1e-12), key
                     assert sent[key] == pytest.approx(2 * getattr(once, key), rel=1e-12), key

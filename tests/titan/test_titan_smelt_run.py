@@ -197,6 +197,9 @@ def test_the_ledger_counts_the_bytes_on_the_wire(run):
             # each de-duplicated row's slots (ids and scores), and the scores' gradients
             assert sent["slots_forward"] == led.slots_by_rank[rank] > 0, (step, rank)
             assert sent["slots_backward"] == led.slots_back_by_rank[rank], (step, rank)
+            # the split sizes before each chunk's dispatch, and before the recomputed ones
+            assert sent["counts_forward"] == led.counts_forward > 0, (step, rank)
+            assert sent["counts_recompute"] == led.counts_recompute > 0, (step, rank)
             for key in ("gather_all_gather_forward", "gather_all_gather_backward"):
                 assert sent[key] == pytest.approx(getattr(led, key), rel=1e-12), (step, key)
             assert sent["gather_reduce_scatter"] == pytest.approx(led.gather_reduce_scatter)
