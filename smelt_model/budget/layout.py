@@ -297,9 +297,11 @@ def name_of(plan: ParallelPlan, cfg: Optional[ModelConfig] = None) -> str:
 
 def loop_prefetch(plan: ParallelPlan, cfg: ModelConfig) -> bool:
     """Whether ``plan``'s gathers on ``cfg`` follow the loop (module docstring): asked
-    for, a span visited more than once, and no span experts gathered at every visit (their
-    gathers would queue behind the coda's)."""
+    for, a span visited more than once with a prelude or a coda to gather early, and no
+    span experts gathered at every visit (their gathers would queue behind the coda's)."""
     loop = loop_of(cfg)
     if plan.prefetch != "loop" or not loop.length or loop.count < 1 + 1:
+        return False
+    if loop.start == 0 and loop.start + loop.length == cfg.n_layers:  # the span is all
         return False
     return not (plan.span_gather == "layer" and any(loop.in_span(i) for i in plan.gather_layers))

@@ -234,6 +234,13 @@ def test_loop_prefetch_issues_the_codas_gathers_at_the_last_visit():
     every = budget.parse_plan("span-gather", cfg, ep=2, span_gather="layer", overlap=False)
     assert not budget.loop_prefetch(every, cfg)
     assert not budget.loop_prefetch(budget.parse_plan("ep", _looped(loop=None)), _looped(loop=None))
+    # a span of every layer: no prelude or coda to gather early, so the search keeps to
+    # one layer ahead (and a run does not claim the loop's order)
+    whole = _looped(loop=LoopSpec(start=0, length=4, count=2))
+    assert not budget.loop_prefetch(budget.parse_plan("ep", whole, ep=2), whole)
+    assert budget.plan(whole, SMALL, 256)[0].prefetch == "next"
+    coda_only = _looped(loop=LoopSpec(start=0, length=3, count=2))
+    assert budget.loop_prefetch(budget.parse_plan("ep", coda_only, ep=2), coda_only)
 
 
 def test_held_peak_by_hand():
