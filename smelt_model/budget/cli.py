@@ -4,6 +4,7 @@
     smelt-budget 200M-S95 --ep 8 --dp-shard 64 --tokens-per-step 2097152
     smelt-budget 200M-S95 --ep 8 --plan span-gather    # the bytes under a parallel plan
     smelt-budget 200M-S95 --cluster h100-8 --cluster h100-64,ep=16
+    smelt-budget 1.6B-S97 --cluster h100-8 --cluster h100-64 --plot runs/steps.png
     smelt-budget 200M-S95-baseline --match
     smelt-budget my_baseline.json --match
 
@@ -13,7 +14,9 @@ bytes per step and rank at ``--tokens-per-step`` (default 32768 per data-paralle
 ``--dp-shard``) and ``--dp-shard`` (default 8), under torchtitan's stock layout or
 ``--plan``. With ``--cluster SPEC`` (repeatable; see :mod:`.cluster`) it prints, per
 cluster, each architecture's best plan (or ``--plan``) beside torchtitan's stock layout,
-their bytes, memory and projected step times, and the gap (:mod:`.projection`).
+their bytes, memory and projected step times, and the gap (:mod:`.projection`);
+``--plot PATH`` also draws each model's projected step per cluster, split into compute and
+the exposed traffic, with the step the looped model would need for a gap of 1.00.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Optional, Sequence, Union
 
 from smelt_tools import cli
 
+from .. import plotting
 from ..config import ModelConfig
 from .cluster import TOKENS_PER_GPU, parse_cluster
 from .comm import Comm, _bytes, comm, ratios
@@ -171,7 +175,18 @@ LEGEND = (
 )
 
 
-def _format_cluster(spec, names, cfgs, tokens, plan_spec, w: Workload) -> str:
+@dataclasses.dataclass(frozen=True)
+class _Cell:
+    """One cluster's projections, for the plot: the best plans (a refusal's text where a
+    model has none) and the F ratio of a pair (None for one model)."""
+
+    spec: str
+    names: tuple[str, ...]
+    best: tuple[Union[Projection, str], ...]
+    flops: Optional[float]
+
+
+def _format_cluster(spec, names, cfgs, tokens, plan_spec, w: Workload) -> tuple[str, _Cell]:
     cl = parse_cluster(spec)
     tokens = TOKENS_PER_GPU * cl.gpus if tokens is None else tokens
     label = "best plan" if plan_spec == "auto" else f"plan {plan_spec}"
@@ -189,9 +204,11 @@ def _format_cluster(spec, names, cfgs, tokens, plan_spec, w: Workload) -> str:
         lines.append(f"{n} {label}: {_plan_text(p.plan, c)}")
         if isinstance(s, str):
             lines.append(f"{n} torchtitan stock: {s}")
+    flops = compare(*cfgs, *w.doc).flops if len(cfgs) == 2 else None
+    cell = _Cell(spec, tuple(names), tuple(best), flops)
     ok = [p for p in best if not isinstance(p, str)]
     if not ok:
-        return "\n".join(lines)
+        return "\n".join(lines), cell
     names = [n for n, p in zip(names, best) if not isinstance(p, str)]
     stock = [s for s, p in zip(stock, best) if not isinstance(p, str)]
     get = lambda f: [f(p) for p in ok]  # noqa: E731
@@ -217,7 +234,6 @@ def _format_cluster(spec, names, cfgs, tokens, plan_spec, w: Workload) -> str:
     ]
     lines += _table(names, rows)
     if len(ok) == 2:
-        flops = compare(*cfgs, *w.doc).flops
         lines += _gap_lines(label, ok, stock, flops)
         if w.head:  # the same search with the steps cut to F's parts
             bare = dataclasses.replace(w, head=False)
@@ -227,7 +243,103 @@ def _format_cluster(spec, names, cfgs, tokens, plan_spec, w: Workload) -> str:
                     f"without the output head's compute (F's parts only): {label} gap "
                     f"{parts[1].step_s / parts[0].step_s / flops:.4f}"
                 )
-    return "\n".join(lines)
+    return "\n".join(lines), cell
+
+
+#: the parts of a plotted step, bottom to top: (label, colour, seconds of a projection)
+_STACK = (
+    ("compute (recompute included)", "#4c72b0", lambda p: p.compute_s),
+    ("exposed EP all-to-alls", "#dd8452", lambda p: p.exposed["ep"]),
+    ("exposed FSDP", "#c44e52", lambda p: p.exposed["fsdp"]),
+    ("exposed gathered experts", "#8172b3", lambda p: p.exposed["gather"]),
+)
+
+
+def _short(names: Sequence[str]) -> list[str]:
+    """``names`` without the prefix they share up to a dash (``200M-S95-smelt`` ->
+    ``smelt``); the names themselves where they share none."""
+    import os
+
+    common = os.path.commonprefix(list(names)) if len(names) > 1 else ""
+    cut = common.rfind("-") + 1
+    return [n[cut:] or n for n in names]
+
+
+def _plot(cells: Sequence[_Cell], title: str, path: Path) -> Path:
+    """Each model's projected step per cluster as stacked bars (ms); for a pair, a mark at
+    the step the looped model would take at a gap of 1.00 and the gap above its bar."""
+    plt = plotting.pyplot()
+    width = 0.8 / max(len(c.names) for c in cells)
+    fig, ax = plt.subplots(figsize=(3.0 + 2.4 * len(cells), 4.5))
+    steps = [p.step_s for c in cells for p in c.best if not isinstance(p, str)]
+    top = max(steps, default=1.0) * 1e3
+    labelled: set[str] = set()
+    ticks, tick_labels = [], []
+    for i, cell in enumerate(cells):
+        for j, (p, short) in enumerate(zip(cell.best, _short(cell.names))):
+            x = i + (j - (len(cell.best) - 1) / 2) * width
+            ticks.append(x)
+            tick_labels.append(short)
+            if isinstance(p, str):
+                ax.text(
+                    x, 0.02 * top, "no plan fits", ha="center", va="bottom", fontsize=8, rotation=90
+                )
+                continue
+            bottom = 0.0
+            for label, colour, part in _STACK:
+                h = part(p) * 1e3
+                if h <= 0:
+                    continue
+                ax.bar(
+                    x,
+                    h,
+                    width * 0.9,
+                    bottom=bottom,
+                    color=colour,
+                    label=None if label in labelled else label,
+                )
+                labelled.add(label)
+                bottom += h
+        ax.text(
+            i,
+            -0.13,
+            cell.spec,
+            transform=ax.get_xaxis_transform(),
+            ha="center",
+            va="top",
+            fontsize=8,
+        )
+        if cell.flops is not None and not any(isinstance(p, str) for p in cell.best):
+            base, looped = cell.best
+            x = i + width / 2
+            even = base.step_s * cell.flops * 1e3
+            ax.hlines(
+                even,
+                x - width / 2,
+                x + width / 2,
+                colors="black",
+                linestyles="--",
+                label=None if "gap 1.00" in labelled else "looped step at gap 1.00",
+            )
+            labelled.add("gap 1.00")
+            gap = looped.step_s / base.step_s / cell.flops
+            ax.text(
+                x,
+                max(even, looped.step_s * 1e3) * 1.01,
+                f"gap {gap:.4f}",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(tick_labels, fontsize=8)
+    ax.set_xlim(-0.6, len(cells) - 0.4)
+    ax.set_ylim(0, top * 1.12)
+    ax.set_ylabel("projected step (ms)")
+    ax.set_title(f"{title}: projected training step per cluster (a model on paper)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return plotting.save(fig, path)
 
 
 def _gap_lines(label: str, best, stock, flops: float) -> list[str]:
@@ -360,6 +472,12 @@ def _parser() -> cli.Parser:
         help="project step times on a cluster: a preset (h100-8, h100-64) and/or "
         "key=value pairs gpus,gpus_per_node,intra,inter,peak,mfu,ep,memory; repeatable",
     )
+    ap.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="with --cluster: draw each model's projected step per cluster (.png, .pdf, .svg; "
+        "needs matplotlib)",
+    )
     return ap
 
 
@@ -398,6 +516,8 @@ def _check_options(args) -> None:
                 parse_cluster(spec)
         elif args.plan == "auto":
             raise ValueError("--plan auto chooses a plan for a cluster: give --cluster SPEC")
+        elif args.plot is not None:
+            raise ValueError("--plot draws the projected steps: give --cluster SPEC")
         _workload(args)
     except (TypeError, ValueError) as e:
         raise cli.UsageError(str(e)) from None
@@ -458,16 +578,19 @@ def _run(argv: Optional[Sequence[str]] = None) -> None:
     """Print the ledgers, the communication ledger or the projected steps (module docstring)."""
     args = _parser().parse_args(argv)
     _check_options(args)
+    plot = plotting.plot_path(args.plot)
     names, cfgs = _configs(args)
     _check_plan(args, cfgs)
     if args.cluster:
         plan = "auto" if args.plan is None else args.plan
         w = _workload(args)
-        blocks = [
+        done = [
             _format_cluster(spec, names, cfgs, args.tokens_per_step, plan, w)
             for spec in args.cluster
         ]
-        print("\n\n".join(blocks) + "\n\n" + LEGEND)
+        print("\n\n".join(text for text, _ in done) + "\n\n" + LEGEND)
+        if plot is not None:
+            print(f"plot: {_plot([cell for _, cell in done], args.config, plot)}")
     else:
         print(_ledgers(args, names, cfgs))
 

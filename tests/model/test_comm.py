@@ -287,6 +287,24 @@ def test_cli_cluster(capsys):
     assert "gathered weights and gradients" in out
 
 
+def test_cli_plot(capsys, tmp_path):
+    """--plot draws the projected steps: a PNG (or SVG) with every cluster's label, a
+    model without a plan as text, and the pair's gap; it names the file it wrote."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plots" / "steps.png"
+    args = ["tiny", "--cluster", "h100-8", "--cluster", "h100-8,memory=1", "--plot", str(png)]
+    assert budget.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(f"plot: {png}")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = tmp_path / "steps.svg"
+    assert budget.main([*args[:-1], str(svg)]) == 0
+    capsys.readouterr()
+    text = svg.read_text()
+    for label in ("h100-8", "h100-8,memory=1", "baseline", "smelt", "no plan fits", "gap "):
+        assert label in text, label
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -302,6 +320,8 @@ def test_cli_cluster(capsys):
         (["tiny", "--plan", "auto"], "--plan auto chooses a plan for a cluster"),
         (["tiny", "--plan", "ep,gather"], "--plan ep,gather: plan 'ep,gather' has 2 entries"),
         (["200M-S95-smlet"], "unknown pair or preset '200M-S95-smlet' (did you mean"),
+        (["tiny", "--plot", "steps.png"], "--plot draws the projected steps: give --cluster"),
+        (["tiny", "--cluster", "h100-8", "--plot", "steps.txt"], "--plot"),
     ],
 )
 def test_cli_errors_are_one_line(capsys, args, message):
