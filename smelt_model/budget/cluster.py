@@ -27,11 +27,14 @@ key                default      range                meaning
                                                      form a group)
 ``memory``         80 GB        1 GB .. 10 TB        memory per GPU a plan must fit in; a bare
                                                      number is GB
+``latency``        20 us        0 .. 10 ms           what every collective takes before its
+                                                     bytes move (start-up and
+                                                     synchronisation); a bare number is us
 =================  ===========  ===================  =========================================
 
 Bandwidths take a unit: ``GB/s``, ``Gb/s``, ``TB/s`` or ``Tb/s``; memory ``GB``, ``GiB``
-or ``TB`` (decimal units except GiB). Presets: ``h100-8`` (one node, EP 8) and ``h100-64``
-(8 nodes, EP 8 inside each node).
+or ``TB`` (decimal units except GiB); latency ``us``, ``ms`` or ``s``. Presets: ``h100-8``
+(one node, EP 8) and ``h100-64`` (8 nodes, EP 8 inside each node).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ CLUSTER_PRESETS = {
 
 _BANDWIDTH_UNITS = {"GB/s": 1e9, "TB/s": 1e12, "Gb/s": 1e9 / 8, "Tb/s": 1e12 / 8}
 _MEMORY_UNITS = {"GB": 1e9, "GiB": 2**30, "TB": 1e12}
+_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 #: per key: (lowest, highest, the unit it is shown in, that unit's size)
 _RANGES = {
@@ -64,6 +68,7 @@ _RANGES = {
     "peak": (1e12, 1e17, "TFLOP/s", 1e12),
     "mfu": (0.01, 1.0, "", 1),
     "memory": (1e9, 1e13, "GB", 1e9),
+    "latency": (0.0, 1e-2, "us", 1e-6),
 }
 
 
@@ -77,8 +82,8 @@ def _shown(key: str, v: float) -> str:
 @dataclass(frozen=True)
 class Cluster:
     """A cluster for :func:`~smelt_model.budget.project`; bandwidths in bytes/s per GPU and
-    direction, ``peak`` in FLOP/s per GPU, ``memory`` in bytes per GPU (the module
-    docstring has the meaning, the defaults and the ranges)."""
+    direction, ``peak`` in FLOP/s per GPU, ``memory`` in bytes per GPU, ``latency`` in
+    seconds (the module docstring has the meaning, the defaults and the ranges)."""
 
     gpus: int = 8
     gpus_per_node: int = 8
@@ -88,6 +93,7 @@ class Cluster:
     mfu: float = 0.40
     ep: int = 8
     memory: float = 80e9
+    latency: float = 20e-6
 
     def __post_init__(self) -> None:
         for name, (lo, hi, _, _) in _RANGES.items():
@@ -140,7 +146,8 @@ class Cluster:
             f"{self.gpus} GPUs ({self.gpus_per_node} per node), intra "
             f"{_shown('intra', self.intra)}, inter {_shown('inter', self.inter)}, peak "
             f"{_shown('peak', self.peak)}, MFU {self.mfu:g}, EP {self.ep} ({where}), "
-            f"{_shown('memory', self.memory)} per GPU"
+            f"{_shown('memory', self.memory)} per GPU, {_shown('latency', self.latency)} per "
+            f"collective"
         )
 
 
@@ -201,6 +208,8 @@ def _value(key: str, text: str) -> Any:
         return _with_unit(key, text, _BANDWIDTH_UNITS, 1e9 / 8)
     if key == "memory":
         return _with_unit(key, text, _MEMORY_UNITS, 1e9)
+    if key == "latency":
+        return _with_unit(key, text, _TIME_UNITS, 1e-6)
     if key == "peak":
         return _number(key, text.removesuffix("TFLOP/s").strip()) * 1e12
     return _number(key, text)

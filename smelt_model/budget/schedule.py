@@ -15,13 +15,21 @@ order as a graph of work and waits, and plays it on the resources that run it:
   those for peers on other nodes on ``inter``; an FSDP collective over the ranks of one node
   runs on ``intra``, one over several nodes is paced by ``inter`` (a ring is as fast as its
   slowest hop);
-* three streams of collectives, each running its transfers one after another in the order
-  they were issued: the EP all-to-alls (a process group of their own), FSDP's all-gathers
-  and FSDP's reductions (reduce-scatters, and the all-reduces between node replicas).
-  Transfers of different streams on one link share its bandwidth equally while they overlap.
+* four streams of collectives, each running its transfers one after another in the order
+  they were issued: the EP token all-to-alls (a process group of their own), the exchanges
+  of split sizes before each dispatch, FSDP's all-gathers and FSDP's reductions
+  (reduce-scatters, and the all-reduces between node replicas). Transfers of different
+  streams on one link share its bandwidth equally while they overlap. Every collective
+  first takes the cluster's ``latency`` (start-up and synchronisation: it holds its stream,
+  not a link), then moves its bytes.
 
 What waits for what (the schedule the runtime runs):
 
+* **Split sizes.** Before each dispatch (each chunk's) the ranks exchange how many rows
+  go where, and the host waits for the answer before it issues anything more: the GPU
+  runs what it already has and then waits, so the exchange is exposed in full, the
+  following compute waits for it (the ledger's ``counts_forward``; the backward reuses
+  the forward's sizes).
 * **EP layers.** Without overlap every all-to-all blocks: attention, dispatch, experts,
   combine, then the next layer. With ``plan.overlap`` each rank's tokens are
   ``plan.chunks`` chunks that take turns; with two, a and b, per layer: attention(a),
@@ -65,7 +73,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from ..config import ModelConfig
 from .cluster import Cluster
@@ -80,7 +88,9 @@ __all__ = ["KINDS", "StepModel", "fsdp_units", "simulate"]
 #: the kinds of traffic exposed time is charged to
 KINDS = ("ep", "fsdp", "gather")
 #: the streams transfers queue on (one after another within a stream)
-STREAMS = ("ep", "gather", "reduce")
+STREAMS = ("ep", "split", "gather", "reduce")
+#: the "link" of a collective's start-up: one of its own, shared with nothing
+LATENCY = "latency"
 
 
 @dataclass(frozen=True)
@@ -245,13 +255,25 @@ class _Graph:
         return self.n
 
     def add_transfer(
-        self, stream: str, kind: str, seconds: dict[str, float], *waits: Optional[int]
+        self,
+        stream: str,
+        kind: str,
+        seconds: dict[str, float],
+        *waits: Optional[int],
+        latency: float = 0.0,
     ) -> Optional[int]:
+        """A transfer of ``seconds`` per link at full bandwidth (None where it moves
+        nothing), after ``latency`` seconds of its own (a start-up that holds its stream
+        but no link)."""
         seconds = {link: t for link, t in seconds.items() if t > 0}
         if not seconds:
             return None
-        self.n += 1
         waits_ = tuple(w for w in waits if w is not None)
+        if latency > 0:
+            self.n += 1
+            self.streams[stream].append((self.n, kind, {(LATENCY, self.n): latency}, waits_))
+            waits_ = (self.n,)
+        self.n += 1
         self.streams[stream].append((self.n, kind, seconds, waits_))
         return self.n
 
@@ -264,7 +286,8 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
     exposed = dict.fromkeys(KINDS, 0.0)
     busy = {"intra": 0.0, "inter": 0.0}
     # per link, the transfers on it: [seconds left at full bandwidth, op, stream, seconds]
-    active: dict[str, list] = {"intra": [], "inter": []}
+    # (a start-up's latency is a link of its own)
+    active: dict[Any, list] = {"intra": [], "inter": []}
     left: dict[int, int] = {}  # op -> its parts still moving
     heads = dict.fromkeys(STREAMS, 0)
     running: dict[str, Optional[int]] = dict.fromkeys(STREAMS, None)
@@ -274,7 +297,8 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
         for op, kind, secs, _ in stream:
             kind_of[op] = kind
             for link, s in secs.items():
-                busy[link] += s
+                if link in busy:
+                    busy[link] += s
     while True:
         moved = True
         while moved:  # start everything that can start at t
@@ -296,7 +320,7 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
                         running[name], heads[name] = op, k + 1
                         left[op] = len(secs)
                         for link, s in secs.items():
-                            active[link].append([s, op, name, s])
+                            active.setdefault(link, []).append([s, op, name, s])
                         moved = True
         # the time to the next end: of the compute, or of a transfer sharing its link
         dts = [c_left] if c_op is not None else []
@@ -307,7 +331,7 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
             break
         dt = min(dts)
         t += dt
-        for jobs in active.values():
+        for link, jobs in list(active.items()):
             if not jobs:
                 continue
             share = dt / len(jobs)
@@ -319,6 +343,8 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
                 if left[j[1]] == 0:
                     done[j[1]] = t
                     running[j[2]] = None
+            if not jobs and link not in busy:  # a start-up over: its link goes
+                del active[link]
         if c_op is not None:
             c_left -= dt
             if c_left <= 1e-12 * dt:
@@ -357,6 +383,9 @@ class _Replay:
         # a de-duplicated dispatch carries its rows' slots; the scores' gradients go back
         self.slots_out = comm.slots_forward / per_layer
         self.slots_back = comm.slots_backward / per_layer
+        # the split sizes a dispatch's host waits for: bytes of one exchange
+        self.counts = comm.counts_forward / per_layer
+        self.latency = cluster.latency
 
     def _seconds(self, kind: str, by_link: dict[str, float]) -> dict[str, float]:
         self.moved[kind] += sum(by_link.values())
@@ -364,7 +393,13 @@ class _Replay:
 
     def exchange(self, nbytes: float, *after: Optional[int]) -> Optional[int]:
         secs = self._seconds("ep", {k: nbytes * f for k, f in self.ep_share.items()})
-        return self.g.add_transfer("ep", "ep", secs, *after)
+        return self.g.add_transfer("ep", "ep", secs, *after, latency=self.latency)
+
+    def split_sizes(self, *after: Optional[int]) -> Optional[int]:
+        """The exchange of split sizes before a dispatch, which the host waits for (its
+        bytes are in the ledger's ``counts_*``, not in the EP bytes moved)."""
+        secs = {k: self.counts * f / self.bw[k] for k, f in self.ep_share.items()}
+        return self.g.add_transfer("split", "ep", secs, *after, latency=self.latency)
 
     def collective(self, stream: str, unit: _Unit, elem: int, *after: Optional[int]) -> list:
         c = self.comm
@@ -374,7 +409,7 @@ class _Replay:
         for kind, link, n in (("fsdp", self.dp_link, fsdp), ("gather", self.gather_link, gathered)):
             if n > 0:
                 secs = self._seconds(kind, {link: n * elem})
-                out.append(self.g.add_transfer(stream, kind, secs, *after))
+                out.append(self.g.add_transfer(stream, kind, secs, *after, latency=self.latency))
         return out
 
     def reduce(self, unit: _Unit, *after: Optional[int]) -> None:
@@ -385,15 +420,20 @@ class _Replay:
         if unit.gathered and replicas > 1:
             shard = 2 * _ring(replicas) * unit.gathered / group * self.w.reduce_bytes
             secs = self._seconds("gather", {"inter": shard})
-            self.g.add_transfer("reduce", "gather", secs, *done)
+            self.g.add_transfer("reduce", "gather", secs, *done, latency=self.latency)
 
     def forward(self, layer: int, heads: list, wait: list) -> list:
         """One executed layer's forward, chunk by chunk, once its units are in (``wait``);
         ``heads[c]`` are the ops chunk c waits for first. Returns each chunk's last op."""
         g, moves = self.g, self.plan.kind(layer) == "ep"
-        mid = [g.add_compute(self.attn, *h, *wait) for h in heads]
-        mid = [self.exchange(self.dispatch + self.slots_out, e) if moves else e for e in mid]
-        out = [g.add_compute(self.experts, e) for e in mid]
+        mid, host = [], None
+        for h in heads:  # the host waits for each chunk's split sizes before going on
+            e = g.add_compute(self.attn, *h, *wait, host)
+            if moves:
+                host = self.split_sizes(e)
+                e = self.exchange(self.dispatch + self.slots_out, host)
+            mid.append(e)
+        out = [g.add_compute(self.experts, e, host) for e in mid]
         return [(self.exchange(self.combine, e) if moves else e,) for e in out]
 
     def backward(self, layer: int, heads: list, wait: list) -> list:

@@ -201,7 +201,14 @@ def test_parse_cluster():
     assert budget.parse_cluster("memory=141").memory == 141e9  # a bare number is GB
     assert budget.parse_cluster("memory=64GiB").memory == 64 * 2**30
     assert budget.parse_cluster(c) is c
-    assert budget.Cluster().describe().endswith("EP 8 (in one node), 80 GB per GPU")
+    assert budget.parse_cluster("latency=35").latency == pytest.approx(35e-6)  # bare: us
+    assert budget.parse_cluster("h100-8,latency=0.05ms").latency == pytest.approx(50e-6)
+    assert budget.parse_cluster("latency=0").latency == 0
+    assert (
+        budget.Cluster()
+        .describe()
+        .endswith("EP 8 (in one node), 80 GB per GPU, 20 us per collective")
+    )
 
 
 @pytest.mark.parametrize(
@@ -231,6 +238,9 @@ def test_parse_cluster():
         ("gpus=48,gpus_per_node=8,ep=12", "must divide one another"),
         ("gpus=0", "cluster gpus must lie between 1 and 1000000, got 0"),
         ("gpus_per_node=2048", "cluster gpus_per_node must lie between 1 and 1024"),
+        ("latency=-1us", "cluster latency must lie between 0 us and 10000 us, got -1 us"),
+        ("latency=1s", "cluster latency must lie between 0 us and 10000 us"),
+        ("latency=5ns", "unknown unit 'ns'"),
     ],
 )
 def test_bad_cluster(spec, message):

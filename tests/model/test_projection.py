@@ -28,8 +28,17 @@ def _looped(**changes) -> ModelConfig:
 
 
 #: two nodes of two GPUs, slow enough that every kind of traffic shows
+#: a small cluster whose collectives start at once (latency 0), so that steps add up by hand
 SMALL = budget.Cluster(
-    gpus=4, gpus_per_node=2, intra=1e9, inter=1e9 / 8, peak=1e12, mfu=0.5, ep=2, memory=1e12
+    gpus=4,
+    gpus_per_node=2,
+    intra=1e9,
+    inter=1e9 / 8,
+    peak=1e12,
+    mfu=0.5,
+    ep=2,
+    memory=1e12,
+    latency=0.0,
 )
 
 
@@ -125,6 +134,32 @@ def test_the_replay_moves_the_ledgers_bytes(changes):
     assert m.compute_s == pytest.approx(flops * (1 + again / 6 / 3) + head)
     bare = schedule.simulate(cfg, p, SMALL, c, budget.Workload(head=False))
     assert bare.head_s == 0 and bare.compute_s == pytest.approx(m.compute_s - head)
+
+
+def test_every_collective_starts_after_the_clusters_latency():
+    """With links all but free, an EP layer without the overlap waits 5 latencies: the
+    split sizes, the dispatch and the combine forward, the two exchanges back. The overlap
+    hides the exchanges but not the split sizes, which the host waits for before going on
+    (one per chunk); latency 0 leaves the step as it was."""
+    cfg = _looped()  # 6 executed MoE layers
+    lat = 50e-6
+    # slow compute (50x SMALL's): what the overlap can hide, it hides
+    fast = dataclasses.replace(SMALL, intra=1e14, inter=1e14 / 8, mfu=0.01, latency=lat)
+    # kept gathered: no re-gather for the backward that ends with an exchange's wait
+    p = budget.parse_plan("ep", cfg, ep=2, overlap=False, reshard_after_forward=False)
+    blocking = budget.project(cfg, fast, 256, plan=p)
+    assert blocking.exposed["ep"] == pytest.approx(6 * 5 * lat, rel=1e-3)
+    assert blocking.step_s - blocking.compute_s >= 6 * 5 * lat
+    two = budget.parse_plan("ep", cfg, ep=2, overlap=True, chunks=2)
+    hidden = budget.project(cfg, fast, 256, plan=two)
+    assert 6 * 2 * lat * (1 - 1e-3) <= hidden.exposed["ep"] < blocking.exposed["ep"]
+    # the split sizes' bytes (the ledger's counts_forward) move on the links; the EP
+    # bytes the replay moved stay the ledger's rows and slots
+    assert hidden.model.moved["ep"] == pytest.approx(hidden.comm.ep_bytes)
+    free = dataclasses.replace(fast, latency=0.0)
+    assert budget.project(cfg, free, 256, plan=p).step_s == pytest.approx(
+        blocking.compute_s, rel=1e-3
+    )
 
 
 def test_overlap_hides_what_compute_can_cover():
