@@ -166,7 +166,8 @@ def output_path(
 ) -> Optional[Path]:
     """A file the command will write, checked before any work (else :class:`UsageError`
     naming ``option``): not a folder, in a folder that exists (or can be made: its nearest
-    existing parent is a folder), with one of ``suffixes`` when given. None passes."""
+    existing parent is a folder this process may write in), not an existing file it may
+    not write, with one of ``suffixes`` when given. None passes."""
     if value is None:
         return None
     path = Path(value)
@@ -180,6 +181,10 @@ def output_path(
         parent = parent.parent
     if not parent.is_dir():
         raise UsageError(f"{option} {value}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {value}: the folder {parent} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{option} {value}: the file exists and is not writable")
     return path
 
 

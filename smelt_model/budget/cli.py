@@ -337,7 +337,8 @@ def _plot(cells: Sequence[_Cell], title: str, path: Path) -> Path:
     ax.set_ylim(0, top * 1.12)
     ax.set_ylabel("projected step (ms)")
     ax.set_title(f"{title}: projected training step per cluster (a model on paper)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if labelled:  # nothing drawn where no model has a plan
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return plotting.save(fig, path)
 

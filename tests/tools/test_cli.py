@@ -67,3 +67,20 @@ def test_shared_option_helpers(tmp_path):
     assert cli.threads(None) is None and cli.threads(2) == 2
     with pytest.raises(cli.UsageError, match="--threads"):
         cli.threads(0)
+
+
+def test_an_output_where_nothing_can_be_written_is_refused_first(tmp_path, monkeypatch):
+    """A folder or file this process may not write is refused before any work (checked
+    with os.access, stubbed here: root may write almost anywhere)."""
+    import os
+
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "old.json").write_text("{}")
+    locked = {str(tmp_path / "locked"), str(tmp_path / "old.json")}
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: str(p) not in locked and real(p, mode))
+    with pytest.raises(cli.UsageError, match=r"--plot .*the folder .*locked is not writable"):
+        cli.output_path(tmp_path / "locked" / "new" / "steps.png", "--plot", (".png",))
+    with pytest.raises(cli.UsageError, match="--json .*exists and is not writable"):
+        cli.output_path(tmp_path / "old.json", "--json")
+    assert cli.output_path(tmp_path / "new.json", "--json") == tmp_path / "new.json"
