@@ -268,13 +268,9 @@ class _Graph:
         seconds = {link: t for link, t in seconds.items() if t > 0}
         if not seconds:
             return None
-        waits_ = tuple(w for w in waits if w is not None)
-        if latency > 0:
-            self.n += 1
-            self.streams[stream].append((self.n, kind, {(LATENCY, self.n): latency}, waits_))
-            waits_ = (self.n,)
         self.n += 1
-        self.streams[stream].append((self.n, kind, seconds, waits_))
+        waits_ = tuple(w for w in waits if w is not None)
+        self.streams[stream].append((self.n, kind, seconds, waits_, latency))
         return self.n
 
 
@@ -293,8 +289,9 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
     running: dict[str, Optional[int]] = dict.fromkeys(STREAMS, None)
     ci, c_left, c_op, c_free, c_total = 0, 0.0, None, 0.0, 0.0
     t = 0.0
+    pending: dict[int, dict] = {}  # op -> its bytes, to move once its start-up is over
     for stream in g.streams.values():
-        for op, kind, secs, _ in stream:
+        for op, kind, secs, _, _ in stream:
             kind_of[op] = kind
             for link, s in secs.items():
                 if link in busy:
@@ -315,9 +312,12 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
             for name, stream in g.streams.items():
                 k = heads[name]
                 if running[name] is None and k < len(stream):
-                    op, kind, secs, waits = stream[k]
+                    op, kind, secs, waits, latency = stream[k]
                     if all(w in done for w in waits):
                         running[name], heads[name] = op, k + 1
+                        if latency > 0:  # its start-up first, on a link of its own
+                            pending[op] = secs
+                            secs = {(LATENCY, op): latency}
                         left[op] = len(secs)
                         for link, s in secs.items():
                             active.setdefault(link, []).append([s, op, name, s])
@@ -331,6 +331,7 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
             break
         dt = min(dts)
         t += dt
+        started = []  # transfers whose start-up ended: their bytes move from t on
         for link, jobs in list(active.items()):
             if not jobs:
                 continue
@@ -340,11 +341,17 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
             for j in [j for j in jobs if j[0] <= 1e-9 * j[3]]:
                 jobs.remove(j)
                 left[j[1]] -= 1
-                if left[j[1]] == 0:
+                if left[j[1]] == 0 and j[1] in pending:
+                    started.append((j[1], j[2], pending.pop(j[1])))
+                elif left[j[1]] == 0:
                     done[j[1]] = t
                     running[j[2]] = None
             if not jobs and link not in busy:  # a start-up over: its link goes
                 del active[link]
+        for op, name, secs in started:
+            left[op] = len(secs)
+            for link, s in secs.items():
+                active[link].append([s, op, name, s])
         if c_op is not None:
             c_left -= dt
             if c_left <= 1e-12 * dt:
