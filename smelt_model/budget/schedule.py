@@ -26,10 +26,12 @@ order as a graph of work and waits, and plays it on the resources that run it:
 What waits for what (the schedule the runtime runs):
 
 * **Split sizes.** Before each dispatch (each chunk's) the ranks exchange how many rows
-  go where, and the host waits for the answer before it issues anything more: the GPU
-  runs what it already has and then waits, so the exchange is exposed in full, the
-  following compute waits for it (the ledger's ``counts_forward``; the backward reuses
-  the forward's sizes).
+  go where (the ledger's ``counts_forward``; the backward reuses the forward's sizes), and
+  the host must have them before it starts the dispatch. Each chunk issues its exchange
+  after its attention and pauses, so the host waits for them in turn once every chunk's
+  attention is queued: the compute after them (the first chunk's experts) waits for the
+  last chunk's split sizes, and only that wait is exposed in full (all of them without
+  the overlap).
 * **EP layers.** Without overlap every all-to-all blocks: attention, dispatch, experts,
   combine, then the next layer. With ``plan.overlap`` each rank's tokens are
   ``plan.chunks`` chunks that take turns; with two, a and b, per layer: attention(a),
@@ -433,13 +435,12 @@ class _Replay:
         """One executed layer's forward, chunk by chunk, once its units are in (``wait``);
         ``heads[c]`` are the ops chunk c waits for first. Returns each chunk's last op."""
         g, moves = self.g, self.plan.kind(layer) == "ep"
-        mid, host = [], None
-        for h in heads:  # the host waits for each chunk's split sizes before going on
-            e = g.add_compute(self.attn, *h, *wait, host)
-            if moves:
-                host = self.split_sizes(e)
-                e = self.exchange(self.dispatch + self.slots_out, host)
-            mid.append(e)
+        mid = [g.add_compute(self.attn, *h, *wait) for h in heads]
+        host = None
+        if moves:  # every chunk's split sizes issued, then waited for in turn by the host
+            splits = [self.split_sizes(e) for e in mid]
+            mid = [self.exchange(self.dispatch + self.slots_out, s) for s in splits]
+            host = splits[-1]
         out = [g.add_compute(self.experts, e, host) for e in mid]
         return [(self.exchange(self.combine, e) if moves else e,) for e in out]
 

@@ -20,10 +20,13 @@ phased form that the chunked overlap uses: :meth:`~CountingAllToAllTokenDispatch
 and :meth:`~CountingAllToAllTokenDispatcher.combine_phases` are generators that start their
 token exchange, ``yield`` the tensors they hold (their *carry*), and on resumption (the same
 tensors sent back, possibly replaced by equal ones) wait for the exchange and finish. The
-split sizes still come from a blocking exchange of counts first (the host must know them);
-the token exchanges run on :attr:`exchange_group` when one is set (a process group of their
-own, :func:`smelt_model.titan.exchange.dedicated_group`), so that they do not queue behind
-the counts of the other chunk.
+split sizes come from an exchange of counts first, which the host must wait for before it
+can size the token exchange: the dispatch starts it and pauses, so that the other chunks
+issue their own compute before this chunk's host waits (with the overlap only the last
+chunk of a layer leaves the GPU idle while its counts travel). The token exchanges run on
+:attr:`exchange_group` when one is set (a process group of their own,
+:func:`smelt_model.titan.exchange.dedicated_group`), so that they do not queue behind the
+counts of the other chunks.
 
 Stock torchtitan MoE models take either through ``--override.imports``:
 :func:`count_all_to_all` (recording only) and :func:`dedup_all_to_all`.
@@ -182,15 +185,18 @@ class CountingAllToAllTokenDispatcher(AllToAllTokenDispatcher):
             return keep, rows, counts, meta
         ep = self.ep_mesh.size()
         call = self._maybe_record(counts_E, topk_expert_ids_TK, chunk)
-        routed_ND, token_idx_N, scores_N = self._local_reorder(
-            x_TD, topk_scores_TK, topk_expert_ids_TK
-        )
         pg, xg = self._groups()
         with torch.no_grad():
             received = self._token_count_exchange(counts_E, pg, ep)
+        # the counts travel while the other chunks compute; the host waits for them after
+        keep, (x_TD, topk_scores_TK) = yield from pause(keep, (x_TD, topk_scores_TK))
+        with torch.no_grad():
             received_E, in_splits, out_splits = self._sync_token_count_exchange(
                 counts_E, received, ep
             )
+        routed_ND, token_idx_N, scores_N = self._local_reorder(
+            x_TD, topk_scores_TK, topk_expert_ids_TK
+        )
         flight = Flight(xg, in_splits, out_splits, "dispatch", call)
         (buf,) = start(flight, routed_ND)
         keep, (buf, scores_N) = yield from pause(keep, (buf, scores_N))
@@ -319,6 +325,9 @@ class DedupAllToAllTokenDispatcher(CountingAllToAllTokenDispatcher):
             # per destination rank: the slot count of each of its experts, and the row count
             counts = torch.cat([counts_E.view(ep, e), has.sum(0).view(ep, 1)], dim=1)
             received = all_to_all_single(counts.contiguous(), None, None, group=pg)
+        # the counts travel while the other chunks compute; the host waits for them after
+        keep, (x_TD, topk_scores_TK) = yield from pause(keep, (x_TD, topk_scores_TK))
+        with torch.no_grad():
             received = torch.ops._c10d_functional.wait_tensor(received)
             counts_e = received[:, :e].sum(0)
             in_splits = counts[:, e].tolist()

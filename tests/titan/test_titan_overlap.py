@@ -125,3 +125,34 @@ def test_overlap_with_recompute_equals_smeltlm(ep_mesh, recompute, chunks):
         dispatch.DedupAllToAllTokenDispatcher.dispatch_phases = stock
     again = {"visit1": 2, "all": 6, "all-but-2": 4}[recompute]  # of the 6 executed layers
     assert len(starts) == (6 + again) * chunks
+
+
+def test_every_chunk_issues_its_split_sizes_before_the_host_waits(ep_mesh, monkeypatch):
+    """With the overlap, a dispatch starts its exchange of counts and pauses before the host
+    waits for the split sizes: in a layer of 4 chunks, all four exchanges of counts are
+    issued (each chunk's attention and routing already queued) before the first chunk's
+    tokens leave, so the host waits while the GPU still has the others' work."""
+    from smelt_model.titan import dispatch
+
+    events = []
+    stock_counts, stock_start = dispatch.all_to_all_single, dispatch.start
+
+    def counts(*a, **k):
+        events.append("counts")
+        return stock_counts(*a, **k)
+
+    def start(flight, *tensors):
+        if flight.kind == "dispatch":
+            events.append("tokens")
+        return stock_start(flight, *tensors)
+
+    monkeypatch.setattr(dispatch, "all_to_all_single", counts)
+    monkeypatch.setattr(dispatch, "start", start)
+    smelt, titan = _wired(_cfg(), ep_mesh, overlap=True, chunks=4)
+    tokens, positions, _ = _batch(smelt.cfg)
+    tokens, positions = tokens.repeat(2, 1), positions.repeat(2, 1)
+    out = titan(tokens, positions=positions)
+    ref = smelt(tokens, segment_ids_from_positions(positions))
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
+    assert events[:8] == ["counts"] * 4 + ["tokens"] * 4, events[:8]
+    assert events.count("counts") == events.count("tokens") == 6 * 4  # 6 executed layers
