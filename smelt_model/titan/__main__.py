@@ -170,7 +170,8 @@ def _check(config, world: int) -> None:
         if isinstance(model, SmeltTitan.Config):
             _check_parallelism(model.arch, p)
             recompute = recompute_policy(config.activation_checkpoint, kept_layers(config))
-            run_plan(config, model.arch, recompute)
+            with _world_env(world):  # the plan sees the mesh the processes will have
+                run_plan(config, model.arch, recompute)
     except (ValueError, TypeError) as e:
         raise UsageError(one_line(e)) from None
     if (
@@ -181,6 +182,22 @@ def _check(config, world: int) -> None:
         raise UsageError(
             "--training.steps, --training.local_batch_size and --training.seq_len must be >= 1"
         )
+
+
+@contextlib.contextmanager
+def _world_env(world: int):
+    """``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` of ``world`` local processes while the launcher
+    checks a run it is about to start (torchrun's own values, where it set them, stay)."""
+    given = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    for key, value in given.items():
+        if value is None:
+            os.environ[key] = str(world)
+    try:
+        yield
+    finally:
+        for key, value in given.items():
+            if value is None:
+                os.environ.pop(key, None)
 
 
 # ----------------------------------------------------------------------------- processes

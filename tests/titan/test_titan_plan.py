@@ -1,6 +1,7 @@
 """The --moe_comm options in one process: the plan they resolve to, what each layer's
 config gets, and the one-line refusals (before any process starts)."""
 
+import os
 import subprocess
 import sys
 
@@ -178,3 +179,21 @@ def test_auto_runs_the_ledgers_best_plan_for_the_run(monkeypatch):
     assert recompute_args("all") == "activation_checkpoint:full (last)"
     assert recompute_args("none") == "activation_checkpoint:none (last)"
     assert run_plan(tight, arch, "all-but-3")[0].recompute == "all-but-3"
+
+
+def test_the_launcher_checks_an_auto_plan_on_the_processes_it_will_start(monkeypatch):
+    """``--nproc_per_node 2`` with ``--moe_comm.plan auto``: the launcher's check resolves
+    the plan on a mesh of the 2 processes it is about to start (not on itself, one process,
+    which EP 2 cannot divide), and leaves the environment as it found it."""
+    from smelt_model.titan import __main__ as launcher
+    from smelt_model.titan import patches
+
+    for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    args = ["--module", "smelt_model.titan", "--config", "tiny-smelt"]
+    args += ["--parallelism.data_parallel_shard_degree", "2"]
+    args += ["--parallelism.expert_parallel_degree", "2", "--moe_comm.plan", "auto"]
+    args += ["--training.seq_len", "128", "--training.local_batch_size", "2"]
+    config = launcher._parse(patches.launch_args(args))
+    launcher._check(config, 2)
+    assert "WORLD_SIZE" not in os.environ and "LOCAL_WORLD_SIZE" not in os.environ
