@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -258,8 +259,6 @@ _STACK = (
 def _short(names: Sequence[str]) -> list[str]:
     """``names`` without the prefix they share up to a dash (``200M-S95-smelt`` ->
     ``smelt``); the names themselves where they share none."""
-    import os
-
     common = os.path.commonprefix(list(names)) if len(names) > 1 else ""
     cut = common.rfind("-") + 1
     return [n[cut:] or n for n in names]

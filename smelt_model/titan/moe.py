@@ -39,6 +39,7 @@ from torchtitan.models.common.moe import MoE, RoutedExperts, TokenChoiceTopKRout
 from smelt_kernels.moe_gemm import route, router_loss
 
 from ..config import ModelConfig
+from ..parallel import _in_backward
 from .dispatch import CountingAllToAllTokenDispatcher, DedupAllToAllTokenDispatcher
 from .experts import SmeltGroupedExperts
 
@@ -109,7 +110,7 @@ class SmeltMoE(MoE):
         )
         # torchtitan's expert-load buffer counts each forward once: a layer rebuilt for its
         # backward (activation checkpointing, run by the autograd engine) routes again
-        if self.training and torch._C._current_graph_task_id() == -1:
+        if self.training and not _in_backward():
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(counts)
         return logits, weights, ids, counts
