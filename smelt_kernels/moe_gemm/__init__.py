@@ -11,12 +11,20 @@ CPU kernels take their large outputs from.
 
 from .._alloc import cpu_pool_stats, release_cpu_pool
 from .loss import router_loss
-from .ops import cpu_forward_kernel, grouped_gemm, moe_ffn, route, select_backend
+from .ops import (
+    cpu_forward_kernel,
+    grouped_gemm,
+    grouped_gemm_backward,
+    moe_ffn,
+    route,
+    select_backend,
+)
 
 __all__ = [
     "route",
     "moe_ffn",
     "grouped_gemm",
+    "grouped_gemm_backward",
     "router_loss",
     "cpu_forward_kernel",
     "select_backend",

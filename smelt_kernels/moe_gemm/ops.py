@@ -24,7 +24,14 @@ from . import cpu as moe_cpu
 from . import cuda as moe_cuda
 from . import reference
 
-__all__ = ["route", "moe_ffn", "grouped_gemm", "select_backend", "cpu_forward_kernel"]
+__all__ = [
+    "route",
+    "moe_ffn",
+    "grouped_gemm",
+    "grouped_gemm_backward",
+    "select_backend",
+    "cpu_forward_kernel",
+]
 
 _OP = "moe_ffn"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -509,3 +516,56 @@ def grouped_gemm(
         backend=backend,
         check_values=check_values,
     )
+
+
+def grouped_gemm_backward(
+    dc: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    needs: tuple[bool, bool] = (True, True),
+    backend: Optional[str] = None,
+    check_values: Optional[bool] = None,
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The gradients ``(da, db)`` of ``c = grouped_gemm(a, b, offsets)`` for ``dc`` = dL/dc,
+    by the backend that call would run (None where ``needs`` says no); arguments and checks
+    as for :func:`grouped_gemm` (``check_values=False``: offsets trusted, no host read).
+
+    For autograd Functions that keep less than :func:`grouped_gemm`'s own backward does: one
+    that saves a smaller tensor ``a`` is rebuilt from (an elementwise function of a GEMM's
+    output, say) calls this on the rebuilt ``a`` instead of running the GEMM again.
+    """
+    for name, t in (("dc", dc), ("a", a), ("b", b), ("offsets", offsets)):
+        backends.require_tensor("grouped_gemm_backward", name, t)
+    if dc.dim() != 2 or a.dim() != 2 or b.dim() != 3:
+        raise ValueError(
+            f"grouped_gemm_backward: dc and a must be 2-D and b 3-D, got {tuple(dc.shape)}, "
+            f"{tuple(a.shape)}, {tuple(b.shape)}"
+        )
+    E, N, K = b.shape
+    if a.shape[1] != K or dc.shape != (a.shape[0], N):
+        raise ValueError(
+            f"grouped_gemm_backward: a must be (M, {K}) and dc (M, {N}) for b "
+            f"{tuple(b.shape)}, got {tuple(a.shape)} and {tuple(dc.shape)}"
+        )
+    if offsets.dim() != 1 or offsets.shape[0] != E or offsets.dtype not in _INT:
+        raise ValueError(
+            f"grouped_gemm_backward: offsets must be (E={E},) int32 or int64, got "
+            f"{tuple(offsets.shape)} {offsets.dtype}"
+        )
+    if dc.dtype != a.dtype or b.dtype != a.dtype or not a.dtype.is_floating_point:
+        raise TypeError(
+            f"grouped_gemm_backward: dc, a and b must share a floating dtype, got "
+            f"{dc.dtype}, {a.dtype} and {b.dtype}"
+        )
+    backends.require_device("grouped_gemm_backward", "a", a, dc=dc, b=b, offsets=offsets)
+    backends.check_values_flag("grouped_gemm_backward", check_values)
+    starts = torch.cat([offsets.new_zeros(1), offsets])
+    if check_values is not False and (a.device.type == "cpu" or backends.can_read_values(a)):
+        _check_grouped(a, b, starts, None)
+    starts = starts.to(torch.int32).contiguous()
+    a, b = a.contiguous(), b.contiguous()
+    impl = backends.select("grouped_gemm", a, b, starts, None, True, backend=backend)
+    chosen = backends.backward_impl(impl, a.device).backend
+    return _gmm_backward((a, b, starts, None), (dc,), (True,), tuple(needs), chosen)

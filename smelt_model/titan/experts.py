@@ -10,7 +10,12 @@ applies the routing scores in its combine). The compute is two calls of
 convention of ``torch._grouped_mm``): gate and up projections as one GEMM against
 ``cat([w1, w3], dim=1)`` (smelt's ``gate_up_proj`` layout), then the down projection
 against ``w2``. It runs in the dtype of ``x_RD`` (torchtitan's stock module always runs in
-bf16).
+bf16). For the backward it keeps the rows and the gate/up projections, 2·F + D elements per
+row (as :func:`smelt_kernels.moe_gemm.moe_ffn` keeps its pre-activations): the SwiGLU product
+is rebuilt from them, elementwise, and the GEMMs' gradients taken by
+:func:`~smelt_kernels.moe_gemm.grouped_gemm_backward`; autograd on the same calls kept the
+concatenated weights (a copy of the layer's local gate/up experts), the activation and the
+product besides (D + 4·F per row, and the copy).
 
 Switched on in a stock model with ``--override.imports
 smelt_model.titan.experts.smelt_experts``; :func:`torch_experts` is the way back to
@@ -28,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config.override import derive, override
 from torchtitan.models.common.moe import GroupedExperts
 
-from smelt_kernels.moe_gemm import grouped_gemm
+from smelt_kernels.moe_gemm import grouped_gemm, grouped_gemm_backward
 
 __all__ = ["SmeltGroupedExperts", "smelt_experts", "torch_experts"]
 
@@ -59,18 +64,71 @@ class SmeltGroupedExperts(GroupedExperts):
                 f"experts, got {tuple(num_tokens_per_expert_E.shape)}"
             )
         offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-        dtype = x_RD.dtype
-        hidden = w1.shape[1]
         # the routed rows are counted exactly by the dispatcher: no host read of the offsets
+        return _SwiGLUExperts.apply(x_RD, w1, w3, w2, offsets, self.backend)
+
+
+class _SwiGLUExperts(torch.autograd.Function):
+    """``down(silu(x @ w1^T) * (x @ w3^T))`` per expert group, keeping for the backward only
+    the rows ``x`` and the gate/up projections: the SwiGLU product is rebuilt from them
+    (elementwise) where autograd would keep it and the activation besides, and the weights
+    are concatenated again rather than kept as a copy per layer (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w3, w2, offsets, backend):
+        dtype = x.dtype
         gate_up = grouped_gemm(
-            x_RD,
-            torch.cat([w1, w3], dim=1).to(dtype),
+            x, torch.cat([w1, w3], dim=1).to(dtype), offsets, backend=backend, check_values=False
+        )
+        out = grouped_gemm(
+            _swiglu(gate_up), w2.to(dtype), offsets, backend=backend, check_values=False
+        )
+        ctx.save_for_backward(x, w1, w3, w2, offsets, gate_up)
+        ctx.backend = backend
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w1, w3, w2, offsets, gate_up = ctx.saved_tensors
+        dtype, hidden, backend = x.dtype, w1.shape[1], ctx.backend
+        needs_x, needs_w1, needs_w3, needs_w2 = ctx.needs_input_grad[:4]
+        grad_out = grad_out.contiguous().to(dtype)
+        dh, dw2 = grouped_gemm_backward(
+            grad_out,
+            _swiglu(gate_up),
+            w2.to(dtype),
             offsets,
-            backend=self.backend,
+            backend=backend,
+            needs=(True, needs_w2),
             check_values=False,
         )
-        h = F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]
-        return grouped_gemm(h, w2.to(dtype), offsets, backend=self.backend, check_values=False)
+        gate, up = gate_up[:, :hidden].float(), gate_up[:, hidden:].float()
+        sig = torch.sigmoid(gate)
+        dh = dh.float()
+        d_gate_up = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], dim=1).to(
+            dtype
+        )
+        dx, dw13 = grouped_gemm_backward(
+            d_gate_up,
+            x,
+            torch.cat([w1, w3], dim=1).to(dtype),
+            offsets,
+            backend=backend,
+            needs=(needs_x, needs_w1 or needs_w3),
+            check_values=False,
+        )
+        dw1 = dw3 = None
+        if dw13 is not None:
+            dw1 = dw13[:, :hidden].to(w1.dtype) if needs_w1 else None
+            dw3 = dw13[:, hidden:].to(w3.dtype) if needs_w3 else None
+        if dw2 is not None:
+            dw2 = dw2.to(w2.dtype)
+        return dx, dw1, dw3, dw2, None, None
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    hidden = gate_up.shape[1] // 2
+    return F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]
 
 
 @override(

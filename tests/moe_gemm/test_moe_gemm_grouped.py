@@ -6,7 +6,7 @@ import torch
 from helpers import assert_all_close, device_for, fp64_oracle, run_with_grads
 from helpers_moe import grouped_case, grouped_loop, has_cpu_kernel
 
-from smelt_kernels.moe_gemm import grouped_gemm
+from smelt_kernels.moe_gemm import grouped_gemm, grouped_gemm_backward
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
@@ -34,6 +34,47 @@ def test_grouped_gemm_matches_reference(name, gather, dtype):
         run_with_grads(grouped_loop, (a, b), dc, *rest),
         dtype,
     )
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_gemm_backward_is_the_autograd_gradient(name, dtype):
+    """The public backward gives what autograd through grouped_gemm gives (an empty group,
+    tail rows past the last offset), and only what ``needs`` asks for."""
+    if name == "cpu" and not has_cpu_kernel():
+        pytest.skip("no native CPU kernel")
+    dev = device_for(name)
+    a, b, ends, _, dc = grouped_case(dtype, dev, False)
+    a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+    c = grouped_gemm(a_, b_, ends, backend=name)
+    want = torch.autograd.grad(c, (a_, b_), dc)
+    dc_poisoned = dc.clone()
+    got = grouped_gemm_backward(dc_poisoned, a, b, ends, backend=name)
+    assert torch.equal(dc_poisoned, dc)  # its input is left alone
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert (got[0][33:] == 0).all() and (got[1][1] == 0).all()  # tail rows, empty group
+    da, db = grouped_gemm_backward(dc, a, b, ends, needs=(False, True), backend=name)
+    assert da is None and torch.equal(db, want[1])
+    da, db = grouped_gemm_backward(dc, a, b, ends.long(), needs=(True, False), backend=name)
+    assert db is None and torch.equal(da, want[0])
+
+
+def test_grouped_gemm_backward_rejects():
+    a, b, ends, _, dc = grouped_case(torch.float32, "cpu", False)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        grouped_gemm_backward(dc, a, b, torch.tensor([4, 3, 15, 30, 33]))
+    with pytest.raises(ValueError, match="dc \\(M, 19\\)"):
+        grouped_gemm_backward(dc[:, :5], a, b, ends)
+    with pytest.raises(ValueError, match="offsets must be"):
+        grouped_gemm_backward(dc, a, b, ends[:3])
+    with pytest.raises(ValueError, match="2-D"):
+        grouped_gemm_backward(dc[None], a, b, ends)
+    with pytest.raises(TypeError, match="share a floating dtype"):
+        grouped_gemm_backward(dc.double(), a, b, ends)
+    with pytest.raises(TypeError, match="check_values must be None or a bool"):
+        grouped_gemm_backward(dc, a, b, ends, check_values=0)
 
 
 def test_grouped_gemm_rejects():

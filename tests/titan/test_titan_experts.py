@@ -87,3 +87,22 @@ def test_runs_in_the_input_dtype():
         torch.nn.init.normal_(p)
     y = ours(torch.randn(6, 16, dtype=torch.float64), torch.tensor([2, 0, 4, 0, 0]))
     assert y.dtype == torch.float64 and y.shape == (6, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_keeps_the_rows_and_the_gate_up_projections_only(dtype):
+    """What the layer keeps for its backward beside its input x: the (rows, 2 F) projections
+    and the offsets, nothing of the weights' size (autograd on the same calls kept the
+    concatenated weights, the activation and the product too)."""
+    from smelt_model.executor import activation_memory
+
+    stock, ours = _pair(E=5, F=24, D=16)
+    ours.to(dtype)
+    counts = torch.tensor([5, 0, 7, 3, 1])
+    x = torch.randn(16, 16, dtype=dtype, requires_grad=True)
+    y, mem = activation_memory(lambda: ours(x, counts), exclude=[x, *ours.parameters()])
+    size = torch.tensor([], dtype=dtype).element_size()
+    offsets = counts.numel() * 4  # int32
+    assert mem.saved_bytes == 16 * 2 * 24 * size + offsets
+    y.backward(torch.randn_like(y))
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters())
