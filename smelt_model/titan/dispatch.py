@@ -15,6 +15,12 @@
   C(E - E/R, k) / C(E, k)) / k`` of the stock rows (0.66 at E 192 or 288, k 8, R 8).
   It needs no DeepEP build: plain all-to-alls, on NCCL and gloo.
 
+Both, and :class:`ScaledLocalTokenDispatcher` (the local one, for layers whose experts are
+gathered), weight the expert outputs by their routing scores with :func:`scale_rows` (in fp32,
+keeping the outputs for the scores' gradient in their own dtype, where the stock combine
+keeps an fp32 copy: 2·D bytes per bf16 row less); the blocking ``combine`` of the counting
+dispatcher across EP ranks is torchtitan's own, fp32 copy included.
+
 Both dispatchers run locally (no exchange) when no EP mesh is wired, and both offer the
 phased form that the chunked overlap uses: :meth:`~CountingAllToAllTokenDispatcher.dispatch_phases`
 and :meth:`~CountingAllToAllTokenDispatcher.combine_phases` are generators that start their
@@ -57,6 +63,8 @@ __all__ = [
     "PhasedDispatchMetadata",
     "count_all_to_all",
     "dedup_all_to_all",
+    "scale_rows",
+    "ScaledLocalTokenDispatcher",
     "token_ranks",
     "pause",
     "run_phases",
@@ -89,6 +97,18 @@ def token_ranks(topk_expert_ids_TK: torch.Tensor, ep: int, n_experts: int) -> to
     dest = topk_expert_ids_TK.long() // (n_experts // ep)
     mask = torch.zeros(dest.shape[0], ep, dtype=torch.bool, device=dest.device)
     return mask.scatter_(1, dest, True).sum(0)
+
+
+class ScaledLocalTokenDispatcher(LocalTokenDispatcher):
+    """torchtitan's ``LocalTokenDispatcher`` (no exchange: a layer whose experts are all on
+    this rank) with :func:`scale_rows` in its combine."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(LocalTokenDispatcher.Config):
+        pass
+
+    def combine(self, routed_output_RD, metadata, x_TD):
+        return _local_combine(routed_output_RD, metadata, x_TD)
 
 
 class CountingAllToAllTokenDispatcher(AllToAllTokenDispatcher):
@@ -141,6 +161,11 @@ class CountingAllToAllTokenDispatcher(AllToAllTokenDispatcher):
         return super().dispatch(
             x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
         )
+
+    def combine(self, routed_output_RD, metadata, x_TD):
+        if self.ep_mesh is None:
+            return _local_combine(routed_output_RD, metadata, x_TD)
+        return super().combine(routed_output_RD, metadata, x_TD)
 
     def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
         out = super()._dispatch_token_exchange(routed_input_ND, pg, output_splits, input_splits)
@@ -219,7 +244,7 @@ class CountingAllToAllTokenDispatcher(AllToAllTokenDispatcher):
         """Generator form of ``combine``; returns ``(keep, out_TD)``. Only ``x_TD``'s shape,
         dtype and device are used."""
         if self.ep_mesh is None:
-            return keep, LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
+            return keep, _local_combine(routed_output_RD, metadata, x_TD)
         _, xg = self._groups()
         rows = self._unpermute(routed_output_RD, metadata.input_shape, metadata.permuted_indices)
         flight = Flight(xg, metadata.output_splits, metadata.input_splits, "combine", metadata.call)
@@ -227,10 +252,50 @@ class CountingAllToAllTokenDispatcher(AllToAllTokenDispatcher):
         scores = metadata.topk_scores_experts_sorted_N
         keep, (buf, scores) = yield from pause(keep, (buf, scores))
         (back,) = wait(flight, buf)
-        back = (back.to(torch.float32) * scores.reshape(-1, 1)).to(back.dtype)
+        back = scale_rows(back, scores, back.dtype)
         index = metadata.token_indices_experts_sorted_N.reshape(-1, 1).expand(-1, x_TD.shape[-1])
         out = x_TD.new_zeros(x_TD.shape)
         return keep, deterministic_scatter_add(out, index, back)
+
+
+class _ScaleRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, scores, dtype):
+        ctx.save_for_backward(rows, scores)
+        return (rows.to(torch.float32) * scores.reshape(-1, 1)).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, scores = ctx.saved_tensors
+        grad = grad.to(torch.float32)
+        d_rows = d_scores = None
+        if ctx.needs_input_grad[0]:
+            d_rows = (grad * scores.reshape(-1, 1)).to(rows.dtype)
+        if ctx.needs_input_grad[1]:
+            d_scores = (grad * rows.to(torch.float32)).sum(-1).reshape(scores.shape)
+            d_scores = d_scores.to(scores.dtype)
+        return d_rows, d_scores, None
+
+
+def scale_rows(rows: torch.Tensor, scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(rows.float() * scores[:, None]).to(dtype)`` -- each expert output row times its
+    routing score, in fp32 -- keeping ``rows`` in their own dtype for the scores' gradient
+    (autograd on that expression keeps the fp32 copy)."""
+    if rows.dim() != 2 or scores.numel() != rows.shape[0]:
+        raise ValueError(
+            f"scale_rows: rows must be (R, D) and scores hold R={rows.shape[0]} scores, got "
+            f"{tuple(rows.shape)} and {tuple(scores.shape)}"
+        )
+    return _ScaleRows.apply(rows, scores, dtype)
+
+
+def _local_combine(routed_output_RD, metadata, x_TD) -> torch.Tensor:
+    """torchtitan's local combine (no EP) with :func:`scale_rows`."""
+    rows = scale_rows(
+        routed_output_RD, metadata.topk_scores_experts_sorted_N, routed_output_RD.dtype
+    )
+    index = metadata.token_indices_experts_sorted_N.reshape(-1, 1).expand(-1, x_TD.shape[-1])
+    return deterministic_scatter_add(torch.zeros_like(x_TD), index, rows)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -372,7 +437,7 @@ class DedupAllToAllTokenDispatcher(CountingAllToAllTokenDispatcher):
         if self.ep_mesh is None:
             return (yield from super().combine_phases(routed_output_RD, metadata, x_TD, keep))
         D = routed_output_RD.shape[-1]
-        weighted = routed_output_RD.to(torch.float32) * metadata.scores_N.reshape(-1, 1)
+        weighted = scale_rows(routed_output_RD, metadata.scores_N, torch.float32)
         rows = torch.zeros(
             metadata.received_rows, D, dtype=torch.float32, device=routed_output_RD.device
         )
