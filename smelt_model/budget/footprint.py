@@ -18,8 +18,14 @@
   its layers kept for all visits, hold every span layer at once while the span runs;
   experts gathered at every visit (``span_gather="layer"``) are held one layer at a time.
 * ``activations``: what the backward keeps at the rank's tokens, from
-  :func:`smelt_model.memory.estimate` (per executed layer, and the logits); a recomputed
-  layer (``plan.recompute``) keeps only its input, and one layer is rebuilt at a time.
+  :func:`smelt_model.memory.estimate` (per executed layer, and the logits), and per routed
+  row what the expert compute and combine on torchtitan keep beyond it
+  (:data:`ROW_BYTES`, by ``Workload.experts``): smelt's combine keeps each expert output
+  for its routing score's gradient (``H`` elements); torchtitan's stock experts keep the
+  SwiGLU activation and product besides (``2 F``) and its combine an fp32 copy of the
+  outputs (``4 H`` bytes). A recomputed layer (``plan.recompute``) keeps only its input,
+  and one layer is rebuilt at a time. ``tests/titan`` measures what the torchtitan layers
+  keep against this count.
 * ``runtime``: :data:`smelt_model.memory.RUNTIME_BYTES`.
 
 A plan fits when the total, with :data:`smelt_model.memory.MARGIN` on top, is within the
@@ -40,10 +46,18 @@ from .ledger import embedding_params, layer_params
 from .schedule import fsdp_units, held_peak
 from .workload import Workload
 
-__all__ = ["STATE_BYTES", "Footprint", "footprint"]
+__all__ = ["ROW_BYTES", "STATE_BYTES", "Footprint", "footprint"]
 
 #: bytes of training state per parameter: fp32 weight and gradient, AdamW's two fp32 moments
 STATE_BYTES = 4 + 4 + 2 * 4
+
+#: bytes per routed (token, slot) row that the expert compute and combine keep beyond
+#: :func:`smelt_model.memory.estimate`'s layer, by ``Workload.experts``:
+#: ``f(hidden, expert_size, act_bytes)``
+ROW_BYTES = {
+    "smelt": lambda H, F, act: H * act,
+    "stock": lambda H, F, act: 2 * F * act + 4 * H,
+}
 
 
 @dataclass(frozen=True)
@@ -80,7 +94,9 @@ def _per_layer_activations(cfg: ModelConfig, tokens: int, w: Workload) -> tuple[
         for n in (1, 2)
     ]
     layer = kept[1] - kept[0]
-    return layer, kept[0] - layer
+    logits = kept[0] - layer
+    rows = tokens * cfg.top_k * ROW_BYTES[w.experts](cfg.hidden_size, cfg.expert_size, w.act_bytes)
+    return layer + rows, logits
 
 
 def footprint(

@@ -414,8 +414,8 @@ def project(
 ) -> Projection:
     """The projected step of ``cfg`` on ``cluster`` under ``plan``: ``"auto"`` (the best,
     :func:`plan`), None (torchtitan's stock layout: every layer EP, no de-duplication, no
-    overlap, the lightest recompute that fits), a :func:`~smelt_model.budget.parse_plan`
-    spec (those layer kinds, the rest searched), or a
+    overlap, the lightest recompute that fits, torchtitan's expert compute), a
+    :func:`~smelt_model.budget.parse_plan` spec (those layer kinds, the rest searched), or a
     :class:`~smelt_model.budget.ParallelPlan` taken as it is (``.fits`` says whether it
     fits). Other arguments as for :func:`plan`."""
     w = workload_of(workload, options, "project")
@@ -424,6 +424,7 @@ def project(
         return _evaluate(cfg, parse_plan(plan, cfg), cl, tokens, w)
     if plan is None:
         stock = stock_plan(cfg, cl.ep)  # torchtitan's defaults, resharding included
+        w = dataclasses.replace(w, experts="stock")  # and its expert compute and combine
         return _best(cfg, cl, tokens, w, stock.layers, (True,), False, ep=cl.ep)
     layers = None if plan == "auto" else parse_plan(plan, cfg, ep=cl.ep).layers
     return _best(cfg, cl, tokens, w, layers, ep=cl.ep, dedup=True, overlap=True)

@@ -4,7 +4,10 @@
 the gathered weights, ``reduce_dtype`` of the reduced gradients), the document mix the
 FLOPs count assumes (``mean_doc_len`` in contexts of ``seq_len``), and whether a projected
 step computes the output head (``head``: its matmul, ``6 x vocab x hidden`` FLOPs per token,
-which F leaves out and a training step runs; False projects F's parts alone).
+which F leaves out and a training step runs; False projects F's parts alone), and whose
+expert compute and combine keep the activations (``experts``: ``"smelt"``, smelt's grouped
+GEMM and dispatchers on torchtitan, or ``"stock"``, torchtitan's own; the memory each keeps
+per routed row is :func:`smelt_model.budget.footprint`'s).
 :func:`~smelt_model.budget.comm`, :func:`~smelt_model.budget.ratios`,
 :func:`~smelt_model.budget.project`, :func:`~smelt_model.budget.project_pair` and
 :func:`~smelt_model.budget.plan` take either ``workload=Workload(...)`` or the same names as
@@ -19,7 +22,10 @@ from typing import Any, Mapping, Optional
 
 from .ledger import mean_attended
 
-__all__ = ["DTYPE_BYTES", "Workload", "dtype_bytes", "workload_of"]
+__all__ = ["DTYPE_BYTES", "EXPERTS", "Workload", "dtype_bytes", "workload_of"]
+
+#: whose expert compute and combine a step runs (:attr:`Workload.experts`)
+EXPERTS = ("smelt", "stock")
 
 #: element sizes of the dtypes communication may use
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -42,10 +48,13 @@ class Workload:
     mean_doc_len: float = 800
     seq_len: int = 4096
     head: bool = True
+    experts: str = "smelt"
 
     def __post_init__(self) -> None:
         if not isinstance(self.head, bool):
             raise TypeError(f"head must be a bool, got {self.head!r}")
+        if self.experts not in EXPERTS:
+            raise ValueError(f"experts must be one of {', '.join(EXPERTS)}, got {self.experts!r}")
         for name in ("dtype", "reduce_dtype"):
             value = getattr(self, name)
             dtype_bytes(value, name)

@@ -44,14 +44,18 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC
 from torchtitan.models.common.moe_sharding import set_moe_sharding_config
-from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 from torchtitan.tools.logging import logger
 
 from .. import parallel
 from ..plan import kept_layers as _policy_kept
 from . import traffic
-from .dispatch import CountingAllToAllTokenDispatcher, DedupAllToAllTokenDispatcher
+from .dispatch import (
+    CountingAllToAllTokenDispatcher,
+    DedupAllToAllTokenDispatcher,
+    ScaledLocalTokenDispatcher,
+)
 from .exchange import dedicated_group
+from .experts import SmeltGroupedExperts
 from .moe_comm import MoECommConfig, RunMesh, describe, resolve, with_node
 
 __all__ = [
@@ -130,7 +134,7 @@ def _batch_degree(parallelism, world_size: int) -> int:
 
 def _dispatcher(kind: str, plan: Any) -> type:
     if kind == "gather":
-        return LocalTokenDispatcher
+        return ScaledLocalTokenDispatcher
     return DedupAllToAllTokenDispatcher if plan.dedup else CountingAllToAllTokenDispatcher
 
 
@@ -165,13 +169,19 @@ def run_plan(config: Any, arch: Any, recompute: str) -> tuple[Any, RunMesh]:
 
 def _workload(config: Any, arch: Any) -> Any:
     """The ledger's :class:`~smelt_model.budget.Workload` of a run: the dtypes its weights
-    are gathered and its gradients reduced in, and its sequence length."""
+    are gathered and its gradients reduced in, its sequence length, and whose expert compute
+    it runs."""
     from ..budget import Workload
 
     training = config.training
     model = getattr(getattr(config, "model_spec", None), "model", None)
     seq_len = training.seq_len
+    stock = any(  # torchtitan's expert compute (smelt's torch_kernels switch) keeps more
+        not isinstance(m.routed_experts.inner_experts, SmeltGroupedExperts.Config)
+        for m in getattr(model, "moe", None) or ()
+    )
     return Workload(
+        experts="stock" if stock else "smelt",
         dtype=training.mixed_precision_param,
         reduce_dtype=training.mixed_precision_reduce,
         mean_doc_len=min(float(getattr(model, "mean_doc_len", 800.0)), seq_len),

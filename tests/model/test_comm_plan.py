@@ -292,6 +292,8 @@ def test_workload_options_have_one_home():
         budget.Workload(mean_doc_len=0)
     with pytest.raises(TypeError, match="head must be a bool"):
         budget.Workload(head=1)
+    with pytest.raises(ValueError, match="experts must be one of smelt, stock"):
+        budget.Workload(experts="torch")
     # FSDP's resharding is the plan's choice, not the workload's
     with pytest.raises(TypeError, match="reshard_after_forward"):
         budget.comm(cfg, 8, reshard_after_forward=False)

@@ -322,6 +322,20 @@ def test_footprint_by_hand():
     again = fp.footprint(cfg, dataclasses.replace(p, recompute="all"), SMALL, c, budget.Workload())
     assert again.activations < f.activations and again.state == f.state
     assert f.fits(f.total * 1.2) and not f.fits(f.total * 1.05)  # the 10% margin
+    # torchtitan's stock experts and combine keep 2 d_e elements and 4 H bytes per routed
+    # row where smelt's keep H elements (bf16: 2 bytes each), in every kept layer
+    stock = fp.footprint(cfg, p, SMALL, c, budget.Workload(experts="stock"))
+    rows = c.tokens_per_rank * cfg.top_k
+    per_row = 2 * cfg.expert_size * 2 + 4 * cfg.hidden_size - cfg.hidden_size * 2
+    layers = len(budget.layout.loop_of(cfg).steps)
+    assert stock.activations - f.activations == pytest.approx(layers * rows * per_row)
+    # and the stock column of a projection is counted with them
+    a = budget.project(cfg, SMALL, 256, plan=None, **ROWS)
+    w = budget.Workload(**ROWS)
+    assert a.memory == fp.footprint(
+        cfg, a.plan, SMALL, a.comm, dataclasses.replace(w, experts="stock")
+    )
+    assert a.memory.activations > fp.footprint(cfg, a.plan, SMALL, a.comm, w).activations
 
 
 # ----------------------------------------------------------------------------- the search

@@ -10,12 +10,12 @@ import pytest
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
 import titan_helpers as th  # noqa: E402
-from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher  # noqa: E402
 
 from smelt_model.titan import config_registry  # noqa: E402
 from smelt_model.titan.dispatch import (  # noqa: E402
     CountingAllToAllTokenDispatcher,
     DedupAllToAllTokenDispatcher,
+    ScaledLocalTokenDispatcher,
 )
 from smelt_model.titan.moe_comm import RunMesh, run_cluster  # noqa: E402
 from smelt_model.titan.parallelize import run_plan, update_model_config  # noqa: E402
@@ -49,7 +49,7 @@ def test_each_layer_gets_its_dispatcher_and_sharding(monkeypatch, spec, dedup, k
     ep_cls = DedupAllToAllTokenDispatcher if dedup else CountingAllToAllTokenDispatcher
     for i, kind in enumerate(kinds):
         moe = model.moe[i]
-        expect = ep_cls if kind == "e" else LocalTokenDispatcher
+        expect = ep_cls if kind == "e" else ScaledLocalTokenDispatcher
         assert type(moe.routed_experts.token_dispatcher) is expect.Config
         state = moe.routed_experts.inner_experts.sharding_config.state_shardings
         assert ("ep" in str(state["w1_EFD"])) == (kind == "e")
@@ -170,7 +170,7 @@ def test_auto_runs_the_ledgers_best_plan_for_the_run(monkeypatch):
     with pytest.raises(ValueError) as refused:
         run_plan(tight, arch, "none")
     assert (
-        "recomputes 'all-but-3'; run it with --moe_comm.keep_activations 3 "
+        "recomputes 'all-but-1'; run it with --moe_comm.keep_activations 1 "
         "activation_checkpoint:full (last) or give the plan"
     ) in str(refused.value)
     from smelt_model.titan.moe_comm import recompute_args
@@ -178,7 +178,7 @@ def test_auto_runs_the_ledgers_best_plan_for_the_run(monkeypatch):
     assert recompute_args("visit1") == "activation_checkpoint:selective (last)"
     assert recompute_args("all") == "activation_checkpoint:full (last)"
     assert recompute_args("none") == "activation_checkpoint:none (last)"
-    assert run_plan(tight, arch, "all-but-3")[0].recompute == "all-but-3"
+    assert run_plan(tight, arch, "all-but-1")[0].recompute == "all-but-1"
 
 
 def test_the_launcher_checks_an_auto_plan_on_the_processes_it_will_start(monkeypatch):
