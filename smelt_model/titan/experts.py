@@ -93,21 +93,21 @@ class _SwiGLUExperts(torch.autograd.Function):
         dtype, hidden, backend = x.dtype, w1.shape[1], ctx.backend
         needs_x, needs_w1, needs_w3, needs_w2 = ctx.needs_input_grad[:4]
         grad_out = grad_out.contiguous().to(dtype)
+        gate, up = gate_up[:, :hidden], gate_up[:, hidden:]
+        act = F.silu(gate)
         dh, dw2 = grouped_gemm_backward(
             grad_out,
-            _swiglu(gate_up),
+            act * up,  # the product, rebuilt
             w2.to(dtype),
             offsets,
             backend=backend,
             needs=(True, needs_w2),
             check_values=False,
         )
-        gate, up = gate_up[:, :hidden].float(), gate_up[:, hidden:].float()
-        sig = torch.sigmoid(gate)
-        dh = dh.float()
-        d_gate_up = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], dim=1).to(
-            dtype
-        )
+        # the gradients autograd gives the two elementwise ops, into one buffer
+        d_gate_up = torch.empty_like(gate_up)
+        torch.ops.aten.silu_backward(dh * up, gate, grad_input=d_gate_up[:, :hidden])
+        torch.mul(dh, act, out=d_gate_up[:, hidden:])
         dx, dw13 = grouped_gemm_backward(
             d_gate_up,
             x,
