@@ -2,8 +2,8 @@
 
 * :class:`CountingAllToAllTokenDispatcher` is torchtitan's ``AllToAllTokenDispatcher``: one
   row per (token, slot) pair goes to the EP rank that holds the slot's expert. Its blocking
-  ``dispatch`` / ``combine`` are the stock ones; it adds byte recording
-  (:mod:`smelt_model.titan.traffic`) and the same exchanges split in phases.
+  ``dispatch`` / ``combine`` are the stock ones (the combine's weighting as below); it adds
+  byte recording (:mod:`smelt_model.titan.traffic`) and the same exchanges split in phases.
 * :class:`DedupAllToAllTokenDispatcher` sends a token **once** to each EP rank that holds any
   of its ``k`` experts: one row per (token, destination rank) pair, with the row's local
   expert ids and routing scores beside it (``k`` int32 and ``k`` fp32). On arrival each row
@@ -18,8 +18,7 @@
 Both, and :class:`ScaledLocalTokenDispatcher` (the local one, for layers whose experts are
 gathered), weight the expert outputs by their routing scores with :func:`scale_rows` (in fp32,
 keeping the outputs for the scores' gradient in their own dtype, where the stock combine
-keeps an fp32 copy: 2·D bytes per bf16 row less); the blocking ``combine`` of the counting
-dispatcher across EP ranks is torchtitan's own, fp32 copy included.
+keeps an fp32 copy: 2·D bytes per bf16 row less).
 
 Both dispatchers run locally (no exchange) when no EP mesh is wired, and both offer the
 phased form that the chunked overlap uses: :meth:`~CountingAllToAllTokenDispatcher.dispatch_phases`
@@ -163,9 +162,14 @@ class CountingAllToAllTokenDispatcher(AllToAllTokenDispatcher):
         )
 
     def combine(self, routed_output_RD, metadata, x_TD):
+        """torchtitan's combine (unpermute, all-to-all back, weight, scatter-add) with
+        :func:`scale_rows` weighting the rows that came back."""
         if self.ep_mesh is None:
             return _local_combine(routed_output_RD, metadata, x_TD)
-        return super().combine(routed_output_RD, metadata, x_TD)
+        pg, _ = self._groups()
+        rows = self._unpermute(routed_output_RD, metadata.input_shape, metadata.permuted_indices)
+        rows = self._combine_token_exchange(rows, pg, metadata.input_splits, metadata.output_splits)
+        return _local_combine(rows, metadata, x_TD)
 
     def _dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
         out = super()._dispatch_token_exchange(routed_input_ND, pg, output_splits, input_splits)
