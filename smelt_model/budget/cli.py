@@ -349,15 +349,24 @@ def _gap_lines(label: str, best, stock, flops: float) -> list[str]:
         text += f", torchtitan stock {stock[1].step_s / stock[0].step_s / flops:.4f}"
     out = [text]
     if gap > 1.00005:
-        extra = best[1].step_s - best[0].step_s * flops  # beyond what the FLOPs account for
         b, a = best[1], best[0]
+        extra = b.step_s - a.step_s * flops  # beyond what the FLOPs account for
+        # the extra, split: compute (recompute included) and exposed traffic
+        more_compute = b.compute_s - a.compute_s * flops
+        ratio = b.compute_s / a.compute_s
         out.append(
             f"above 1.00 by {gap - 1:.2%} ({_time(extra)} per step more than the F ratio "
-            f"allows): compute {b.compute_s / a.compute_s:.4f}x the baseline's (recompute "
-            f"{b.plan.recompute} against {a.plan.recompute}); exposed traffic of the looped "
+            f"allows: {_signed(more_compute)} from compute, {_signed(extra - more_compute)} "
+            f"from exposed traffic): compute {ratio:.4f}x the baseline's (recompute "
+            f"{b.plan.recompute} against {a.plan.recompute}), so with every transfer of both "
+            f"hidden the gap would be {ratio / flops:.4f}; exposed traffic of the looped "
             f"model {_exposed(b)}, of the baseline {_exposed(a)}"
         )
     return out
+
+
+def _signed(seconds: float) -> str:
+    return ("+" if seconds >= 0 else "-") + _time(abs(seconds))
 
 
 def _exposed(p: Projection) -> str:

@@ -297,6 +297,28 @@ def test_cli_cluster(capsys):
     assert "gathered weights and gradients" in out
 
 
+def test_a_gap_above_one_is_split_into_compute_and_exposed_traffic():
+    """Where the looped step is longer than the F ratio allows, the excess is split into
+    compute and exposed traffic (they add up to it, and each is the looped model's part
+    less the baseline's times the F ratio), and the line gives the gap left were every
+    transfer hidden. 200M-S95 with EP groups of 16: less compute, more exposed traffic."""
+    from smelt_model.budget import cli
+
+    pair = budget.project_pair(*presets.pair("200M-S95"), "h100-64,ep=16")
+    a, b, flops = pair.baseline, pair.looped, pair.flops_ratio
+    assert pair.gap() > 1.0
+    for p in (a, b):  # a step is its compute and what it waits for
+        assert p.step_s == pytest.approx(p.compute_s + p.exposed_s, rel=1e-9)
+    compute = b.compute_s - a.compute_s * flops
+    traffic = b.exposed_s - a.exposed_s * flops
+    assert compute < 0 < traffic
+    assert compute + traffic == pytest.approx(b.step_s - a.step_s * flops, rel=1e-9)
+    (line,) = [x for x in cli._gap_lines("best plan", [a, b], [a, b], flops) if "above" in x]
+    assert f"-{cli._time(-compute)} from compute, +{cli._time(traffic)} from exposed" in line
+    assert f"the gap would be {b.compute_s / a.compute_s / flops:.4f};" in line
+    assert f"above 1.00 by {pair.gap() - 1:.2%} ({cli._time(b.step_s - a.step_s * flops)}" in line
+
+
 def test_cli_plot(capsys, tmp_path):
     """--plot draws the projected steps: a PNG (or SVG) with every cluster's label, a
     model without a plan as text, and the pair's gap; it names the file it wrote."""
