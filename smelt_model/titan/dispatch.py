@@ -256,10 +256,7 @@ class CountingAllToAllTokenDispatcher(AllToAllTokenDispatcher):
         scores = metadata.topk_scores_experts_sorted_N
         keep, (buf, scores) = yield from pause(keep, (buf, scores))
         (back,) = wait(flight, buf)
-        back = scale_rows(back, scores, back.dtype)
-        index = metadata.token_indices_experts_sorted_N.reshape(-1, 1).expand(-1, x_TD.shape[-1])
-        out = x_TD.new_zeros(x_TD.shape)
-        return keep, deterministic_scatter_add(out, index, back)
+        return keep, _weighted_sum(back, scores, metadata.token_indices_experts_sorted_N, x_TD)
 
 
 class _ScaleRows(torch.autograd.Function):
@@ -293,13 +290,22 @@ def scale_rows(rows: torch.Tensor, scores: torch.Tensor, dtype: torch.dtype) -> 
     return _ScaleRows.apply(rows, scores, dtype)
 
 
+def _weighted_sum(rows, scores, token_of_row, x_TD) -> torch.Tensor:
+    """Each row times its score (:func:`scale_rows`), summed onto its token: a (T, D) tensor
+    like ``x_TD``."""
+    rows = scale_rows(rows, scores, rows.dtype)
+    index = token_of_row.reshape(-1, 1).expand(-1, x_TD.shape[-1])
+    return deterministic_scatter_add(torch.zeros_like(x_TD), index, rows)
+
+
 def _local_combine(routed_output_RD, metadata, x_TD) -> torch.Tensor:
     """torchtitan's local combine (no EP) with :func:`scale_rows`."""
-    rows = scale_rows(
-        routed_output_RD, metadata.topk_scores_experts_sorted_N, routed_output_RD.dtype
+    return _weighted_sum(
+        routed_output_RD,
+        metadata.topk_scores_experts_sorted_N,
+        metadata.token_indices_experts_sorted_N,
+        x_TD,
     )
-    index = metadata.token_indices_experts_sorted_N.reshape(-1, 1).expand(-1, x_TD.shape[-1])
-    return deterministic_scatter_add(torch.zeros_like(x_TD), index, rows)
 
 
 @dataclass(frozen=True, kw_only=True)
