@@ -294,7 +294,7 @@ if __name__ == "__main__":  # what pip and setuptools run; tests import the help
                 "smelt-train=smelt_model.train.cli:main",
                 "smelt-scaling=smelt_model.scaling.report:main",
                 "smelt-analysis=smelt_model.analysis:main",
-                "smelt-export=smelt_model.titan.export:main",
+                "smelt-export=smelt_model.titan.checkpoint.export:main",
             ]
         },
         ext_modules=ext_modules,

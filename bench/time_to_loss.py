@@ -13,7 +13,7 @@ from the evaluation before. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`
 default into the temporary folder the runs train in (its path is printed); ``--out STEM``
 chooses the place, e.g. ``--out bench/results/time_to_loss_cpu`` for the committed results.
 
-The runs are ``python -m smelt_model.train``'s (:mod:`smelt_model.train.loop`): the
+The runs are ``python -m smelt_model.train``'s (:mod:`smelt_model.train.lockstep`): the
 context length, tokens per step and learning rate below are sized for a small FLOP budget
 (many short steps); the warm-up, schedule, weight decay and clipping are the pair's
 recipe (:func:`smelt_model.presets.recipe`). Errors follow :mod:`smelt_tools.cli`.
@@ -80,7 +80,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     args = ap.parse_args(argv)
     try:
         found = presets.resolve(args.preset)
-    except cli.UsageError as e:
+    except presets.PresetError as e:
         raise cli.UsageError(f"--preset: {e}") from None
     if len(found) != 2:
         pair = found[0].rsplit("-", 1)[0]
@@ -115,7 +115,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
 
     from smelt_model.train import cli as train_cli
     from smelt_model.train import plot as plot_mod
-    from smelt_model.train.loop import Progress, build_trainers, train_loop
+    from smelt_model.train.lockstep import Progress, build_trainers, run_lockstep
     from smelt_model.train.plot import read_log
 
     torch.set_num_threads(args.threads)
@@ -162,7 +162,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
         file=sys.stderr,
     )
     t0 = time.time()
-    train_loop(trainers, Progress())
+    run_lockstep(trainers, Progress())
     wall = time.time() - t0
 
     runs = {}

@@ -155,7 +155,7 @@ ENVIRONMENT: dict[str, Variable] = {
     ),
     "SMELT_TITAN_COMM": Variable(
         "a folder: every rank of a torchtitan run records the bytes its collectives send "
-        "there (smelt_model.titan.traffic)"
+        "there (smelt_model.titan.moe.traffic)"
     ),
 }
 

@@ -17,8 +17,8 @@ a script without runpy's "found in sys.modules" warning. The scaling names
 
 import importlib
 
-from . import presets
-from .config import LoopSpec, ModelConfig, middle_loop
+from smelt_model import presets
+from smelt_model.config import LoopSpec, ModelConfig, middle_loop
 
 _LAZY = {
     "Ledger": "budget",

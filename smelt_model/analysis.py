@@ -40,10 +40,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from smelt_model.plotting import plot_path, pyplot, save
+from smelt_model.probes import capture
 from smelt_tools import cli
-
-from .plotting import plot_path, pyplot, save
-from .probes import capture
 
 __all__ = [
     "expert_overlap",
@@ -211,7 +210,7 @@ def analyze(
 
     Hq = cfg.n_heads
     half = Hq // 2
-    plan = model.plan
+    plan = model.schedule
     for layer in range(plan.start, plan.end):
         tops = {}
         for visit in range(plan.count):
@@ -342,7 +341,7 @@ def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tenso
 
 def _locate(path: str) -> tuple[Path, Optional[Path]]:
     """(the checkpoint folder ``path`` points at, the run folder it belongs to or None)."""
-    from .train import checkpoint
+    from smelt_model.train import checkpoint
 
     p = Path(path)
     if not p.exists() and not p.is_symlink():
@@ -364,8 +363,8 @@ def _pair(path: str) -> Optional[tuple[str, str]]:
 
 def _held_out(run: Optional[Path], where: str, seq_len: Optional[int], batch: int):
     """(ids, segment_ids) from the run's validation split: ``batch`` contexts."""
-    from .train import data, tokenizer
-    from .train.runspec import read_run_file
+    from smelt_model.data import corpus, tokenizer
+    from smelt_model.train.runspec import read_run_file
 
     if run is None:
         raise ValueError(
@@ -375,7 +374,7 @@ def _held_out(run: Optional[Path], where: str, seq_len: Optional[int], batch: in
     spec = read_run_file(run / "run.json")
     tok = tokenizer.load(run)
     try:
-        val = data.held_out(spec.data, spec.val_fraction, tok, seq_len or spec.seq_len)
+        val = corpus.held_out(spec.data, spec.val_fraction, tok, seq_len or spec.seq_len)
     except ValueError as e:
         raise ValueError(
             f"{run / 'run.json'}: the run's data cannot be read here ({e}); pass --tokens"
@@ -393,7 +392,7 @@ def _held_out(run: Optional[Path], where: str, seq_len: Optional[int], batch: in
 
 
 def _load_model(path: Path, backend: str):
-    from .model import SmeltLM
+    from smelt_model.model import SmeltLM
 
     try:
         return SmeltLM.from_pretrained(path, backend=backend)

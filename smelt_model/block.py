@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from smelt_kernels.layers import MoE, RMSNorm, Rotary, SegmentAttention
+from smelt_model.config import ModelConfig
 from smelt_model.executor import Interleaved, Step
-
-from .config import ModelConfig
 
 __all__ = [
     "RMSNorm",

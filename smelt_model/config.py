@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from smelt_model.plan import LoopPlan
+from smelt_model.schedule import LoopSchedule
 
 __all__ = ["LoopSpec", "ModelConfig", "middle_loop", "IGNORE_INDEX"]
 
@@ -22,7 +22,7 @@ __all__ = ["LoopSpec", "ModelConfig", "middle_loop", "IGNORE_INDEX"]
 IGNORE_INDEX = -100
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value < minimum:
@@ -54,9 +54,9 @@ class LoopSpec:
     count: int = 2
 
     def __post_init__(self) -> None:
-        _check_int("loop.start", self.start, 0)
-        _check_int("loop.length", self.length, 1)
-        _check_int("loop.count", self.count, 1)
+        check_int("loop.start", self.start, 0)
+        check_int("loop.length", self.length, 1)
+        check_int("loop.count", self.count, 1)
 
     @property
     def end(self) -> int:
@@ -78,7 +78,7 @@ def middle_loop(n_layers: int, fraction: float = 0.5, count: int = 2) -> LoopSpe
     span, the rest after. For L = 10, 12, 20, 30 this gives the 1-based spans 3-7, 4-9,
     6-15 and 8-22.
     """
-    _check_int("n_layers", n_layers, 1)
+    check_int("n_layers", n_layers, 1)
     _check_float("fraction", fraction, positive=True)
     if fraction > 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
@@ -125,7 +125,7 @@ class ModelConfig:
             ("expert_size", 1),
             ("top_k", 1),
         ):
-            _check_int(name, getattr(self, name), minimum)
+            check_int(name, getattr(self, name), minimum)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
@@ -165,26 +165,19 @@ class ModelConfig:
         return self.loop is not None and self.loop.count > 1
 
     @property
-    def plan(self) -> LoopPlan:
-        """The execution schedule (:class:`smelt_model.executor.LoopPlan`)."""
-        return LoopPlan(self.n_layers, self.loop)
-
-    def execution_plan(self) -> tuple[tuple[int, int], ...]:
-        """The executed layers in order, as (physical layer, visit) pairs, visits 0-based.
-
-        Prelude layers and coda layers have visit 0; span layers appear ``loop.count`` times,
-        the whole span repeated (layer s, s+1, ..., e-1, then again s, ..., e-1).
-        """
-        return self.plan.pairs()
+    def schedule(self) -> LoopSchedule:
+        """The loop schedule (:class:`smelt_model.schedule.LoopSchedule`): the executed layers in
+        order, as (physical layer, visit) pairs by ``.pairs()``."""
+        return LoopSchedule(self.n_layers, self.loop)
 
     @property
     def executed_layers(self) -> int:
         """L_eff = L + (r - 1) * m."""
-        return self.plan.executed_layers
+        return self.schedule.executed_layers
 
     def residual_scale(self, layer: int) -> float:
         """Scale applied to each sublayer update of ``layer`` (1/r inside the span)."""
-        return self.plan.residual_scale(layer)
+        return self.schedule.residual_scale(layer)
 
     # ------------------------------------------------------------------ (de)serialisation
     def replace(self, **changes: Any) -> "ModelConfig":

@@ -32,7 +32,7 @@ from typing import Any, Union
 
 import torch
 
-from .config import ModelConfig
+from smelt_model.config import ModelConfig
 
 __all__ = ["from_hf", "to_hf", "config_from_hf", "config_to_hf", "LAYER_KEYS", "TOP_KEYS"]
 
@@ -239,7 +239,7 @@ def from_hf(model_or_path, **kwargs) -> "SmeltLM":  # noqa: F821
     """A :class:`SmeltLM` with the weights of a Mixtral-layout transformers model (or of
     the folder it was saved to), copied exactly, in the source's dtype and on its device.
     ``kwargs`` go to :class:`SmeltLM` (``backend``, ``recompute``)."""
-    from .model import SmeltLM
+    from smelt_model.model import SmeltLM
 
     hf = _load_hf(model_or_path) if isinstance(model_or_path, (str, Path)) else model_or_path
     if not isinstance(hf, torch.nn.Module) or not hasattr(hf, "config"):
@@ -268,7 +268,7 @@ def to_hf(model, **config_overrides: Any):
     ``max_position_embeddings``)."""
     from transformers import MixtralForCausalLM
 
-    from .model import SmeltLM
+    from smelt_model.model import SmeltLM
 
     if not isinstance(model, SmeltLM):
         raise TypeError(f"to_hf: expected a SmeltLM, got {type(model).__name__}")

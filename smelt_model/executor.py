@@ -1,7 +1,7 @@
 """The persistent looped-block executor.
 
-A looped model executes ``prelude -> span x r -> coda``. :class:`LoopPlan` (defined in
-:mod:`smelt_model.plan`, re-exported here) turns that recipe into a static sequence of
+A looped model executes ``prelude -> span x r -> coda``. :class:`LoopSchedule` (defined in
+:mod:`smelt_model.schedule`, re-exported here) turns that recipe into a static sequence of
 :class:`Step` s (physical layer, visit, KV-cache slot, residual scale); this module runs any
 stack of blocks along it:
 
@@ -12,10 +12,10 @@ stack of blocks along it:
 * :class:`Interleaved` runs several chunks of a batch through the blocks at once, switching
   between them where a block waits on an exchange (chunked overlap of expert-parallel
   all-to-alls with compute): a block that offers ``phases`` is run as a generator.
-* :class:`Executor` runs the plan with an activation policy (``recompute``): ``"none"``
+* :class:`Executor` runs the schedule with an activation policy (``recompute``): ``"none"``
   keeps every activation, ``"visit1"`` recomputes the span's first visit in backward (its
   activations are the ones held longest), ``"all"`` recomputes every executed layer,
-  ``"all-but-N"`` every one but the last N (:meth:`LoopPlan.recomputed` says which).
+  ``"all-but-N"`` every one but the last N (:meth:`LoopSchedule.recomputed` says which).
   Recomputation uses non-reentrant activation checkpointing, run to the end of the layer
   (no early stop: a recomputed layer runs every exchange of its forward again). Chunks of
   an :class:`Interleaved` batch are recomputed together: they meet before the layer
@@ -55,11 +55,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .plan import RECOMPUTE_POLICIES, LoopPlan, Step
+from smelt_model.schedule import RECOMPUTE_POLICIES, LoopSchedule, Step
 
 __all__ = [
     "Step",
-    "LoopPlan",
+    "LoopSchedule",
     "LoopedSpan",
     "Interleaved",
     "Executor",
@@ -72,10 +72,10 @@ __all__ = [
 
 
 class Executor:
-    """Runs blocks along a :class:`LoopPlan` with an activation-recompute policy."""
+    """Runs blocks along a :class:`LoopSchedule` with an activation-recompute policy."""
 
-    def __init__(self, plan: LoopPlan, recompute: str = "none"):
-        self.plan = plan
+    def __init__(self, schedule: LoopSchedule, recompute: str = "none"):
+        self.schedule = schedule
         self.recompute = recompute
 
     @property
@@ -84,7 +84,7 @@ class Executor:
 
     @recompute.setter
     def recompute(self, policy: str) -> None:
-        self._slots = self.plan.recomputed(policy)
+        self._slots = self.schedule.recomputed(policy)
         self._recompute = policy
 
     def should_recompute(self, step: Step) -> bool:
@@ -107,11 +107,11 @@ class Executor:
         steps: Optional[Iterable[Step]] = None,
         extra: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Run ``steps`` (default: the whole plan); ``blocks(layer)`` gives a physical layer.
+        """Run ``steps`` (default: the whole schedule); ``blocks(layer)`` gives a physical layer.
 
         Returns the final ``x`` and the sum of the blocks' extras (added to ``extra``).
         """
-        for step in self.plan.steps if steps is None else steps:
+        for step in self.schedule.steps if steps is None else steps:
             x, e = self.run_step(blocks(step.layer), x, ctx, step)
             if e is not None:
                 extra = e if extra is None else extra + e
@@ -119,13 +119,13 @@ class Executor:
 
 
 class LoopedSpan(nn.Module):
-    """The shared span: its layers, executed ``plan.count`` times in one forward call."""
+    """The shared span: its layers, executed ``schedule.count`` times in one forward call."""
 
     def __init__(self, layers: Sequence[nn.Module], executor: Executor):
         super().__init__()
-        if len(layers) != executor.plan.length:
+        if len(layers) != executor.schedule.length:
             raise ValueError(
-                f"the span has {executor.plan.length} layers in the plan, got {len(layers)}"
+                f"the span has {executor.schedule.length} layers in the schedule, got {len(layers)}"
             )
         self.layers = nn.ModuleList(layers)
         self.executor = executor
@@ -133,7 +133,7 @@ class LoopedSpan(nn.Module):
     def forward(
         self, x: torch.Tensor, ctx: Any, extra: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        start, span = self.executor.plan.start, self.executor.plan.span
+        start, span = self.executor.schedule.start, self.executor.schedule.span
         return self.executor.run(lambda layer: self.layers[layer - start], x, ctx, span, extra)
 
 

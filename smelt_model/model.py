@@ -4,7 +4,7 @@
 token embedding, pre-norm blocks (RMSNorm -> GQA attention with RoPE -> residual; RMSNorm ->
 top-k MoE -> residual), final RMSNorm and an untied LM head. The blocks are held as
 ``prelude``, ``span`` (a :class:`smelt_model.executor.LoopedSpan` that runs its visits in
-one call) and ``coda``; the executor runs them along the plan. Inside the span every sublayer
+one call) and ``coda``; the executor runs them along the schedule. Inside the span every sublayer
 update is scaled by 1/r on every visit.
 """
 
@@ -19,11 +19,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from smelt_kernels import backends
-from smelt_model.executor import Executor, LoopedSpan, LoopPlan
-
-from .block import Block, ForwardContext, MoE, RMSNorm, Rotary, SegmentAttention, init_weights
-from .budget.ledger import layer_params
-from .config import IGNORE_INDEX, ModelConfig
+from smelt_model.block import (
+    Block,
+    ForwardContext,
+    MoE,
+    RMSNorm,
+    Rotary,
+    SegmentAttention,
+    init_weights,
+)
+from smelt_model.budget.ledger import layer_params
+from smelt_model.config import IGNORE_INDEX, ModelConfig
+from smelt_model.executor import Executor, LoopedSpan, LoopSchedule
 
 __all__ = ["SmeltLM", "SmeltOutput", "IGNORE_INDEX", "valid_targets"]
 
@@ -63,11 +70,11 @@ class SmeltLM(nn.Module):
         self.cfg = cfg
         if backend not in backends.choices():
             raise ValueError(f"backend must be one of {backends.choices()}, got {backend!r}")
-        self.plan = LoopPlan.from_config(cfg)
-        self.executor = Executor(self.plan, recompute)
+        self.schedule = LoopSchedule.from_config(cfg)
+        self.executor = Executor(self.schedule, recompute)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         blocks = [Block(cfg) for _ in range(cfg.n_layers)]
-        p = self.plan
+        p = self.schedule
         self.prelude = nn.ModuleList(blocks[: p.start])
         self.span = LoopedSpan(blocks[p.start : p.end], self.executor) if p.length else None
         self.coda = nn.ModuleList(blocks[p.end :])
@@ -108,7 +115,7 @@ class SmeltLM(nn.Module):
 
     def layer(self, i: int) -> Block:
         """Physical layer ``i`` (0-based)."""
-        p = self.plan
+        p = self.schedule
         if not 0 <= i < self.cfg.n_layers:
             raise IndexError(f"layer {i} outside 0..{self.cfg.n_layers - 1}")
         if i < p.start:
@@ -155,7 +162,7 @@ class SmeltLM(nn.Module):
         ctx = ForwardContext(
             cos=cos, sin=sin, segment_ids=segment_ids, cache=cache, cache_pos=cache_pos
         )
-        ex, p = self.executor, self.plan
+        ex, p = self.executor, self.schedule
         x, aux = ex.run(lambda i: self.prelude[i], x, ctx, p.prelude)
         if self.span is not None:
             x, aux = self.span(x, ctx, aux)

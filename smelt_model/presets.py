@@ -23,14 +23,32 @@ parameters); the paper presets use 32768.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from smelt_tools.cli import UsageError, unknown
+from smelt_model.config import ModelConfig, middle_loop
 
-from .config import ModelConfig, middle_loop
+__all__ = [
+    "PresetError",
+    "names",
+    "get",
+    "pair",
+    "pairs",
+    "resolve",
+    "model_name",
+    "Recipe",
+    "recipe",
+    "DECAY",
+]
 
-__all__ = ["names", "get", "pair", "pairs", "resolve", "model_name", "Recipe", "recipe", "DECAY"]
+
+class PresetError(ValueError):
+    """A name that is not a preset, or a pair where one model is needed. Commands report it
+    as a usage error (``exit_status`` 2: one line, exit status 2)."""
+
+    exit_status = 2
+
 
 PAPER_VOCAB = 32768
 SPARSITIES = (85, 95, 97)
@@ -107,7 +125,7 @@ def _tiny(arch: str) -> ModelConfig:
     )
 
 
-# Found by smelt_model.budget.match on tiny-baseline (tests/model/test_budget.py checks the match).
+# Found by smelt_model.budget.match on tiny-baseline (tests/budget/test_budget.py checks the match).
 TINY_SMELT_EXPERTS = 104
 TINY_SMELT_EXPERT_SIZE = 96
 
@@ -137,8 +155,8 @@ def resolve(name: str) -> tuple[str, ...]:
     """The model presets ``name`` stands for: itself for a model name (``tiny-smelt``),
     ``(PAIR-baseline, PAIR-smelt)`` for a pair name (``tiny``); upper or lower case alike.
 
-    An unknown name raises :class:`smelt_tools.cli.UsageError` (a ``ValueError``) with the
-    closest known name and every pair and model name."""
+    An unknown name raises :class:`PresetError` (a ``ValueError``) with the closest known
+    name and every pair and model name."""
     if not isinstance(name, str):
         raise TypeError(f"a preset name must be a str, got {type(name).__name__}")
     key = name.strip().lower()
@@ -148,7 +166,11 @@ def resolve(name: str) -> tuple[str, ...]:
     for known in names():
         if known.lower() == key:
             return (known,)
-    raise unknown("preset", name, [*pairs(), *names()])
+    known = [*pairs(), *names()]
+    lowered = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(key, list(lowered), n=1, cutoff=0.6)
+    hint = f" (did you mean {lowered[close[0]]!r}?)" if close else ""
+    raise PresetError(f"unknown preset {name!r}{hint}; known: {', '.join(known)}")
 
 
 def model_name(name: str) -> str:
@@ -157,7 +179,7 @@ def model_name(name: str) -> str:
     its two models; an unknown name as :func:`resolve` refuses it."""
     found = resolve(name)
     if len(found) != 1:
-        raise UsageError(
+        raise PresetError(
             f"{name!r} is a matched pair; name one of its models: {' or '.join(found)}"
         )
     return found[0]

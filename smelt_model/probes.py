@@ -165,7 +165,7 @@ def capture(
     ``model`` is a :class:`smelt_model.SmeltLM` (any module whose blocks are
     :class:`smelt_model.block.Block`); records are keyed by (physical layer, visit).
     """
-    from .block import Block
+    from smelt_model.block import Block
 
     if model in _ACTIVE:
         raise RuntimeError("a capture is already active on this model")

@@ -15,7 +15,8 @@ A command is a function ``run(argv) -> int | None`` whose options come from a
 What a user sees when something is wrong, in every command:
 
 * a bad option, or a setting the command cannot run with (:class:`UsageError`, raised by
-  the parser or by the command's own checks before any work starts): one line
+  the parser or by the command's own checks before any work starts, or a library's own
+  error that says ``exit_status = 2``, such as an unknown preset name): one line
   ``<prog>: error: <message>`` on stderr and exit status 2;
 * a failure the user caused while the command runs (a missing or malformed file, a
   checkpoint that does not fit: :class:`CommandError`, or the ``ValueError`` /
@@ -109,7 +110,8 @@ def run_cli(
     except UsageError as e:
         status, message, error = 2, str(e), e
     except (ValueError, TypeError, OSError) as e:
-        status, message, error = 1, _describe(e), e
+        # a library's own usage errors (an unknown preset name) say so by exit_status 2
+        status, message, error = getattr(e, "exit_status", 1), _describe(e), e
     else:
         return 0 if rc is None else int(rc)
     if wants_traceback():

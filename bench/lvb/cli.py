@@ -17,7 +17,7 @@ import torch
 
 from smelt_kernels import backends
 from smelt_model import presets
-from smelt_model.plan import RECOMPUTE_POLICIES, check_recompute
+from smelt_model.schedule import RECOMPUTE_POLICIES, check_recompute
 from smelt_tools import cli
 from smelt_tools.timing import environment
 from smelt_tools.watch import CONTENTION_LIMIT

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from smelt_model import budget, presets
-from smelt_model.memory import available as available_memory
+from smelt_model.budget.memory import available as available_memory
 from smelt_tools.watch import Watch
 
 from . import runners, summary, verdict

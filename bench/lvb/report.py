@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from smelt_model.memory import GiB
+from smelt_model.budget.memory import GiB
 
 from .verdict import describe
 from .workload import ARCHS

@@ -12,9 +12,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from smelt_model.budget.memory import peak_rss
 from smelt_model.config import ModelConfig
 from smelt_model.executor import activation_memory, maybe_capture
-from smelt_model.memory import peak_rss
 from smelt_tools.timing import measure, measure_parts, release_memory
 
 from .workload import Workload, decode_cache_len, decode_warmup, packed_segments
@@ -129,7 +129,7 @@ def component_runners(
     cfg = model.cfg
     B, T, H = wl.batch, wl.seq_len, cfg.hidden_size
     dtype = next(model.parameters()).dtype
-    L_exec = model.plan.executed_layers
+    L_exec = model.schedule.executed_layers
     blk = model.layer(0)
     backend = None if model.backend == "auto" else model.backend
     seg = packed_segments(B, T, wl.mean_doc_len, device)

@@ -2,7 +2,7 @@
 
 Every numeric option is checked here (one :class:`UsageError` naming it) before anything is
 built; :func:`check_memory` refuses a run whose larger architecture, with
-:data:`smelt_model.memory.MARGIN` on top, would not fit in what the device has left.
+:data:`smelt_model.budget.memory.MARGIN` on top, would not fit in what the device has left.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from smelt_model import memory
+from smelt_model.budget import memory
 from smelt_model.config import ModelConfig
 from smelt_tools import cli
 from smelt_tools.cli import UsageError
@@ -145,7 +145,7 @@ def decode_cache_len(wl: Workload, args) -> int:
 
 def estimate_memory(cfg: ModelConfig, wl: Workload, args, dtype_bytes: int) -> dict[str, int]:
     """Bytes one architecture needs at its peak in this run, by part
-    (:func:`smelt_model.memory.estimate` for the modes asked). On the 100M pairs at 512
+    (:func:`smelt_model.budget.memory.estimate` for the modes asked). On the 100M pairs at 512
     tokens it is about 6-8% below the measured peak RSS of the whole run (14.8 GiB), which
     the check's margin covers."""
     modes = modes_of(args)

@@ -1,3 +1,3 @@
-from .cli import main
+from smelt_model.budget.cli import main
 
 raise SystemExit(main())

@@ -27,17 +27,17 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from smelt_model import plotting
+from smelt_model.budget.ledger import Ledger, compare, ledger
+from smelt_model.budget.matcher import match
+from smelt_model.cluster.comm import Comm, comm, ratios
+from smelt_model.cluster.layout import PLAN_NAMES, ParallelPlan, loop_of, loop_prefetch, parse_plan
+from smelt_model.cluster.projection import Projection, project
+from smelt_model.cluster.spec import TOKENS_PER_GPU, parse_cluster
+from smelt_model.cluster.units import format_bytes, format_time
+from smelt_model.cluster.workload import Workload
+from smelt_model.config import ModelConfig
 from smelt_tools import cli
-
-from .. import plotting
-from ..config import ModelConfig
-from .cluster import TOKENS_PER_GPU, parse_cluster
-from .comm import Comm, _bytes, comm, ratios
-from .layout import PLAN_NAMES, ParallelPlan, loop_of, loop_prefetch, parse_plan
-from .ledger import Ledger, compare, ledger
-from .matcher import match
-from .projection import Projection, _time, project
-from .workload import Workload
 
 __all__ = ["PROG", "main"]
 
@@ -102,16 +102,16 @@ def _format_comm(names: Sequence[str], comms: Sequence[Comm], plan: Optional[str
     get = lambda attr: [getattr(c, attr) for c in comms]  # noqa: E731
     rows = [
         ("executed MoE layers", get("moe_layers"), str),
-        ("EP dispatch, forward", get("dispatch_forward"), _bytes),
-        ("EP combine, forward", get("combine_forward"), _bytes),
-        ("EP dispatch, backward", get("dispatch_backward"), _bytes),
-        ("EP combine, backward", get("combine_backward"), _bytes),
-        ("EP all-to-alls", get("ep_bytes"), _bytes),
-        ("EP bytes / token", get("ep_bytes_per_token"), _bytes),
-        ("FSDP all-gather, forward", get("fsdp_all_gather_forward"), _bytes),
-        ("FSDP all-gather, backward", get("fsdp_all_gather_backward"), _bytes),
-        ("FSDP reduce-scatter", get("fsdp_reduce_scatter"), _bytes),
-        ("FSDP", get("fsdp_bytes"), _bytes),
+        ("EP dispatch, forward", get("dispatch_forward"), format_bytes),
+        ("EP combine, forward", get("combine_forward"), format_bytes),
+        ("EP dispatch, backward", get("dispatch_backward"), format_bytes),
+        ("EP combine, backward", get("combine_backward"), format_bytes),
+        ("EP all-to-alls", get("ep_bytes"), format_bytes),
+        ("EP bytes / token", get("ep_bytes_per_token"), format_bytes),
+        ("FSDP all-gather, forward", get("fsdp_all_gather_forward"), format_bytes),
+        ("FSDP all-gather, backward", get("fsdp_all_gather_backward"), format_bytes),
+        ("FSDP reduce-scatter", get("fsdp_reduce_scatter"), format_bytes),
+        ("FSDP", get("fsdp_bytes"), format_bytes),
     ]
     if any(c.dispatch_recompute for c in comms):
         rows.insert(
@@ -119,18 +119,18 @@ def _format_comm(names: Sequence[str], comms: Sequence[Comm], plan: Optional[str
             (
                 "EP recomputed forward",
                 [c.ep_bytes - 2 * (c.dispatch_forward + c.combine_forward) for c in comms],
-                _bytes,
+                format_bytes,
             ),
         )
     if plan is not None:
         rows += [
-            ("gathered experts, all-gather fwd", get("gather_all_gather_forward"), _bytes),
-            ("gathered experts, all-gather bwd", get("gather_all_gather_backward"), _bytes),
-            ("gathered experts, reduce-scatter", get("gather_reduce_scatter"), _bytes),
-            ("gathered experts, all-reduce", get("gather_all_reduce"), _bytes),
-            ("gathered experts", get("gather_bytes"), _bytes),
+            ("gathered experts, all-gather fwd", get("gather_all_gather_forward"), format_bytes),
+            ("gathered experts, all-gather bwd", get("gather_all_gather_backward"), format_bytes),
+            ("gathered experts, reduce-scatter", get("gather_reduce_scatter"), format_bytes),
+            ("gathered experts, all-reduce", get("gather_all_reduce"), format_bytes),
+            ("gathered experts", get("gather_bytes"), format_bytes),
         ]
-    rows.append(("all communication", get("total_bytes"), _bytes))
+    rows.append(("all communication", get("total_bytes"), format_bytes))
     return "\n".join([head] + _table(names, rows))
 
 
@@ -215,22 +215,22 @@ def _format_cluster(spec, names, cfgs, tokens, plan_spec, w: Workload) -> tuple[
     get = lambda f: [f(p) for p in ok]  # noqa: E731
     gb = lambda x: f"{x / 1e9:.2f} GB"  # noqa: E731
     rows = [
-        ("compute (recompute included)", get(lambda p: p.compute_s), _time),
-        ("  of which the output head", get(lambda p: p.model.head_s), _time),
-        ("EP all-to-alls, sent", get(lambda p: p.comm.ep_bytes), _bytes),
-        ("FSDP, sent", get(lambda p: p.comm.fsdp_bytes), _bytes),
-        ("gathered experts, sent", get(lambda p: p.comm.gather_bytes), _bytes),
-        ("in-node links busy", get(lambda p: p.model.busy["intra"]), _time),
-        ("NIC busy", get(lambda p: p.model.busy["inter"]), _time),
-        ("exposed EP", get(lambda p: p.exposed["ep"]), _time),
-        ("exposed FSDP", get(lambda p: p.exposed["fsdp"]), _time),
-        ("exposed gathered experts", get(lambda p: p.exposed["gather"]), _time),
+        ("compute (recompute included)", get(lambda p: p.compute_s), format_time),
+        ("  of which the output head", get(lambda p: p.model.head_s), format_time),
+        ("EP all-to-alls, sent", get(lambda p: p.comm.ep_bytes), format_bytes),
+        ("FSDP, sent", get(lambda p: p.comm.fsdp_bytes), format_bytes),
+        ("gathered experts, sent", get(lambda p: p.comm.gather_bytes), format_bytes),
+        ("in-node links busy", get(lambda p: p.model.busy["intra"]), format_time),
+        ("NIC busy", get(lambda p: p.model.busy["inter"]), format_time),
+        ("exposed EP", get(lambda p: p.exposed["ep"]), format_time),
+        ("exposed FSDP", get(lambda p: p.exposed["fsdp"]), format_time),
+        ("exposed gathered experts", get(lambda p: p.exposed["gather"]), format_time),
         (f"memory per GPU (of {cl.memory / 1e9:.4g} GB)", get(lambda p: p.memory.total), gb),
-        (f"step, {label}", get(lambda p: p.step_s), _time),
+        (f"step, {label}", get(lambda p: p.step_s), format_time),
         (
             "step, torchtitan stock",
             [None if isinstance(s, str) else s.step_s for s in stock],
-            _time,
+            format_time,
         ),
     ]
     lines += _table(names, rows)
@@ -355,7 +355,7 @@ def _gap_lines(label: str, best, stock, flops: float) -> list[str]:
         more_compute = b.compute_s - a.compute_s * flops
         ratio = b.compute_s / a.compute_s
         out.append(
-            f"above 1.00 by {gap - 1:.2%} ({_time(extra)} per step more than the F ratio "
+            f"above 1.00 by {gap - 1:.2%} ({format_time(extra)} per step more than the F ratio "
             f"allows: {_signed(more_compute)} from compute, {_signed(extra - more_compute)} "
             f"from exposed traffic): compute {ratio:.4f}x the baseline's (recompute "
             f"{b.plan.recompute} against {a.plan.recompute}), so with every transfer of both "
@@ -366,12 +366,12 @@ def _gap_lines(label: str, best, stock, flops: float) -> list[str]:
 
 
 def _signed(seconds: float) -> str:
-    return ("+" if seconds >= 0 else "-") + _time(abs(seconds))
+    return ("+" if seconds >= 0 else "-") + format_time(abs(seconds))
 
 
 def _exposed(p: Projection) -> str:
     names = {"ep": "EP", "fsdp": "FSDP", "gather": "gathered experts"}
-    parts = [f"{names[k]} {_time(v)}" for k, v in p.exposed.items() if v > 0]
+    parts = [f"{names[k]} {format_time(v)}" for k, v in p.exposed.items() if v > 0]
     return ", ".join(parts) if parts else "none"
 
 
@@ -383,7 +383,7 @@ def _default_ep(cfgs, dp_shard: int) -> int:
 
 def _load_config(spec: str) -> ModelConfig:
     """A preset name or a JSON config file."""
-    from .. import presets
+    from smelt_model import presets
 
     if spec in presets.names():
         return presets.get(spec)
@@ -492,7 +492,7 @@ def _parser() -> cli.Parser:
 
 def _configs(args) -> tuple[list[str], list[ModelConfig]]:
     """(column names, configs) from the command: one config, a pair, or a matched pair."""
-    from .. import presets
+    from smelt_model import presets
 
     if args.config in presets.pairs():
         cfgs = list(presets.pair(args.config))

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..config import ModelConfig
+from smelt_model.config import ModelConfig
 
 __all__ = [
     "PARTS",
@@ -84,11 +84,11 @@ def head_flops(cfg: ModelConfig) -> int:
     return 6 * cfg.vocab_size * cfg.hidden_size
 
 
-def _shared(p: dict[str, int]) -> int:
+def shared_params(p: dict[str, int]) -> int:
     return p["attention"] + p["router"] + p["norms"]
 
 
-def _train_flops(
+def train_flops(
     executed_active: float, executed_layers: int, q_dim: int, c_bar: float
 ) -> tuple[float, float]:
     """(training FLOPs per token, its attention-score part)."""
@@ -184,8 +184,8 @@ def _counts(cfg: ModelConfig, c_bar: float, kv_dtype_bytes: int) -> dict:
     total["experts"] = L * p["experts_total"]
     total["final_norm"] = H
     active = dict(total, experts=L * p["experts_active"])
-    executed = l_exec * (_shared(p) + p["experts_active"]) + H
-    flops, scores = _train_flops(executed, l_exec, cfg.q_dim, c_bar)
+    executed = l_exec * (shared_params(p) + p["experts_active"]) + H
+    flops, scores = train_flops(executed, l_exec, cfg.q_dim, c_bar)
     by_flops = {part: 6.0 * l_exec * p[part] for part in ("attention", "router", "norms")}
     by_flops["experts"] = 6.0 * l_exec * p["experts_active"]
     by_flops["final_norm"] = 6.0 * H

@@ -5,10 +5,17 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from smelt_model.plan import LoopPlan
-
-from ..config import LoopSpec, ModelConfig, middle_loop
-from .ledger import Ratios, _shared, _train_flops, compare, layer_counts, ledger, mean_attended
+from smelt_model.budget.ledger import (
+    Ratios,
+    compare,
+    layer_counts,
+    ledger,
+    mean_attended,
+    shared_params,
+    train_flops,
+)
+from smelt_model.config import LoopSpec, ModelConfig, middle_loop
+from smelt_model.schedule import LoopSchedule
 
 __all__ = ["MatchError", "match"]
 
@@ -67,7 +74,7 @@ def match(
         raise TypeError(f"loop must be a LoopSpec or None, got {type(loop).__name__}")
     if loop.end > baseline_cfg.n_layers:
         raise ValueError(f"loop {loop} lies outside the baseline's {baseline_cfg.n_layers} layers")
-    l_exec = LoopPlan(baseline_cfg.n_layers, loop).executed_layers
+    l_exec = LoopSchedule(baseline_cfg.n_layers, loop).executed_layers
 
     c_bar = mean_attended(mean_doc_len, seq_len)
     base = ledger(baseline_cfg, mean_doc_len, seq_len)
@@ -95,18 +102,20 @@ def match(
                     continue
                 for E in range(e_lo, e_hi + 1, expert_count_multiple):
                     # total params are linear in d_e: solve for it, then try its neighbours
-                    fixed = L * _shared(layer_counts(H, H, n_kv * d_h, E, 0, k)) + H
+                    fixed = L * shared_params(layer_counts(H, H, n_kv * d_h, E, 0, k)) + H
                     per_de = L * layer_counts(H, H, n_kv * d_h, E, 1, k)["experts_total"]
                     de_exact = (base.total_params - fixed) / per_de
                     if de_exact <= 0:
                         continue
                     for d_e in _round_to(de_exact, expert_size_multiple):
                         p = layer_counts(H, H, n_kv * d_h, E, d_e, k)
-                        p_ratio = (L * (_shared(p) + p["experts_total"]) + H) / base.total_params
+                        p_ratio = (
+                            L * (shared_params(p) + p["experts_total"]) + H
+                        ) / base.total_params
                         if abs(p_ratio - 1) > tp:
                             continue
-                        executed = l_exec * (_shared(p) + p["experts_active"]) + H
-                        flops, _ = _train_flops(executed, l_exec, H, c_bar)
+                        executed = l_exec * (shared_params(p) + p["experts_active"]) + H
+                        flops, _ = train_flops(executed, l_exec, H, c_bar)
                         f_ratio = flops / base.flops_per_token
                         if abs(f_ratio - 1) > tf:
                             continue

@@ -11,7 +11,7 @@ finished runs, the cell bootstrap and the downstream calibration) and ``report``
 the frontier plot and the command line, ``python -m smelt_model.scaling``).
 """
 
-from . import endpoints, report, surface
+from smelt_model.scaling import endpoints, report, surface
 
 _MODULES = (surface, endpoints, report)
 #: the package's names: each listed once, in the ``__all__`` of the module that defines it

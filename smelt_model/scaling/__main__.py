@@ -1,3 +1,3 @@
-from .report import main
+from smelt_model.scaling.report import main
 
 raise SystemExit(main())

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from .surface import (
+from smelt_model.scaling.surface import (
     ArrayLike,
     Surface,
     ce_gain,

@@ -19,10 +19,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from smelt_tools import cli
-
-from ..plotting import plot_path, pyplot, save
-from .endpoints import (
+from smelt_model.plotting import plot_path, pyplot, save
+from smelt_model.scaling.endpoints import (
     BootstrapResult,
     Endpoints,
     bootstrap,
@@ -30,7 +28,7 @@ from .endpoints import (
     fit_sigmoid,
     read_csv,
 )
-from .surface import (
+from smelt_model.scaling.surface import (
     PAPER_BASELINE,
     PAPER_SMELT,
     Surface,
@@ -39,6 +37,7 @@ from .surface import (
     gamma,
     tpp,
 )
+from smelt_tools import cli
 
 __all__ = ["PAPER_SPARSITIES", "report", "plot_frontiers", "main"]
 

@@ -3,7 +3,7 @@
 Two ways in (``docs/titan.md`` has the commands):
 
 * smelt's kernels inside STOCK torchtitan MoE models, switched on with
-  ``--override.imports``: :func:`smelt_model.titan.experts.smelt_experts` (smelt's grouped
+  ``--override.imports``: :func:`smelt_model.titan.moe.experts.smelt_experts` (smelt's grouped
   GEMM as ``GroupedExperts``) and :func:`smelt_model.titan.attention.smelt_attention`
   (smelt's segment attention as the document-masked attention);
 * SMELT and its baseline as torchtitan models, every preset under its own name:
@@ -12,19 +12,15 @@ Two ways in (``docs/titan.md`` has the commands):
   ``torchrun``), with :mod:`smelt_model.titan.patches` (every change smelt makes to
   torchtitan and torch, each with the versions it is for).
 
-Inside: ``model`` (:class:`~smelt_model.titan.model.SmeltTitan`: a ``SmeltLM`` that is a
-torchtitan model), ``moe`` (smelt's routing on torchtitan's MoE seam), ``parallelize``
-(EP, FSDP units, recompute), ``loss``, ``loader`` (smelt's packed documents as torchtitan's
-tokenizer and dataloader), ``adapter`` (the state-dict adapter), ``state_dict`` and
-``export`` (seeds, export to ``SmeltLM``; torch only), ``dcp_reader`` (reading a checkpoint
-without running anything in it; torch only), ``resume`` (torchtitan's checkpoint load,
-checked, with a fall-back), ``moe_comm`` (the ``--moe_comm`` options: the per-layer
-parallel plan, de-duplication, overlap), ``dispatch`` (the token dispatchers: stock rows
-with byte recording, or de-duplicated, both split in phases for overlap), ``exchange``
-(all-to-alls left in flight, forward and backward), ``traffic`` (the byte recorder),
-``overrides`` (the switch back to torchtitan's kernels), ``stock`` (a stock model at CPU
-size) and ``config_registry``. Importing a submodule needs torchtitan unless it says torch
-only; this package itself imports nothing heavy.
+Inside, by concept: ``model`` (:class:`~smelt_model.titan.model.SmeltTitan`: a ``SmeltLM``
+that is a torchtitan model), ``attention``, ``loss`` and ``loader`` (smelt's packed documents
+as torchtitan's tokenizer and dataloader, from :mod:`smelt_model.data`); ``moe/`` (the MoE
+on torchtitan and its expert-parallel communication); ``parallel/`` (the parallel plan
+applied: EP, FSDP units, recompute); ``checkpoint/`` (state-dict adapter, seeds, checked
+resume, export); the launcher (``__main__``) and ``patches``; and, where torchtitan finds
+them by name, ``config_registry``, ``overrides`` (the switch back to torchtitan's kernels)
+and ``stock`` (a stock model at CPU size). Importing a submodule needs torchtitan unless it
+says torch only; this package itself imports nothing heavy.
 """
 
 __all__: list[str] = []

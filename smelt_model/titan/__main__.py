@@ -14,7 +14,7 @@ only those the process needs; the log names them), checks the command line (torc
 own parser, the overrides it imports, then what the SMELT models support), and runs
 torchtitan's trainer (``torchtitan.train.main``). ``--module`` defaults to
 ``smelt_model.titan``. Every checkpoint the run reads goes through smelt's reader and
-checks (:mod:`smelt_model.titan.dcp_reader`, :mod:`smelt_model.titan.resume`).
+checks (:mod:`smelt_model.checkpoint.dcp`, :mod:`smelt_model.titan.checkpoint.resume`).
 
 Failures follow :mod:`smelt_tools.cli`: a bad option is one line on stderr and exit status
 2 before anything starts; a failure the user caused while running (a checkpoint that does
@@ -125,8 +125,13 @@ def _check_overrides(config) -> None:
 def _check(config, world: int) -> None:
     """What the parser cannot know: the overrides, the mesh against the world and the
     model, the run's lengths."""
-    from .model import SmeltTitan
-    from .parallelize import _check_parallelism, kept_layers, recompute_policy, run_plan
+    from smelt_model.titan.model import SmeltTitan
+    from smelt_model.titan.parallel.parallelize import (
+        check_parallelism,
+        kept_layers,
+        recompute_policy,
+        resolve_parallel_plan,
+    )
 
     _check_overrides(config)
     p = config.parallelism
@@ -168,10 +173,10 @@ def _check(config, world: int) -> None:
     model = config.model_spec.model if config.model_spec is not None else None
     try:
         if isinstance(model, SmeltTitan.Config):
-            _check_parallelism(model.arch, p)
+            check_parallelism(model.arch, p)
             recompute = recompute_policy(config.activation_checkpoint, kept_layers(config))
             with _world_env(world):  # the plan sees the mesh the processes will have
-                run_plan(config, model.arch, recompute)
+                resolve_parallel_plan(config, model.arch, recompute)
     except (ValueError, TypeError) as e:
         raise UsageError(one_line(e)) from None
     if (
@@ -287,7 +292,7 @@ def _start(nproc: int, args: list[str]) -> int:
 def _train(args: list[str]) -> int:
     import torchtitan.train as tt_train
 
-    from .dcp_reader import first_failure
+    from smelt_model.checkpoint.dcp import first_failure
 
     sys.argv = [PROG] + args
     try:
@@ -330,7 +335,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _prepare_and_run(args: list[str], nproc: Optional[int], world: int, torchrun: bool) -> int:
-    from . import patches
+    from smelt_model.titan import patches
 
     patches.apply()
     args = patches.launch_args(args)
@@ -340,11 +345,11 @@ def _prepare_and_run(args: list[str], nproc: Optional[int], world: int, torchrun
     if _option(args, "--config") is None and not helping:
         raise UsageError("--config PRESET is required (a name of smelt_model.presets.names())")
     if _option(args, "--module") == MODULE and not helping:
-        from .. import presets
+        from smelt_model import presets
 
         try:  # any case, pair or model name: presets.model_name says what a model is
             presets.model_name(_option(args, "--config"))
-        except UsageError as e:
+        except presets.PresetError as e:
             raise UsageError(f"--config: {e}") from None
     if helping:
         from torchtitan.config import ConfigManager

@@ -17,7 +17,7 @@ router losses), smelt's recompute policy ``none``, checkpointing off, ``spmd_bac
 partial_dtensor`` and CUDA graphs off (:mod:`smelt_model.titan.patches` says why).
 
 The config is a :class:`SmeltTrainer.Config`: torchtitan's trainer config plus the
-``moe_comm`` section (:class:`smelt_model.titan.moe_comm.MoECommConfig`: the parallel plan,
+``moe_comm`` section (:class:`smelt_model.titan.moe.options.MoECommConfig`: the parallel plan,
 de-duplication, overlap; ``--moe_comm.plan span-gather`` and so on).
 """
 
@@ -36,14 +36,14 @@ from torchtitan.config import TrainingConfig
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
-from .. import presets
-from . import patches
-from .adapter import SmeltStateDictAdapter
-from .loader import PackedDocuments, SmeltTokenizer
-from .loss import SmeltLoss
-from .model import SmeltTitan
-from .moe_comm import MoECommConfig
-from .parallelize import parallelize_smelt
+from smelt_model import presets
+from smelt_model.titan import patches
+from smelt_model.titan.checkpoint.state_dict_adapter import SmeltStateDictAdapter
+from smelt_model.titan.loader import PackedDocuments, SmeltTokenizer
+from smelt_model.titan.loss import SmeltLoss
+from smelt_model.titan.model import SmeltTitan
+from smelt_model.titan.moe.options import MoECommConfig
+from smelt_model.titan.parallel.parallelize import parallelize_smelt
 
 __all__ = [
     "SmeltTrainer",

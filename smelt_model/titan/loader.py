@@ -1,18 +1,18 @@
 """smelt's packed-document data as torchtitan's tokenizer and dataloader.
 
-:class:`PackedDocuments` reads a corpus with :func:`smelt_model.train.data.load_documents`
+:class:`PackedDocuments` reads a corpus with :func:`smelt_model.data.corpus.load_documents`
 (``python-stdlib``, a folder, a ``.txt`` or a ``.jsonl`` file; nothing is downloaded),
 tokenises documents as it goes with :class:`SmeltTokenizer` (smelt's tokenizers: raw bytes,
-or one a smelt run saved), packs them with :func:`smelt_model.train.data.pack` and deals
+or one a smelt run saved), packs them with :func:`smelt_model.data.corpus.pack` and deals
 the contexts round-robin to the data-parallel ranks. Each batch is torchtitan's
 ``({"input": (B, T), "positions": (B, T)}, labels (B, T))``: ``positions`` restart at 0 at
 every document, and a label whose token belongs to another document than its input
 position (or is padding) is ``-100``, as :meth:`smelt_model.SmeltLM.lm_loss` ignores it.
 
 The order is fixed by ``seed`` (documents shuffled per epoch by
-:func:`smelt_model.train.data.epoch_order`); the loader's checkpoint state is the number of
+:func:`smelt_model.data.corpus.epoch_order`); the loader's checkpoint state is the number of
 batches it has yielded (plain integers; a resume skips that many, so the launcher bounds it
-by the checkpoint's step first: :mod:`smelt_model.titan.resume`).
+by the checkpoint's step first: :mod:`smelt_model.titan.checkpoint.resume`).
 
 A stock torchtitan config (which loads a Hugging Face dataset and tokenizer) takes them
 with ``--override.imports``
@@ -31,10 +31,10 @@ from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.config.override import override
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
-from ..config import IGNORE_INDEX
-from ..model import valid_targets
-from ..train import data as smelt_data_module
-from ..train import tokenizer as smelt_tokenizer_module
+from smelt_model.config import IGNORE_INDEX
+from smelt_model.data import corpus as smelt_data_module
+from smelt_model.data import tokenizer as smelt_tokenizer_module
+from smelt_model.model import valid_targets
 
 __all__ = [
     "SmeltTokenizer",
@@ -53,7 +53,7 @@ class SmeltTokenizer(BaseTokenizer):
     """One of smelt's tokenizers behind torchtitan's tokenizer interface.
 
     ``path``: empty for raw UTF-8 bytes (258 ids), or a folder holding the
-    ``tokenizer.json`` a smelt run saved (:func:`smelt_model.train.tokenizer.load`).
+    ``tokenizer.json`` a smelt run saved (:func:`smelt_model.data.tokenizer.load`).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -87,7 +87,7 @@ def batch_from_packed(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One torchtitan batch from packed contexts of ``T + 1`` tokens (see the module doc).
 
-    ``ids``, ``segments``, ``labels``: (B, T + 1) as :func:`smelt_model.train.data.pack`
+    ``ids``, ``segments``, ``labels``: (B, T + 1) as :func:`smelt_model.data.corpus.pack`
     makes them. Returns ``({"input", "positions"}, labels)``, each (B, T).
     """
     ids, segments, labels = (
@@ -109,7 +109,7 @@ class PackedDocuments(BaseDataLoader):
 
     Config: ``dataset`` is the corpus (``python-stdlib``, a folder, ``.txt`` or ``.jsonl``);
     ``split``: ``"all"`` its documents, or the ``"train"`` or ``"val"`` side of
-    :func:`smelt_model.train.data.split` with ``val_fraction`` (smelt's own trainer's
+    :func:`smelt_model.data.corpus.split` with ``val_fraction`` (smelt's own trainer's
     split); ``seed`` fixes the order; ``infinite`` starts a new epoch when the documents are
     used up (else the loader stops, and torchtitan ends the run).
     """

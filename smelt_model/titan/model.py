@@ -4,7 +4,7 @@
 executor and forward), made a torchtitan ``BaseModel`` as torchtitan's own ``Linear`` is
 an ``nn.Linear``: by inheriting both. What changes is swapped in at build time:
 
-* every block's MoE is a :class:`~smelt_model.titan.moe.SmeltMoE` (torchtitan's router /
+* every block's MoE is a :class:`~smelt_model.titan.moe.layer.SmeltMoE` (torchtitan's router /
   dispatcher / grouped-experts seam, so its expert parallelism applies; smelt's routing
   and router losses), configured per physical layer by ``Config.moe``;
 * with ``Config.attention = "flex"`` every block's attention op is torchtitan's
@@ -28,7 +28,7 @@ all chunks together.
 
 Parameters and FLOPs come from the ledger (:func:`smelt_model.budget.ledger`); the model
 config travels inside every checkpoint as the uint8 buffer ``config_json`` (its JSON), so
-:mod:`smelt_model.titan.export` needs nothing else.
+:mod:`smelt_model.titan.checkpoint.export` needs nothing else.
 """
 
 from __future__ import annotations
@@ -44,15 +44,15 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.module import Module
 from torchtitan.tools.logging import logger
 
-from ..block import ForwardContext, Rotary, SegmentAttention
-from ..budget import embedding_params, ledger
-from ..config import ModelConfig
-from ..executor import Interleaved
-from ..model import SmeltLM, SmeltOutput
-from .attention import segment_ids_from_positions
-from .loss import SmeltTitanOutput
-from .moe import moe_config
-from .state_dict import config_bytes
+from smelt_model.block import ForwardContext, Rotary, SegmentAttention
+from smelt_model.budget import embedding_params, ledger
+from smelt_model.config import ModelConfig
+from smelt_model.executor import Interleaved
+from smelt_model.model import SmeltLM, SmeltOutput
+from smelt_model.titan.attention import segment_ids_from_positions
+from smelt_model.titan.checkpoint.state_dict import config_bytes
+from smelt_model.titan.loss import SmeltTitanOutput
+from smelt_model.titan.moe.layer import moe_config
 
 __all__ = ["SmeltTitan", "FlexSegmentAttention"]
 
@@ -131,7 +131,7 @@ class SmeltTitan(SmeltLM, BaseModel):
         overlap: bool = False
         #: the chunks of rows the overlap splits each batch into
         chunks: int = 2
-        #: the parallel plan the run uses (a smelt_model.budget.ParallelPlan; None: every
+        #: the parallel plan the run uses (a smelt_model.cluster.ParallelPlan; None: every
         #: layer expert-parallel, torchtitan's layout)
         plan: Any = None
         #: ranks per node of the run (a gather layer's experts with gather_group "node")
@@ -154,7 +154,7 @@ class SmeltTitan(SmeltLM, BaseModel):
                 raise ValueError(f"chunks must be 2 or more, got {self.chunks}")
 
         def update_from_config(self, *, config, **kwargs) -> None:
-            from .parallelize import update_model_config
+            from smelt_model.titan.parallel.parallelize import update_model_config
 
             update_model_config(self, config)
 
@@ -243,7 +243,7 @@ class SmeltTitan(SmeltLM, BaseModel):
                 for c, r in enumerate(rows)
             ],
         )
-        ex, p = self.executor, self.plan
+        ex, p = self.executor, self.schedule
         state, _ = ex.run(lambda i: self.prelude[i], state, None, p.prelude)
         if self.span is not None:
             state, _ = self.span(state, None)

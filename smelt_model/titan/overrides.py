@@ -17,8 +17,8 @@ import dataclasses
 from torchtitan.config.override import derive, override
 from torchtitan.models.common.moe import GroupedExperts
 
-from .experts import SmeltGroupedExperts
-from .model import SmeltTitan
+from smelt_model.titan.model import SmeltTitan
+from smelt_model.titan.moe.experts import SmeltGroupedExperts
 
 __all__ = ["torch_kernels"]
 

@@ -141,7 +141,7 @@ def _install_set_timeout() -> None:
 def _install_safe_dcp_reader() -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
-    from .dcp_reader import SafeReader
+    from smelt_model.checkpoint.dcp import SafeReader
 
     for name in SafeReader.METHODS:
         setattr(FileSystemReader, name, SafeReader.__dict__[name])
@@ -151,7 +151,7 @@ def _install_safe_dataloader_state() -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
     from torchtitan.components.dataloader import ParallelAwareDataloader
 
-    from .dcp_reader import restricted_loads
+    from smelt_model.checkpoint.dcp import restricted_loads
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
@@ -176,7 +176,7 @@ def _install_safe_dataloader_state() -> None:
 def _install_checked_resume() -> None:
     from torchtitan.components.checkpointer.dcp import CheckpointManager
 
-    from .resume import checked_load
+    from smelt_model.titan.checkpoint.resume import checked_load
 
     CheckpointManager._load = checked_load
 
@@ -274,7 +274,7 @@ def _install_clip_grad_by_mesh() -> None:
     stock = dist_utils.clip_grad_norm_
 
     def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-        from .parallelize import clip_grad_norm_by_mesh
+        from smelt_model.titan.parallel.parallelize import clip_grad_norm_by_mesh
 
         return clip_grad_norm_by_mesh(stock, *args, **kwargs)
 
@@ -345,7 +345,7 @@ PATCHES: tuple[Patch, ...] = (
         "DCP's FileSystemReader unpickles .metadata with pickle.load, reads storage paths "
         "as the file names them (absolute, '..'), unpickles non-tensor entries with "
         "torch.load(weights_only=False) and copies a stored tensor into one of another "
-        "declared dtype; the patch gives it smelt_model.titan.dcp_reader.SafeReader's "
+        "declared dtype; the patch gives it smelt_model.checkpoint.dcp.SafeReader's "
         "reading",
         "always (every checkpoint a launched run loads)",
         _always,
@@ -365,7 +365,7 @@ PATCHES: tuple[Patch, ...] = (
         TORCHTITAN,
         "CheckpointManager._load takes any step folder and whatever state it holds (a "
         "damaged newest checkpoint stops the run; a state that does not fit crashes it "
-        "later); the patch is smelt_model.titan.resume.checked_load",
+        "later); the patch is smelt_model.titan.checkpoint.resume.checked_load",
         "always",
         _always,
         install=_install_checked_resume,

@@ -11,13 +11,13 @@ checkpoint loadable.
 
 Reading is strict. ``latest`` must name a ``step_N`` folder directly inside
 ``checkpoints/`` (no path, no symbolic link, at most 18 digits): anything else raises
-:class:`~smelt_model.errors.CheckpointError`. A checkpoint whose files do not match its
+:class:`~smelt_model.checkpoint.CheckpointError`. A checkpoint whose files do not match its
 manifest, whose files cannot be parsed, or whose step is not the one its folder and manifest
 name, is not loaded; :func:`load_latest` then falls back to the next newest and reports each
 one it passed over, and raises when checkpoints exist but none loads. A folder from an older
 format with a pickled ``state.pt`` is never unpickled: it is refused like a corrupt one.
 :meth:`Checkpoint.check_fits` compares the optimizer and scheduler state with the run's own
-before anything is loaded (:mod:`smelt_model.state_fit`).
+before anything is loaded (:mod:`smelt_model.checkpoint.fit`).
 
 ``SMELT_TRAIN_CRASH`` is a fault-injection hook for tests: ``step:N`` kills the process with
 SIGKILL after step N has been logged, ``checkpoint:N`` in the middle of writing the step-N
@@ -38,10 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from smelt_kernels import backends
-
-from .. import state_fit
-from ..errors import CheckpointError
-from . import plainstate
+from smelt_model.checkpoint import CheckpointError, fit, plainstate
 
 __all__ = [
     "save",
@@ -350,7 +347,7 @@ class Checkpoint:
     def check_fits(self, model, optimizer, scheduler) -> None:
         """:class:`CheckpointError` (naming ``state.json`` and the field) unless the
         optimizer and scheduler state fit ``optimizer`` and ``scheduler`` of ``model``
-        (:mod:`smelt_model.state_fit`), and the scheduler is at this checkpoint's step;
+        (:mod:`smelt_model.checkpoint.fit`), and the scheduler is at this checkpoint's step;
         call it before loading anything."""
         where = str(self.path / STATE_JSON)
         shapes: dict = {}
@@ -360,8 +357,8 @@ class Checkpoint:
                 shapes[index] = tuple(p.shape)
                 index += 1
         shapes.update({name: tuple(p.shape) for name, p in model.named_parameters()})
-        state_fit.check_optimizer(self.state["optimizer"], optimizer, shapes, where)
-        state_fit.check_like(self.state["scheduler"], scheduler.state_dict(), where, "scheduler")
+        fit.check_optimizer(self.state["optimizer"], optimizer, shapes, where)
+        fit.check_like(self.state["scheduler"], scheduler.state_dict(), where, "scheduler")
         if self.state["scheduler"].get("last_epoch") != self.step:
             raise CheckpointError(
                 f"{where}: the scheduler is at step {self.state['scheduler'].get('last_epoch')}, "

@@ -7,8 +7,8 @@ matched pair on text, in one process (the CPU or one GPU).
 What to train: ``--preset`` a pair name (``tiny``: both models on the same data order;
 ``--arch`` picks one) or a model name (``tiny-smelt``); ``--config`` a ``ModelConfig`` JSON
 file; or ``--init`` the weights and config of a ``SmeltLM.save_pretrained`` folder or a
-trainer's checkpoint (what ``python -m smelt_model.titan.export`` writes from a torchtitan
-run; with ``--preset``, the named model must be the folder's). A preset keeps its own
+trainer's checkpoint (what ``smelt-export`` writes from a torchtitan run; with
+``--preset``, the named model must be the folder's). A preset keeps its own
 vocabulary, so it is the model ``smelt_model.titan`` trains under the same name, unless the
 tokenizer needs more ids. The learning rate and its schedule, the context length, the batch,
 weight decay and clipping default to the preset's :func:`smelt_model.presets.recipe` (the
@@ -55,7 +55,7 @@ _RECIPE = {
 
 def build_parser() -> cli.Parser:
     from smelt_kernels import backends
-    from smelt_model.plan import RECOMPUTE_POLICIES, check_recompute
+    from smelt_model.schedule import RECOMPUTE_POLICIES, check_recompute
 
     ap = cli.Parser(
         prog=PROG, description="Train baseline / SMELT models on packed documents, one process."
@@ -154,8 +154,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The options, checked (a :class:`smelt_tools.cli.UsageError` naming the first bad
     one), with the recipe's defaults filled in and ``args.models`` set: ``{arch: name}``
     of the presets to train (empty for ``--config`` / ``--init`` alone)."""
-    from .. import presets
-    from ..plotting import plot_path
+    from smelt_model import presets
+    from smelt_model.plotting import plot_path
 
     args = build_parser().parse_args(argv)
     given = [o for o in ("preset", "config") if getattr(args, o) is not None]
@@ -179,11 +179,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def _models(preset: str, arch: Optional[str]) -> dict[str, str]:
     """{arch: model preset name} that ``--preset`` and ``--arch`` select."""
-    from .. import presets
+    from smelt_model import presets
 
     try:
         found = presets.resolve(preset)
-    except cli.UsageError as e:
+    except presets.PresetError as e:
         raise cli.UsageError(f"--preset: {e}") from None
     by_arch = {name.rsplit("-", 1)[1]: name for name in found}
     if arch in (None, "both"):
@@ -249,12 +249,18 @@ def _device(args) -> str:
 
 def _run(argv: Optional[Sequence[str]] = None) -> int:
     """Train (see the module docstring)."""
-    from . import plot as plot_mod
-    from . import tokenizer as tok_mod
-    from .loop import Progress, build_trainers, merge_endpoints, summary_line, train_loop
-    from .options import configs, recipe_fields, resume_checks
-    from .runspec import compare
-    from .trainer import check_memory
+    from smelt_model.data import tokenizer as tok_mod
+    from smelt_model.train import plot as plot_mod
+    from smelt_model.train.lockstep import (
+        Progress,
+        build_trainers,
+        merge_endpoints,
+        run_lockstep,
+        summary_line,
+    )
+    from smelt_model.train.options import configs, recipe_fields, resume_checks
+    from smelt_model.train.runspec import compare
+    from smelt_model.train.trainer import check_memory
 
     args = parse_args(argv)
     _single_process(args)
@@ -296,7 +302,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
             f"{corpus.train.mean_doc_len:.0f} tokens, tokenizer {corpus.tokenizer.spec}",
             file=sys.stderr,
         )
-    train_loop(trainers, Progress(enabled=not args.quiet))
+    run_lockstep(trainers, Progress(enabled=not args.quiet))
     lines = [summary_line(t) for t in trainers]
     if len(dirs) > 1:
         merge_endpoints([d / "endpoints.csv" for d in dirs.values()], out / "endpoints.csv")

@@ -49,7 +49,7 @@ def steps_for(args, tokens_per_step: int, flops_per_token: float) -> int:
 def init_folder(path: str) -> Path:
     """The folder ``--init`` names: a save_pretrained folder, or the checkpoint that a run
     folder, ``RUN/checkpoints/latest`` or ``step_N`` points at."""
-    from . import checkpoint
+    from smelt_model.train import checkpoint
 
     if not Path(path).exists():
         raise ValueError(f"--init {path}: no such folder")
@@ -59,7 +59,7 @@ def init_folder(path: str) -> Path:
 def _from_file(args, vocab: int):
     """The ModelConfig of ``--config`` or of the ``--init`` folder, its vocabulary checked
     against the tokenizer's ``vocab``."""
-    from ..config import ModelConfig
+    from smelt_model.config import ModelConfig
 
     if args.config is not None:
         where, path = f"--config {args.config}", Path(args.config)
@@ -81,7 +81,7 @@ def _from_file(args, vocab: int):
 def configs(args, vocab: int) -> dict:
     """{arch: ModelConfig} of the run, for a tokenizer of ``vocab`` ids: a preset keeps its
     vocabulary unless the tokenizer needs more; a file's must hold the tokenizer's."""
-    from .. import presets
+    from smelt_model import presets
 
     if not args.models:  # --config, or --init alone
         cfg = _from_file(args, vocab)
@@ -133,8 +133,8 @@ def resume_checks(args, dirs: dict, vocab_spec: int):
     """On ``--resume``: each run's ``run.json`` (a damaged one is refused naming it) and the
     run's own tokenizer; the recipe the arguments ask for is compared here, before any data
     or model. Returns ``(saved specs by arch or {}, tokenizer or None, vocabulary size)``."""
-    from . import tokenizer as tok_mod
-    from .runspec import read_run_file
+    from smelt_model.data import tokenizer as tok_mod
+    from smelt_model.train.runspec import read_run_file
 
     if not args.resume:
         for d in dirs.values():

@@ -28,7 +28,7 @@ def plot_runs(
 ) -> Path:
     """Draw the runs' validation (solid) and training (faint) losses against FLOPs and
     seconds into ``path``."""
-    from ..plotting import pyplot, save
+    from smelt_model.plotting import pyplot, save
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)

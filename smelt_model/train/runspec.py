@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..config import ModelConfig
-from .plainstate import read_json
+from smelt_model.checkpoint.plainstate import read_json
+from smelt_model.config import ModelConfig
 
 __all__ = ["RunSpec", "read_run_file", "compare", "NONBITWISE"]
 

@@ -37,12 +37,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .. import budget
-from ..config import ModelConfig
-from ..model import valid_targets as model_valid_targets
-from . import checkpoint
-from .data import Packed, epoch_order
-from .runspec import RunSpec, compare, read_run_file
+from smelt_model import budget
+from smelt_model.config import ModelConfig
+from smelt_model.data.corpus import Packed, epoch_order
+from smelt_model.model import valid_targets as model_valid_targets
+from smelt_model.train import checkpoint
+from smelt_model.train.runspec import RunSpec, compare, read_run_file
 
 __all__ = [
     "RunSpec",
@@ -83,11 +83,12 @@ def check_memory(
     available: Optional[int] = None,
 ) -> dict[str, int]:
     """The estimated peak bytes of training ``cfgs`` together in one process
-    (:mod:`smelt_model.memory`), refused with :class:`~smelt_model.memory.MemoryRefusal`
+    (:mod:`smelt_model.budget.memory`), refused with
+    :class:`~smelt_model.budget.memory.MemoryRefusal`
     (one line) when it does not fit. ``available``: bytes to compare with (default
-    :func:`smelt_model.memory.available` of ``device``).
+    :func:`smelt_model.budget.memory.available` of ``device``).
     """
-    from .. import memory
+    from smelt_model.budget import memory
 
     act = 2 if dtype == "bf16" else 4
     parts = {}
@@ -175,7 +176,7 @@ class Trainer:
     ):
         from dataclasses import replace
 
-        from ..model import SmeltLM
+        from smelt_model.model import SmeltLM
 
         if backend is not None and backend != spec.backend:
             spec = replace(spec, backend=backend)

@@ -2,7 +2,7 @@
 fresh process per page, in a scratch folder; the README's as pasted into the Python REPL),
 the cheap commands they quote run too, and no command they quote writes into the
 repository. docs/titan.md and docs/comm.md are run by tests/titan/ and
-tests/model/test_comm.py."""
+tests/cluster/test_comm.py."""
 
 import re
 import shlex

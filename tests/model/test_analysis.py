@@ -73,8 +73,8 @@ def test_analyze_report_against_direct_computation():
     ids = torch.randint(0, 97, (2, 24))
     seg = (torch.arange(24) >= 10).long().expand(2, 24).contiguous()
     rep = analysis.analyze(model, ids, seg)
-    assert rep.arch == "smelt" and len(rep.layers) == model.plan.executed_layers
-    assert [(s.layer, s.visit) for s in rep.layers] == list(model.plan.pairs())
+    assert rep.arch == "smelt" and len(rep.layers) == model.schedule.executed_layers
+    assert [(s.layer, s.visit) for s in rep.layers] == list(model.schedule.pairs())
     assert len(rep.visits) == 2  # two span layers, one pair of visits each
 
     model.eval()
@@ -101,7 +101,7 @@ def test_analyze_report_against_direct_computation():
     text = analysis.format_report(rep)
     assert "span layers" in text and "random = 0.500" in text
     depth = analysis.sink_by_depth(rep)
-    assert [d[0] for d in depth] == list(range(model.plan.executed_layers))
+    assert [d[0] for d in depth] == list(range(model.schedule.executed_layers))
 
 
 def test_analyze_baseline_reports_by_layer():

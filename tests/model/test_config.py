@@ -37,13 +37,13 @@ def test_middle_loop_odd_and_fraction():
         middle_loop(8, fraction=1.5)
 
 
-def test_execution_plan_and_depth():
+def test_schedule_and_depth():
     cfg = _cfg(n_layers=5, loop=LoopSpec(1, 3, 2))
-    assert cfg.execution_plan() == ((0, 0), (1, 0), (2, 0), (3, 0), (1, 1), (2, 1), (3, 1), (4, 0))
-    assert cfg.executed_layers == 8 == len(cfg.execution_plan())
+    assert cfg.schedule.pairs() == ((0, 0), (1, 0), (2, 0), (3, 0), (1, 1), (2, 1), (3, 1), (4, 0))
+    assert cfg.executed_layers == 8 == len(cfg.schedule.pairs())
     assert cfg.residual_scale(2) == 0.5 and cfg.residual_scale(0) == 1.0
     base = _cfg(n_layers=5)
-    assert base.execution_plan() == tuple((i, 0) for i in range(5))
+    assert base.schedule.pairs() == tuple((i, 0) for i in range(5))
     r3 = _cfg(n_layers=3, loop=LoopSpec(0, 3, 3))
     assert r3.executed_layers == 9 and r3.residual_scale(1) == pytest.approx(1 / 3)
 

@@ -1,4 +1,5 @@
-"""FSDP2 on two CPU processes (gloo) with the package's recipe (:func:`smelt_model.parallel.shard`:
+"""FSDP2 on two CPU processes (gloo) with the package's recipe
+(:func:`smelt_model.titan.parallel.fsdp.shard`:
 every block its own unit, the shared span one unit or one unit per span layer): same loss
 and grads as one process, over two steps of gradient accumulation, each unit gathered
 once per pass and reduced once per backward, whatever its visits, and the gathers issued in
@@ -47,7 +48,7 @@ def _unit(fqn: str) -> str:
 def _worker(rank, init_file, out_file):
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
 
-    from smelt_model.parallel import shard, units
+    from smelt_model.titan.parallel.fsdp import shard, units
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     log = []

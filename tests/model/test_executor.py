@@ -11,7 +11,7 @@ from smelt_model.config import LoopSpec, ModelConfig, middle_loop
 from smelt_model.executor import (
     CapturedCall,
     Executor,
-    LoopPlan,
+    LoopSchedule,
     activation_memory,
     maybe_capture,
 )
@@ -23,7 +23,7 @@ def micro(loop=LoopSpec(1, 2, 2)):
 
 
 def test_plan_for_the_paper_loop():
-    plan = LoopPlan(12, middle_loop(12))
+    plan = LoopSchedule(12, middle_loop(12))
     assert plan.pairs() == (
         tuple((i, 0) for i in range(3))
         + tuple((i, 0) for i in range(3, 9))
@@ -40,7 +40,7 @@ def test_plan_for_the_paper_loop():
     "L,loop", [(5, LoopSpec(0, 5, 3)), (3, LoopSpec(2, 1, 1)), (6, LoopSpec(1, 1, 5)), (4, None)]
 )
 def test_plan_any_span_and_count(L, loop):
-    plan = LoopPlan(L, loop)
+    plan = LoopSchedule(L, loop)
     cfg = ModelConfig(
         vocab_size=8,
         hidden_size=8,
@@ -53,17 +53,17 @@ def test_plan_any_span_and_count(L, loop):
         top_k=1,
         loop=loop,
     )
-    assert plan.pairs() == cfg.execution_plan()
+    assert plan.pairs() == cfg.schedule.pairs()
     assert plan.executed_layers == cfg.executed_layers
 
 
 def test_plan_rejects_bad_loops():
     with pytest.raises(ValueError, match="does not fit"):
-        LoopPlan(4, LoopSpec(3, 2, 2))
+        LoopSchedule(4, LoopSpec(3, 2, 2))
     with pytest.raises(ValueError, match="n_layers"):
-        LoopPlan(0, None)
+        LoopSchedule(0, None)
     with pytest.raises(ValueError, match="recompute"):
-        Executor(LoopPlan(4, None), recompute="half")
+        Executor(LoopSchedule(4, None), recompute="half")
 
 
 def _loss_and_grads(model, ids, seg):
@@ -101,9 +101,9 @@ def test_recompute_all_but_n_checkpoints_all_but_the_last_n_executed_layers():
     from smelt_model import executor
 
     model = SmeltLM(micro(), backend="torch")  # prelude 0, span 1-2 x2, coda 3: 6 executed
-    assert model.plan.recomputed("all-but-2") == frozenset({0, 1, 2, 3})
-    assert model.plan.recomputed("visit1") == frozenset({1, 2})
-    assert model.plan.recomputed("all") == frozenset(range(6))
+    assert model.schedule.recomputed("all-but-2") == frozenset({0, 1, 2, 3})
+    assert model.schedule.recomputed("visit1") == frozenset({1, 2})
+    assert model.schedule.recomputed("all") == frozenset(range(6))
     ran = []
     stock = executor.checkpoint
 
@@ -212,8 +212,8 @@ def test_plan_answers_the_config_ledger_and_matcher():
     from smelt_model import budget
 
     cfg = micro(loop=LoopSpec(1, 2, 3))
-    plan = LoopPlan.from_config(cfg)
-    assert cfg.plan.pairs() == plan.pairs() == cfg.execution_plan()
+    plan = LoopSchedule.from_config(cfg)
+    assert cfg.schedule.pairs() == plan.pairs() == cfg.schedule.pairs()
     assert [cfg.residual_scale(i) for i in range(4)] == [plan.residual_scale(i) for i in range(4)]
     assert plan.residual_scale(2) == pytest.approx(1 / 3) and plan.residual_scale(3) == 1.0
     assert [s.visit for s in plan.visits(1)] == [0, 1, 2] and len(plan.visits(0)) == 1

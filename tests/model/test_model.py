@@ -76,7 +76,7 @@ def test_forward_equals_unrolled_reference(loop):
     got = model(ids, seg).logits
     want = unrolled_logits(model, ids, seg)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    assert model.plan.executed_layers == model.cfg.executed_layers
+    assert model.schedule.executed_layers == model.cfg.executed_layers
 
 
 def test_shared_weight_gradients_are_the_sum_over_visits():
@@ -99,13 +99,13 @@ def test_shared_weight_gradients_are_the_sum_over_visits():
 
     # run the same executed sequence with separate weights per visit
     from smelt_model.block import ForwardContext
-    from smelt_model.executor import LoopPlan
+    from smelt_model.executor import LoopSchedule
 
     B, T = ids.shape
     cos, sin = unrolled.rotary.tables(0, T, ids.device)
     ctx = ForwardContext(cos=cos, sin=sin, segment_ids=seg)
     x = unrolled.embed(ids)
-    for step in LoopPlan.from_config(cfg).steps:
+    for step in LoopSchedule.from_config(cfg).steps:
         x, _ = layer(step.layer, step.visit)(x, ctx, step)
     logits = unrolled.lm_head(unrolled.norm(x))
     SmeltLM.lm_loss(logits, ids, seg).backward()
@@ -275,7 +275,7 @@ def test_backend_is_passed_to_the_ops(monkeypatch):
     monkeypatch.setattr(layers, "segment_attention", spy_attn)
     model = SmeltLM(micro(), backend="torch")
     model(*packed_batch())
-    assert len(seen) == 2 * model.plan.executed_layers
+    assert len(seen) == 2 * model.schedule.executed_layers
     assert set(seen) == {("moe", "torch"), ("attn", "torch")}
     seen.clear()
     model.backend = "auto"

@@ -21,11 +21,11 @@ def test_records_every_executed_layer_and_visit():
     seg = (torch.arange(12) >= 5).long().expand(2, 12).contiguous()
     with capture(model) as rec:
         logits = model(ids, seg).logits
-    assert rec.keys() == list(model.plan.pairs())
+    assert rec.keys() == list(model.schedule.pairs())
     for layer, visit in rec.keys():
         r = rec[(layer, visit)]
         assert set(r) == set(PROBES)
-        scale = model.plan.steps[0].scale if layer == 0 else (0.5 if layer in (1, 2) else 1.0)
+        scale = model.schedule.steps[0].scale if layer == 0 else (0.5 if layer in (1, 2) else 1.0)
         # the layer's update is the sum of its two sublayer writes
         torch.testing.assert_close(r["x_out"] - r["x"], r["attn_write"] + r["moe_write"])
         blk = model.layer(layer)
@@ -48,10 +48,10 @@ def test_no_recording_outside_capture_and_selected_names():
     with capture(model, what=["router_ids"], to_cpu=True) as rec:
         model(ids)
     assert all(set(rec[k]) == {"router_ids"} for k in rec.keys())
-    assert len(rec.get("router_ids")) == model.plan.executed_layers
+    assert len(rec.get("router_ids")) == model.schedule.executed_layers
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     model(ids)
-    assert len(rec.keys()) == model.plan.executed_layers
+    assert len(rec.keys()) == model.schedule.executed_layers
     with pytest.raises(ValueError, match="unknown probe"):
         with capture(model, what=["attention_weights"]):
             pass

@@ -87,13 +87,13 @@ def main():
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.utils import set_spmd_backend
 
-    from smelt_model.titan import traffic
-    from smelt_model.titan.dispatch import (
+    from smelt_model.titan.moe import traffic
+    from smelt_model.titan.moe.dispatch import (
         CountingAllToAllTokenDispatcher,
         DedupAllToAllTokenDispatcher,
         token_ranks,
     )
-    from smelt_model.titan.exchange import dedicated_group
+    from smelt_model.titan.moe.exchange import dedicated_group
 
     set_spmd_backend("partial_dtensor")  # the backend the SMELT runs use
     traffic.enable(out_path + ".comm")

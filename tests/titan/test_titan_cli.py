@@ -14,7 +14,8 @@ import titan_helpers as th  # noqa: E402
 
 from smelt_model import presets  # noqa: E402
 from smelt_model.titan import __main__ as launcher  # noqa: E402
-from smelt_model.titan import export, patches  # noqa: E402
+from smelt_model.titan import patches  # noqa: E402
+from smelt_model.titan.checkpoint import export  # noqa: E402
 
 PREFIX = "python -m smelt_model.titan: error: "
 

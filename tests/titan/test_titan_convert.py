@@ -1,7 +1,8 @@
 """The one conversion path between the trainers (docs/training.md), around the
 ``SmeltLM.save_pretrained`` folder: a smelt-train checkpoint is such a folder and loads into
 the torchtitan model as ``--checkpoint.initial_load_in_hf`` loads it; a torchtitan
-checkpoint of that model exports (``python -m smelt_model.titan.export``) to a folder that
+checkpoint of that model exports (``python -m smelt_model.titan.checkpoint.export``) to a
+folder that
 ``smelt-train --init`` starts from. The logits stay the same all the way round."""
 
 import warnings
@@ -15,12 +16,13 @@ import titan_helpers as th  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from smelt_model.model import SmeltLM  # noqa: E402
-from smelt_model.titan import config_registry, export  # noqa: E402
+from smelt_model.titan import config_registry  # noqa: E402
 from smelt_model.titan.attention import segment_ids_from_positions  # noqa: E402
+from smelt_model.titan.checkpoint import export  # noqa: E402
+from smelt_model.titan.checkpoint.state_dict import to_smelt  # noqa: E402
 from smelt_model.titan.model import SmeltTitan  # noqa: E402
-from smelt_model.titan.state_dict import to_smelt  # noqa: E402
 from smelt_model.train import cli  # noqa: E402
-from smelt_model.train.loop import build_trainers  # noqa: E402
+from smelt_model.train.lockstep import build_trainers  # noqa: E402
 
 PRESET = "tiny-smelt"
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from smelt_model import presets  # noqa: E402
 from smelt_model.model import SmeltLM  # noqa: E402
-from smelt_model.titan import export  # noqa: E402
+from smelt_model.titan.checkpoint import export  # noqa: E402
 
 CFG = presets.get("tiny-baseline").replace(n_layers=2, n_experts=8, vocab_size=300)
 
@@ -149,7 +149,13 @@ def test_bad_export_options_are_usage_errors(tmp_path, capsys):
 
 def test_the_console_script_form_is_one_line(tmp_path):
     proc = th.run(
-        [sys.executable, "-m", "smelt_model.titan.export", str(tmp_path), str(tmp_path / "o")],
+        [
+            sys.executable,
+            "-m",
+            "smelt_model.titan.checkpoint.export",
+            str(tmp_path),
+            str(tmp_path / "o"),
+        ],
         cwd=tmp_path,
         timeout=120,
     )
@@ -172,8 +178,8 @@ def test_the_patched_reader_holds_every_dcp_load_in_the_process(seed, tmp_path):
     """What the launcher's ``safe_dcp_reader`` patch does to a plain ``dcp.load``."""
     import torch.distributed.checkpoint as dcp
 
+    from smelt_model.checkpoint.dcp import first_failure
     from smelt_model.titan import patches
-    from smelt_model.titan.dcp_reader import first_failure
 
     patches.apply()
     folder, _ = seed
@@ -194,8 +200,8 @@ def test_the_patched_reader_holds_every_dcp_load_in_the_process(seed, tmp_path):
 def test_restricted_loads_takes_plain_data_only(tmp_path):
     import numpy as np
 
-    from smelt_model.errors import CheckpointError
-    from smelt_model.titan.dcp_reader import restricted_loads
+    from smelt_model.checkpoint import CheckpointError
+    from smelt_model.checkpoint.dcp import restricted_loads
 
     state = {
         "n": 3,

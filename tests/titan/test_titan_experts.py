@@ -8,7 +8,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'ti
 from torchtitan.config.override import derive  # noqa: E402
 from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
 
-from smelt_model.titan.experts import SmeltGroupedExperts, smelt_experts, torch_experts  # noqa: E402
+from smelt_model.titan.moe.experts import SmeltGroupedExperts, smelt_experts, torch_experts  # noqa: E402
 
 
 def _stock_fp32(module, x, counts):

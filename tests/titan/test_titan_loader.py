@@ -10,6 +10,7 @@ import titan_helpers as th  # noqa: E402
 from torchtitan.components.tokenizer import HuggingFaceTokenizer  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
 
+from smelt_model.data import tokenizer as smelt_tok  # noqa: E402
 from smelt_model.titan.loader import (
     IGNORE_INDEX,
     PackedDocuments,
@@ -18,7 +19,6 @@ from smelt_model.titan.loader import (
     smelt_data,
     smelt_tokenizer,
 )
-from smelt_model.train import tokenizer as smelt_tok  # noqa: E402
 
 
 def _loader(dataset, rank=0, world=1, batch=2, seq_len=32, **cfg):

@@ -1,6 +1,6 @@
 """What the torchtitan layers keep for the backward, against the ledger's count of it.
 
-The cluster plans fit their activations in memory by :func:`smelt_model.budget.footprint`;
+The cluster plans fit their activations in memory by :func:`smelt_model.cluster.footprint`;
 these measure the saved tensors of SmeltTitan's layers (smelt's experts and combine, and
 torchtitan's stock experts) per executed layer and check the count covers them, without a
 margin larger than the estimate's own."""
@@ -10,12 +10,12 @@ import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
-from smelt_model.budget import Workload  # noqa: E402
-from smelt_model.budget.footprint import _per_layer_activations  # noqa: E402
+from smelt_model.cluster import Workload  # noqa: E402
+from smelt_model.cluster.footprint import _per_layer_activations  # noqa: E402
 from smelt_model.config import ModelConfig  # noqa: E402
 from smelt_model.executor import activation_memory  # noqa: E402
 from smelt_model.titan import model as titan_model  # noqa: E402
-from smelt_model.titan.dispatch import scale_rows  # noqa: E402
+from smelt_model.titan.moe.dispatch import scale_rows  # noqa: E402
 from smelt_model.titan.overrides import torch_kernels  # noqa: E402
 
 B, T = 2, 128

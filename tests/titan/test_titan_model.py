@@ -20,16 +20,16 @@ from smelt_model.model import SmeltLM  # noqa: E402
 from smelt_model.titan import config_registry  # noqa: E402
 from smelt_model.titan import model as titan_model  # noqa: E402
 from smelt_model.titan.attention import segment_ids_from_positions  # noqa: E402
-from smelt_model.titan.experts import SmeltGroupedExperts  # noqa: E402
-from smelt_model.titan.moe import moe_config  # noqa: E402
-from smelt_model.titan.overrides import torch_kernels  # noqa: E402
-from smelt_model.titan.parallelize import recompute_policy, update_model_config  # noqa: E402
-from smelt_model.titan.state_dict import (
+from smelt_model.titan.checkpoint.state_dict import (
     arch_from_config_json,
     config_bytes,  # noqa: E402
     from_smelt,
     to_smelt,
 )
+from smelt_model.titan.moe.experts import SmeltGroupedExperts  # noqa: E402
+from smelt_model.titan.moe.layer import moe_config  # noqa: E402
+from smelt_model.titan.overrides import torch_kernels  # noqa: E402
+from smelt_model.titan.parallel.parallelize import recompute_policy, update_model_config  # noqa: E402
 
 SmeltTitan = titan_model.SmeltTitan
 
@@ -153,7 +153,7 @@ def test_every_preset_has_a_config_under_its_own_name():
         getattr(config_registry, "tiny-nothing")
     with torch.device("meta"):
         model = config_registry.model_spec("200M-S95-smelt").model.build()
-    assert model.plan.executed_layers == 18 and model.span is not None
+    assert model.schedule.executed_layers == 18 and model.span is not None
 
 
 def test_recompute_follows_torchtitans_activation_checkpointing_choice():
@@ -244,7 +244,7 @@ def test_flex_attention_core_matches_segment_attention(monkeypatch):
 def test_stock_dispatchers_can_count_their_all_to_alls():
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
-    from smelt_model.titan.dispatch import CountingAllToAllTokenDispatcher, count_all_to_all
+    from smelt_model.titan.moe.dispatch import CountingAllToAllTokenDispatcher, count_all_to_all
 
     new = count_all_to_all(AllToAllTokenDispatcher.Config(num_experts=4, top_k=2))
     assert isinstance(new, CountingAllToAllTokenDispatcher.Config)

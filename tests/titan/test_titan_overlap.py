@@ -14,8 +14,8 @@ from test_titan_model import _batch, _cfg, _objective, _pair  # noqa: E402
 from smelt_model.config import LoopSpec  # noqa: E402
 from smelt_model.executor import Interleaved  # noqa: E402
 from smelt_model.titan.attention import segment_ids_from_positions  # noqa: E402
-from smelt_model.titan.dispatch import DedupAllToAllTokenDispatcher  # noqa: E402
-from smelt_model.titan.state_dict import to_smelt  # noqa: E402
+from smelt_model.titan.checkpoint.state_dict import to_smelt  # noqa: E402
+from smelt_model.titan.moe.dispatch import DedupAllToAllTokenDispatcher  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_overlap_with_recompute_equals_smeltlm(ep_mesh, recompute, chunks):
     """A recomputed layer runs its chunks together under one checkpoint, interleaved in the
     forward and again in the backward's recompute: every exchange of its forward runs twice
     (counted on the dispatchers), and the gradients are SmeltLM's."""
-    from smelt_model.titan import dispatch
+    from smelt_model.titan.moe import dispatch
 
     smelt, titan = _wired(_cfg(), ep_mesh, recompute=recompute, overlap=True, chunks=chunks)
     starts = []
@@ -132,7 +132,7 @@ def test_every_chunk_issues_its_split_sizes_before_the_host_waits(ep_mesh, monke
     waits for the split sizes: in a layer of 4 chunks, all four exchanges of counts are
     issued (each chunk's attention and routing already queued) before the first chunk's
     tokens leave, so the host waits while the GPU still has the others' work."""
-    from smelt_model.titan import dispatch
+    from smelt_model.titan.moe import dispatch
 
     events = []
     stock_counts, stock_start = dispatch.all_to_all_single, dispatch.start

@@ -11,14 +11,15 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'ti
 
 import titan_helpers as th  # noqa: E402
 
+from smelt_model import cluster  # noqa: E402
 from smelt_model.titan import config_registry  # noqa: E402
-from smelt_model.titan.dispatch import (  # noqa: E402
+from smelt_model.titan.moe.dispatch import (  # noqa: E402
     CountingAllToAllTokenDispatcher,
     DedupAllToAllTokenDispatcher,
     ScaledLocalTokenDispatcher,
 )
-from smelt_model.titan.moe_comm import RunMesh, run_cluster  # noqa: E402
-from smelt_model.titan.parallelize import run_plan, update_model_config  # noqa: E402
+from smelt_model.titan.moe.options import RunMesh, run_cluster  # noqa: E402
+from smelt_model.titan.parallel.parallelize import resolve_parallel_plan, update_model_config  # noqa: E402
 
 
 def _config(monkeypatch, world=2, local=None, ep=2, **moe_comm):
@@ -44,8 +45,8 @@ def test_each_layer_gets_its_dispatcher_and_sharding(monkeypatch, spec, dedup, k
     config.training.local_batch_size = 2
     model = config.model_spec.model
     update_model_config(model, config)
-    assert model.plan.letters == kinds and model.overlap and model.plan.dedup == dedup
-    assert model.chunks == 2 and model.plan.span_units == "layer"
+    assert model.schedule.letters == kinds and model.overlap and model.schedule.dedup == dedup
+    assert model.chunks == 2 and model.schedule.span_units == "layer"
     ep_cls = DedupAllToAllTokenDispatcher if dedup else CountingAllToAllTokenDispatcher
     for i, kind in enumerate(kinds):
         moe = model.moe[i]
@@ -56,19 +57,21 @@ def test_each_layer_gets_its_dispatcher_and_sharding(monkeypatch, spec, dedup, k
 
 
 def test_the_plan_line_says_whether_the_gathers_follow_the_loop(monkeypatch):
-    from smelt_model.titan.moe_comm import describe
+    from smelt_model.titan.moe.options import describe
 
     config = _config(monkeypatch, plan="span-gather")
     arch = config.model_spec.model.arch
     mesh = RunMesh(world=2, local_world=2, ep=2)
-    plan = run_plan(config, arch, "none")[0]
+    plan = resolve_parallel_plan(config, arch, "none")[0]
     assert "; loop-aware prefetch;" in describe(plan, mesh, True, arch)
     # span experts gathered at every visit keep to one layer ahead
     config = _config(monkeypatch, plan="span-gather", span_gather="layer")
-    plan = run_plan(config, arch, "none")[0]
+    plan = resolve_parallel_plan(config, arch, "none")[0]
     assert plan.prefetch == "loop" and "loop-aware" not in describe(plan, mesh, True, arch)
     config = _config(monkeypatch, plan="ep", prefetch="next")
-    assert "loop-aware" not in describe(run_plan(config, arch, "none")[0], mesh, True, arch)
+    assert "loop-aware" not in describe(
+        resolve_parallel_plan(config, arch, "none")[0], mesh, True, arch
+    )
 
 
 def test_the_cluster_comes_from_the_mesh_and_the_spec():
@@ -105,7 +108,7 @@ def test_a_plan_the_run_cannot_use_is_refused(monkeypatch, moe_comm, needle):
         1 if moe_comm.get("overlap") and "chunks" not in moe_comm else 2
     )
     with pytest.raises(ValueError) as e:
-        run_plan(config, config.model_spec.model.arch, "none")
+        resolve_parallel_plan(config, config.model_spec.model.arch, "none")
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
@@ -132,53 +135,52 @@ def test_the_launcher_says_it_in_one_line_before_any_process_starts(tmp_path):
 def test_a_plan_that_does_not_fit_a_rank_is_refused(monkeypatch):
     """The ledger's memory per rank of the plan against the memory the SPEC gives (else
     what the machine has available), before anything is built."""
-    from smelt_model.memory import MemoryRefusal
+    from smelt_model.budget.memory import MemoryRefusal
 
     config = _config(monkeypatch, plan="gather", cluster="memory=1GB")
     with pytest.raises(MemoryRefusal) as e:
-        run_plan(config, config.model_spec.model.arch, "none")
+        resolve_parallel_plan(config, config.model_spec.model.arch, "none")
     message = str(e.value)
     assert "ParallelPlan('gggg'" in message and "on each rank" in message
     assert "--moe_comm.span_gather layer" in message and "\n" not in message
     config = _config(monkeypatch, plan="gather", cluster="memory=80GB")
-    assert run_plan(config, config.model_spec.model.arch, "none")[0].letters == "gggg"
+    assert resolve_parallel_plan(config, config.model_spec.model.arch, "none")[0].letters == "gggg"
 
 
 def test_auto_runs_the_ledgers_best_plan_for_the_run(monkeypatch):
-    from smelt_model import budget
 
     config = _config(monkeypatch, world=8, ep=8, plan="auto", cluster="memory=80GB")
     config.training.seq_len, config.training.local_batch_size = 256, 4
     arch = config.model_spec.model.arch
-    plan, mesh = run_plan(config, arch, "none")
-    expect, _ = budget.plan(
+    plan, mesh = resolve_parallel_plan(config, arch, "none")
+    expect, _ = cluster.best_plan(
         arch,
         "gpus=8,gpus_per_node=8,ep=8,memory=80GB",
         8 * 4 * 256,
-        workload=budget.Workload(dtype="bfloat16", mean_doc_len=256, seq_len=256),
+        workload=cluster.Workload(dtype="bfloat16", mean_doc_len=256, seq_len=256),
         overlap=False,
     )
     assert plan == expect and mesh.world == 8
     assert plan.prefetch == "loop"  # the looped model's gathers follow the loop
     # the span as one unit, and one layer ahead, where the run asks for them
     config.moe_comm.span_units, config.moe_comm.prefetch = "span", "next"
-    chosen = run_plan(config, arch, "none")[0]
+    chosen = resolve_parallel_plan(config, arch, "none")[0]
     assert (chosen.span_units, chosen.prefetch) == ("span", "next")
     # a plan whose recompute the run does not match says which option would
     tight = _config(monkeypatch, world=8, ep=8, plan="auto", cluster="memory=10GB")
     tight.training.seq_len, tight.training.local_batch_size = 4096, 32
     with pytest.raises(ValueError) as refused:
-        run_plan(tight, arch, "none")
+        resolve_parallel_plan(tight, arch, "none")
     assert (
         "recomputes 'all-but-1'; run it with --moe_comm.keep_activations 1 "
         "activation_checkpoint:full (last) or give the plan"
     ) in str(refused.value)
-    from smelt_model.titan.moe_comm import recompute_args
+    from smelt_model.titan.moe.options import recompute_args
 
     assert recompute_args("visit1") == "activation_checkpoint:selective (last)"
     assert recompute_args("all") == "activation_checkpoint:full (last)"
     assert recompute_args("none") == "activation_checkpoint:none (last)"
-    assert run_plan(tight, arch, "all-but-1")[0].recompute == "all-but-1"
+    assert resolve_parallel_plan(tight, arch, "all-but-1")[0].recompute == "all-but-1"
 
 
 def test_the_launcher_checks_an_auto_plan_on_the_processes_it_will_start(monkeypatch):

@@ -16,11 +16,11 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'ti
 
 import titan_helpers as th  # noqa: E402
 
-from smelt_model import budget, presets  # noqa: E402
+from smelt_model import cluster, presets  # noqa: E402
 from smelt_model.model import SmeltLM  # noqa: E402
-from smelt_model.titan import traffic  # noqa: E402
 from smelt_model.titan.attention import segment_ids_from_positions  # noqa: E402
-from smelt_model.titan.state_dict import to_smelt, write_seed  # noqa: E402
+from smelt_model.titan.checkpoint.state_dict import to_smelt, write_seed  # noqa: E402
+from smelt_model.titan.moe import traffic  # noqa: E402
 
 PRESET = "tiny-smelt"
 STEPS = 3
@@ -104,7 +104,7 @@ def test_first_step_equals_a_single_process_smeltlm(run):
 
 def test_the_ledger_counts_the_bytes_on_the_wire(run):
     """Per EP group (ranks 0-1 and 2-3), rank and step: the stock all-to-alls equal
-    budget.comm on the realised routing (every layer's forward exchanges run again in its
+    cluster.comm on the realised routing (every layer's forward exchanges run again in its
     recompute), and the gathered span experts' FSDP bytes (104 experts over 2 ranks: no
     padding) equal the ledger's gather fields: all-gathers over the node's 2 ranks at every
     visit, forward and backward; FSDP2 reduces the gradients of a unit run twice once per
@@ -112,8 +112,8 @@ def test_the_ledger_counts_the_bytes_on_the_wire(run):
     records = traffic.read(run["dir"] / "comm")
     cfg = presets.get(PRESET)
     kw = dict(ep=EP, dedup=False, overlap=False, recompute="all")
-    plan = budget.parse_plan("span-gather", cfg, span_gather="layer", **kw)
-    unit = budget.parse_plan("span-gather", cfg, **kw)
+    plan = cluster.parse_plan("span-gather", cfg, span_gather="layer", **kw)
+    unit = cluster.parse_plan("span-gather", cfg, **kw)
     for r in records:
         groups = {(e["kind"], e["group"], e["group_size"]) for e in r["fsdp"]}
         assert groups == {
@@ -126,8 +126,8 @@ def test_the_ledger_counts_the_bytes_on_the_wire(run):
             group = [r for r in records if first <= r["rank"] < first + EP]
             kw = dict(dp_shard=WORLD, gpus_per_node=NODE, dtype="float32")
             routing = traffic.routing_matrices(group, step=step)
-            led = budget.comm(cfg, WORLD * 64, plan=plan, routing=routing, **kw)
-            once = budget.comm(cfg, WORLD * 64, plan=unit, routing=routing, **kw)
+            led = cluster.comm(cfg, WORLD * 64, plan=plan, routing=routing, **kw)
+            once = cluster.comm(cfg, WORLD * 64, plan=unit, routing=routing, **kw)
             for r in group:
                 sent, rank = r["steps"][str(step)], r["ep_rank"]
                 assert sent["dispatch_forward"] == led.dispatch_by_rank[rank]

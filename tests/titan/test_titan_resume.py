@@ -21,7 +21,7 @@ import titan_helpers as th  # noqa: E402
 
 from smelt_model import presets  # noqa: E402
 from smelt_model.model import SmeltLM  # noqa: E402
-from smelt_model.titan.state_dict import write_seed  # noqa: E402
+from smelt_model.titan.checkpoint.state_dict import write_seed  # noqa: E402
 
 PREFIX = "python -m smelt_model.titan: error: "
 
@@ -258,9 +258,9 @@ def test_a_smelt_data_position_beyond_its_step_and_another_preset_are_refused(tm
 def test_another_presets_initial_load_path_says_which_preset_it_holds(tmp_path):
     from types import SimpleNamespace
 
-    from smelt_model.errors import CheckpointError
-    from smelt_model.titan import resume
-    from smelt_model.titan.state_dict import config_bytes
+    from smelt_model.checkpoint import CheckpointError
+    from smelt_model.titan.checkpoint import resume
+    from smelt_model.titan.checkpoint.state_dict import config_bytes
 
     write_seed(SmeltLM(presets.get("tiny-baseline")), tmp_path / "seed")
     mine = {"config_json": config_bytes(presets.get("tiny-smelt"))}

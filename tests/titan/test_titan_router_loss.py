@@ -14,12 +14,12 @@ import titan_helpers as th  # noqa: E402
 
 from smelt_kernels.layers import MoE  # noqa: E402
 from smelt_model import presets  # noqa: E402
-from smelt_model.titan.moe import moe_config  # noqa: E402
+from smelt_model.titan.moe.layer import moe_config  # noqa: E402
 
 _LOSS = """
 import json, sys, torch
 from smelt_model import presets
-from smelt_model.titan.moe import moe_config
+from smelt_model.titan.moe.layer import moe_config
 
 torch.set_num_threads(int(sys.argv[1]))
 cfg = presets.get("tiny-smelt").replace(aux_loss_weight=0.01, z_loss_weight=1e-3)

@@ -18,11 +18,11 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'ti
 
 import titan_helpers as th  # noqa: E402
 
-from smelt_model import presets  # noqa: E402
+from smelt_model import cluster, presets  # noqa: E402
 from smelt_model.model import SmeltLM  # noqa: E402
-from smelt_model.titan import traffic  # noqa: E402
 from smelt_model.titan.attention import segment_ids_from_positions  # noqa: E402
-from smelt_model.titan.state_dict import to_smelt, write_seed  # noqa: E402
+from smelt_model.titan.checkpoint.state_dict import to_smelt, write_seed  # noqa: E402
+from smelt_model.titan.moe import traffic  # noqa: E402
 
 PRESET = "tiny-smelt"
 STEPS = 4
@@ -164,23 +164,22 @@ def test_dedup_rows_follow_the_realised_routing(run):
 
 
 def test_the_ledger_counts_the_bytes_on_the_wire(run):
-    """budget.comm with the run's plan and realised token_ranks equals, per rank and step, the
+    """cluster.comm with the run's plan and realised token_ranks equals, per rank and step, the
     bytes its all-to-alls sent to the other rank (forward, backward and the recomputed
     forward), and the FSDP bytes of the gathered span layer's experts (104 experts split
     evenly over 2 ranks: no padding); the de-duplicated rows are fewer than the stock rows
     of the same routing by the ledger's factor."""
-    from smelt_model import budget
 
     records = traffic.read(run["dir"] / "comm")
     cfg = presets.get(PRESET)
     kw = dict(ep=2, overlap=True, chunks=CHUNKS, recompute="visit1")
-    plan = budget.parse_plan(PLAN, cfg, dedup=True, **kw)
-    stock = budget.parse_plan(PLAN, cfg, dedup=False, **kw)
+    plan = cluster.parse_plan(PLAN, cfg, dedup=True, **kw)
+    stock = cluster.parse_plan(PLAN, cfg, dedup=False, **kw)
     tokens = 2 * 64 * CHUNKS
     for step in range(1, STEPS):  # the last step also holds the worker's export-check forward
         ranks = traffic.token_rank_matrices(records, step=step)
-        led = budget.comm(cfg, tokens, dp_shard=2, plan=plan, dtype="float32", token_ranks=ranks)
-        rows = budget.comm(
+        led = cluster.comm(cfg, tokens, dp_shard=2, plan=plan, dtype="float32", token_ranks=ranks)
+        rows = cluster.comm(
             cfg,
             tokens,
             dp_shard=2,
@@ -216,7 +215,7 @@ def test_export_gives_the_torchtitan_models_logits(run):
     ckpt = run["dir"] / "dump" / "checkpoint" / f"step-{STEPS}"
     out = run["dir"] / "exported"
     proc = th.run(
-        [sys.executable, "-m", "smelt_model.titan.export", str(ckpt), str(out)],
+        [sys.executable, "-m", "smelt_model.titan.checkpoint.export", str(ckpt), str(out)],
         cwd=run["dir"],
         timeout=120,
     )

@@ -13,15 +13,15 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'ti
 
 import titan_helpers as th  # noqa: E402
 
-from smelt_model.titan import traffic  # noqa: E402
+from smelt_model.titan.moe import traffic  # noqa: E402
 
 OVERRIDES = ",".join(
     [
-        "smelt_model.titan.experts.smelt_experts",
+        "smelt_model.titan.moe.experts.smelt_experts",
         "smelt_model.titan.attention.smelt_attention",
         "smelt_model.titan.loader.smelt_data",
         "smelt_model.titan.loader.smelt_tokenizer",
-        "smelt_model.titan.dispatch.dedup_all_to_all",
+        "smelt_model.titan.moe.dispatch.dedup_all_to_all",
     ]
 )
 STEPS, E, K = 4, 16, 4  # qwen3_moe_tiny: 16 experts, top-4, 2 layers
@@ -64,7 +64,7 @@ def run(tmp_path_factory):
 def test_the_override_reaches_every_layer(run):
     for layer in (0, 1):
         assert (
-            f"smelt_model.titan.dispatch.dedup_all_to_all: model_spec.model.layers.{layer}.moe."
+            f"smelt_model.titan.moe.dispatch.dedup_all_to_all: model_spec.model.layers.{layer}.moe."
             "routed_experts.token_dispatcher AllToAllTokenDispatcher.Config -> "
             "DedupAllToAllTokenDispatcher.Config"
         ) in run["log"]

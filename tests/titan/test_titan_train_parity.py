@@ -17,9 +17,9 @@ from smelt_model import presets  # noqa: E402
 from smelt_model.config import IGNORE_INDEX  # noqa: E402
 from smelt_model.model import valid_targets  # noqa: E402
 from smelt_model.titan import config_registry  # noqa: E402
-from smelt_model.titan.state_dict import config_bytes, from_smelt  # noqa: E402
+from smelt_model.titan.checkpoint.state_dict import config_bytes, from_smelt  # noqa: E402
 from smelt_model.train import cli  # noqa: E402
-from smelt_model.train.loop import build_trainers  # noqa: E402
+from smelt_model.train.lockstep import build_trainers  # noqa: E402
 
 PRESET = "tiny-smelt"
 

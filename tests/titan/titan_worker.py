@@ -118,7 +118,7 @@ def main() -> None:
                 yield m, d
 
     def compare_dispatchers(**batch):
-        from smelt_model.titan.dispatch import CountingAllToAllTokenDispatcher as Stock
+        from smelt_model.titan.moe.dispatch import CountingAllToAllTokenDispatcher as Stock
 
         for label in ("as_run", "stock"):
             if label == "stock":

@@ -11,7 +11,7 @@ import pytest
 from train_helpers import REPO, micro_config
 
 from smelt_model.train import cli
-from smelt_model.train.loop import Progress
+from smelt_model.train.lockstep import Progress
 
 
 def _error(capsys, argv, code, *fragments):
@@ -114,7 +114,7 @@ def test_piped_progress_says_each_evaluation_once():
 
 def test_the_trainer_imports_no_torchtitan():
     code = (
-        "import sys, smelt_model.train.cli, smelt_model.train.loop, smelt_model.train.trainer\n"
+        "import sys, smelt_model.train.cli, smelt_model.train.lockstep, smelt_model.train.trainer\n"
         "bad = [m for m in sys.modules if m.startswith(('torchtitan', 'smelt_model.titan'))]\n"
         "assert not bad, bad\n"
     )

@@ -4,9 +4,10 @@ import json
 
 from train_helpers import micro_config, run_cli
 
-from smelt_model.train import data, tokenizer
+from smelt_model.data import corpus as text_corpus
+from smelt_model.data import tokenizer
 from smelt_model.train.cli import main
-from smelt_model.train.loop import merge_endpoints
+from smelt_model.train.lockstep import merge_endpoints
 
 
 def _base(corpus, cfg, out, *extra):
@@ -56,8 +57,9 @@ def test_short_run_learns_below_the_unigram_entropy(corpus, tmp_path):
         )
         == 0
     )
-    docs = data.load_documents(str(corpus))
-    entropy = data.unigram_entropy(tokenizer.BytesTokenizer().encode_batch([d.text for d in docs]))
+    docs = text_corpus.load_documents(str(corpus))
+    tokens = tokenizer.BytesTokenizer().encode_batch([d.text for d in docs])
+    entropy = text_corpus.unigram_entropy(tokens)
     recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     evals = [r for r in recs if "val_loss" in r]
     steps = [r for r in recs if "loss" in r]

@@ -14,8 +14,8 @@ import pytest
 import torch
 from train_helpers import losses, micro_config, run_cli
 
-from smelt_model.errors import CheckpointError
-from smelt_model.train import checkpoint, plainstate
+from smelt_model.checkpoint import CheckpointError, plainstate
+from smelt_model.train import checkpoint
 from smelt_model.train.cli import main
 
 STEPS = 8

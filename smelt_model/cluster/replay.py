@@ -1,0 +1,507 @@
+"""The step-time model: one training step of one rank, replayed on its resources.
+
+A projected step is not a sum of terms: :func:`simulate` lays the step out in program
+order as a graph of work and waits, and plays it on the resources that run it:
+
+* ``compute``: the GPU's arithmetic, one thing at a time in program order, at
+  ``peak x mfu``; per executed layer an attention part (attention, router, norms and the
+  attention scores of the ledger) and an expert part, a forward a third of the training
+  FLOPs and the backward two thirds; after the last layer the output head (its matmul,
+  :func:`~smelt_model.budget.head_flops`, unless ``Workload.head`` is False), chunk by
+  chunk as each chunk's last exchange comes in (the runtime's ``Interleaved.finish``), and
+  its backward, chunk by chunk, before the last layer's;
+* ``intra``: the GPU's in-node links (NVLink), and ``inter``: its NIC, separate resources
+  that run at once. An EP all-to-all puts the bytes for peers in the node on ``intra`` and
+  those for peers on other nodes on ``inter``; an FSDP collective over the ranks of one node
+  runs on ``intra``, one over several nodes is paced by ``inter`` (a ring is as fast as its
+  slowest hop);
+* four streams of collectives, each running its transfers one after another in the order
+  they were issued: the EP token all-to-alls (a process group of their own), the exchanges
+  of split sizes before each dispatch, FSDP's all-gathers and FSDP's reductions
+  (reduce-scatters, and the all-reduces between node replicas). Transfers of different
+  streams on one link share its bandwidth equally while they overlap. Every collective
+  first takes the cluster's ``latency`` (start-up and synchronisation: it holds its stream,
+  not a link), then moves its bytes.
+
+What waits for what (the schedule the runtime runs):
+
+* **Split sizes.** Before each dispatch (each chunk's) the ranks exchange how many rows
+  go where (the ledger's ``counts_forward``; the backward reuses the forward's sizes), and
+  the host must have them before it starts the dispatch. Each chunk issues its exchange
+  after its attention and pauses, so the host waits for them in turn once every chunk's
+  attention is queued: the compute after them (the first chunk's experts) waits for the
+  last chunk's split sizes, and only that wait is exposed in full (all of them without
+  the overlap).
+* **EP layers.** Without overlap every all-to-all blocks: attention, dispatch, experts,
+  combine, then the next layer. With ``plan.overlap`` each rank's tokens are
+  ``plan.chunks`` chunks that take turns; with two, a and b, per layer: attention(a),
+  start dispatch(a); attention(b) (hides dispatch(a)), start dispatch(b); experts(a) once
+  dispatch(a) is in, start combine(a) (experts(a) hides dispatch(b)); experts(b) once
+  dispatch(b) is in, start combine(b) (hides combine(a)); chunk a goes on to the next
+  layer's attention once combine(a) is in, which hides combine(b). More chunks take turns
+  the same way. The backward mirrors it: each chunk's gradient exchanges are in flight
+  while the other chunks' backward computes. An exchange is hidden only by the compute
+  that exists in its slot.
+* **Recompute.** A recomputed layer runs its forward again, all-to-alls included, when the
+  gradient reaches it, before its backward. Its chunks run it together: they all finish the
+  layer before it (their exchanges waited for) before it starts, and it finishes for all
+  of them before the next layer starts, in the forward and in the backward, where the
+  recomputed forward and then the backward of the layer run between two such meetings.
+* **FSDP units** (:func:`fsdp_units`): the root (the embeddings, final norm and head,
+  gathered once and kept for the backward),
+  every prelude and coda layer, and either the looped span as one unit
+  (``plan.span_units == "span"``) or every span layer as a unit of its own (``"layer"``),
+  kept gathered for all its visits: gathered before its first visit, freed after its last
+  (with ``plan.reshard_after_forward``), gathered again before its last visit's backward,
+  and reduced and freed after its first visit's backward. With ``plan.span_gather ==
+  "layer"`` each span ``gather`` layer's experts are a unit of their own, gathered before
+  each visit, forward and backward, and reduced once, after the first visit's backward
+  (FSDP2 reduces a unit's gradients when their accumulation is complete). The all-gathers
+  a layer needs are issued when the layer before it (in that pass) starts computing (the
+  trainer's prefetch; with ``plan.prefetch == "loop"`` the coda's when the span's last
+  visit starts, and the prelude's backward ones when the backward of the span's first
+  visit starts, :func:`~smelt_model.cluster.layout.loop_prefetch`) and must be in before
+  it runs; a unit's gradients are
+  reduce-scattered once its last backward use is done (with a ``node`` gather group over
+  several nodes, a ``gather`` layer's reduced shard is then all-reduced over the NICs).
+
+Compute that waits for a transfer is *exposed* time, charged to the kind of the transfer
+it waited for last (``ep``, ``fsdp`` or ``gather``); transfers still running after the last
+compute (the final reductions) are exposed too. The step ends when everything is done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from smelt_model.budget.ledger import cached_ledger, embedding_params, head_flops, layer_params
+from smelt_model.cluster.comm import Comm
+from smelt_model.cluster.layout import ParallelPlan, loop_of, loop_prefetch
+from smelt_model.cluster.spec import Cluster
+from smelt_model.cluster.units import recomputed_slots, ring_fraction
+from smelt_model.cluster.workload import Workload
+from smelt_model.config import ModelConfig
+
+__all__ = ["KINDS", "StepModel", "fsdp_units", "simulate"]
+
+#: the kinds of traffic exposed time is charged to
+KINDS = ("ep", "fsdp", "gather")
+#: the streams transfers queue on (one after another within a stream)
+STREAMS = ("ep", "split", "gather", "reduce")
+#: the "link" of a collective's start-up: one of its own, shared with nothing
+LATENCY = "latency"
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """What :func:`simulate` found for one rank's step (seconds)."""
+
+    step_s: float
+    #: compute, recompute included
+    compute_s: float
+    #: the time compute waited for each kind of traffic (and the tail after it)
+    exposed: dict[str, float]
+    #: the seconds each link was busy (at its full bandwidth)
+    busy: dict[str, float]
+    #: bytes the replay moved per kind (they equal the communication ledger's)
+    moved: dict[str, float]
+    #: the output head's compute, forward and backward (part of ``compute_s``)
+    head_s: float = 0.0
+
+
+class _Unit:
+    """Parameters of one FSDP unit by the group they are sharded over: ``dense`` over all
+    data-parallel ranks, ``efsdp`` (experts of ``ep`` layers, whole layers' worth) over the
+    expert-FSDP axis, ``gathered`` (experts of ``gather`` layers) over the gather group."""
+
+    def __init__(self, dense: float = 0.0, efsdp: float = 0.0, gathered: float = 0.0):
+        self.dense, self.efsdp, self.gathered = dense, efsdp, gathered
+
+
+@dataclass(frozen=True)
+class Call:
+    """One use of an FSDP unit in one pass: it runs the positions ``start`` to ``end`` of
+    the pass (indices into the executed layers, reversed in the backward), is gathered
+    before ``start`` (``gather``) or already held, is freed after ``end`` (``release``), and
+    in the backward has its gradients reduced after ``end`` (``reduce``). Its gather is
+    issued when position ``issue`` starts (None: the position before ``start``)."""
+
+    unit: _Unit
+    start: int
+    end: int
+    gather: bool
+    release: bool
+    reduce: bool = False
+    issue: Optional[int] = None
+
+    @property
+    def issued(self) -> int:
+        """The position whose start issues this call's gather."""
+        return max(self.start - 1, 0) if self.issue is None else self.issue
+
+
+@functools.lru_cache(maxsize=256)
+def fsdp_units(cfg: ModelConfig, plan: ParallelPlan) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
+    """The FSDP units of one step as calls of the forward and of the backward, each in
+    the order the calls start (see the module docstring)."""
+    loop, p = loop_of(cfg), layer_params(cfg)
+    dense = p["attention"] + p["router"] + p["norms"]
+    experts = p["experts_total"]
+    own_experts, reshard = plan.span_gather == "layer", plan.reshard_after_forward
+    n = len(loop.steps)
+
+    def block(layers) -> _Unit:
+        u = _Unit(dense=dense * len(layers))
+        for layer in layers:
+            if plan.kind(layer) == "ep":
+                u.efsdp += experts
+            elif not own_experts or not loop.in_span(layer):
+                u.gathered += experts
+            # else: the span layer's gathered experts are a unit of their own
+        return u
+
+    root = _Unit(dense=embedding_params(cfg) + cfg.hidden_size)
+    blocks = {i: block([i]) for i in range(cfg.n_layers) if not loop.in_span(i)}
+    if plan.span_units == "layer":
+        blocks.update({i: block([i]) for i in range(loop.start, loop.end)})
+    elif loop.length:
+        span = block(range(loop.start, loop.end))
+    own = {i: _Unit(gathered=experts) for i in plan.gather_layers if loop.in_span(i)}
+    own = own if own_experts else {}
+    last_visit = loop.count - 1
+    # the root holds the embeddings and the head: used first and last in the forward,
+    # and kept for the backward, which uses them first and last too
+    forward = [Call(root, 0, n - 1, True, False)]
+    backward = [Call(root, 0, n - 1, False, True, True)]
+    for pos, s in enumerate(loop.steps):
+        back = n - 1 - pos
+        if not s.in_span:
+            forward.append(Call(blocks[s.layer], pos, pos, True, reshard))
+            backward.append(Call(blocks[s.layer], back, back, reshard, True, True))
+        elif plan.span_units == "layer":  # kept for all visits, in each pass
+            first, last = s.visit == 0, s.visit == last_visit
+            forward.append(Call(blocks[s.layer], pos, pos, first, last and reshard))
+            backward.append(Call(blocks[s.layer], back, back, last and reshard, first, first))
+        elif s.layer == loop.start and s.visit == 0:
+            forward.append(Call(span, pos, pos + len(loop.span) - 1, True, reshard))
+            backward.append(Call(span, back - len(loop.span) + 1, back, reshard, True, True))
+        if s.layer in own:  # gathered at every visit, reduced once
+            forward.append(Call(own[s.layer], pos, pos, True, True))
+            backward.append(Call(own[s.layer], back, back, True, True, s.visit == 0))
+    if loop_prefetch(plan, cfg):  # the coda's and the prelude's backward's, early
+        last = loop.start + (loop.count - 1) * loop.length  # the span's last visit starts
+        first_back = n - loop.start - loop.length  # the backward of its first visit starts
+        forward = [
+            dataclasses.replace(c, issue=last) if c.gather and c.start > last else c
+            for c in forward
+        ]
+        backward = [
+            dataclasses.replace(c, issue=first_back) if c.gather and c.start > first_back else c
+            for c in backward
+        ]
+    return tuple(forward), tuple(sorted(backward, key=lambda c: c.start))
+
+
+def held_peak(forward, backward, size, grads, n: int) -> float:
+    """The most bytes the FSDP units hold at once over one step: a unit from the start of
+    the position that issues its gather (:attr:`Call.issued`) to its release (kept units
+    stay held into the backward), ``size(unit)`` bytes each, and in the backward
+    ``grads(unit, reduced)`` more for its unsharded gradients, from its first backward call
+    to the reduction that consumes them (``reduced``: at that position)."""
+    delta = [0.0] * (2 * n + 1)  # changes of the held bytes at each position of the step
+
+    def hold(nbytes: float, since: int, until: int) -> None:
+        delta[max(since, 0)] += nbytes
+        delta[until + 1] -= nbytes
+
+    held: dict[int, int] = {}  # id(unit) -> the position it has been held from
+    for offset, calls in ((0, forward), (n, backward)):
+        for c in calls:
+            key = id(c.unit)
+            if c.gather or key not in held:  # held from its gather's issue, in its pass
+                held[key] = offset + c.issued if c.gather else offset + c.start
+            if c.release:
+                hold(size(c.unit), held.pop(key), offset + c.end)
+    for c in (*forward, *backward):  # units never released (none in smelt's units)
+        if id(c.unit) in held:
+            hold(size(c.unit), held.pop(id(c.unit)), 2 * n - 1)
+    first: dict[int, int] = {}
+    for c in backward:
+        first.setdefault(id(c.unit), c.start)
+        if c.reduce:
+            end = n + c.end
+            hold(grads(c.unit, False), n + first.pop(id(c.unit)), end)
+            hold(grads(c.unit, True) - grads(c.unit, False), end, end)
+    peak = level = 0.0
+    for d in delta[:-1]:
+        level += d
+        peak = max(peak, level)
+    return peak
+
+
+class _Graph:
+    """Work in program order: compute (one stream) and transfers (on :data:`STREAMS`).
+    Ops are numbered; ``None`` stands for "nothing to wait for"."""
+
+    def __init__(self) -> None:
+        self.compute: list[tuple[int, float, tuple]] = []  # (op, seconds, waits)
+        self.streams: dict[str, list] = {s: [] for s in STREAMS}  # (op, kind, secs, waits)
+        self.n = 0
+
+    def add_compute(self, seconds: float, *waits: Optional[int]) -> int:
+        self.n += 1
+        self.compute.append((self.n, seconds, tuple(w for w in waits if w is not None)))
+        return self.n
+
+    def add_transfer(
+        self,
+        stream: str,
+        kind: str,
+        seconds: dict[str, float],
+        *waits: Optional[int],
+        latency: float = 0.0,
+    ) -> Optional[int]:
+        """A transfer of ``seconds`` per link at full bandwidth (None where it moves
+        nothing), after ``latency`` seconds of its own (a start-up that holds its stream
+        but no link)."""
+        seconds = {link: t for link, t in seconds.items() if t > 0}
+        if not seconds:
+            return None
+        self.n += 1
+        waits_ = tuple(w for w in waits if w is not None)
+        self.streams[stream].append((self.n, kind, seconds, waits_, latency))
+        return self.n
+
+
+def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
+    """Run ``g`` (see the module docstring); (step end, compute seconds, exposed seconds
+    by kind, busy seconds by link)."""
+    done: dict[int, float] = {}
+    kind_of: dict[int, str] = {}
+    exposed = dict.fromkeys(KINDS, 0.0)
+    busy = {"intra": 0.0, "inter": 0.0}
+    # per link, the transfers on it: [seconds left at full bandwidth, op, stream, seconds]
+    # (a start-up's latency is a link of its own)
+    active: dict[Any, list] = {"intra": [], "inter": []}
+    left: dict[int, int] = {}  # op -> its parts still moving
+    heads = dict.fromkeys(STREAMS, 0)
+    running: dict[str, Optional[int]] = dict.fromkeys(STREAMS, None)
+    ci, c_left, c_op, c_free, c_total = 0, 0.0, None, 0.0, 0.0
+    t = 0.0
+    pending: dict[int, dict] = {}  # op -> its bytes, to move once its start-up is over
+    for stream in g.streams.values():
+        for op, kind, secs, _, _ in stream:
+            kind_of[op] = kind
+            for link, s in secs.items():
+                if link in busy:
+                    busy[link] += s
+    while True:
+        moved = True
+        while moved:  # start everything that can start at t
+            moved = False
+            if c_op is None and ci < len(g.compute):
+                op, seconds, waits = g.compute[ci]
+                if all(w in done for w in waits):
+                    last = max(waits, key=done.__getitem__, default=None)
+                    if last is not None and done[last] > c_free and last in kind_of:
+                        exposed[kind_of[last]] += t - c_free
+                    c_op, c_left, ci = op, seconds, ci + 1
+                    c_total += seconds
+                    moved = True
+            for name, stream in g.streams.items():
+                k = heads[name]
+                if running[name] is None and k < len(stream):
+                    op, kind, secs, waits, latency = stream[k]
+                    if all(w in done for w in waits):
+                        running[name], heads[name] = op, k + 1
+                        if latency > 0:  # its start-up first, on a link of its own
+                            pending[op] = secs
+                            secs = {(LATENCY, op): latency}
+                        left[op] = len(secs)
+                        for link, s in secs.items():
+                            active.setdefault(link, []).append([s, op, name, s])
+                        moved = True
+        # the time to the next end: of the compute, or of a transfer sharing its link
+        dts = [c_left] if c_op is not None else []
+        dts += [min(j[0] for j in jobs) * len(jobs) for jobs in active.values() if jobs]
+        if not dts:
+            if ci < len(g.compute) or any(heads[k] < len(v) for k, v in g.streams.items()):
+                raise RuntimeError("the step's graph waits on itself (a bug in the schedule)")
+            break
+        dt = min(dts)
+        t += dt
+        started = []  # transfers whose start-up ended: their bytes move from t on
+        for link, jobs in list(active.items()):
+            if not jobs:
+                continue
+            share = dt / len(jobs)
+            for j in jobs:
+                j[0] -= share
+            for j in [j for j in jobs if j[0] <= 1e-9 * j[3]]:
+                jobs.remove(j)
+                left[j[1]] -= 1
+                if left[j[1]] == 0 and j[1] in pending:
+                    started.append((j[1], j[2], pending.pop(j[1])))
+                elif left[j[1]] == 0:
+                    done[j[1]] = t
+                    running[j[2]] = None
+            if not jobs and link not in busy:  # a start-up over: its link goes
+                del active[link]
+        for op, name, secs in started:
+            left[op] = len(secs)
+            for link, s in secs.items():
+                active[link].append([s, op, name, s])
+        if c_op is not None:
+            c_left -= dt
+            if c_left <= 1e-12 * dt:
+                done[c_op], c_free, c_op = t, t, None
+    end = max(done.values(), default=0.0)
+    if end > c_free:
+        last = max((op for op in done if op in kind_of), key=done.__getitem__)
+        exposed[kind_of[last]] += end - c_free
+    return end, c_total, exposed, busy
+
+
+class _Replay:
+    """Lays one step of one plan on one cluster out as a :class:`_Graph`."""
+
+    def __init__(self, cfg, plan, cluster: Cluster, comm: Comm, w: Workload):
+        led = cached_ledger(cfg, *w.doc)
+        self.cfg, self.plan, self.w, self.g = cfg, plan, w, _Graph()
+        rate = cluster.peak * cluster.mfu
+        tokens, n_exec = comm.tokens_per_rank, led.executed_layers
+        experts = led.flops_by_part["experts"] / n_exec * tokens / rate
+        rest = led.flops_per_token * tokens / rate / n_exec - experts
+        self.chunks = plan.chunks if plan.overlap else 1
+        # forward seconds of one chunk's attention and expert parts, and of its output head
+        self.attn, self.experts = rest / 3 / self.chunks, experts / 3 / self.chunks
+        self.out_head = head_flops(cfg) * tokens / rate / 3 / self.chunks if w.head else 0.0
+        self.bw = {"intra": cluster.intra, "inter": cluster.inter}
+        self.dp_link = "intra" if cluster.gpus <= cluster.gpus_per_node else "inter"
+        self.gather_link = "intra" if comm.gather_group_size <= cluster.gpus_per_node else "inter"
+        self.comm, self.moved = comm, dict.fromkeys(KINDS, 0.0)
+        inside, outside = cluster.ep_peers(comm.ep)
+        peers = max(inside + outside, 1)
+        self.ep_share = {"intra": inside / peers, "inter": outside / peers}
+        per_layer = max(comm.ep_layers, 1) * self.chunks
+        self.dispatch = comm.dispatch_forward / per_layer
+        self.combine = comm.combine_forward / per_layer
+        # a de-duplicated dispatch carries its rows' slots; the scores' gradients go back
+        self.slots_out = comm.slots_forward / per_layer
+        self.slots_back = comm.slots_backward / per_layer
+        # the split sizes a dispatch's host waits for: bytes of one exchange
+        self.counts = comm.counts_forward / per_layer
+        self.latency = cluster.latency
+
+    def _seconds(self, kind: str, by_link: dict[str, float]) -> dict[str, float]:
+        self.moved[kind] += sum(by_link.values())
+        return {link: n / self.bw[link] for link, n in by_link.items() if n > 0}
+
+    def exchange(self, nbytes: float, *after: Optional[int]) -> Optional[int]:
+        secs = self._seconds("ep", {k: nbytes * f for k, f in self.ep_share.items()})
+        return self.g.add_transfer("ep", "ep", secs, *after, latency=self.latency)
+
+    def split_sizes(self, *after: Optional[int]) -> Optional[int]:
+        """The exchange of split sizes before a dispatch, which the host waits for (its
+        bytes are in the ledger's ``counts_*``, not in the EP bytes moved)."""
+        secs = {k: self.counts * f / self.bw[k] for k, f in self.ep_share.items()}
+        return self.g.add_transfer("split", "ep", secs, *after, latency=self.latency)
+
+    def collective(self, stream: str, unit: _Unit, elem: int, *after: Optional[int]) -> list:
+        c = self.comm
+        fsdp = ring_fraction(c.dp_shard) * unit.dense + ring_fraction(c.efsdp) * unit.efsdp / c.ep
+        gathered = ring_fraction(c.gather_group_size) * unit.gathered
+        out = []
+        for kind, link, n in (("fsdp", self.dp_link, fsdp), ("gather", self.gather_link, gathered)):
+            if n > 0:
+                secs = self._seconds(kind, {link: n * elem})
+                out.append(self.g.add_transfer(stream, kind, secs, *after, latency=self.latency))
+        return out
+
+    def reduce(self, unit: _Unit, *after: Optional[int]) -> None:
+        """Reduce-scatter ``unit``'s gradients, then all-reduce the reduced shard of its
+        gathered experts between node replicas."""
+        done = self.collective("reduce", unit, self.w.reduce_bytes, *after)
+        replicas, group = self.comm.gather_replicas, self.comm.gather_group_size
+        if unit.gathered and replicas > 1:
+            shard = 2 * ring_fraction(replicas) * unit.gathered / group * self.w.reduce_bytes
+            secs = self._seconds("gather", {"inter": shard})
+            self.g.add_transfer("reduce", "gather", secs, *done, latency=self.latency)
+
+    def forward(self, layer: int, heads: list, wait: list) -> list:
+        """One executed layer's forward, chunk by chunk, once its units are in (``wait``);
+        ``heads[c]`` are the ops chunk c waits for first. Returns each chunk's last op."""
+        g, moves = self.g, self.plan.kind(layer) == "ep"
+        mid = [g.add_compute(self.attn, *h, *wait) for h in heads]
+        host = None
+        if moves:  # every chunk's split sizes issued, then waited for in turn by the host
+            splits = [self.split_sizes(e) for e in mid]
+            mid = [self.exchange(self.dispatch + self.slots_out, s) for s in splits]
+            host = splits[-1]
+        out = [g.add_compute(self.experts, e, host) for e in mid]
+        return [(self.exchange(self.combine, e) if moves else e,) for e in out]
+
+    def backward(self, layer: int, heads: list, wait: list) -> list:
+        """The mirror of :meth:`forward`: a chunk's gradient leaves as soon as it exists."""
+        g, moves = self.g, self.plan.kind(layer) == "ep"
+        mid = [self.exchange(self.combine, *h) if moves else h for h in heads]
+        mid = [g.add_compute(2 * self.experts, *_ops(e), *wait) for e in mid]
+        out = [self.exchange(self.dispatch + self.slots_back, e) if moves else e for e in mid]
+        return [(g.add_compute(2 * self.attn, e),) for e in out]
+
+    def lay_out(self) -> None:
+        steps = loop_of(self.cfg).steps
+        again = recomputed_slots(self.cfg, self.plan.recompute)
+        forward, backward = fsdp_units(self.cfg, self.plan)
+        heads = self._pass(steps, forward, [()] * self.chunks, False, again)
+        # the output head of each chunk as soon as its last exchange is in (the others'
+        # still in flight), then its backward (the root's weights are kept)
+        g = self.g
+        heads = [(g.add_compute(self.out_head, *h),) for h in heads]
+        heads = [(g.add_compute(2 * self.out_head, *h),) for h in heads]
+        self._pass(tuple(reversed(steps)), backward, heads, True, again)
+
+    def _pass(self, order, calls, heads, backward: bool, again) -> list:
+        # the gathers a position needs are issued when the position before it starts
+        gathers: dict[int, list] = {}
+        for c in calls:
+            if c.gather:
+                gathers.setdefault(c.issued, []).append(c)
+        ready: dict[int, list] = {}
+        for pos, step in enumerate(order):
+            before = self.g.compute[-1][0] if self.g.compute else None
+            for c in gathers.get(pos, ()):
+                ready.setdefault(c.start, []).extend(
+                    self.collective("gather", c.unit, self.w.act_bytes, before)
+                )
+            wait = ready.get(pos, [])
+            # a recomputed layer runs all chunks together: they meet before and after it
+            drain = step.slot in again or (pos > 0 and order[pos - 1].slot in again)
+            if drain:
+                heads = [tuple(op for h in heads for op in h)] * self.chunks
+            if backward and step.slot in again:  # rebuilt once the gradient reaches it
+                heads = self.forward(step.layer, heads, wait)
+                heads = [tuple(op for h in heads for op in h)] * self.chunks
+            heads = (self.backward if backward else self.forward)(step.layer, heads, wait)
+            for c in calls if backward else ():
+                if c.reduce and c.end == pos:
+                    self.reduce(c.unit, *(op for h in heads for op in h))
+        return heads
+
+
+def _ops(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def simulate(
+    cfg: ModelConfig, plan: ParallelPlan, cluster: Cluster, comm: Comm, w: Workload
+) -> StepModel:
+    """Replay one step of ``cfg`` under ``plan`` on ``cluster`` (see the module docstring);
+    ``comm`` is the plan's communication ledger under uniform routing."""
+    r = _Replay(cfg, plan, cluster, comm, w)
+    r.lay_out()
+    step, compute, exposed, busy = _play(r.g)
+    return StepModel(step, compute, exposed, busy, dict(r.moved), 3 * r.out_head * r.chunks)
