@@ -11,9 +11,50 @@ finished runs, the cell bootstrap and the downstream calibration) and ``report``
 the frontier plot and the command line, ``python -m smelt_model.scaling``).
 """
 
-from . import endpoints, report, surface
+from .endpoints import (
+    BootstrapResult,
+    Endpoints,
+    Sigmoid,
+    bootstrap,
+    calibrate,
+    fit_sigmoid,
+    read_csv,
+)
+from .report import PAPER_SPARSITIES, main, plot_frontiers, report
+from .surface import (
+    PAPER_BASELINE,
+    PAPER_SMELT,
+    Frontier,
+    Surface,
+    ce_gain,
+    compute_for_loss,
+    fit_surface,
+    frontier,
+    gamma,
+    tpp,
+)
 
-_MODULES = (surface, endpoints, report)
-#: the package's names: each listed once, in the ``__all__`` of the module that defines it
-__all__ = [name for module in _MODULES for name in module.__all__]
-globals().update({name: getattr(module, name) for module in _MODULES for name in module.__all__})
+# ``report`` is the function (its module is smelt_model.scaling.report)
+__all__ = [
+    "Surface",
+    "Frontier",
+    "PAPER_BASELINE",
+    "PAPER_SMELT",
+    "fit_surface",
+    "frontier",
+    "gamma",
+    "compute_for_loss",
+    "ce_gain",
+    "tpp",
+    "Endpoints",
+    "read_csv",
+    "BootstrapResult",
+    "bootstrap",
+    "Sigmoid",
+    "fit_sigmoid",
+    "calibrate",
+    "PAPER_SPARSITIES",
+    "report",
+    "plot_frontiers",
+    "main",
+]

@@ -505,3 +505,11 @@ def test_cli_on_too_few_runs_says_what_it_needs(tmp_path, capsys):
     assert "two or more model sizes" in err
     assert scaling.main([str(p), "--bootstrap", "-1"]) == 2
     assert capsys.readouterr().err == "smelt-scaling: error: --bootstrap must be >= 0\n"
+
+
+def test_package_names_are_the_modules_public_names():
+    mods = [sys.modules[f"smelt_model.scaling.{m}"] for m in ("surface", "endpoints", "report")]
+    assert sorted(scaling.__all__) == sorted(n for m in mods for n in m.__all__)
+    for name in scaling.__all__:
+        home = next(m for m in mods if name in m.__all__)
+        assert getattr(scaling, name) is getattr(home, name), name
