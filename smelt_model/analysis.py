@@ -38,12 +38,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
+from safetensors.torch import load_file
 
+from smelt_kernels import backends
+from smelt_kernels.reference import segment_mask
 from smelt_tools import cli
 
+from .model import SmeltLM
 from .plotting import plot_path, pyplot, save
 from .probes import capture
+from .train import checkpoint, data, tokenizer
+from .train.runspec import read_run_file
 
 __all__ = [
     "expert_overlap",
@@ -104,8 +111,6 @@ def top_attended(
     q: (B, T, Hq, D), k: (B, T, Hkv, D). Returns (idx (B, Hq, T, n), valid (B, T)) where
     ``valid`` marks queries with at least ``n`` attendable keys (same segment, causal).
     """
-    from smelt_kernels.reference import segment_mask
-
     B, T, Hq, D = q.shape
     group = Hq // k.shape[2]
     if segment_ids is None:
@@ -296,13 +301,9 @@ def _read_ids(p: Path) -> torch.Tensor:
     """Token ids from ``.npy`` (no pickled objects) or ``.safetensors`` (one tensor, or one
     named ``input_ids``). Nothing else is read: a ``.pt`` file is a pickle, which can run
     code."""
-    import numpy as np
-
     if p.suffix == ".npy":
         return torch.from_numpy(np.load(p, allow_pickle=False))
     if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         found = load_file(str(p))
         if "input_ids" in found:
             return found["input_ids"]
@@ -342,8 +343,6 @@ def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tenso
 
 def _locate(path: str) -> tuple[Path, Optional[Path]]:
     """(the checkpoint folder ``path`` points at, the run folder it belongs to or None)."""
-    from .train import checkpoint
-
     p = Path(path)
     if not p.exists() and not p.is_symlink():
         raise ValueError(f"{path}: not found")
@@ -364,9 +363,6 @@ def _pair(path: str) -> Optional[tuple[str, str]]:
 
 def _held_out(run: Optional[Path], where: str, seq_len: Optional[int], batch: int):
     """(ids, segment_ids) from the run's validation split: ``batch`` contexts."""
-    from .train import data, tokenizer
-    from .train.runspec import read_run_file
-
     if run is None:
         raise ValueError(
             f"{where} is not a trainer's run (no run.json beside its checkpoints): "
@@ -393,8 +389,6 @@ def _held_out(run: Optional[Path], where: str, seq_len: Optional[int], batch: in
 
 
 def _load_model(path: Path, backend: str):
-    from .model import SmeltLM
-
     try:
         return SmeltLM.from_pretrained(path, backend=backend)
     except Exception as e:  # config or weights that do not make a model
@@ -402,8 +396,6 @@ def _load_model(path: Path, backend: str):
 
 
 def _options(argv: Optional[Sequence[str]]):
-    from smelt_kernels import backends
-
     ap = cli.Parser(prog=PROG, description="Mechanism probes for a SMELT (and baseline) model.")
     ap.add_argument(
         "checkpoint",

@@ -182,7 +182,7 @@ def single_threaded_blas():
     if getattr(_BLAS_STATE, "limited", False):
         yield
         return
-    try:
+    try:  # threadpoolctl is optional
         from threadpoolctl import threadpool_limits
     except ImportError:
         yield
@@ -269,6 +269,7 @@ def _from_fit_space(p: np.ndarray, d: _Design, rmse: float) -> Surface:
 
 def _grid_starts(d: _Design) -> list[np.ndarray]:
     """Starting points: a grid over (E, a, b, c), with the two scales from least squares."""
+    # scipy loads when a fit runs, so that importing the package and --help stay light
     from scipy.optimize import nnls
 
     lmin = float(d.loss.min())
@@ -309,6 +310,7 @@ def fit_surface(
     points with at least two distinct F and two distinct D. With a single sparsity level the
     exponent b is not identified; it stays at its starting value and A absorbs (1-S)^b.
     """
+    # scipy loads when a fit runs, so that importing the package and --help stay light
     from scipy.optimize import minimize
 
     F, S, D, loss = check_points(F, S, D, loss, min_points=7)
