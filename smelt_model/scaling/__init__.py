@@ -7,10 +7,12 @@ Fit a loss surface ``L = E + A (1-S)^b / F^a + K / D^c`` per architecture
 check that loss predicts downstream scores the same way for both (:func:`calibrate`).
 
 Inside: ``surface`` (the loss surface, its fit and its frontier), ``endpoints`` (tables of
-finished runs, the cell bootstrap and the downstream calibration) and ``report`` (tables,
-the frontier plot and the command line, ``python -m smelt_model.scaling``).
+finished runs, the cell bootstrap and the downstream calibration), ``checks`` (what a report
+must show before it prints: :func:`check_report`) and ``report`` (tables, the frontier plot
+and the command line, ``python -m smelt_model.scaling``).
 """
 
+from .checks import TPP_RANGE, check_report
 from .endpoints import (
     BootstrapResult,
     Endpoints,
@@ -22,6 +24,8 @@ from .endpoints import (
 )
 from .report import PAPER_SPARSITIES, main, plot_frontiers, report
 from .surface import (
+    EXPONENT_BOUNDS,
+    LOSS_RANGE,
     PAPER_BASELINE,
     PAPER_SMELT,
     Frontier,
@@ -46,6 +50,8 @@ __all__ = [
     "compute_for_loss",
     "ce_gain",
     "tpp",
+    "LOSS_RANGE",
+    "EXPONENT_BOUNDS",
     "Endpoints",
     "read_csv",
     "BootstrapResult",
@@ -57,4 +63,6 @@ __all__ = [
     "report",
     "plot_frontiers",
     "main",
+    "TPP_RANGE",
+    "check_report",
 ]

@@ -9,7 +9,11 @@ The CSV has a header and columns ``arch, F, S, D, loss`` (S a fraction), optiona
 or ``cell`` (grouping for the bootstrap) and ``score`` (a downstream metric); several files
 (the ``endpoints.csv`` of several runs) are read as one table. Errors follow
 :mod:`smelt_tools.cli`: a bad option is one line and exit status 2, a file that cannot be
-read or fitted one line and exit status 1.
+read one line and exit status 1. Endpoints that cannot be fitted (too few, F or D that
+hardly differ, losses that do not fall as a power law or are not in nats) and fits whose
+numbers cannot be reported (not finite, absurd, outside their own intervals:
+:func:`~smelt_model.scaling.checks.check_report`) are refused with one line saying why and
+exit status 2.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 from smelt_tools import cli
 
 from ..plotting import plot_path, pyplot, save
+from .checks import check_report
 from .endpoints import (
     BootstrapResult,
     Endpoints,
@@ -359,6 +364,56 @@ def _options(argv: Optional[Sequence[str]]):
     return args
 
 
+def _fit(name: str, e: Endpoints, delta: float) -> Surface:
+    """``e.fit(delta)``, or a UsageError saying why these endpoints cannot be fitted (with
+    how to add runs when there are too few, or their F or D hardly differ)."""
+    try:
+        return e.fit(delta)
+    except ValueError as err:
+        nF, nD = len(np.unique(e.F)), len(np.unique(e.D))
+        span = float(e.F.max() / e.F.min())
+        few = len(e) < 7 or nF < 2 or nD < 2 or span < 2
+        raise cli.UsageError(
+            f"cannot fit {name!r}: {err} (it has {len(e)} endpoint{'s' if len(e) != 1 else ''}: "
+            f"{nF} distinct F spanning a factor {span:.4g}, {nD} distinct D)"
+            + (f"; {_MORE_RUNS}" if few else "")
+        ) from None
+
+
+def _checked(check, *args, **kwargs) -> None:
+    try:
+        check(*args, **kwargs)
+    except ValueError as e:
+        raise cli.UsageError(f"cannot report: {e}") from None
+
+
+def _bootstraps(args, data, fits, ref: str, targets, S) -> dict[str, BootstrapResult]:
+    boots = {}
+    for t in targets:
+        boots[t] = bootstrap(
+            data[ref],
+            data[t],
+            args.C,
+            S,
+            args.bootstrap,
+            seed=args.seed,
+            q=args.q,
+            delta=args.delta,
+            anchor=args.anchor,
+            ref_fit=fits[ref],
+            tgt_fit=fits[t],
+        )
+    _checked(check_report, fits, ref, targets, args.C, S, args.anchor, boots)
+    for t, b in boots.items():
+        if b.failed:
+            print(
+                f"note: {b.failed} of {args.bootstrap} draws for {t} could not be "
+                "fitted and were left out",
+                file=sys.stderr,
+            )
+    return boots
+
+
 def _run(argv: Optional[Sequence[str]] = None) -> int:
     """The report (see the module docstring)."""
     args = _options(argv)
@@ -380,51 +435,20 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     else:
         S = args.S or [float(v) for v in np.unique(np.round(data[ref].S, 6))]
         counts = {a: len(data[a]) for a in order}
-        fits = {}
-        for a in order:
-            try:
-                fits[a] = data[a].fit(args.delta)
-            except ValueError as e:
-                e_ = data[a]
-                raise cli.CommandError(
-                    f"cannot fit {a!r}: {e} (it has {len(e_)} "
-                    f"endpoint{'s' if len(e_) != 1 else ''}: "
-                    f"{len(np.unique(e_.F))} distinct F, {len(np.unique(e_.D))} distinct D); "
-                    f"{_MORE_RUNS}"
-                ) from None
-
-    boots = {}
-    if args.bootstrap:
-        for t in targets:
-            boots[t] = bootstrap(
-                data[ref],
-                data[t],
-                args.C,
-                S,
-                args.bootstrap,
-                seed=args.seed,
-                q=args.q,
-                delta=args.delta,
-                anchor=args.anchor,
-                ref_fit=fits[ref],
-                tgt_fit=fits[t],
-            )
-            if boots[t].failed:
-                print(
-                    f"note: {boots[t].failed} of {args.bootstrap} draws for {t} could not be "
-                    "fitted and were left out",
-                    file=sys.stderr,
-                )
+        fits = {a: _fit(a, data[a], args.delta) for a in order}
+    fits = {a: fits[a] for a in order}
+    _checked(check_report, fits, ref, targets, args.C, S, args.anchor)
+    boots = _bootstraps(args, data, fits, ref, targets, S) if args.bootstrap else {}
 
     src = "the paper's coefficients" if args.paper else ", ".join(args.csv)
     print(f"# Scaling analysis ({src})\n")
-    print(report({a: fits[a] for a in order}, ref, targets, args.C, S, boots, counts, args.anchor))
+    print(report(fits, ref, targets, args.C, S, boots, counts, args.anchor))
     if data is not None:
         cal = _calibration_report(data, ref, targets)
         if cal:
             print(cal)
     if args.plot:
-        plot_frontiers(args.plot, {a: fits[a] for a in order}, S, data)
+        plot_frontiers(args.plot, fits, S, data)
         print(f"\nplot written to {args.plot}")
     return 0
 
