@@ -28,8 +28,9 @@ A model is a ``save_pretrained`` folder, a trainer's run folder (its newest chec
 held-out tokens are the run's own validation split (its data, split and tokenizer, packed
 into ``--seq-len`` contexts with their document segments). ``--tokens`` reads ``.npy`` (no
 pickled objects) or ``.safetensors``; a ``.pt`` file is a pickle and is refused unread.
-Errors follow :mod:`smelt_tools.cli`: a bad option is one line and exit status 2, a model or
-token file that cannot be used one line and exit status 1.
+Errors follow :mod:`smelt_tools.cli`, one line each: a bad option, a model or token file that
+cannot be used (the line names the file) or held-out tokens that cannot be made exit with
+status 2.
 """
 
 from __future__ import annotations
@@ -38,10 +39,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
+from smelt_kernels import backends
+from smelt_kernels.reference import segment_mask
+from smelt_model.data import corpus, tokenizer
+from smelt_model.model import SmeltLM
 from smelt_model.plotting import plot_path, pyplot, save
 from smelt_model.probes import capture
+from smelt_model.train import checkpoint
+from smelt_model.train.runspec import read_run_file
 from smelt_tools import cli
 
 __all__ = [
@@ -103,8 +113,6 @@ def top_attended(
     q: (B, T, Hq, D), k: (B, T, Hkv, D). Returns (idx (B, Hq, T, n), valid (B, T)) where
     ``valid`` marks queries with at least ``n`` attendable keys (same segment, causal).
     """
-    from smelt_kernels.reference import segment_mask
-
     B, T, Hq, D = q.shape
     group = Hq // k.shape[2]
     if segment_ids is None:
@@ -291,17 +299,25 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def _read_npy(p: Path) -> np.ndarray:
+    """A ``.npy`` array, read without pickle; anything else is "not a valid .npy array"."""
+    with p.open("rb") as fh:
+        if fh.read(6) != b"\x93NUMPY":
+            raise ValueError("not a valid .npy array (no .npy header)")
+    try:
+        return np.load(p, allow_pickle=False)
+    except (ValueError, EOFError, OSError) as e:
+        why = "it holds Python objects, a pickle" if "pickle" in str(e) else "truncated or corrupt"
+        raise ValueError(f"not a valid .npy array ({why})") from None
+
+
 def _read_ids(p: Path) -> torch.Tensor:
     """Token ids from ``.npy`` (no pickled objects) or ``.safetensors`` (one tensor, or one
     named ``input_ids``). Nothing else is read: a ``.pt`` file is a pickle, which can run
     code."""
-    import numpy as np
-
     if p.suffix == ".npy":
-        return torch.from_numpy(np.load(p, allow_pickle=False))
+        return torch.from_numpy(_read_npy(p))
     if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         found = load_file(str(p))
         if "input_ids" in found:
             return found["input_ids"]
@@ -317,36 +333,35 @@ def _read_ids(p: Path) -> torch.Tensor:
 def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tensor:
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"--tokens {path}: no such file")
+        raise cli.UsageError(f"--tokens {path}: no such file")
     try:
         ids = _read_ids(p)
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise ValueError(f"expected integer token ids, got {ids.dtype}")
+            raise cli.UsageError(f"expected integer token ids, got {ids.dtype}")
         ids = ids.long()
     except Exception as e:  # whatever the reader says: the file is not an array of token ids
-        raise ValueError(
-            f"--tokens {path}: cannot read token ids (.npy or .safetensors): {_first_line(e)}"
-        ) from None
+        raise cli.UsageError(f"--tokens {path}: {_first_line(e)}") from None
     ids = ids.reshape(-1)
     need = seq_len * batch
     if ids.numel() < need:
-        raise ValueError(
+        raise cli.UsageError(
             f"--tokens {path} has {ids.numel()} tokens; need {need} (--seq-len x --batch)"
         )
     ids = ids[:need].view(batch, seq_len)
     if ids.min() < 0 or ids.max() >= vocab:
-        raise ValueError(f"--tokens {path}: token ids fall outside the vocabulary [0, {vocab})")
+        raise cli.UsageError(f"--tokens {path}: token ids fall outside the vocabulary [0, {vocab})")
     return ids
 
 
 def _locate(path: str) -> tuple[Path, Optional[Path]]:
     """(the checkpoint folder ``path`` points at, the run folder it belongs to or None)."""
-    from smelt_model.train import checkpoint
-
     p = Path(path)
     if not p.exists() and not p.is_symlink():
-        raise ValueError(f"{path}: not found")
-    ckpt = checkpoint.resolve(p)
+        raise cli.UsageError(f"{path}: not found")
+    try:
+        ckpt = checkpoint.resolve(p)
+    except ValueError as e:
+        raise cli.UsageError(str(e)) from None
     run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
     if run is not None and not (run / "run.json").is_file():
         run = None
@@ -363,11 +378,8 @@ def _pair(path: str) -> Optional[tuple[str, str]]:
 
 def _held_out(run: Optional[Path], where: str, seq_len: Optional[int], batch: int):
     """(ids, segment_ids) from the run's validation split: ``batch`` contexts."""
-    from smelt_model.data import corpus, tokenizer
-    from smelt_model.train.runspec import read_run_file
-
     if run is None:
-        raise ValueError(
+        raise cli.UsageError(
             f"{where} is not a trainer's run (no run.json beside its checkpoints): "
             "pass held-out token ids with --tokens"
         )
@@ -376,11 +388,11 @@ def _held_out(run: Optional[Path], where: str, seq_len: Optional[int], batch: in
     try:
         val = corpus.held_out(spec.data, spec.val_fraction, tok, seq_len or spec.seq_len)
     except ValueError as e:
-        raise ValueError(
+        raise cli.UsageError(
             f"{run / 'run.json'}: the run's data cannot be read here ({e}); pass --tokens"
         ) from None
     if val is None:
-        raise ValueError(
+        raise cli.UsageError(
             f"{run}: the run has no validation split (--val-fraction "
             f"{spec.val_fraction}); pass --tokens"
         )
@@ -392,17 +404,23 @@ def _held_out(run: Optional[Path], where: str, seq_len: Optional[int], batch: in
 
 
 def _load_model(path: Path, backend: str):
-    from smelt_model.model import SmeltLM
-
+    """The model of a ``save_pretrained`` folder; a file in it that cannot be read is named."""
+    weights = path / "model.safetensors"
+    if weights.is_file():
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except Exception as e:  # a truncated or corrupt file: safetensors checks the whole span
+            raise cli.UsageError(
+                f"{weights}: not a complete safetensors file ({_first_line(e)})"
+            ) from None
     try:
         return SmeltLM.from_pretrained(path, backend=backend)
     except Exception as e:  # config or weights that do not make a model
-        raise ValueError(f"{path}: {_first_line(e)}") from None
+        raise cli.UsageError(f"{path}: {_first_line(e)}") from None
 
 
 def _options(argv: Optional[Sequence[str]]):
-    from smelt_kernels import backends
-
     ap = cli.Parser(prog=PROG, description="Mechanism probes for a SMELT (and baseline) model.")
     ap.add_argument(
         "checkpoint",
@@ -450,7 +468,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
         else:
             x, s = ids, seg
             if int(x.max()) >= vocab:
-                raise ValueError(
+                raise cli.UsageError(
                     f"{ckpt}: the held-out tokens fall outside its vocabulary "
                     f"[0, {vocab}): pass --tokens"
                 )

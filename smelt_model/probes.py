@@ -30,6 +30,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from smelt_model.block import Block
+
 __all__ = ["PROBES", "Recorder", "capture"]
 
 PROBES = (
@@ -165,8 +167,6 @@ def capture(
     ``model`` is a :class:`smelt_model.SmeltLM` (any module whose blocks are
     :class:`smelt_model.block.Block`); records are keyed by (physical layer, visit).
     """
-    from smelt_model.block import Block
-
     if model in _ACTIVE:
         raise RuntimeError("a capture is already active on this model")
     rec = Recorder(what, to_cpu=to_cpu)

@@ -7,13 +7,62 @@ Fit a loss surface ``L = E + A (1-S)^b / F^a + K / D^c`` per architecture
 check that loss predicts downstream scores the same way for both (:func:`calibrate`).
 
 Inside: ``surface`` (the loss surface, its fit and its frontier), ``endpoints`` (tables of
-finished runs, the cell bootstrap and the downstream calibration) and ``report`` (tables,
-the frontier plot and the command line, ``python -m smelt_model.scaling``).
+finished runs, the cell bootstrap and the downstream calibration), ``checks`` (what a report
+must show before it prints: :func:`check_report`) and ``report`` (tables, the frontier plot
+and the command line, ``python -m smelt_model.scaling``).
 """
 
-from smelt_model.scaling import endpoints, report, surface
+from smelt_model.scaling.checks import TPP_RANGE, check_report
+from smelt_model.scaling.endpoints import (
+    BootstrapResult,
+    Endpoints,
+    Sigmoid,
+    bootstrap,
+    calibrate,
+    fit_sigmoid,
+    read_csv,
+)
+from smelt_model.scaling.report import PAPER_SPARSITIES, main, plot_frontiers, report
+from smelt_model.scaling.surface import (
+    EXPONENT_BOUNDS,
+    LOSS_RANGE,
+    PAPER_BASELINE,
+    PAPER_SMELT,
+    Frontier,
+    Surface,
+    ce_gain,
+    compute_for_loss,
+    fit_surface,
+    frontier,
+    gamma,
+    tpp,
+)
 
-_MODULES = (surface, endpoints, report)
-#: the package's names: each listed once, in the ``__all__`` of the module that defines it
-__all__ = [name for module in _MODULES for name in module.__all__]
-globals().update({name: getattr(module, name) for module in _MODULES for name in module.__all__})
+# ``report`` is the function (its module is smelt_model.scaling.report)
+__all__ = [
+    "Surface",
+    "Frontier",
+    "PAPER_BASELINE",
+    "PAPER_SMELT",
+    "fit_surface",
+    "frontier",
+    "gamma",
+    "compute_for_loss",
+    "ce_gain",
+    "tpp",
+    "LOSS_RANGE",
+    "EXPONENT_BOUNDS",
+    "Endpoints",
+    "read_csv",
+    "BootstrapResult",
+    "bootstrap",
+    "Sigmoid",
+    "fit_sigmoid",
+    "calibrate",
+    "PAPER_SPARSITIES",
+    "report",
+    "plot_frontiers",
+    "main",
+    "TPP_RANGE",
+    "check_report",
+]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from smelt_model.scaling.surface import (
     ArrayLike,
@@ -252,10 +253,6 @@ def _stats(
 
 
 def _progress(total: int, enabled: bool):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is a dependency; without it there is simply no bar
-        return None
     return tqdm(total=total, desc="bootstrap", unit="draw", disable=not enabled, leave=False)
 
 
@@ -330,10 +327,8 @@ def bootstrap(
             except (ValueError, RuntimeError):
                 # a draw whose cells cannot identify the surface (e.g. a single F value)
                 failed += 1
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+            bar.update(1)
+    bar.close()
     return BootstrapResult(
         ref=ref_fit,
         tgt=tgt_fit,
@@ -392,6 +387,7 @@ def fit_sigmoid(loss: ArrayLike, score: ArrayLike) -> Sigmoid:
     Bounds keep it monotone: ``hi >= lo`` and ``k >= 0``. Needs at least 4 points and at least
     two distinct losses.
     """
+    # scipy loads when a fit runs, so that importing the package and --help stay light
     from scipy.optimize import least_squares
 
     x, y = _check_pairs("loss", loss, "score", score, 4)

@@ -9,7 +9,11 @@ The CSV has a header and columns ``arch, F, S, D, loss`` (S a fraction), optiona
 or ``cell`` (grouping for the bootstrap) and ``score`` (a downstream metric); several files
 (the ``endpoints.csv`` of several runs) are read as one table. Errors follow
 :mod:`smelt_tools.cli`: a bad option is one line and exit status 2, a file that cannot be
-read or fitted one line and exit status 1.
+read one line and exit status 1. Endpoints that cannot be fitted (too few, F or D that
+hardly differ, losses that do not fall as a power law or are not in nats) and fits whose
+numbers cannot be reported (not finite, absurd, outside their own intervals:
+:func:`~smelt_model.scaling.checks.check_report`) are refused with one line saying why and
+exit status 2.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from smelt_model.plotting import plot_path, pyplot, save
+from smelt_model.scaling.checks import check_report
 from smelt_model.scaling.endpoints import (
     BootstrapResult,
     Endpoints,
@@ -86,6 +91,102 @@ def _with_ci(value: float, lo: Optional[float], hi: Optional[float], kind: str) 
     return f"{s} [{_num(lo, kind)}, {_num(hi, kind)}]"
 
 
+def _bounds(lo: Optional[np.ndarray], hi: Optional[np.ndarray], idx) -> tuple:
+    """``(lo[idx], hi[idx])``, or ``(None, None)`` without an interval."""
+    return (None, None) if lo is None else (lo[idx], hi[idx])
+
+
+def _own_intervals(
+    boots: dict[str, BootstrapResult], ref: str
+) -> dict[str, tuple[BootstrapResult, str]]:
+    """Where each arch's own statistics get their intervals: its first bootstrap, as
+    ``"tgt"``; the reference from any, as ``"ref"``."""
+    own: dict[str, tuple[BootstrapResult, str]] = {}
+    for t, b in boots.items():
+        own.setdefault(ref, (b, "ref"))
+        own.setdefault(t, (b, "tgt"))
+    return own
+
+
+def _interval(own: dict, arch: str, stat: str) -> tuple:
+    ci = own.get(arch)
+    return ci[0].interval(f"{stat}_{ci[1]}") if ci else (None, None)
+
+
+def _bootstrap_note(boots: dict[str, BootstrapResult]) -> list[str]:
+    if not boots:
+        return []
+    b0 = next(iter(boots.values()))
+    draws = len(next(iter(b0.draws.values())))
+    return [
+        f"Intervals: {b0.q[0]:g}-{b0.q[1]:g} percentiles of a {draws}-draw cell "
+        f"bootstrap ({len(b0.cells)} cells).\n"
+    ]
+
+
+def _coefficients(fits: dict[str, Surface], own: dict, counts: Optional[dict]) -> list[str]:
+    names = ["E", "A", "K", "a", "b", "c"]
+    kinds = ["fix", "sci", "sci", "fix", "fix", "fix"]
+    rows = []
+    for arch, s in fits.items():
+        lo, hi = _interval(own, arch, "coeffs")
+        row = [arch, str(counts.get(arch, "-")) if counts else "-"]
+        for j, (n, k) in enumerate(zip(names, kinds)):
+            row.append(_with_ci(getattr(s, n), *_bounds(lo, hi, j), k))
+        row.append("-" if np.isnan(s.rmse) else f"{s.rmse:.4f}")
+        rows.append(row)
+    return ["## Coefficients\n", *_table(["arch", "runs", *names, "rmse (nats)"], rows)]
+
+
+def _exponents(fits: dict[str, Surface], own: dict) -> list[str]:
+    rows = []
+    for arch, s in fits.items():
+        lo, hi = _interval(own, arch, "gamma")
+        rows.append(
+            [
+                arch,
+                _with_ci(gamma(s), lo, hi, "fix"),
+                _num(s.c / (s.a + s.c), "fix"),
+                _num(s.a / (s.a + s.c), "fix"),
+            ]
+        )
+    return [
+        "\n## Frontier exponents\n",
+        "L* = E + B(S) C^-gamma, F* ~ C^(c/(a+c)), D* ~ C^(a/(a+c)).\n",
+        *_table(["arch", "gamma", "F* exponent", "D* exponent"], rows),
+    ]
+
+
+def _gains(fits, ref, t, C, S, b: Optional[BootstrapResult], anchor: str) -> list[str]:
+    g = np.asarray(ce_gain(fits[ref], fits[t], C[:, None], S[None, :], anchor=anchor))
+    lo, hi = b.interval("ce_gain") if b else (None, None)
+    which = "C is the target's compute" if anchor == "tgt" else "C is the reference's compute"
+    rows = [
+        [f"{c:.0e}"] + [_with_ci(g[i, j], *_bounds(lo, hi, (i, j)), "pct") for j in range(len(S))]
+        for i, c in enumerate(C)
+    ]
+    return [
+        f"\n## CE Gain of {t} over {ref} (1 - C_{t}/C_{ref} at equal frontier loss; {which})\n",
+        *_table(["C (FLOPs)", *(f"S={v:g}" for v in S)], rows),
+    ]
+
+
+def _tokens_per_parameter(fits: dict[str, Surface], C, S, own: dict) -> list[str]:
+    rows = []
+    for i, c in enumerate(C):
+        for arch, s in fits.items():
+            v = np.asarray(tpp(s, c, S))
+            lo, hi = _interval(own, arch, "tpp")
+            rows.append(
+                [f"{c:.0e}", arch]
+                + [_with_ci(v[j], *_bounds(lo, hi, (i, j)), "tpp") for j in range(len(S))]
+            )
+    return [
+        "\n## Compute-optimal tokens per parameter, D*/(F*/6)\n",
+        *_table(["C (FLOPs)", "arch", *(f"S={v:g}" for v in S)], rows),
+    ]
+
+
 def report(
     fits: dict[str, Surface],
     ref: str,
@@ -100,98 +201,11 @@ def report(
     boots = boots or {}
     C = np.asarray(C, dtype=np.float64)
     S = np.asarray(S, dtype=np.float64)
-    # intervals of an arch's own statistics come from its first bootstrap (the ref from any)
-    own: dict[str, tuple[BootstrapResult, str]] = {}
-    for t, b in boots.items():
-        own.setdefault(ref, (b, "ref"))
-        own.setdefault(t, (b, "tgt"))
-    out = []
-    if boots:
-        b0 = next(iter(boots.values()))
-        draws = len(next(iter(b0.draws.values())))
-        out.append(
-            f"Intervals: {b0.q[0]:g}-{b0.q[1]:g} percentiles of a {draws}-draw cell "
-            f"bootstrap ({len(b0.cells)} cells).\n"
-        )
-
-    out.append("## Coefficients\n")
-    names = ["E", "A", "K", "a", "b", "c"]
-    kinds = ["fix", "sci", "sci", "fix", "fix", "fix"]
-    rows = []
-    for arch, s in fits.items():
-        ci = own.get(arch)
-        lo, hi = ci[0].interval(f"coeffs_{ci[1]}") if ci else (None, None)
-        row = [arch, str(counts.get(arch, "-")) if counts else "-"]
-        for j, (n, k) in enumerate(zip(names, kinds)):
-            row.append(
-                _with_ci(
-                    getattr(s, n), None if lo is None else lo[j], None if hi is None else hi[j], k
-                )
-            )
-        row.append("-" if np.isnan(s.rmse) else f"{s.rmse:.4f}")
-        rows.append(row)
-    out += _table(["arch", "runs", *names, "rmse (nats)"], rows)
-
-    out.append("\n## Frontier exponents\n")
-    out.append("L* = E + B(S) C^-gamma, F* ~ C^(c/(a+c)), D* ~ C^(a/(a+c)).\n")
-    rows = []
-    for arch, s in fits.items():
-        ci = own.get(arch)
-        lo, hi = ci[0].interval(f"gamma_{ci[1]}") if ci else (None, None)
-        rows.append(
-            [
-                arch,
-                _with_ci(gamma(s), lo, hi, "fix"),
-                _num(s.c / (s.a + s.c), "fix"),
-                _num(s.a / (s.a + s.c), "fix"),
-            ]
-        )
-    out += _table(["arch", "gamma", "F* exponent", "D* exponent"], rows)
-
-    s_head = [f"S={v:g}" for v in S]
+    own = _own_intervals(boots, ref)
+    out = [*_bootstrap_note(boots), *_coefficients(fits, own, counts), *_exponents(fits, own)]
     for t in targets:
-        b = boots.get(t)
-        g = np.asarray(ce_gain(fits[ref], fits[t], C[:, None], S[None, :], anchor=anchor))
-        lo, hi = b.interval("ce_gain") if b else (None, None)
-        which = "C is the target's compute" if anchor == "tgt" else "C is the reference's compute"
-        out.append(
-            f"\n## CE Gain of {t} over {ref} (1 - C_{t}/C_{ref} at equal frontier loss; {which})\n"
-        )
-        rows = [
-            [f"{c:.0e}"]
-            + [
-                _with_ci(
-                    g[i, j],
-                    None if lo is None else lo[i, j],
-                    None if hi is None else hi[i, j],
-                    "pct",
-                )
-                for j in range(len(S))
-            ]
-            for i, c in enumerate(C)
-        ]
-        out += _table(["C (FLOPs)", *s_head], rows)
-
-    out.append("\n## Compute-optimal tokens per parameter, D*/(F*/6)\n")
-    rows = []
-    for i, c in enumerate(C):
-        for arch, s in fits.items():
-            v = np.asarray(tpp(s, c, S))
-            ci = own.get(arch)
-            lo, hi = ci[0].interval(f"tpp_{ci[1]}") if ci else (None, None)
-            rows.append(
-                [f"{c:.0e}", arch]
-                + [
-                    _with_ci(
-                        v[j],
-                        None if lo is None else lo[i, j],
-                        None if hi is None else hi[i, j],
-                        "tpp",
-                    )
-                    for j in range(len(S))
-                ]
-            )
-    out += _table(["C (FLOPs)", "arch", *s_head], rows)
+        out += _gains(fits, ref, t, C, S, boots.get(t), anchor)
+    out += _tokens_per_parameter(fits, C, S, own)
     return "\n".join(out)
 
 
@@ -349,6 +363,56 @@ def _options(argv: Optional[Sequence[str]]):
     return args
 
 
+def _fit(name: str, e: Endpoints, delta: float) -> Surface:
+    """``e.fit(delta)``, or a UsageError saying why these endpoints cannot be fitted (with
+    how to add runs when there are too few, or their F or D hardly differ)."""
+    try:
+        return e.fit(delta)
+    except ValueError as err:
+        nF, nD = len(np.unique(e.F)), len(np.unique(e.D))
+        span = float(e.F.max() / e.F.min())
+        few = len(e) < 7 or nF < 2 or nD < 2 or span < 2
+        raise cli.UsageError(
+            f"cannot fit {name!r}: {err} (it has {len(e)} endpoint{'s' if len(e) != 1 else ''}: "
+            f"{nF} distinct F spanning a factor {span:.4g}, {nD} distinct D)"
+            + (f"; {_MORE_RUNS}" if few else "")
+        ) from None
+
+
+def _checked(check, *args, **kwargs) -> None:
+    try:
+        check(*args, **kwargs)
+    except ValueError as e:
+        raise cli.UsageError(f"cannot report: {e}") from None
+
+
+def _bootstraps(args, data, fits, ref: str, targets, S) -> dict[str, BootstrapResult]:
+    boots = {}
+    for t in targets:
+        boots[t] = bootstrap(
+            data[ref],
+            data[t],
+            args.C,
+            S,
+            args.bootstrap,
+            seed=args.seed,
+            q=args.q,
+            delta=args.delta,
+            anchor=args.anchor,
+            ref_fit=fits[ref],
+            tgt_fit=fits[t],
+        )
+    _checked(check_report, fits, ref, targets, args.C, S, args.anchor, boots)
+    for t, b in boots.items():
+        if b.failed:
+            print(
+                f"note: {b.failed} of {args.bootstrap} draws for {t} could not be "
+                "fitted and were left out",
+                file=sys.stderr,
+            )
+    return boots
+
+
 def _run(argv: Optional[Sequence[str]] = None) -> int:
     """The report (see the module docstring)."""
     args = _options(argv)
@@ -370,51 +434,20 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     else:
         S = args.S or [float(v) for v in np.unique(np.round(data[ref].S, 6))]
         counts = {a: len(data[a]) for a in order}
-        fits = {}
-        for a in order:
-            try:
-                fits[a] = data[a].fit(args.delta)
-            except ValueError as e:
-                e_ = data[a]
-                raise cli.CommandError(
-                    f"cannot fit {a!r}: {e} (it has {len(e_)} "
-                    f"endpoint{'s' if len(e_) != 1 else ''}: "
-                    f"{len(np.unique(e_.F))} distinct F, {len(np.unique(e_.D))} distinct D); "
-                    f"{_MORE_RUNS}"
-                ) from None
-
-    boots = {}
-    if args.bootstrap:
-        for t in targets:
-            boots[t] = bootstrap(
-                data[ref],
-                data[t],
-                args.C,
-                S,
-                args.bootstrap,
-                seed=args.seed,
-                q=args.q,
-                delta=args.delta,
-                anchor=args.anchor,
-                ref_fit=fits[ref],
-                tgt_fit=fits[t],
-            )
-            if boots[t].failed:
-                print(
-                    f"note: {boots[t].failed} of {args.bootstrap} draws for {t} could not be "
-                    "fitted and were left out",
-                    file=sys.stderr,
-                )
+        fits = {a: _fit(a, data[a], args.delta) for a in order}
+    fits = {a: fits[a] for a in order}
+    _checked(check_report, fits, ref, targets, args.C, S, args.anchor)
+    boots = _bootstraps(args, data, fits, ref, targets, S) if args.bootstrap else {}
 
     src = "the paper's coefficients" if args.paper else ", ".join(args.csv)
     print(f"# Scaling analysis ({src})\n")
-    print(report({a: fits[a] for a in order}, ref, targets, args.C, S, boots, counts, args.anchor))
+    print(report(fits, ref, targets, args.C, S, boots, counts, args.anchor))
     if data is not None:
         cal = _calibration_report(data, ref, targets)
         if cal:
             print(cal)
     if args.plot:
-        plot_frontiers(args.plot, {a: fits[a] for a in order}, S, data)
+        plot_frontiers(args.plot, fits, S, data)
         print(f"\nplot written to {args.plot}")
     return 0
 

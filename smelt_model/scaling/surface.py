@@ -46,11 +46,18 @@ __all__ = [
     "compute_for_loss",
     "ce_gain",
     "tpp",
+    "LOSS_RANGE",
+    "EXPONENT_BOUNDS",
 ]
 
 ArrayLike = Union[float, Sequence[float], np.ndarray]
 
 _FIELDS = ("E", "A", "K", "a", "b", "c")
+
+#: what a fitted loss may be: a cross-entropy in nats per token (log of a vocabulary is ~10)
+LOSS_RANGE = (1e-3, 1e3)
+#: the fit's bounds on the exponents of F and D; a fit that ends on one has not found a law
+EXPONENT_BOUNDS = (1e-3, 5.0)
 
 
 @dataclass(frozen=True)
@@ -182,7 +189,7 @@ def single_threaded_blas():
     if getattr(_BLAS_STATE, "limited", False):
         yield
         return
-    try:
+    try:  # threadpoolctl is optional
         from threadpoolctl import threadpool_limits
     except ImportError:
         yield
@@ -269,6 +276,7 @@ def _from_fit_space(p: np.ndarray, d: _Design, rmse: float) -> Surface:
 
 def _grid_starts(d: _Design) -> list[np.ndarray]:
     """Starting points: a grid over (E, a, b, c), with the two scales from least squares."""
+    # scipy loads when a fit runs, so that importing the package and --help stay light
     from scipy.optimize import nnls
 
     lmin = float(d.loss.min())
@@ -305,13 +313,17 @@ def fit_surface(
     ``starts`` (e.g. a previous fit, as the bootstrap does) only those are. Returns the best
     :class:`Surface`, with ``rmse`` the root-mean-square error of the loss in nats.
 
-    F, D and loss must be positive and finite, 0 <= S < 1, and there must be at least 7
-    points with at least two distinct F and two distinct D. With a single sparsity level the
+    F, D and loss must be positive and finite, 0 <= S < 1, the loss a cross-entropy in nats
+    (within :data:`LOSS_RANGE`), and there must be at least 7 points with at least two
+    distinct F and two distinct D. A fit whose exponent a or c ends on its bound (the losses
+    do not fall as a power of F or D) raises ValueError. With a single sparsity level the
     exponent b is not identified; it stays at its starting value and A absorbs (1-S)^b.
     """
+    # scipy loads when a fit runs, so that importing the package and --help stay light
     from scipy.optimize import minimize
 
     F, S, D, loss = check_points(F, S, D, loss, min_points=7)
+    _check_loss_range(loss)
     if (
         isinstance(delta, bool)
         or not isinstance(delta, (int, float))
@@ -337,7 +349,14 @@ def fit_surface(
         initial = [_to_fit_space(s, d) for s in starts]
 
     lmin = float(loss.min())
-    bounds = [(0.0, lmin), (-50.0, 50.0), (-50.0, 50.0), (1e-3, 5.0), (-5.0, 5.0), (1e-3, 5.0)]
+    bounds = [
+        (0.0, lmin),
+        (-50.0, 50.0),
+        (-50.0, 50.0),
+        EXPONENT_BOUNDS,
+        (-5.0, 5.0),
+        EXPONENT_BOUNDS,
+    ]
     lo = np.array([b[0] for b in bounds])
     hi = np.array([b[1] for b in bounds])
     best_p, best_f = None, math.inf
@@ -359,7 +378,30 @@ def fit_surface(
         raise RuntimeError("fit_surface: no starting point converged to a finite objective")
     t1, t2 = _terms(best_p, d)
     rmse = float(np.sqrt(np.mean((best_p[0] + t1 + t2 - loss) ** 2)))
+    _check_identified(best_p)
     return _from_fit_space(best_p, d, rmse)
+
+
+def _check_loss_range(loss: np.ndarray) -> None:
+    lo, hi = LOSS_RANGE
+    if loss.min() < lo or loss.max() > hi:
+        raise ValueError(
+            f"loss must be a cross-entropy in nats, between {lo:g} and {hi:g}; got values "
+            f"from {loss.min():.4g} to {loss.max():.4g}"
+        )
+
+
+def _check_identified(p: np.ndarray) -> None:
+    """Refuse a fit whose exponent of F or D ends on its bound: the losses do not fall as a
+    power of F or D (flat, rising or noisy), so no frontier can be read from them."""
+    lo, hi = EXPONENT_BOUNDS
+    for name, col, value in (("a", "F", p[3]), ("c", "D", p[5])):
+        if value <= lo * 1.01 or value >= hi * 0.99:
+            raise ValueError(
+                f"the loss does not fall as a power of {col}: its exponent {name} = "
+                f"{value:.4g} ends on the fit's bound ({lo:g} to {hi:g}); flat, rising or "
+                "noisy losses do not identify a scaling law"
+            )
 
 
 # ----------------------------------------------------------------------------- frontier
@@ -399,9 +441,11 @@ def frontier(coeffs: Surface, C: ArrayLike, S: ArrayLike) -> Frontier:
     C, S = _check_C_S(C, S)
     logC = np.log(C)
     logF = _log_frontier_F(coeffs, logC, S)
-    F = np.exp(logF)
-    D = np.exp(logC - logF)
-    L = coeffs.E + coeffs.A * (1.0 - S) ** coeffs.b / F**coeffs.a + coeffs.K / D**coeffs.c
+    # a frontier far outside its fit's range overflows to inf (or 0): callers check finiteness
+    with np.errstate(over="ignore", under="ignore", divide="ignore", invalid="ignore"):
+        F = np.exp(logF)
+        D = np.exp(logC - logF)
+        L = coeffs.E + coeffs.A * (1.0 - S) ** coeffs.b / F**coeffs.a + coeffs.K / D**coeffs.c
     return Frontier(_scalar_or_array(F), _scalar_or_array(D), _scalar_or_array(L))
 
 
@@ -415,7 +459,7 @@ def compute_for_loss(coeffs: Surface, L: ArrayLike, S: ArrayLike) -> Union[float
     _check_sparsity("S", S)
     L, S = np.broadcast_arrays(L, S)
     gap = L - coeffs.E
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         logC = (_log_B(coeffs, S) - np.log(np.where(gap > 0, gap, 1.0))) / gamma(coeffs)
         C = np.where(gap > 0, np.exp(logC), np.inf)
     return _scalar_or_array(C)
@@ -434,18 +478,25 @@ def ce_gain(
     _check_surface("ref", ref)
     _check_surface("tgt", tgt)
     C, S = _check_C_S(C, S)
-    if anchor == "tgt":
-        L = np.asarray(frontier(tgt, C, S).L)
-        gain = 1.0 - C / np.asarray(compute_for_loss(ref, L, S))
-    elif anchor == "ref":
-        L = np.asarray(frontier(ref, C, S).L)
-        gain = 1.0 - np.asarray(compute_for_loss(tgt, L, S)) / C
-    else:
+    if anchor not in ("tgt", "ref"):
         raise ValueError(f"anchor must be 'tgt' or 'ref', got {anchor!r}")
+    fixed, other = (tgt, ref) if anchor == "tgt" else (ref, tgt)
+    L = np.asarray(frontier(fixed, C, S).L)
+    if not np.all(np.isfinite(L)):
+        raise ValueError(
+            f"the {anchor} frontier has no finite loss at every C and S (its F* or D* "
+            "overflows): its surface does not describe compute this far from its runs"
+        )
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        if anchor == "tgt":
+            gain = 1.0 - C / np.asarray(compute_for_loss(other, L, S))
+        else:
+            gain = 1.0 - np.asarray(compute_for_loss(other, L, S)) / C
     return _scalar_or_array(gain)
 
 
 def tpp(coeffs: Surface, C: ArrayLike, S: ArrayLike) -> Union[float, np.ndarray]:
     """Compute-optimal tokens per active parameter ``D* / (F*/6)`` (broadcast)."""
     f = frontier(coeffs, C, S)
-    return _scalar_or_array(np.asarray(f.D) / (np.asarray(f.F) / 6.0))
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return _scalar_or_array(np.asarray(f.D) / (np.asarray(f.F) / 6.0))

@@ -193,3 +193,22 @@ def test_links_between_pages_resolve():
             if target.startswith("http"):
                 continue
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+def test_the_documented_ce_gains_are_what_the_code_prints(tmp_path):
+    """docs/training.md quotes CE Gain twice: the snippet's result comment and the
+    ``--paper`` row at 1e+21. Both are compared with what runs, so they cannot drift."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    snippet = next(b for b in _python_blocks(ROOT / "docs" / "training.md") if "CE Gain" in b)
+    quoted = re.search(r"CE Gain \{gain:\.1%\}\"\)\s*# ([\d.]+)% / ([\d.]+)% / ([\d.]+)%", snippet)
+    assert quoted, "the snippet no longer quotes its three gains"
+    (tmp_path / "gain.py").write_text(snippet)
+    res = _run(["gain.py"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    printed = re.findall(r"CE Gain ([\d.]+)%", res.stdout)
+    assert printed == list(quoted.groups()), res.stdout
+    paper = re.search(r"`--paper` prints ([\d.]+)% /\s*([\d.]+)% / ([\d.]+)%", text)
+    assert paper, "training.md no longer quotes the --paper row"
+    res = _run(["-m", "smelt_model.scaling", "--paper"], tmp_path)
+    row = next(x for x in res.stdout.splitlines() if x.startswith("| 1e+21 |") and "%" in x)
+    assert [c.strip().rstrip("%") for c in row.split("|")[2:5]] == list(paper.groups()), row

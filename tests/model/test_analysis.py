@@ -1,6 +1,7 @@
 """Mechanism probes: each statistic against a direct computation from captured tensors."""
 
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -167,14 +168,14 @@ def test_cli_on_checkpoints(tmp_path, capsys):
         ]
     )
     err = capsys.readouterr().err
-    assert rc == 1 and "need 2000" in err and err.count("\n") == 1
+    assert rc == 2 and "need 2000" in err and err.count("\n") == 1
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     np.save(tmp_path / "ids.npy", np.arange(200))
     rc = analysis.main([str(tmp_path / "absent"), "--tokens", str(tmp_path / "ids.npy")])
     err = capsys.readouterr().err
-    assert rc == 1 and err.startswith("smelt-analysis: error: ") and "not found" in err
+    assert rc == 2 and err.startswith("smelt-analysis: error: ") and "not found" in err
     assert err.count("\n") == 1
     for argv, fragment in [  # bad options: exit 2 before any file is read
         (["--tokens", "x.pt", "--backend", "jax"], "--backend"),
@@ -190,14 +191,41 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     np.save(tmp_path / "floats.npy", np.ones(200))
     capsys.readouterr()
     for argv, fragment in [
-        (["--tokens", str(tmp_path / "bad.npy")], "cannot read token ids"),
+        (["--tokens", str(tmp_path / "bad.npy")], "bad.npy: not a valid .npy array"),
         (["--tokens", str(tmp_path / "floats.npy")], "integer token ids"),
         ([], "pass held-out token ids with --tokens"),  # a bare folder: no run to take them from
     ]:
-        assert analysis.main([str(tmp_path / "ckpt"), *argv]) == 1
+        assert analysis.main([str(tmp_path / "ckpt"), *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("smelt-analysis: error: ") and fragment in err, err
         assert err.count("\n") == 1
+
+
+def test_a_truncated_checkpoint_and_a_garbage_npy_are_named(tmp_path, capsys):
+    SmeltLM(micro(), backend="torch").save_pretrained(tmp_path / "ckpt")
+    np.save(tmp_path / "ids.npy", np.arange(200))
+    (tmp_path / "garbage.npy").write_bytes(b"these bytes are not an array")
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "ids.npy").read_bytes()[:100])
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    tokens = ["--seq-len", "16", "--batch", "2", "--backend", "torch"]
+    for argv, fragment in [
+        ([tmp_path / "cut", "--tokens", tmp_path / "ids.npy"], f"{weights}: not a complete"),
+        (
+            [tmp_path / "ckpt", "--tokens", tmp_path / "garbage.npy"],
+            f"--tokens {tmp_path / 'garbage.npy'}: not a valid .npy array",
+        ),
+        (
+            [tmp_path / "ckpt", "--tokens", tmp_path / "cut.npy"],
+            f"--tokens {tmp_path / 'cut.npy'}: not a valid .npy array",
+        ),
+    ]:
+        capsys.readouterr()
+        assert analysis.main([str(a) for a in argv] + tokens) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("smelt-analysis: error: ") and err.count("\n") == 1, err
+        assert fragment in err and "allow_pickle" not in err, err
 
 
 def test_a_pickled_token_file_runs_nothing(tmp_path, capsys):
@@ -215,14 +243,17 @@ def test_a_pickled_token_file_runs_nothing(tmp_path, capsys):
     torch.load(tmp_path / "ids.pt", weights_only=False)  # the payload is live: it opens a file
     assert marker.exists()
     marker.unlink()
-    assert analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "ids.pt")]) == 1
+    assert analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "ids.pt")]) == 2
     assert "a .pt file is a pickle" in capsys.readouterr().err
     assert not marker.exists()
     np.save(tmp_path / "obj.npy", np.array([Payload()], dtype=object), allow_pickle=True)
     np.load(tmp_path / "obj.npy", allow_pickle=True)
     assert marker.exists()
     marker.unlink()
-    assert analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "obj.npy")]) == 1
+    assert analysis.main([str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "obj.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "obj.npy: not a valid .npy array (it holds Python objects" in err, err
+    assert "allow_pickle" not in err and err.count("\n") == 1
     assert not marker.exists()
 
 
@@ -296,6 +327,6 @@ def test_cli_refuses_a_latest_leading_out_of_the_run(pair, tmp_path, capsys):
     (run / "checkpoints" / "latest").write_text("../../../elsewhere\n")
     for path in (run, run / "checkpoints" / "latest"):
         capsys.readouterr()
-        assert analysis.main([str(path)]) == 1
+        assert analysis.main([str(path)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "latest" in err and "not a checkpoint folder" in err

@@ -483,12 +483,12 @@ def test_cli_on_too_few_runs_says_what_it_needs(tmp_path, capsys):
         for d in (1e5, 2e5, 3e5, 4e5, 5e5)
     ]
     p.write_text("\n".join(rows) + "\n")
-    assert scaling.main([str(p)]) == 1
+    assert scaling.main([str(p)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("smelt-scaling: error: cannot fit 'baseline'")
     for fragment in (
         "need at least 7 points, got 5",
-        "5 endpoints: 1 distinct F, 5 distinct D",
+        "5 endpoints: 1 distinct F spanning a factor 1, 5 distinct D",
         "--eval-every",
         "--preset",
         "endpoints.csv",
@@ -499,9 +499,20 @@ def test_cli_on_too_few_runs_says_what_it_needs(tmp_path, capsys):
         f"baseline,1e6,0.9,{d},{3 - d / 1e7}" for d in range(100000, 1000001, 100000)
     ]
     p.write_text("\n".join(rows) + "\n")
-    assert scaling.main([str(p)]) == 1
+    assert scaling.main([str(p)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "F needs at least two distinct values" in err
     assert "two or more model sizes" in err
     assert scaling.main([str(p), "--bootstrap", "-1"]) == 2
     assert capsys.readouterr().err == "smelt-scaling: error: --bootstrap must be >= 0\n"
+
+
+def test_package_names_are_the_modules_public_names():
+    mods = [
+        sys.modules[f"smelt_model.scaling.{m}"]
+        for m in ("surface", "endpoints", "checks", "report")
+    ]
+    assert sorted(scaling.__all__) == sorted(n for m in mods for n in m.__all__)
+    for name in scaling.__all__:
+        home = next(m for m in mods if name in m.__all__)
+        assert getattr(scaling, name) is getattr(home, name), name

@@ -111,9 +111,11 @@ def test_endpoints_are_read_by_the_scaling_tool(corpus, tmp_path, capsys):
     assert list(single) == ["baseline"] and len(single["baseline"]) == 4
     merge_endpoints(runs, tmp_path / "all.csv")
     capsys.readouterr()
-    assert scaling.main([str(tmp_path / "all.csv")]) == 0
-    report = capsys.readouterr().out
-    assert "baseline" in report and "smelt" in report
+    # read whole, and refused: micro runs 4 steps long show no power law to fit
+    assert scaling.main([str(tmp_path / "all.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot fit 'baseline'" in err, err
+    assert "8 endpoints: 2 distinct F" in err and "two or more model sizes" in err, err
 
 
 def test_bad_input_stops_with_one_line(corpus, tmp_path, capsys):
