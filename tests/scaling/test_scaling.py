@@ -508,10 +508,8 @@ def test_cli_on_too_few_runs_says_what_it_needs(tmp_path, capsys):
 
 
 def test_package_names_are_the_modules_public_names():
-    mods = [
-        sys.modules[f"smelt_model.scaling.{m}"]
-        for m in ("surface", "endpoints", "checks", "report")
-    ]
+    names = ("surface", "endpoints", "checks", "report")
+    mods = [sys.modules[f"smelt_model.scaling.{m}"] for m in names]
     assert sorted(scaling.__all__) == sorted(n for m in mods for n in m.__all__)
     for name in scaling.__all__:
         home = next(m for m in mods if name in m.__all__)
