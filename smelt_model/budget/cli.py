@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from smelt_model import plotting, presets
 from smelt_model.budget.ledger import Ledger, compare, ledger
-from smelt_model.budget.matcher import match
+from smelt_model.budget.matcher import match, preference
 from smelt_model.cluster import report
 from smelt_model.cluster.layout import PLAN_NAMES, parse_plan
 from smelt_model.cluster.spec import TOKENS_PER_GPU, parse_cluster
@@ -73,10 +73,17 @@ def _default_ep(cfgs, dp_shard: int) -> int:
     )
 
 
+def _preset_names(spec: str) -> Optional[tuple[str, ...]]:
+    """The presets ``spec`` names in any case, spelt as the presets spell them (a pair name
+    gives its two models); None for anything else (a config file)."""
+    try:
+        return presets.resolve(spec)
+    except presets.PresetError:
+        return None
+
+
 def _load_config(spec: str) -> ModelConfig:
-    """A preset name or a JSON config file."""
-    if spec in presets.names():
-        return presets.get(spec)
+    """A JSON config file (a name that is neither a preset nor a file is refused)."""
     path = Path(spec)
     if path.suffix != ".json" and not path.exists():
         known = presets.pairs() + presets.names()
@@ -174,17 +181,17 @@ def _parser() -> cli.Parser:
     ap.add_argument(
         "--plot",
         metavar="PATH",
-        help="with --cluster: draw each model's projected step per cluster (.png, .pdf, .svg; "
-        "needs matplotlib)",
+        help="with --cluster: draw each model's projected step per cluster (.png, .pdf, .svg, "
+        "in a folder that exists; needs matplotlib)",
     )
     return ap
 
 
 def _configs(args) -> tuple[list[str], list[ModelConfig]]:
     """(column names, configs) from the command: one config, a pair, or a matched pair."""
-    if args.config in presets.pairs():
-        cfgs = list(presets.pair(args.config))
-        names = [f"{args.config}-baseline", f"{args.config}-smelt"]
+    found = _preset_names(args.config)
+    if found is not None:
+        cfgs, names = [presets.get(n) for n in found], list(found)
     else:
         cfgs, names = [_load_config(args.config)], [args.config]
     if args.match:
@@ -210,7 +217,7 @@ def _check_options(args) -> None:
                     "with --cluster, give ep and gpus in the cluster SPEC, not --ep / --dp-shard"
                 )
             for spec in args.cluster:
-                parse_cluster(spec)
+                _check_tokens(args.tokens_per_step, spec, parse_cluster(spec).gpus)
         elif args.plan == "auto":
             raise ValueError("--plan auto chooses a plan for a cluster: give --cluster SPEC")
         elif args.plot is not None:
@@ -218,6 +225,15 @@ def _check_options(args) -> None:
         _workload(args)
     except (TypeError, ValueError) as e:
         raise cli.UsageError(str(e)) from None
+
+
+def _check_tokens(tokens: Optional[int], spec: str, gpus: int) -> None:
+    """--tokens-per-step that the GPUs of a cluster cannot share equally: ValueError."""
+    if tokens is not None and tokens % gpus:
+        raise ValueError(
+            f"--tokens-per-step ({tokens}) must be a multiple of the {gpus} GPUs of --cluster "
+            f"{spec}: every data-parallel rank holds an equal share"
+        )
 
 
 def _check_plan(args, cfgs) -> None:
@@ -262,15 +278,66 @@ def _ledgers(args, names, cfgs) -> str:
         )
     out.append("\n" + traffic)
     if args.match:
+        why = _against_the_preset(args, names[0], *cfgs)
+        if why is not None:
+            out.append("\n" + why)
         out.append("\nmatched config (JSON):\n" + cfgs[1].to_json())
     return "\n".join(out)
+
+
+def _against_the_preset(args, name: str, base: ModelConfig, found: ModelConfig) -> Optional[str]:
+    """Where ``found`` (the match of the preset baseline ``name``) differs from the looped
+    preset of its pair, why the search picked it: the rule of :func:`preference` and where
+    the preset stands by it. None for a baseline that is not a preset, or the same config."""
+    if not name.endswith("-baseline") or name not in presets.names():
+        return None
+    preset = name.removesuffix("-baseline") + "-smelt"
+    theirs_cfg = presets.get(preset)
+    if theirs_cfg == found:
+        return None
+    ours = compare(base, found, args.mean_doc_len, args.seq_len)
+    theirs = compare(base, theirs_cfg, args.mean_doc_len, args.seq_len)
+    tf, tp, tk = args.tolerances
+    text = (
+        f"matched-smelt differs from the preset {preset} ({theirs_cfg.describe()}): the "
+        f"search keeps the configs within the tolerances (F {tf:g}, N {tp:g}, KV {tk:g}) and "
+        f"takes the smallest worst mismatch, then the widest hidden size, then the fewest "
+        f"experts; matched {_ratios_text(ours)}, preset {_ratios_text(theirs)}: "
+    )
+    mine = preference(ours, found.hidden_size, found.n_experts)
+    other = preference(theirs, theirs_cfg.hidden_size, theirs_cfg.n_experts)
+    if not theirs.within(args.tolerances):
+        return text + "the preset lies outside these tolerances"
+    if other[0] > mine[0]:
+        return (
+            text + f"the preset's worst mismatch is larger ({other[0]:.4f} against {mine[0]:.4f})"
+        )
+    if other < mine:  # it would have won: the search never tried it
+        return text + (
+            "the search does not try the preset's shape with these options (loop, head size, "
+            "expert size and count multiples, KV heads)"
+        )
+    if found.hidden_size != theirs_cfg.hidden_size:
+        return text + (
+            f"both have the worst mismatch {mine[0]:.4f}, and the search prefers the wider "
+            f"hidden size (H {found.hidden_size} against {theirs_cfg.hidden_size}); the "
+            f"preset keeps the paper's choice"
+        )
+    return text + (
+        f"both have the worst mismatch {mine[0]:.4f} and H {found.hidden_size}, and the search "
+        f"prefers fewer experts ({found.n_experts} against {theirs_cfg.n_experts})"
+    )
+
+
+def _ratios_text(r) -> str:
+    return f"F {r.flops:.4f} N {r.params:.4f} KV {r.kv:.4f}"
 
 
 def _run(argv: Optional[Sequence[str]] = None) -> None:
     """Print the ledgers, the communication ledger or the projected steps (module docstring)."""
     args = _parser().parse_args(argv)
     _check_options(args)
-    plot = plotting.plot_path(args.plot)
+    plot = plotting.plot_path(args.plot, new_folders=False)
     names, cfgs = _configs(args)
     _check_plan(args, cfgs)
     if args.cluster:

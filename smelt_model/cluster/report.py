@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import textwrap
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from smelt_model import plotting
 from smelt_model.budget.ledger import compare
@@ -32,6 +33,7 @@ __all__ = [
     "LEGEND",
     "Cell",
     "comm_ledger",
+    "draw_steps",
     "format_cluster",
     "format_comm",
     "gap_lines",
@@ -300,11 +302,18 @@ def _short(names: Sequence[str]) -> list[str]:
 
 
 def plot_steps(cells: Sequence[Cell], title: str, path: Path) -> Path:
+    """Write :func:`draw_steps` to ``path``."""
+    return plotting.save(draw_steps(cells, title), path)
+
+
+def draw_steps(cells: Sequence[Cell], title: str) -> Any:
     """Each model's projected step per cluster as stacked bars (ms); for a pair, a mark at
-    the step the looped model would take at a gap of 1.00 and the gap above its bar."""
+    the step the looped model would take at a gap of 1.00 and the gap above its bar. The
+    title is the figure's, wrapped to its width (one cluster makes a narrow figure)."""
     plt = plotting.pyplot()
     width = 0.8 / max(len(c.names) for c in cells)
-    fig, ax = plt.subplots(figsize=(3.0 + 2.4 * len(cells), 4.5))
+    inches = 3.0 + 2.4 * len(cells)
+    fig, ax = plt.subplots(figsize=(inches, 4.5))
     steps = [p.step_s for c in cells for p in c.best if not isinstance(p, str)]
     top = max(steps, default=1.0) * 1e3
     labelled: set[str] = set()
@@ -370,8 +379,10 @@ def plot_steps(cells: Sequence[Cell], title: str, path: Path) -> Path:
     ax.set_xlim(-0.6, len(cells) - 0.4)
     ax.set_ylim(0, top * 1.12)
     ax.set_ylabel("projected step (ms)")
-    ax.set_title(f"{title}: projected training step per cluster (a model on paper)", fontsize=9)
+    text = f"{title}: projected training step per cluster (a model on paper)"
+    # characters of 9 pt text that fit the figure's width (about 0.6 em each, with a margin)
+    fig.suptitle(textwrap.fill(text, int(inches * 72 / (0.6 * 9)) - 4), fontsize=9)
     if labelled:  # nothing drawn where no model has a plan
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    return plotting.save(fig, path)
+    return fig

@@ -332,6 +332,7 @@ def test_cli_plot(capsys, tmp_path):
     """--plot draws the projected steps: a PNG (or SVG) with every cluster's label, a
     model without a plan as text, and the pair's gap; it names the file it wrote."""
     pytest.importorskip("matplotlib")
+    (tmp_path / "plots").mkdir()  # a missing folder is refused, not made
     png = tmp_path / "plots" / "steps.png"
     args = ["tiny", "--cluster", "h100-8", "--cluster", "h100-8,memory=1", "--plot", str(png)]
     assert budget_cli.main(args) == 0
@@ -344,6 +345,20 @@ def test_cli_plot(capsys, tmp_path):
     text = svg.read_text()
     for label in ("h100-8", "h100-8,memory=1", "baseline", "smelt", "no plan fits", "gap "):
         assert label in text, label
+
+
+@pytest.mark.parametrize("title", ["tiny", "a_baseline_config_with_a_long_name.json"])
+def test_the_plot_title_fits_the_figure(title):
+    """One cluster makes a narrow figure: its title is wrapped to fit, whatever its name."""
+    pytest.importorskip("matplotlib")
+    names, cfgs = ["tiny-baseline", "tiny-smelt"], list(presets.pair("tiny"))
+    _, cell = report.format_cluster("h100-8", names, cfgs, None, "auto", cluster.Workload())
+    fig = report.draw_steps([cell], title)
+    fig.canvas.draw()
+    (text,) = [t for t in fig.texts if t.get_text() == fig.get_suptitle()]
+    box = text.get_window_extent(fig.canvas.get_renderer())
+    assert title in fig.get_suptitle().replace("\n", " ")
+    assert 0 <= box.x0 < box.x1 <= fig.bbox.x1 and 0 <= box.y0 < box.y1 <= fig.bbox.y1
 
 
 @pytest.mark.parametrize(
