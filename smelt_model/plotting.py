@@ -33,11 +33,13 @@ def require(what: str = "--plot") -> None:
         ) from None
 
 
-def plot_path(value: Union[str, os.PathLike, None], option: str = "--plot") -> Optional[Path]:
+def plot_path(
+    value: Union[str, os.PathLike, None], option: str = "--plot", *, new_folders: bool = True
+) -> Optional[Path]:
     """``value`` as the file a plot goes to, checked before any work
-    (:func:`smelt_tools.cli.output_path` with one of :data:`SUFFIXES`, then
-    :func:`require`); None passes."""
-    path = cli.output_path(value, option, SUFFIXES)
+    (:func:`smelt_tools.cli.output_path` with one of :data:`SUFFIXES` and ``new_folders``,
+    then :func:`require`); None passes."""
+    path = cli.output_path(value, option, SUFFIXES, new_folders=new_folders)
     if path is not None:
         require(option)
     return path

@@ -37,6 +37,7 @@ import argparse
 import difflib
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence, Union
 
@@ -164,12 +165,19 @@ def threads(value: Optional[int]) -> Optional[int]:
 
 
 def output_path(
-    value: Union[str, os.PathLike, None], option: str, suffixes: Iterable[str] = ()
+    value: Union[str, os.PathLike, None],
+    option: str,
+    suffixes: Iterable[str] = (),
+    *,
+    new_folders: bool = True,
 ) -> Optional[Path]:
     """A file the command will write, checked before any work (else :class:`UsageError`
-    naming ``option``): not a folder, in a folder that exists (or can be made: its nearest
-    existing parent is a folder this process may write in), not an existing file it may
-    not write, with one of ``suffixes`` when given. None passes."""
+    naming ``option``): not a folder, with one of ``suffixes`` when given, in a folder that
+    exists (with ``new_folders``, or that can be made: its nearest existing parent is a
+    folder), and writable there. Writability is tried, not asked of ``os.access`` (which
+    says yes to root everywhere, even in ``/proc``): an existing file is opened for
+    appending, a new one created and removed, a folder still to be made is probed with a
+    temporary file in its nearest existing parent. None passes."""
     if value is None:
         return None
     path = Path(value)
@@ -179,14 +187,23 @@ def output_path(
     if suffixes and path.suffix.lower() not in suffixes:
         raise UsageError(f"{option} {value}: expected a {' or '.join(suffixes)} file")
     parent = path.parent
+    if not new_folders and not parent.exists():
+        raise UsageError(f"{option} {value}: no folder {parent}")
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
         raise UsageError(f"{option} {value}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{option} {value}: the folder {parent} is not writable")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise UsageError(f"{option} {value}: the file exists and is not writable")
+    try:
+        if path.exists():
+            path.open("ab").close()  # appends nothing: the file is left as it was
+        elif parent == path.parent:
+            path.open("xb").close()
+            path.unlink()
+        else:
+            tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        where = f"the file {path}" if path.exists() else f"the folder {parent}"
+        raise UsageError(f"{option} {value}: {where} is not writable ({e.strerror})") from None
     return path
 
 

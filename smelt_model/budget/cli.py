@@ -8,33 +8,32 @@
     smelt-budget 200M-S95-baseline --match
     smelt-budget my_baseline.json --match
 
-Without ``--cluster`` the communication ledger (:mod:`.comm`) follows the three budgets:
-bytes per step and rank at ``--tokens-per-step`` (default 32768 per data-parallel rank),
-``--ep`` (default: the largest of 8, 4, 2, 1 that divides every model's expert count and
-``--dp-shard``) and ``--dp-shard`` (default 8), under torchtitan's stock layout or
-``--plan``. With ``--cluster SPEC`` (repeatable; see :mod:`.cluster`) it prints, per
-cluster, each architecture's best plan (or ``--plan``) beside torchtitan's stock layout,
-their bytes, memory and projected step times, and the gap (:mod:`.projection`);
-``--plot PATH`` also draws each model's projected step per cluster, split into compute and
-the exposed traffic, with the step the looped model would need for a gap of 1.00.
+Without ``--cluster`` the communication ledger (:mod:`smelt_model.cluster.comm`) follows
+the three budgets: bytes per step and rank at ``--tokens-per-step`` (default 32768 per
+data-parallel rank), ``--ep`` (default: the largest of 8, 4, 2, 1 that divides every
+model's expert count and ``--dp-shard``) and ``--dp-shard`` (default 8), under torchtitan's
+stock layout or ``--plan``. With ``--cluster SPEC`` (repeatable; see
+:mod:`smelt_model.cluster.spec`) it prints, per cluster, each architecture's best plan (or
+``--plan``) beside torchtitan's stock layout, their bytes, memory and projected step times,
+and the gap (:mod:`smelt_model.cluster.projection`); ``--plot PATH`` also draws each
+model's projected step per cluster, split into compute and the exposed traffic, with the
+step the looped model would need for a gap of 1.00. This module reads the options and
+prints the three budgets; the cluster's tables and the plot are
+:mod:`smelt_model.cluster.report`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
-from smelt_model import plotting
+from smelt_model import plotting, presets
 from smelt_model.budget.ledger import Ledger, compare, ledger
-from smelt_model.budget.matcher import match
-from smelt_model.cluster.comm import Comm, comm, ratios
-from smelt_model.cluster.layout import PLAN_NAMES, ParallelPlan, loop_of, loop_prefetch, parse_plan
-from smelt_model.cluster.projection import Projection, project
+from smelt_model.budget.matcher import match, preference
+from smelt_model.cluster import report
+from smelt_model.cluster.layout import PLAN_NAMES, parse_plan
 from smelt_model.cluster.spec import TOKENS_PER_GPU, parse_cluster
-from smelt_model.cluster.units import format_bytes, format_time
 from smelt_model.cluster.workload import Workload
 from smelt_model.config import ModelConfig
 from smelt_tools import cli
@@ -68,325 +67,23 @@ def _format_side_by_side(names: Sequence[str], ledgers: Sequence[Ledger], cfgs) 
     return "\n".join(out)
 
 
-def _table(names: Sequence[str], rows) -> list[str]:
-    """Rows of (label, values, format): one column per model, a ratio column for a pair;
-    a value of None prints as ``-``."""
-    w0 = max(len(r[0]) for r in rows)
-    out = [
-        f"{'':{w0}}  "
-        + "  ".join(f"{n:>18}" for n in names)
-        + ("  {:>7}".format("ratio") if len(names) == 2 else "")
-    ]
-    for label, vals, fmt in rows:
-        line = f"{label:{w0}}  " + "  ".join(f"{'-' if v is None else fmt(v):>18}" for v in vals)
-        if len(vals) == 2:
-            a, b = vals
-            ok = a is not None and b is not None and a
-            line += f"  {b / a:7.4f}" if ok else f"  {'-':>7}"
-        out.append(line)
-    return out
-
-
-def _format_comm(names: Sequence[str], comms: Sequence[Comm], plan: Optional[str]) -> str:
-    c0 = comms[0]
-    head = (
-        f"communication per step and rank: {c0.tokens_per_step} tokens per step "
-        f"({c0.tokens_per_rank} per rank), ep {c0.ep}, dp_shard {c0.dp_shard} (efsdp "
-        f"{c0.efsdp}), {c0.dtype}, gradients reduced in {c0.reduce_dtype}; uniform routing; "
-        + (
-            "torchtitan's stock layout"
-            if plan is None
-            else f"plan {plan} (gather group of {c0.gather_group_size} ranks)"
-        )
-    )
-    get = lambda attr: [getattr(c, attr) for c in comms]  # noqa: E731
-    rows = [
-        ("executed MoE layers", get("moe_layers"), str),
-        ("EP dispatch, forward", get("dispatch_forward"), format_bytes),
-        ("EP combine, forward", get("combine_forward"), format_bytes),
-        ("EP dispatch, backward", get("dispatch_backward"), format_bytes),
-        ("EP combine, backward", get("combine_backward"), format_bytes),
-        ("EP all-to-alls", get("ep_bytes"), format_bytes),
-        ("EP bytes / token", get("ep_bytes_per_token"), format_bytes),
-        ("FSDP all-gather, forward", get("fsdp_all_gather_forward"), format_bytes),
-        ("FSDP all-gather, backward", get("fsdp_all_gather_backward"), format_bytes),
-        ("FSDP reduce-scatter", get("fsdp_reduce_scatter"), format_bytes),
-        ("FSDP", get("fsdp_bytes"), format_bytes),
-    ]
-    if any(c.dispatch_recompute for c in comms):
-        rows.insert(
-            6,
-            (
-                "EP recomputed forward",
-                [c.ep_bytes - 2 * (c.dispatch_forward + c.combine_forward) for c in comms],
-                format_bytes,
-            ),
-        )
-    if plan is not None:
-        rows += [
-            ("gathered experts, all-gather fwd", get("gather_all_gather_forward"), format_bytes),
-            ("gathered experts, all-gather bwd", get("gather_all_gather_backward"), format_bytes),
-            ("gathered experts, reduce-scatter", get("gather_reduce_scatter"), format_bytes),
-            ("gathered experts, all-reduce", get("gather_all_reduce"), format_bytes),
-            ("gathered experts", get("gather_bytes"), format_bytes),
-        ]
-    rows.append(("all communication", get("total_bytes"), format_bytes))
-    return "\n".join([head] + _table(names, rows))
-
-
-def _plan_text(plan: ParallelPlan, cfg: ModelConfig) -> str:
-    """``plan`` in a line: its layers (``|`` around the span) and how it runs."""
-    letters = plan.letters
-    loop = loop_of(cfg)
-    if cfg.is_looped:
-        letters = f"{letters[: loop.start]}|{letters[loop.start : loop.end]}|{letters[loop.end :]}"
-    ways = ["no EP"]
-    if plan.ep_layers:
-        ways = [
-            f"EP {plan.ep}",
-            "de-duplicated" if plan.dedup else "stock dispatch",
-            f"overlap in {plan.chunks} chunks" if plan.overlap else "no overlap",
-        ]
-    if plan.gather_layers:
-        ways.append(f"gathered over {'a node' if plan.gather_group == 'node' else 'all GPUs'}")
-    if cfg.is_looped:
-        ways.append("span layers as units" if plan.span_units == "layer" else "span as one unit")
-        if plan.span_gather == "layer" and any(loop.in_span(i) for i in plan.gather_layers):
-            ways.append("span experts gathered at every visit")
-    ways.append("re-gathered for the backward" if plan.reshard_after_forward else "kept gathered")
-    if loop_prefetch(plan, cfg):
-        ways.append("loop-aware prefetch")
-    ways.append(f"recompute {plan.recompute}")
-    return f"{letters}  ({', '.join(ways)})"
-
-
-def _attempt(cfg: ModelConfig, cl, tokens, plan, w: Workload) -> Union[Projection, str]:
-    try:
-        return project(cfg, cl, tokens, plan=plan, workload=w)
-    except ValueError as e:  # a plan that cannot run or fit is part of the answer
-        return cli.one_line(e)
-
-
-LEGEND = (
-    "Bytes are what one GPU sends to other GPUs per step, under uniform routing; 'busy' is\n"
-    "the time each link needs for them at its nominal bandwidth; 'exposed' is the time the\n"
-    "compute waits for each kind of traffic (what the overlap cannot hide), so a step is\n"
-    "compute + exposed. e: a layer whose tokens move (EP), g: a layer whose experts are\n"
-    "gathered; | marks the looped span."
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cell:
-    """One cluster's projections, for the plot: the best plans (a refusal's text where a
-    model has none) and the F ratio of a pair (None for one model)."""
-
-    spec: str
-    names: tuple[str, ...]
-    best: tuple[Union[Projection, str], ...]
-    flops: Optional[float]
-
-
-def _format_cluster(spec, names, cfgs, tokens, plan_spec, w: Workload) -> tuple[str, _Cell]:
-    cl = parse_cluster(spec)
-    tokens = TOKENS_PER_GPU * cl.gpus if tokens is None else tokens
-    label = "best plan" if plan_spec == "auto" else f"plan {plan_spec}"
-    best = [_attempt(c, cl, tokens, plan_spec, w) for c in cfgs]
-    stock = [_attempt(c, cl, tokens, None, w) for c in cfgs]
-    lines = [
-        f"projected step on {spec}: {cl.describe()}",
-        f"{tokens} tokens per step ({tokens // cl.gpus} per GPU); a model on paper, not a "
-        f"measurement",
-    ]
-    for n, c, p, s in zip(names, cfgs, best, stock):
-        if isinstance(p, str):
-            lines.append(f"{n}: {p}")
-            continue
-        lines.append(f"{n} {label}: {_plan_text(p.plan, c)}")
-        if isinstance(s, str):
-            lines.append(f"{n} torchtitan stock: {s}")
-    flops = compare(*cfgs, *w.doc).flops if len(cfgs) == 2 else None
-    cell = _Cell(spec, tuple(names), tuple(best), flops)
-    ok = [p for p in best if not isinstance(p, str)]
-    if not ok:
-        return "\n".join(lines), cell
-    names = [n for n, p in zip(names, best) if not isinstance(p, str)]
-    stock = [s for s, p in zip(stock, best) if not isinstance(p, str)]
-    get = lambda f: [f(p) for p in ok]  # noqa: E731
-    gb = lambda x: f"{x / 1e9:.2f} GB"  # noqa: E731
-    rows = [
-        ("compute (recompute included)", get(lambda p: p.compute_s), format_time),
-        ("  of which the output head", get(lambda p: p.model.head_s), format_time),
-        ("EP all-to-alls, sent", get(lambda p: p.comm.ep_bytes), format_bytes),
-        ("FSDP, sent", get(lambda p: p.comm.fsdp_bytes), format_bytes),
-        ("gathered experts, sent", get(lambda p: p.comm.gather_bytes), format_bytes),
-        ("in-node links busy", get(lambda p: p.model.busy["intra"]), format_time),
-        ("NIC busy", get(lambda p: p.model.busy["inter"]), format_time),
-        ("exposed EP", get(lambda p: p.exposed["ep"]), format_time),
-        ("exposed FSDP", get(lambda p: p.exposed["fsdp"]), format_time),
-        ("exposed gathered experts", get(lambda p: p.exposed["gather"]), format_time),
-        (f"memory per GPU (of {cl.memory / 1e9:.4g} GB)", get(lambda p: p.memory.total), gb),
-        (f"step, {label}", get(lambda p: p.step_s), format_time),
-        (
-            "step, torchtitan stock",
-            [None if isinstance(s, str) else s.step_s for s in stock],
-            format_time,
-        ),
-    ]
-    lines += _table(names, rows)
-    if len(ok) == 2:
-        lines += _gap_lines(label, ok, stock, flops)
-        if w.head:  # the same search with the steps cut to F's parts
-            bare = dataclasses.replace(w, head=False)
-            parts = [_attempt(c, cl, tokens, plan_spec, bare) for c in cfgs]
-            if not any(isinstance(p, str) for p in parts):
-                lines.append(
-                    f"without the output head's compute (F's parts only): {label} gap "
-                    f"{parts[1].step_s / parts[0].step_s / flops:.4f}"
-                )
-    return "\n".join(lines), cell
-
-
-#: the parts of a plotted step, bottom to top: (label, colour, seconds of a projection)
-_STACK = (
-    ("compute (recompute included)", "#4c72b0", lambda p: p.compute_s),
-    ("exposed EP all-to-alls", "#dd8452", lambda p: p.exposed["ep"]),
-    ("exposed FSDP", "#c44e52", lambda p: p.exposed["fsdp"]),
-    ("exposed gathered experts", "#8172b3", lambda p: p.exposed["gather"]),
-)
-
-
-def _short(names: Sequence[str]) -> list[str]:
-    """``names`` without the prefix they share up to a dash (``200M-S95-smelt`` ->
-    ``smelt``); the names themselves where they share none."""
-    common = os.path.commonprefix(list(names)) if len(names) > 1 else ""
-    cut = common.rfind("-") + 1
-    return [n[cut:] or n for n in names]
-
-
-def _plot(cells: Sequence[_Cell], title: str, path: Path) -> Path:
-    """Each model's projected step per cluster as stacked bars (ms); for a pair, a mark at
-    the step the looped model would take at a gap of 1.00 and the gap above its bar."""
-    plt = plotting.pyplot()
-    width = 0.8 / max(len(c.names) for c in cells)
-    fig, ax = plt.subplots(figsize=(3.0 + 2.4 * len(cells), 4.5))
-    steps = [p.step_s for c in cells for p in c.best if not isinstance(p, str)]
-    top = max(steps, default=1.0) * 1e3
-    labelled: set[str] = set()
-    ticks, tick_labels = [], []
-    for i, cell in enumerate(cells):
-        for j, (p, short) in enumerate(zip(cell.best, _short(cell.names))):
-            x = i + (j - (len(cell.best) - 1) / 2) * width
-            ticks.append(x)
-            tick_labels.append(short)
-            if isinstance(p, str):
-                ax.text(
-                    x, 0.02 * top, "no plan fits", ha="center", va="bottom", fontsize=8, rotation=90
-                )
-                continue
-            bottom = 0.0
-            for label, colour, part in _STACK:
-                h = part(p) * 1e3
-                if h <= 0:
-                    continue
-                ax.bar(
-                    x,
-                    h,
-                    width * 0.9,
-                    bottom=bottom,
-                    color=colour,
-                    label=None if label in labelled else label,
-                )
-                labelled.add(label)
-                bottom += h
-        ax.text(
-            i,
-            -0.13,
-            cell.spec,
-            transform=ax.get_xaxis_transform(),
-            ha="center",
-            va="top",
-            fontsize=8,
-        )
-        if cell.flops is not None and not any(isinstance(p, str) for p in cell.best):
-            base, looped = cell.best
-            x = i + width / 2
-            even = base.step_s * cell.flops * 1e3
-            ax.hlines(
-                even,
-                x - width / 2,
-                x + width / 2,
-                colors="black",
-                linestyles="--",
-                label=None if "gap 1.00" in labelled else "looped step at gap 1.00",
-            )
-            labelled.add("gap 1.00")
-            gap = looped.step_s / base.step_s / cell.flops
-            ax.text(
-                x,
-                max(even, looped.step_s * 1e3) * 1.01,
-                f"gap {gap:.4f}",
-                ha="center",
-                va="bottom",
-                fontsize=8,
-            )
-    ax.set_xticks(ticks)
-    ax.set_xticklabels(tick_labels, fontsize=8)
-    ax.set_xlim(-0.6, len(cells) - 0.4)
-    ax.set_ylim(0, top * 1.12)
-    ax.set_ylabel("projected step (ms)")
-    ax.set_title(f"{title}: projected training step per cluster (a model on paper)", fontsize=9)
-    if labelled:  # nothing drawn where no model has a plan
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    return plotting.save(fig, path)
-
-
-def _gap_lines(label: str, best, stock, flops: float) -> list[str]:
-    gap = best[1].step_s / best[0].step_s / flops
-    text = f"gap (step ratio / F ratio {flops:.4f}): {label} {gap:.4f}"
-    if not any(isinstance(s, str) for s in stock):
-        text += f", torchtitan stock {stock[1].step_s / stock[0].step_s / flops:.4f}"
-    out = [text]
-    if gap > 1.00005:
-        b, a = best[1], best[0]
-        extra = b.step_s - a.step_s * flops  # beyond what the FLOPs account for
-        # the extra, split: compute (recompute included) and exposed traffic
-        more_compute = b.compute_s - a.compute_s * flops
-        ratio = b.compute_s / a.compute_s
-        out.append(
-            f"above 1.00 by {gap - 1:.2%} ({format_time(extra)} per step more than the F ratio "
-            f"allows: {_signed(more_compute)} from compute, {_signed(extra - more_compute)} "
-            f"from exposed traffic): compute {ratio:.4f}x the baseline's (recompute "
-            f"{b.plan.recompute} against {a.plan.recompute}), so with every transfer of both "
-            f"hidden the gap would be {ratio / flops:.4f}; exposed traffic of the looped "
-            f"model {_exposed(b)}, of the baseline {_exposed(a)}"
-        )
-    return out
-
-
-def _signed(seconds: float) -> str:
-    return ("+" if seconds >= 0 else "-") + format_time(abs(seconds))
-
-
-def _exposed(p: Projection) -> str:
-    names = {"ep": "EP", "fsdp": "FSDP", "gather": "gathered experts"}
-    parts = [f"{names[k]} {format_time(v)}" for k, v in p.exposed.items() if v > 0]
-    return ", ".join(parts) if parts else "none"
-
-
 def _default_ep(cfgs, dp_shard: int) -> int:
     return next(
         ep for ep in (8, 4, 2, 1) if dp_shard % ep == 0 and all(c.n_experts % ep == 0 for c in cfgs)
     )
 
 
-def _load_config(spec: str) -> ModelConfig:
-    """A preset name or a JSON config file."""
-    from smelt_model import presets
+def _preset_names(spec: str) -> Optional[tuple[str, ...]]:
+    """The presets ``spec`` names in any case, spelt as the presets spell them (a pair name
+    gives its two models); None for anything else (a config file)."""
+    try:
+        return presets.resolve(spec)
+    except presets.PresetError:
+        return None
 
-    if spec in presets.names():
-        return presets.get(spec)
+
+def _load_config(spec: str) -> ModelConfig:
+    """A JSON config file (a name that is neither a preset nor a file is refused)."""
     path = Path(spec)
     if path.suffix != ".json" and not path.exists():
         known = presets.pairs() + presets.names()
@@ -484,19 +181,17 @@ def _parser() -> cli.Parser:
     ap.add_argument(
         "--plot",
         metavar="PATH",
-        help="with --cluster: draw each model's projected step per cluster (.png, .pdf, .svg; "
-        "needs matplotlib)",
+        help="with --cluster: draw each model's projected step per cluster (.png, .pdf, .svg, "
+        "in a folder that exists; needs matplotlib)",
     )
     return ap
 
 
 def _configs(args) -> tuple[list[str], list[ModelConfig]]:
     """(column names, configs) from the command: one config, a pair, or a matched pair."""
-    from smelt_model import presets
-
-    if args.config in presets.pairs():
-        cfgs = list(presets.pair(args.config))
-        names = [f"{args.config}-baseline", f"{args.config}-smelt"]
+    found = _preset_names(args.config)
+    if found is not None:
+        cfgs, names = [presets.get(n) for n in found], list(found)
     else:
         cfgs, names = [_load_config(args.config)], [args.config]
     if args.match:
@@ -522,7 +217,7 @@ def _check_options(args) -> None:
                     "with --cluster, give ep and gpus in the cluster SPEC, not --ep / --dp-shard"
                 )
             for spec in args.cluster:
-                parse_cluster(spec)
+                _check_tokens(args.tokens_per_step, spec, parse_cluster(spec).gpus)
         elif args.plan == "auto":
             raise ValueError("--plan auto chooses a plan for a cluster: give --cluster SPEC")
         elif args.plot is not None:
@@ -530,6 +225,15 @@ def _check_options(args) -> None:
         _workload(args)
     except (TypeError, ValueError) as e:
         raise cli.UsageError(str(e)) from None
+
+
+def _check_tokens(tokens: Optional[int], spec: str, gpus: int) -> None:
+    """--tokens-per-step that the GPUs of a cluster cannot share equally: ValueError."""
+    if tokens is not None and tokens % gpus:
+        raise ValueError(
+            f"--tokens-per-step ({tokens}) must be a multiple of the {gpus} GPUs of --cluster "
+            f"{spec}: every data-parallel rank holds an equal share"
+        )
 
 
 def _check_plan(args, cfgs) -> None:
@@ -553,13 +257,17 @@ def _ledgers(args, names, cfgs) -> str:
     dp_shard = 8 if args.dp_shard is None else args.dp_shard
     ep = _default_ep(cfgs, dp_shard) if args.ep is None else args.ep
     tokens = TOKENS_PER_GPU * dp_shard if args.tokens_per_step is None else args.tokens_per_step
-    node = min(args.gpus_per_node, dp_shard)
-    kw = dict(dp_shard=dp_shard, gpus_per_node=node, workload=_workload(args))
     try:
-        if args.plan is None:
-            comms = [comm(c, tokens, ep=ep, **kw) for c in cfgs]
-        else:
-            comms = [comm(c, tokens, plan=parse_plan(args.plan, c, ep=ep), **kw) for c in cfgs]
+        traffic = report.comm_ledger(
+            names,
+            cfgs,
+            tokens,
+            ep=ep,
+            dp_shard=dp_shard,
+            gpus_per_node=min(args.gpus_per_node, dp_shard),
+            plan=args.plan,
+            workload=_workload(args),
+        )
     except ValueError as e:  # the mesh or the plan does not suit these models
         raise cli.UsageError(str(e)) from None
     out = [_format_side_by_side(names, leds, cfgs)]
@@ -568,38 +276,80 @@ def _ledgers(args, names, cfgs) -> str:
         out.append(
             f"\nratios (looped / baseline): F {r.flops:.4f}  N {r.params:.4f}  KV {r.kv:.4f}"
         )
-    out.append("\n" + _format_comm(names, comms, args.plan))
-    if len(cfgs) == 2 and args.plan is None:
-        cr = ratios(*cfgs, tokens, ep=ep, dp_shard=dp_shard, workload=kw["workload"])
-        parts = [
-            f"{label} {'-' if v is None else f'{v:.4f}'}"
-            for label, v in (("EP", cr.ep), ("FSDP", cr.fsdp), ("all", cr.total))
-        ]
-        out.append(
-            f"\ncommunication ratios (looped / baseline): {'  '.join(parts)}  (F {cr.flops:.4f})"
-        )
+    out.append("\n" + traffic)
     if args.match:
+        why = _against_the_preset(args, names[0], *cfgs)
+        if why is not None:
+            out.append("\n" + why)
         out.append("\nmatched config (JSON):\n" + cfgs[1].to_json())
     return "\n".join(out)
+
+
+def _against_the_preset(args, name: str, base: ModelConfig, found: ModelConfig) -> Optional[str]:
+    """Where ``found`` (the match of the preset baseline ``name``) differs from the looped
+    preset of its pair, why the search picked it: the rule of :func:`preference` and where
+    the preset stands by it. None for a baseline that is not a preset, or the same config."""
+    if not name.endswith("-baseline") or name not in presets.names():
+        return None
+    preset = name.removesuffix("-baseline") + "-smelt"
+    theirs_cfg = presets.get(preset)
+    if theirs_cfg == found:
+        return None
+    ours = compare(base, found, args.mean_doc_len, args.seq_len)
+    theirs = compare(base, theirs_cfg, args.mean_doc_len, args.seq_len)
+    tf, tp, tk = args.tolerances
+    text = (
+        f"matched-smelt differs from the preset {preset} ({theirs_cfg.describe()}): the "
+        f"search keeps the configs within the tolerances (F {tf:g}, N {tp:g}, KV {tk:g}) and "
+        f"takes the smallest worst mismatch, then the widest hidden size, then the fewest "
+        f"experts; matched {_ratios_text(ours)}, preset {_ratios_text(theirs)}: "
+    )
+    mine = preference(ours, found.hidden_size, found.n_experts)
+    other = preference(theirs, theirs_cfg.hidden_size, theirs_cfg.n_experts)
+    if not theirs.within(args.tolerances):
+        return text + "the preset lies outside these tolerances"
+    if other[0] > mine[0]:
+        return (
+            text + f"the preset's worst mismatch is larger ({other[0]:.4f} against {mine[0]:.4f})"
+        )
+    if other < mine:  # it would have won: the search never tried it
+        return text + (
+            "the search does not try the preset's shape with these options (loop, head size, "
+            "expert size and count multiples, KV heads)"
+        )
+    if found.hidden_size != theirs_cfg.hidden_size:
+        return text + (
+            f"both have the worst mismatch {mine[0]:.4f}, and the search prefers the wider "
+            f"hidden size (H {found.hidden_size} against {theirs_cfg.hidden_size}); the "
+            f"preset keeps the paper's choice"
+        )
+    return text + (
+        f"both have the worst mismatch {mine[0]:.4f} and H {found.hidden_size}, and the search "
+        f"prefers fewer experts ({found.n_experts} against {theirs_cfg.n_experts})"
+    )
+
+
+def _ratios_text(r) -> str:
+    return f"F {r.flops:.4f} N {r.params:.4f} KV {r.kv:.4f}"
 
 
 def _run(argv: Optional[Sequence[str]] = None) -> None:
     """Print the ledgers, the communication ledger or the projected steps (module docstring)."""
     args = _parser().parse_args(argv)
     _check_options(args)
-    plot = plotting.plot_path(args.plot)
+    plot = plotting.plot_path(args.plot, new_folders=False)
     names, cfgs = _configs(args)
     _check_plan(args, cfgs)
     if args.cluster:
         plan = "auto" if args.plan is None else args.plan
         w = _workload(args)
         done = [
-            _format_cluster(spec, names, cfgs, args.tokens_per_step, plan, w)
+            report.format_cluster(spec, names, cfgs, args.tokens_per_step, plan, w)
             for spec in args.cluster
         ]
-        print("\n\n".join(text for text, _ in done) + "\n\n" + LEGEND)
+        print("\n\n".join(text for text, _ in done) + "\n\n" + report.LEGEND)
         if plot is not None:
-            print(f"plot: {_plot([cell for _, cell in done], args.config, plot)}")
+            print(f"plot: {report.plot_steps([cell for _, cell in done], args.config, plot)}")
     else:
         print(_ledgers(args, names, cfgs))
 

@@ -12,13 +12,25 @@ projected step. A model on paper, not a measurement; no torch.
 
 Inside: ``units`` (byte, time and count helpers every module here shares), ``workload``
 (the options every count shares), ``layout`` (:class:`ParallelPlan`), ``routing`` (the rows
-an all-to-all moves), ``comm`` (the communication ledger: expert-parallel, FSDP and gather
-traffic), ``spec`` (a cluster SPEC), ``replay`` (one step replayed on compute and links),
-``footprint`` (memory per GPU), ``projection`` (plans and projected steps) and ``report``
-(the cluster part of ``smelt-budget``). It reads the FLOP ledger of :mod:`smelt_model.budget`.
+an all-to-all moves), ``comm`` (the communication ledger: a :class:`Comm` of its
+expert-parallel, FSDP and gather traffic, each counted by its own function), ``spec`` (a
+cluster SPEC), ``replay`` (one step replayed on compute and links), ``footprint`` (memory
+per GPU), ``projection`` (plans and projected steps) and ``report`` (the cluster part of
+``smelt-budget``). It reads the FLOP ledger of :mod:`smelt_model.budget`.
 """
 
-from smelt_model.cluster.comm import Comm, CommRatios, comm, ratios
+from smelt_model.cluster.comm import (
+    Comm,
+    CommRatios,
+    EPTraffic,
+    FSDPTraffic,
+    GatherTraffic,
+    comm,
+    ep_traffic,
+    fsdp_traffic,
+    gather_traffic,
+    ratios,
+)
 from smelt_model.cluster.footprint import Footprint
 from smelt_model.cluster.layout import ParallelPlan, loop_prefetch, overlap_conflict, parse_plan
 from smelt_model.cluster.projection import (
@@ -37,7 +49,13 @@ __all__ = [
     "DTYPE_BYTES",
     "Comm",
     "CommRatios",
+    "EPTraffic",
+    "FSDPTraffic",
+    "GatherTraffic",
     "comm",
+    "ep_traffic",
+    "fsdp_traffic",
+    "gather_traffic",
     "ratios",
     "dtype_bytes",
     "Workload",

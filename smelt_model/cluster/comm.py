@@ -4,7 +4,7 @@ parallelism (EP), for one configuration and a parallel plan, and for a SMELT / b
     from smelt_model import cluster, presets
     base, smelt = presets.pair("200M-S95")
     c = cluster.comm(smelt, 262144, ep=8, dp_shard=8)    # a Comm: bytes per step per rank
-    c.ep_bytes, c.fsdp_bytes                              # the two kinds of traffic
+    c.ep.bytes, c.fsdp.bytes, c.gather.bytes              # the three families of traffic
     cluster.comm(smelt, 262144, dp_shard=8, plan=cluster.parse_plan("span-gather", smelt, ep=8))
     cluster.ratios(base, smelt, 262144, ep=8, dp_shard=8)  # CommRatios(ep=1.238, ...)
 
@@ -35,15 +35,15 @@ and the parameters by part. What is counted, and how:
   Under uniform routing (the default) every rank sends the same. With ``routing`` (one
   ``(ep, n_experts)`` matrix per executed ``ep`` layer) or, with de-duplication,
   ``token_ranks`` (one ``(ep, ep)`` matrix per executed ``ep`` layer), each collective
-  field is the sum over layers of what the **busiest** rank sends in it (the collective
-  ends when that rank is done), and ``dispatch_by_rank`` / ``combine_by_rank`` give every
-  rank's own forward sums (``slots_by_rank`` the slots'). A recomputed layer
-  (``plan.recompute``) runs its forward all-to-alls again in the backward
-  (``dispatch_recompute``, ``combine_recompute``, ``slots_recompute``). Before each
-  dispatch (each chunk's, with the overlap) the ranks exchange split sizes: the counts of
-  the receiver's local experts, int64 (and, de-duplicating, the number of rows), to every
-  other EP rank (``counts_forward``, ``counts_recompute``); they are not in ``ep_bytes``
-  (a few kB, whose cost is latency, which the step model leaves out).
+  field of :class:`EPTraffic` is the sum over layers of what the **busiest** rank sends in
+  it (the collective ends when that rank is done), and ``dispatch_by_rank`` /
+  ``combine_by_rank`` give every rank's own forward sums (``slots_by_rank`` the slots').
+  A recomputed layer (``plan.recompute``) runs its forward all-to-alls again in the
+  backward (``dispatch_recompute``, ``combine_recompute``, ``slots_recompute``). Before
+  each dispatch (each chunk's, with the overlap) the ranks exchange split sizes: the counts
+  of the receiver's local experts, int64 (and, de-duplicating, the number of rows), to
+  every other EP rank (``counts_forward``, ``counts_recompute``); they are not in
+  ``Comm.ep.bytes`` (a few kB, whose cost is latency, which the step model leaves out).
 * **FSDP2.** Parameters are all-gathered in ``dtype`` before the forward and again before
   the backward when ``plan.reshard_after_forward`` (as the stock layout does; never the
   root's, the embeddings and the final norm, which the root keeps), and their
@@ -55,24 +55,25 @@ and the parameters by part. What is counted, and how:
   of ``ep`` layers are sharded over the EP group's FSDP axis (``efsdp = dp_shard / ep``
   ranks; each EP rank holds ``1/ep`` of them); everything else but the experts of
   ``gather`` layers (attention, router, norms, the final norm, and the untied input and
-  output embeddings) over all ``dp_shard`` ranks. These are the ``fsdp_*`` fields.
-* **Gathered experts** (the ``gather_*`` fields). A ``gather`` layer's experts are sharded
-  over its gather group (``"node"``: the ``gpus_per_node`` ranks of a node, replicated on
-  every node; ``"all"``: all ``dp_shard`` ranks), all-gathered and reduce-scattered like
-  FSDP once per step whatever the visits; with ``"node"`` over several nodes each rank then
-  all-reduces its reduced shard with its replicas on the other nodes (``gather_all_reduce``,
-  in ``reduce_dtype``). With ``plan.span_gather == "layer"`` each span ``gather`` layer's
-  experts are a unit of their own, gathered before each visit, forward and backward
-  (whatever ``reshard_after_forward`` says), and reduce-scattered (and all-reduced between
-  replicas) once per step: FSDP2 reduces a unit's gradients when the backward of its
-  first visit has accumulated them.
+  output embeddings) over all ``dp_shard`` ranks. This is ``Comm.fsdp``
+  (:class:`FSDPTraffic`).
+* **Gathered experts** (``Comm.gather``, :class:`GatherTraffic`). A ``gather`` layer's
+  experts are sharded over its gather group (``"node"``: the ``gpus_per_node`` ranks of a
+  node, replicated on every node; ``"all"``: all ``dp_shard`` ranks), all-gathered and
+  reduce-scattered like FSDP once per step whatever the visits; with ``"node"`` over several
+  nodes each rank then all-reduces its reduced shard with its replicas on the other nodes
+  (``all_reduce``, in ``reduce_dtype``). With ``plan.span_gather == "layer"`` each span
+  ``gather`` layer's experts are a unit of their own, gathered before each visit, forward
+  and backward (whatever ``reshard_after_forward`` says), and reduce-scattered (and
+  all-reduced between replicas) once per step: FSDP2 reduces a unit's gradients when the
+  backward of its first visit has accumulated them.
 * Collectives follow the ring convention: over ``n`` ranks a rank sends ``(n - 1) / n`` of
   the gathered (or reduced) buffer; an all-reduce sends twice that.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from smelt_model.budget.ledger import cached_ledger, compare, embedding_params, layer_params
@@ -82,81 +83,57 @@ from smelt_model.cluster.units import format_bytes, recomputed_slots, ring_fract
 from smelt_model.cluster.workload import DTYPE_BYTES, Workload, dtype_bytes, workload_of
 from smelt_model.config import ModelConfig, check_int
 
-__all__ = ["DTYPE_BYTES", "Comm", "CommRatios", "comm", "ratios", "dtype_bytes"]
+__all__ = [
+    "DTYPE_BYTES",
+    "Comm",
+    "CommRatios",
+    "EPTraffic",
+    "FSDPTraffic",
+    "GatherTraffic",
+    "comm",
+    "ep_traffic",
+    "fsdp_traffic",
+    "gather_traffic",
+    "ratios",
+    "dtype_bytes",
+]
 
 
-@dataclass(frozen=True, repr=False)
-class Comm:
-    """Bytes one rank sends to other ranks in one training step (the module docstring has
-    the rules).
+@dataclass(frozen=True)
+class EPTraffic:
+    """The EP all-to-alls one rank sends per step, summed over the executed ``ep`` layers
+    (the module docstring has the rules): the dispatch and combine of the forward, of the
+    backward and of a recomputed forward, the de-duplicated rows' slots, and the split
+    sizes exchanged before each dispatch (not in :attr:`bytes`)."""
 
-    The EP fields are the dispatch and combine all-to-alls of the forward, of the backward
-    and of a recomputed forward, summed over the executed ``ep`` layers; the three
-    ``fsdp_*`` fields are the forward all-gather, the backward re-gather (0 without
-    ``reshard_after_forward``) and the gradient reduce-scatter of the dense weights and
-    the ``ep`` layers' experts; the ``gather_*`` fields the same collectives of the
-    ``gather`` layers' experts, with the all-reduce between replicas. ``fsdp_by_part``
-    splits the FSDP bytes by parameter part (the ledger's parts plus ``embeddings``).
-    """
-
-    tokens_per_step: int
-    ep: int
-    dp_shard: int
-    dtype: str
-    reduce_dtype: str
-    #: executed MoE layers (span layers once per visit)
-    moe_layers: int
+    #: executed visits of ``ep`` layers: one dispatch and one combine each
+    layers: int
     dispatch_forward: float
     combine_forward: float
     dispatch_backward: float
     combine_backward: float
-    fsdp_all_gather_forward: float
-    fsdp_all_gather_backward: float
-    fsdp_reduce_scatter: float
-    #: what each EP rank sends in the forward dispatches (the backward combines send as much)
-    dispatch_by_rank: tuple[float, ...] = ()
-    #: what each EP rank sends in the forward combines (the backward dispatches send as much)
-    combine_by_rank: tuple[float, ...] = ()
-    fsdp_by_part: dict[str, float] = field(default_factory=dict)
-    #: the plan counted (None: torchtitan's stock layout, every layer EP, no de-duplication)
-    plan: Optional[ParallelPlan] = None
-    #: executed visits of ``ep`` layers: one dispatch and one combine each
-    ep_layers: int = 0
     #: the forward all-to-alls of recomputed ``ep`` layers, run again in the backward
-    dispatch_recompute: float = 0.0
-    combine_recompute: float = 0.0
+    dispatch_recompute: float
+    combine_recompute: float
     #: de-duplicated rows' local slots: ids and scores forward, the scores' gradients back
-    slots_forward: float = 0.0
-    slots_backward: float = 0.0
-    slots_recompute: float = 0.0
+    slots_forward: float
+    slots_backward: float
+    slots_recompute: float
+    #: the split sizes exchanged before each dispatch, and before a recomputed one
+    counts_forward: float
+    counts_recompute: float
+    #: what each EP rank sends in the forward dispatches (the backward combines send as much)
+    dispatch_by_rank: tuple[float, ...]
+    #: what each EP rank sends in the forward combines (the backward dispatches send as much)
+    combine_by_rank: tuple[float, ...]
     #: what each EP rank sends in the forward slots, and in the backward's score gradients
-    #: (half a slot for each row it received)
-    slots_by_rank: tuple[float, ...] = ()
-    slots_back_by_rank: tuple[float, ...] = ()
-    #: the split sizes exchanged before each dispatch, and before a recomputed one (not in
-    #: ``ep_bytes``)
-    counts_forward: float = 0.0
-    counts_recompute: float = 0.0
-    #: ranks a ``gather`` layer's experts are sharded over, and the replicas of that group
-    gather_group_size: int = 1
-    gather_replicas: int = 1
-    gather_all_gather_forward: float = 0.0
-    gather_all_gather_backward: float = 0.0
-    gather_reduce_scatter: float = 0.0
-    gather_all_reduce: float = 0.0
+    #: (half a slot for each row it received); empty without de-duplication
+    slots_by_rank: tuple[float, ...]
+    slots_back_by_rank: tuple[float, ...]
 
     @property
-    def efsdp(self) -> int:
-        """Size of the FSDP axis the ``ep`` layers' experts shard over (``dp_shard / ep``)."""
-        return self.dp_shard // self.ep
-
-    @property
-    def tokens_per_rank(self) -> int:
-        return self.tokens_per_step // self.dp_shard
-
-    @property
-    def ep_bytes(self) -> float:
-        """The EP all-to-alls together (forward, backward and recomputed forward), the
+    def bytes(self) -> float:
+        """The all-to-alls together (forward, backward and recomputed forward), the
         de-duplicated rows' slots included."""
         return (
             self.dispatch_forward
@@ -170,54 +147,87 @@ class Comm:
             + self.slots_recompute
         )
 
-    @property
-    def ep_by_rank(self) -> tuple[float, ...]:
-        """What each EP rank sends in all the all-to-alls of all layers."""
-        again = self._recompute_share()
-        zero = (0.0,) * len(self.dispatch_by_rank)
-        out, back = self.slots_by_rank or zero, self.slots_back_by_rank or zero
-        return tuple(
-            (2 + again) * (d + c) + (1 + again) * s + b
-            for d, c, s, b in zip(self.dispatch_by_rank, self.combine_by_rank, out, back)
-        )
 
-    def _recompute_share(self) -> float:
-        forward = self.dispatch_forward + self.combine_forward
-        return 0.0 if forward == 0 else (self.dispatch_recompute + self.combine_recompute) / forward
+@dataclass(frozen=True)
+class FSDPTraffic:
+    """FSDP2's collectives of the dense weights and the ``ep`` layers' experts: the forward
+    all-gather, the backward re-gather (0 without ``reshard_after_forward``) and the
+    gradient reduce-scatter; ``by_part`` splits them by parameter part (the ledger's parts
+    plus ``embeddings``)."""
+
+    all_gather_forward: float
+    all_gather_backward: float
+    reduce_scatter: float
+    by_part: dict[str, float]
 
     @property
-    def fsdp_bytes(self) -> float:
-        """The FSDP all-gathers and reduce-scatter of the dense weights and ``ep`` experts."""
+    def bytes(self) -> float:
+        return self.all_gather_forward + self.all_gather_backward + self.reduce_scatter
+
+
+@dataclass(frozen=True)
+class GatherTraffic:
+    """The collectives of the ``gather`` layers' experts: all-gathers, reduce-scatter and
+    the all-reduce between the replicas of the gather group."""
+
+    #: ranks a ``gather`` layer's experts are sharded over, and the replicas of that group
+    group_size: int
+    replicas: int
+    all_gather_forward: float
+    all_gather_backward: float
+    reduce_scatter: float
+    all_reduce: float
+
+    @property
+    def bytes(self) -> float:
         return (
-            self.fsdp_all_gather_forward + self.fsdp_all_gather_backward + self.fsdp_reduce_scatter
+            self.all_gather_forward
+            + self.all_gather_backward
+            + self.reduce_scatter
+            + self.all_reduce
         )
 
+
+@dataclass(frozen=True, repr=False)
+class Comm:
+    """Bytes one rank sends to other ranks in one training step (the module docstring has
+    the rules): the three families of traffic (``ep``, ``fsdp``, ``gather``) and the mesh
+    and workload they were counted for."""
+
+    tokens_per_step: int
+    dp_shard: int
+    #: the expert-parallel degree: ranks of an EP group
+    ep_degree: int
+    dtype: str
+    reduce_dtype: str
+    #: executed MoE layers (span layers once per visit)
+    moe_layers: int
+    #: the plan counted (None: torchtitan's stock layout, every layer EP, no de-duplication)
+    plan: Optional[ParallelPlan]
+    ep: EPTraffic
+    fsdp: FSDPTraffic
+    gather: GatherTraffic
+
     @property
-    def gather_bytes(self) -> float:
-        """The collectives of the ``gather`` layers' experts together."""
-        return (
-            self.gather_all_gather_forward
-            + self.gather_all_gather_backward
-            + self.gather_reduce_scatter
-            + self.gather_all_reduce
-        )
+    def efsdp(self) -> int:
+        """Size of the FSDP axis the ``ep`` layers' experts shard over (``dp_shard / ep``)."""
+        return self.dp_shard // self.ep_degree
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self.tokens_per_step // self.dp_shard
 
     @property
     def total_bytes(self) -> float:
-        return self.ep_bytes + self.fsdp_bytes + self.gather_bytes
-
-    @property
-    def ep_bytes_per_token(self) -> float:
-        """EP bytes per token the rank holds."""
-        return self.ep_bytes / self.tokens_per_rank
+        return self.ep.bytes + self.fsdp.bytes + self.gather.bytes
 
     def __repr__(self) -> str:
         plan = "stock" if self.plan is None else repr(self.plan)
         return (
-            f"Comm(ep {format_bytes(self.ep_bytes)}, fsdp {format_bytes(self.fsdp_bytes)}, gather "
-            f"{format_bytes(self.gather_bytes)} per rank and step; {self.moe_layers} MoE layers "
-            f"executed, {self.tokens_per_rank} tokens per rank, ep {self.ep}, dp_shard "
-            f"{self.dp_shard}, plan {plan})"
+            f"Comm(ep {format_bytes(self.ep.bytes)}, fsdp {format_bytes(self.fsdp.bytes)}, "
+            f"gather {format_bytes(self.gather.bytes)} per rank and step; {self.moe_layers} MoE "
+            f"layers executed, {self.tokens_per_rank} tokens per rank, ep {self.ep_degree}, "
+            f"dp_shard {self.dp_shard}, plan {plan})"
         )
 
 
@@ -289,6 +299,163 @@ def _passes(cfg: ModelConfig, plan: ParallelPlan, layers, own: bool) -> tuple[in
     return fwd, bwd, red
 
 
+def _check_plan_for(cfg: ModelConfig, plan: ParallelPlan) -> None:
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(
+            f"plan must be a ParallelPlan (see cluster.parse_plan), got {type(plan).__name__}"
+        )
+    plan.check(cfg)  # an EP degree that divides the experts, where any layer uses EP
+
+
+def _rows_per_layer(cfg, plan, layers, tokens_per_rank, routing, token_ranks) -> list[tuple]:
+    """Per executed ``ep`` layer, (rows each EP rank sends in the dispatch, rows each sends
+    back in the combine): uniform, or realised from ``routing`` / ``token_ranks``."""
+    routed, ranked = check_counts(
+        routing,
+        token_ranks,
+        layers=layers,
+        ep=plan.ep,
+        n_experts=cfg.n_experts,
+        top_k=cfg.top_k,
+        tokens=tokens_per_rank,
+    )
+    if ranked is not None and not plan.dedup:
+        raise ValueError(
+            "token_ranks counts de-duplicated rows: give a plan with dedup=True, or routing "
+            "for the stock dispatcher"
+        )
+    if routed is not None and plan.dedup and ranked is None:
+        raise ValueError(
+            "with a de-duplicating plan the realised rows come from token_ranks; give it "
+            "(routing alone does not say which slots share a token)"
+        )
+    matrices = ranked if ranked is not None else routed
+    if matrices is not None:
+        return [realised_rows(m, plan.ep, cfg.n_experts, ranked is None) for m in matrices]
+    sent = [uniform_rows(tokens_per_rank, cfg.n_experts, cfg.top_k, plan.ep, plan.dedup)] * plan.ep
+    return [(sent, sent)] * layers
+
+
+def ep_traffic(
+    cfg: ModelConfig,
+    plan: ParallelPlan,
+    tokens_per_rank: int,
+    *,
+    routing: Optional[Sequence[Any]] = None,
+    token_ranks: Optional[Sequence[Any]] = None,
+    workload: Optional[Workload] = None,
+) -> EPTraffic:
+    """The EP all-to-alls of one rank holding ``tokens_per_rank`` tokens under ``plan``
+    (``routing`` and ``token_ranks`` as for :func:`comm`)."""
+    w = workload_of(workload, {}, "ep_traffic")
+    _check_plan_for(cfg, plan)
+    check_int("tokens_per_rank", tokens_per_rank, 1)
+    ep = plan.ep
+    steps = [s for s in loop_of(cfg).steps if plan.kind(s.layer) == "ep"]
+    rows = _rows_per_layer(cfg, plan, len(steps), tokens_per_rank, routing, token_ranks)
+    row = cfg.hidden_size * w.act_bytes
+    slot = SLOT_BYTES * cfg.top_k if plan.dedup else 0  # a de-duplicated row's ids, scores
+    dispatched = [sum(out[i] for out, _ in rows) for i in range(ep)]
+    combined = [sum(back[i] for _, back in rows) for i in range(ep)]
+    busiest = [(max(out), max(back)) for out, back in rows]  # each collective's pace
+    busiest_out = sum(d for d, _ in busiest)
+    busiest_back = sum(c for _, c in busiest)
+    recomputed = recomputed_slots(cfg, plan.recompute)
+    again_out = sum(d for s, (d, _) in zip(steps, busiest) if s.slot in recomputed)
+    again_back = sum(c for s, (_, c) in zip(steps, busiest) if s.slot in recomputed)
+    recomputed_layers = sum(1 for s in steps if s.slot in recomputed)
+    # split sizes: each dispatch (one per chunk with the overlap) sends every other EP rank
+    # the counts of its local experts, and de-duplicating the number of rows
+    exchanges = plan.chunks if plan.overlap else 1
+    counts = exchanges * (ep - 1) * (cfg.n_experts // ep + plan.dedup) * COUNT_BYTES
+    return EPTraffic(
+        layers=len(steps),
+        dispatch_forward=busiest_out * row,
+        combine_forward=busiest_back * row,
+        dispatch_backward=busiest_back * row,
+        combine_backward=busiest_out * row,
+        dispatch_recompute=again_out * row,
+        combine_recompute=again_back * row,
+        slots_forward=busiest_out * slot,
+        slots_backward=busiest_back * slot / 2,
+        slots_recompute=again_out * slot,
+        counts_forward=len(steps) * counts,
+        counts_recompute=recomputed_layers * counts,
+        dispatch_by_rank=tuple(d * row for d in dispatched),
+        combine_by_rank=tuple(c * row for c in combined),
+        slots_by_rank=tuple(d * slot for d in dispatched) if slot else (),
+        slots_back_by_rank=tuple(c * slot / 2 for c in combined) if slot else (),
+    )
+
+
+def fsdp_traffic(
+    cfg: ModelConfig, plan: ParallelPlan, dp_shard: int, *, workload: Optional[Workload] = None
+) -> FSDPTraffic:
+    """FSDP2's collectives of the dense weights (over all ``dp_shard`` ranks) and of the
+    ``ep`` layers' experts (over the ``dp_shard / plan.ep`` ranks of the EP group's FSDP
+    axis) for one rank."""
+    w = workload_of(workload, {}, "fsdp_traffic")
+    _check_plan_for(cfg, plan)
+    check_int("dp_shard", dp_shard, 1)
+    if dp_shard % plan.ep:
+        raise ValueError(f"plan.ep ({plan.ep}) must divide dp_shard ({dp_shard})")
+    act, red = w.act_bytes, w.reduce_bytes
+    led = cached_ledger(cfg, *w.doc)
+    # per rank and pass: the dense parts over every rank, an ep layer's experts (1/ep of
+    # them on this rank) over the efsdp ranks
+    dense = {part: ring_fraction(dp_shard) * n for part, n in led.params_by_part.items()}
+    dense["embeddings"] = ring_fraction(dp_shard) * embedding_params(cfg)
+    del dense["experts"]
+    ep_layer = ring_fraction(dp_shard // plan.ep) * layer_params(cfg)["experts_total"] / plan.ep
+    e_fwd, e_bwd, e_red = _passes(cfg, plan, plan.ep_layers, own=False)
+    gathers_per_step = 2 if plan.reshard_after_forward else 1
+    gathers = {
+        part: 1 if part in ROOT_PARTS else gathers_per_step for part in dense
+    }  # the root's: once
+    by_part = {part: n * (gathers[part] * act + red) for part, n in dense.items()}
+    by_part["experts"] = ep_layer * ((e_fwd + e_bwd) * act + e_red * red)
+    dense_n = sum(dense.values())
+    regathered = sum(n for part, n in dense.items() if gathers[part] == 2)
+    return FSDPTraffic(
+        all_gather_forward=(dense_n + e_fwd * ep_layer) * act,
+        all_gather_backward=(regathered + e_bwd * ep_layer) * act,
+        reduce_scatter=(dense_n + e_red * ep_layer) * red,
+        by_part=by_part,
+    )
+
+
+def gather_traffic(
+    cfg: ModelConfig,
+    plan: ParallelPlan,
+    dp_shard: int,
+    gpus_per_node: int,
+    *,
+    workload: Optional[Workload] = None,
+) -> GatherTraffic:
+    """The collectives of the ``gather`` layers' experts for one of ``dp_shard`` ranks,
+    ``gpus_per_node`` to a node (the gather group of ``plan.gather_group == "node"``)."""
+    w = workload_of(workload, {}, "gather_traffic")
+    _check_plan_for(cfg, plan)
+    check_int("dp_shard", dp_shard, 1)
+    check_int("gpus_per_node", gpus_per_node, 1)
+    act, red = w.act_bytes, w.reduce_bytes
+    experts = layer_params(cfg)["experts_total"]
+    group = dp_shard if plan.gather_group == "all" else min(gpus_per_node, dp_shard)
+    replicas = dp_shard // group
+    fwd, bwd, reductions = _passes(cfg, plan, plan.gather_layers, own=True)
+    shard = ring_fraction(group) * experts
+    return GatherTraffic(
+        group_size=group,
+        replicas=replicas,
+        all_gather_forward=fwd * shard * act,
+        all_gather_backward=bwd * shard * act,
+        reduce_scatter=reductions * shard * red,
+        all_reduce=reductions * 2 * ring_fraction(replicas) * experts / group * red,
+    )
+
+
 def comm(
     cfg: ModelConfig,
     tokens_per_step: int,
@@ -320,107 +487,21 @@ def comm(
     w = workload_of(workload, options, "comm")
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    plan_, ep = _resolve_plan(cfg, plan, ep)
+    counted, ep = _resolve_plan(cfg, plan, ep)
     node = dp_shard if gpus_per_node is None else gpus_per_node
     _check_mesh(cfg, tokens_per_step, ep, dp_shard, node)
-    plan_.check(cfg)  # an EP degree that divides the experts, where any layer uses EP
-    led = cached_ledger(cfg, *w.doc)
-    steps = [s for s in loop_of(cfg).steps if plan_.kind(s.layer) == "ep"]
     tokens = tokens_per_step // dp_shard
-    act, red = w.act_bytes, w.reduce_bytes
-    row = cfg.hidden_size * act
-    slot = SLOT_BYTES * cfg.top_k if plan_.dedup else 0  # a de-duplicated row's ids, scores
-    routed, ranked = check_counts(
-        routing,
-        token_ranks,
-        layers=len(steps),
-        ep=ep,
-        n_experts=cfg.n_experts,
-        top_k=cfg.top_k,
-        tokens=tokens,
-    )
-    if ranked is not None and not plan_.dedup:
-        raise ValueError(
-            "token_ranks counts de-duplicated rows: give a plan with dedup=True, or routing "
-            "for the stock dispatcher"
-        )
-    if routed is not None and plan_.dedup and ranked is None:
-        raise ValueError(
-            "with a de-duplicating plan the realised rows come from token_ranks; give it "
-            "(routing alone does not say which slots share a token)"
-        )
-    again = recomputed_slots(cfg, plan_.recompute)
-    matrices = ranked if ranked is not None else routed
-    if matrices is not None:
-        rows = [realised_rows(m, ep, cfg.n_experts, ranked is None) for m in matrices]
-    else:
-        sent = [uniform_rows(tokens, cfg.n_experts, cfg.top_k, ep, plan_.dedup)] * ep
-        rows = [(sent, sent)] * len(steps)
-    dispatch = [sum(out[i] for out, _ in rows) for i in range(ep)]
-    combine = [sum(back[i] for _, back in rows) for i in range(ep)]
-    worst = [(max(out), max(back)) for out, back in rows]
-    worst_d = sum(d for d, _ in worst)
-    worst_c = sum(c for _, c in worst)
-    again_d = sum(d for s, (d, _) in zip(steps, worst) if s.slot in again)
-    again_c = sum(c for s, (_, c) in zip(steps, worst) if s.slot in again)
-    # split sizes: each dispatch (one per chunk with the overlap) sends every other EP rank
-    # the counts of its local experts, and de-duplicating the number of rows
-    calls = plan_.chunks if plan_.overlap else 1
-    counts = calls * (ep - 1) * (cfg.n_experts // ep + plan_.dedup) * COUNT_BYTES
-    again_n = sum(1 for s in steps if s.slot in again)
-
-    # per rank and pass: the dense parts over every rank, an ep layer's experts (1/ep of
-    # them on this rank) over the efsdp ranks, a gather layer's over its group
-    dense = {part: ring_fraction(dp_shard) * n for part, n in led.params_by_part.items()}
-    dense["embeddings"] = ring_fraction(dp_shard) * embedding_params(cfg)
-    del dense["experts"]
-    experts = layer_params(cfg)["experts_total"]
-    ep_layer = ring_fraction(dp_shard // ep) * experts / ep
-    e_fwd, e_bwd, e_red = _passes(cfg, plan_, plan_.ep_layers, own=False)
-    again = 2 if plan_.reshard_after_forward else 1
-    passes = {part: 1 if part in ROOT_PARTS else again for part in dense}  # the root's: once
-    by_part = {part: n * (passes[part] * act + red) for part, n in dense.items()}
-    by_part["experts"] = ep_layer * ((e_fwd + e_bwd) * act + e_red * red)
-    dense_n = sum(dense.values())
-    regathered = sum(n for part, n in dense.items() if passes[part] == 2)
-
-    group = dp_shard if plan_.gather_group == "all" else min(node, dp_shard)
-    replicas = dp_shard // group
-    g_fwd, g_bwd, g_red = _passes(cfg, plan_, plan_.gather_layers, own=True)
     return Comm(
         tokens_per_step=tokens_per_step,
-        ep=ep,
         dp_shard=dp_shard,
+        ep_degree=ep,
         dtype=w.dtype,
         reduce_dtype=w.reduce_dtype,
-        moe_layers=led.executed_layers,
-        dispatch_forward=worst_d * row,
-        combine_forward=worst_c * row,
-        dispatch_backward=worst_c * row,
-        combine_backward=worst_d * row,
-        fsdp_all_gather_forward=(dense_n + e_fwd * ep_layer) * act,
-        fsdp_all_gather_backward=(regathered + e_bwd * ep_layer) * act,
-        fsdp_reduce_scatter=(dense_n + e_red * ep_layer) * red,
-        dispatch_by_rank=tuple(d * row for d in dispatch),
-        combine_by_rank=tuple(c * row for c in combine),
-        fsdp_by_part=by_part,
+        moe_layers=cached_ledger(cfg, *w.doc).executed_layers,
         plan=plan,
-        ep_layers=len(steps),
-        dispatch_recompute=again_d * row,
-        combine_recompute=again_c * row,
-        slots_forward=worst_d * slot,
-        slots_backward=worst_c * slot / 2,
-        slots_recompute=again_d * slot,
-        slots_by_rank=tuple(d * slot for d in dispatch) if slot else (),
-        slots_back_by_rank=tuple(c * slot / 2 for c in combine) if slot else (),
-        counts_forward=len(steps) * counts,
-        counts_recompute=again_n * counts,
-        gather_group_size=group,
-        gather_replicas=replicas,
-        gather_all_gather_forward=g_fwd * ring_fraction(group) * experts * act,
-        gather_all_gather_backward=g_bwd * ring_fraction(group) * experts * act,
-        gather_reduce_scatter=g_red * ring_fraction(group) * experts * red,
-        gather_all_reduce=g_red * 2 * ring_fraction(replicas) * experts / group * red,
+        ep=ep_traffic(cfg, counted, tokens, routing=routing, token_ranks=token_ranks, workload=w),
+        fsdp=fsdp_traffic(cfg, counted, dp_shard, workload=w),
+        gather=gather_traffic(cfg, counted, dp_shard, node, workload=w),
     )
 
 
@@ -476,8 +557,8 @@ def ratios(
         for c in (baseline_cfg, looped_cfg)
     )
     return CommRatios(
-        ep=_ratio(a.ep_bytes, b.ep_bytes),
-        fsdp=_ratio(a.fsdp_bytes, b.fsdp_bytes),
+        ep=_ratio(a.ep.bytes, b.ep.bytes),
+        fsdp=_ratio(a.fsdp.bytes, b.fsdp.bytes),
         total=_ratio(a.total_bytes, b.total_bytes),
         flops=compare(baseline_cfg, looped_cfg, *w.doc).flops,
     )

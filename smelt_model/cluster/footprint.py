@@ -112,13 +112,13 @@ def footprint(
     experts = p["experts_total"]
     n_gather = len(plan.gather_layers)
     sharded = (dense + (cfg.n_layers - n_gather) * experts) / comm.dp_shard
-    sharded += n_gather * experts / comm.gather_group_size
+    sharded += n_gather * experts / comm.gather.group_size
 
     act, red = w.act_bytes, w.reduce_bytes
     forward, backward = fsdp_units(cfg, plan)
 
     def size(u) -> float:  # elements of the unit a GPU holds gathered
-        return u.dense + u.efsdp / comm.ep + u.gathered
+        return u.dense + u.efsdp / comm.ep_degree + u.gathered
 
     held = held_peak(
         forward,

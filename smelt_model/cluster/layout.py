@@ -281,20 +281,6 @@ def stock_plan(cfg: ModelConfig, ep: int) -> ParallelPlan:
     return ParallelPlan(layers=("ep",) * cfg.n_layers, ep=ep)
 
 
-def name_of(plan: ParallelPlan, cfg: Optional[ModelConfig] = None) -> str:
-    """A short name for ``plan``: ``ep``, ``gather``, ``span-gather`` where it is one of
-    those, else its letters."""
-    if all(k == "ep" for k in plan.layers):
-        return "ep"
-    if all(k == "gather" for k in plan.layers):
-        return "gather"
-    if cfg is not None and cfg.is_looped:
-        loop = loop_of(cfg)
-        if plan.layers == tuple("gather" if loop.in_span(i) else "ep" for i in range(cfg.n_layers)):
-            return "span-gather"
-    return plan.letters
-
-
 def loop_prefetch(plan: ParallelPlan, cfg: ModelConfig) -> bool:
     """Whether ``plan``'s gathers on ``cfg`` follow the loop (module docstring): asked
     for, a span visited more than once with a prelude or a coda to gather early, and no

@@ -381,19 +381,19 @@ class _Replay:
         self.out_head = head_flops(cfg) * tokens / rate / 3 / self.chunks if w.head else 0.0
         self.bw = {"intra": cluster.intra, "inter": cluster.inter}
         self.dp_link = "intra" if cluster.gpus <= cluster.gpus_per_node else "inter"
-        self.gather_link = "intra" if comm.gather_group_size <= cluster.gpus_per_node else "inter"
+        self.gather_link = "intra" if comm.gather.group_size <= cluster.gpus_per_node else "inter"
         self.comm, self.moved = comm, dict.fromkeys(KINDS, 0.0)
-        inside, outside = cluster.ep_peers(comm.ep)
+        inside, outside = cluster.ep_peers(comm.ep_degree)
         peers = max(inside + outside, 1)
         self.ep_share = {"intra": inside / peers, "inter": outside / peers}
-        per_layer = max(comm.ep_layers, 1) * self.chunks
-        self.dispatch = comm.dispatch_forward / per_layer
-        self.combine = comm.combine_forward / per_layer
+        per_layer = max(comm.ep.layers, 1) * self.chunks
+        self.dispatch = comm.ep.dispatch_forward / per_layer
+        self.combine = comm.ep.combine_forward / per_layer
         # a de-duplicated dispatch carries its rows' slots; the scores' gradients go back
-        self.slots_out = comm.slots_forward / per_layer
-        self.slots_back = comm.slots_backward / per_layer
+        self.slots_out = comm.ep.slots_forward / per_layer
+        self.slots_back = comm.ep.slots_backward / per_layer
         # the split sizes a dispatch's host waits for: bytes of one exchange
-        self.counts = comm.counts_forward / per_layer
+        self.counts = comm.ep.counts_forward / per_layer
         self.latency = cluster.latency
 
     def _seconds(self, kind: str, by_link: dict[str, float]) -> dict[str, float]:
@@ -412,8 +412,11 @@ class _Replay:
 
     def collective(self, stream: str, unit: _Unit, elem: int, *after: Optional[int]) -> list:
         c = self.comm
-        fsdp = ring_fraction(c.dp_shard) * unit.dense + ring_fraction(c.efsdp) * unit.efsdp / c.ep
-        gathered = ring_fraction(c.gather_group_size) * unit.gathered
+        fsdp = (
+            ring_fraction(c.dp_shard) * unit.dense
+            + ring_fraction(c.efsdp) * unit.efsdp / c.ep_degree
+        )
+        gathered = ring_fraction(c.gather.group_size) * unit.gathered
         out = []
         for kind, link, n in (("fsdp", self.dp_link, fsdp), ("gather", self.gather_link, gathered)):
             if n > 0:
@@ -425,7 +428,7 @@ class _Replay:
         """Reduce-scatter ``unit``'s gradients, then all-reduce the reduced shard of its
         gathered experts between node replicas."""
         done = self.collective("reduce", unit, self.w.reduce_bytes, *after)
-        replicas, group = self.comm.gather_replicas, self.comm.gather_group_size
+        replicas, group = self.comm.gather.replicas, self.comm.gather.group_size
         if unit.gathered and replicas > 1:
             shard = 2 * ring_fraction(replicas) * unit.gathered / group * self.w.reduce_bytes
             secs = self._seconds("gather", {"inter": shard})

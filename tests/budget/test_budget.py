@@ -243,3 +243,56 @@ def test_cli_match_error_options_exist(capsys):
     err = capsys.readouterr().err
     for option in ("--tolerances", "--head-dim-multiple", "--expert-size-multiple", "--kv-heads"):
         assert option in err
+
+
+@pytest.mark.parametrize("name", ["200m-s95", "TINY", "Tiny-Smelt"])
+def test_cli_takes_preset_names_in_any_case(name, capsys):
+    assert budget_cli.main([name]) == 0
+    out = capsys.readouterr().out
+    canonical = presets.resolve(name)
+    assert all(f"{n}: " in out for n in canonical)  # the columns spelt as the presets are
+    assert out.startswith(f"{'':19}  {canonical[0]:>18}") or len(canonical) == 1
+
+
+def test_cli_match_says_why_it_differs_from_the_preset(capsys):
+    assert budget_cli.main(["200M-S95-baseline", "--match"]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("matched-smelt differs")]
+    assert "the preset 200M-S95-smelt (H=1056" in line
+    assert "within the tolerances (F 0.04, N 0.01, KV 0.04)" in line
+    assert "both have the worst mismatch 0.0312" in line
+    assert "prefers the wider hidden size (H 1232 against 1056)" in line
+    # a params tolerance of 0.0042 keeps the match (N 1.0038) and leaves out the preset (1.0043)
+    args = ["200M-S95-baseline", "--match", "--tolerances", "0.04", "0.0042", "0.04"]
+    assert budget_cli.main(args) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "differs" in x]
+    assert line.endswith("the preset lies outside these tolerances")
+    assert budget_cli.main(["tiny-baseline", "--match"]) == 0  # the match is the preset
+    assert "differs" not in capsys.readouterr().out
+
+
+def test_cli_tokens_the_cluster_cannot_share_are_refused_first(capsys):
+    assert budget_cli.main(["tiny", "--tokens-per-step", "12", "--cluster", "h100-8"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert "--tokens-per-step (12) must be a multiple of the 8 GPUs of --cluster h100-8" in line
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("/proc/x.png", "the folder /proc is not writable"),
+        ("{tmp}/file/x.png", "is not a folder"),
+        ("{tmp}/missing/x.png", "no folder"),
+    ],
+)
+def test_cli_plot_path_is_tried_before_any_work(where, message, tmp_path, capsys):
+    """Writing is tried (root may write almost anywhere, but not in /proc), and a missing
+    folder is refused, not made."""
+    (tmp_path / "file").write_text("")
+    path = where.format(tmp=tmp_path)
+    assert budget_cli.main(["tiny", "--cluster", "h100-8", "--plot", path]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err and len(captured.err.splitlines()) == 1
+    assert not (tmp_path / "missing").exists()

@@ -10,6 +10,7 @@ from helpers_cluster import small_config as _small
 
 from smelt_model import budget, cluster, presets
 from smelt_model.budget import cli as budget_cli
+from smelt_model.cluster import report
 from smelt_model.cluster.units import format_time
 from smelt_model.config import LoopSpec
 
@@ -22,15 +23,18 @@ def test_uniform_ep_bytes_by_hand():
     # a row is H = 4 bf16 elements (8 bytes); 2 executed layers
     c = cluster.comm(_small(), 8, ep=2, dp_shard=2)
     per_collective = 2 * 4 * 8
-    assert (c.dispatch_forward, c.combine_forward, c.dispatch_backward, c.combine_backward) == (
-        per_collective,
-    ) * 4
-    assert c.ep_bytes == 4 * per_collective
-    assert c.ep_by_rank == (256, 256)
-    assert c.ep_bytes_per_token == 256 / 4
+    assert (
+        c.ep.dispatch_forward,
+        c.ep.combine_forward,
+        c.ep.dispatch_backward,
+        c.ep.combine_backward,
+    ) == (per_collective,) * 4
+    assert c.ep.bytes == 4 * per_collective
+    assert c.ep.dispatch_by_rank == c.ep.combine_by_rank == (per_collective, per_collective)
+    assert c.ep.bytes / c.tokens_per_rank == 256 / 4
     assert c.moe_layers == 2 and c.tokens_per_rank == 4 and c.efsdp == 1
     # fp32 rows are twice as large
-    assert cluster.comm(_small(), 8, ep=2, dp_shard=2, dtype="float32").ep_bytes == 512
+    assert cluster.comm(_small(), 8, ep=2, dp_shard=2, dtype="float32").ep.bytes == 512
 
 
 def test_split_sizes_by_hand():
@@ -39,28 +43,28 @@ def test_split_sizes_by_hand():
     the overlap, again for a recomputed layer; not part of ep_bytes."""
     cfg = _small()  # 4 experts, 2 executed MoE layers
     stock = cluster.comm(cfg, 8, ep=2, dp_shard=2)
-    assert (stock.counts_forward, stock.counts_recompute) == (2 * 1 * 2 * 8, 0)
-    assert stock.ep_bytes == 4 * 2 * 4 * 8  # the rows alone
+    assert (stock.ep.counts_forward, stock.ep.counts_recompute) == (2 * 1 * 2 * 8, 0)
+    assert stock.ep.bytes == 4 * 2 * 4 * 8  # the rows alone
     four = cluster.comm(cfg, 16, ep=4, dp_shard=4)
-    assert four.counts_forward == 2 * 3 * 1 * 8
+    assert four.ep.counts_forward == 2 * 3 * 1 * 8
     plan = cluster.parse_plan("ep", cfg, ep=2, overlap=True, chunks=2, recompute="all")
     c = cluster.comm(cfg, 8, dp_shard=2, plan=plan)
-    assert c.counts_forward == 2 * 2 * 1 * (2 + 1) * 8
-    assert c.counts_recompute == c.counts_forward
-    assert cluster.comm(cfg, 8, ep=1, dp_shard=2).counts_forward == 0
+    assert c.ep.counts_forward == 2 * 2 * 1 * (2 + 1) * 8
+    assert c.ep.counts_recompute == c.ep.counts_forward
+    assert cluster.comm(cfg, 8, ep=1, dp_shard=2).ep.counts_forward == 0
 
 
 def test_uniform_ep_four_ranks():
     # 16 tokens over 4 ranks: 8 rows per rank, 3/4 of them leave it
     c = cluster.comm(_small(), 16, ep=4, dp_shard=4)
-    assert c.dispatch_forward == 2 * 6 * 8
+    assert c.ep.dispatch_forward == 2 * 6 * 8
 
 
 def test_ep_one_sends_nothing():
     c = cluster.comm(_small(), 8, ep=1, dp_shard=2)
-    assert c.ep_bytes == 0 and c.ep_by_rank == (0,)
+    assert c.ep.bytes == 0 and c.ep.dispatch_by_rank == c.ep.combine_by_rank == (0,)
     c = cluster.comm(_small(), 8, ep=1, dp_shard=2, routing=[[[3, 1, 2, 2]]] * 2)
-    assert c.ep_bytes == 0
+    assert c.ep.bytes == 0
 
 
 def test_skewed_routing_by_hand():
@@ -77,18 +81,22 @@ def test_skewed_routing_by_hand():
     ]
     c = cluster.comm(_small(), 8, ep=2, dp_shard=2, routing=routing)
     row = 8
-    assert c.dispatch_by_rank == (10 * row, 6 * row)  # layer 0 + layer 1
-    assert c.combine_by_rank == (6 * row, 10 * row)  # the rows each rank received back
+    assert c.ep.dispatch_by_rank == (10 * row, 6 * row)  # layer 0 + layer 1
+    assert c.ep.combine_by_rank == (6 * row, 10 * row)  # the rows each rank received back
     # each collective is paced by its busiest rank: max(2, 6) + max(8, 0)
-    assert c.dispatch_forward == c.combine_backward == 14 * row
-    assert c.combine_forward == c.dispatch_backward == (6 + 8) * row
-    assert c.ep_by_rank == (2 * 16 * row, 2 * 16 * row)
-    assert c.ep_bytes > cluster.comm(_small(), 8, ep=2, dp_shard=2).ep_bytes
+    assert c.ep.dispatch_forward == c.ep.combine_backward == 14 * row
+    assert c.ep.combine_forward == c.ep.dispatch_backward == (6 + 8) * row
+    # every rank sends in all four all-to-alls what it dispatched and combined: 16 rows each
+    assert (
+        tuple(2 * (d + b) for d, b in zip(c.ep.dispatch_by_rank, c.ep.combine_by_rank))
+        == (2 * 16 * row,) * 2
+    )
+    assert c.ep.bytes > cluster.comm(_small(), 8, ep=2, dp_shard=2).ep.bytes
 
 
 def test_routing_edge_cases():
     local = [[[4, 4, 0, 0], [0, 0, 4, 4]]] * 2
-    assert cluster.comm(_small(), 8, ep=2, dp_shard=2, routing=local).ep_bytes == 0
+    assert cluster.comm(_small(), 8, ep=2, dp_shard=2, routing=local).ep.bytes == 0
     even = [[[2] * 4] * 4] * 2
     assert cluster.comm(_small(), 16, ep=4, dp_shard=4, routing=even) == cluster.comm(
         _small(), 16, ep=4, dp_shard=4
@@ -96,8 +104,8 @@ def test_routing_edge_cases():
     torch = pytest.importorskip("torch")
     as_tensors = [torch.tensor(m) for m in even]
     assert (
-        cluster.comm(_small(), 16, ep=4, dp_shard=4, routing=as_tensors).ep_bytes
-        == cluster.comm(_small(), 16, ep=4, dp_shard=4).ep_bytes
+        cluster.comm(_small(), 16, ep=4, dp_shard=4, routing=as_tensors).ep.bytes
+        == cluster.comm(_small(), 16, ep=4, dp_shard=4).ep.bytes
     )
 
 
@@ -146,20 +154,20 @@ def test_fsdp_bytes_by_hand():
     # dense parts: attention 128 + router 32 + norms 16 + final norm 4 + embeddings 2*10*4
     # = 260 parameters over dp_shard ranks; experts 192 over efsdp, 1/ep of them per EP rank
     c = cluster.comm(_small(), 8, ep=2, dp_shard=2)  # efsdp 1: experts do not move
-    assert c.fsdp_all_gather_forward == 260 / 2 * 2
+    assert c.fsdp.all_gather_forward == 260 / 2 * 2
     # the root (final norm and embeddings) is kept from the forward to the backward
-    assert c.fsdp_all_gather_backward == (260 - 84) / 2 * 2
-    assert c.fsdp_reduce_scatter == 260 / 2 * 4
-    assert c.fsdp_by_part["experts"] == 0 and c.fsdp_by_part["embeddings"] == 40 * (2 + 4)
-    assert sum(c.fsdp_by_part.values()) == c.fsdp_bytes
+    assert c.fsdp.all_gather_backward == (260 - 84) / 2 * 2
+    assert c.fsdp.reduce_scatter == 260 / 2 * 4
+    assert c.fsdp.by_part["experts"] == 0 and c.fsdp.by_part["embeddings"] == 40 * (2 + 4)
+    assert sum(c.fsdp.by_part.values()) == c.fsdp.bytes
     c = cluster.comm(_small(), 8, ep=2, dp_shard=4)  # efsdp 2
     gathered = 260 * 3 / 4 + 192 / 2 * 1 / 2
-    assert c.fsdp_all_gather_forward == gathered * 2
-    assert c.fsdp_reduce_scatter == gathered * 4
+    assert c.fsdp.all_gather_forward == gathered * 2
+    assert c.fsdp.reduce_scatter == gathered * 4
     kept = cluster.ParallelPlan(("ep", "ep"), ep=2, reshard_after_forward=False)
     c = cluster.comm(_small(), 8, dp_shard=4, plan=kept, reduce_dtype="bfloat16")
-    assert c.fsdp_all_gather_backward == 0 and c.fsdp_bytes == gathered * 4
-    assert cluster.comm(_small(), 8).fsdp_bytes == 0  # one rank: nothing to gather
+    assert c.fsdp.all_gather_backward == 0 and c.fsdp.bytes == gathered * 4
+    assert cluster.comm(_small(), 8).fsdp.bytes == 0  # one rank: nothing to gather
 
 
 def test_span_gathered_once():
@@ -167,8 +175,8 @@ def test_span_gathered_once():
     flat = looped.replace(loop=None)
     a, b = (cluster.comm(c, 64, ep=2, dp_shard=4) for c in (flat, looped))
     assert b.moe_layers == 6 and a.moe_layers == 4
-    assert b.fsdp_by_part == a.fsdp_by_part  # the span's weights move once, not per visit
-    assert b.ep_bytes == pytest.approx(a.ep_bytes * 6 / 4)
+    assert b.fsdp.by_part == a.fsdp.by_part  # the span's weights move once, not per visit
+    assert b.ep.bytes == pytest.approx(a.ep.bytes * 6 / 4)
 
 
 # ----------------------------------------------------------------------------- ratios
@@ -305,8 +313,6 @@ def test_a_gap_above_one_is_split_into_compute_and_exposed_traffic():
     compute and exposed traffic (they add up to it, and each is the looped model's part
     less the baseline's times the F ratio), and the line gives the gap left were every
     transfer hidden. 200M-S95 with EP groups of 16: less compute, more exposed traffic."""
-    from smelt_model.budget import cli
-
     pair = cluster.project_pair(*presets.pair("200M-S95"), "h100-64,ep=16")
     a, b, flops = pair.baseline, pair.looped, pair.flops_ratio
     assert pair.gap() > 1.0
@@ -316,7 +322,7 @@ def test_a_gap_above_one_is_split_into_compute_and_exposed_traffic():
     traffic = b.exposed_s - a.exposed_s * flops
     assert compute < 0 < traffic
     assert compute + traffic == pytest.approx(b.step_s - a.step_s * flops, rel=1e-9)
-    (line,) = [x for x in cli._gap_lines("best plan", [a, b], [a, b], flops) if "above" in x]
+    (line,) = [x for x in report.gap_lines("best plan", [a, b], [a, b], flops) if "above" in x]
     assert f"-{format_time(-compute)} from compute, +{format_time(traffic)} from exposed" in line
     assert f"the gap would be {b.compute_s / a.compute_s / flops:.4f};" in line
     assert f"above 1.00 by {pair.gap() - 1:.2%} ({format_time(b.step_s - a.step_s * flops)}" in line
@@ -326,6 +332,7 @@ def test_cli_plot(capsys, tmp_path):
     """--plot draws the projected steps: a PNG (or SVG) with every cluster's label, a
     model without a plan as text, and the pair's gap; it names the file it wrote."""
     pytest.importorskip("matplotlib")
+    (tmp_path / "plots").mkdir()  # a missing folder is refused, not made
     png = tmp_path / "plots" / "steps.png"
     args = ["tiny", "--cluster", "h100-8", "--cluster", "h100-8,memory=1", "--plot", str(png)]
     assert budget_cli.main(args) == 0
@@ -338,6 +345,20 @@ def test_cli_plot(capsys, tmp_path):
     text = svg.read_text()
     for label in ("h100-8", "h100-8,memory=1", "baseline", "smelt", "no plan fits", "gap "):
         assert label in text, label
+
+
+@pytest.mark.parametrize("title", ["tiny", "a_baseline_config_with_a_long_name.json"])
+def test_the_plot_title_fits_the_figure(title):
+    """One cluster makes a narrow figure: its title is wrapped to fit, whatever its name."""
+    pytest.importorskip("matplotlib")
+    names, cfgs = ["tiny-baseline", "tiny-smelt"], list(presets.pair("tiny"))
+    _, cell = report.format_cluster("h100-8", names, cfgs, None, "auto", cluster.Workload())
+    fig = report.draw_steps([cell], title)
+    fig.canvas.draw()
+    (text,) = [t for t in fig.texts if t.get_text() == fig.get_suptitle()]
+    box = text.get_window_extent(fig.canvas.get_renderer())
+    assert title in fig.get_suptitle().replace("\n", " ")
+    assert 0 <= box.x0 < box.x1 <= fig.bbox.x1 and 0 <= box.y0 < box.y1 <= fig.bbox.y1
 
 
 @pytest.mark.parametrize(

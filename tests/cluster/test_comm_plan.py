@@ -99,8 +99,8 @@ def test_all_ep_without_dedup_is_the_stock_count():
     stock = cluster.comm(cfg, 16, ep=2, dp_shard=2)
     plan = cluster.parse_plan("ep", cfg, ep=2, dedup=False, overlap=True)
     c = cluster.comm(cfg, 16, dp_shard=2, plan=plan)
-    assert c.ep_bytes == stock.ep_bytes and c.fsdp_bytes == stock.fsdp_bytes
-    assert c.gather_bytes == 0 and c.ep_layers == 6 and c.plan is plan
+    assert c.ep.bytes == stock.ep.bytes and c.fsdp.bytes == stock.fsdp.bytes
+    assert c.gather.bytes == 0 and c.ep.layers == 6 and c.plan is plan
     with pytest.raises(ValueError, match=r"ep \(4\) differs from the plan's ep \(2\)"):
         cluster.comm(cfg, 16, ep=4, dp_shard=4, plan=plan)
     with pytest.raises(TypeError, match="plan must be a ParallelPlan"):
@@ -121,16 +121,21 @@ def test_uniform_dedup_by_hand():
     c = cluster.comm(cfg, 8, dp_shard=2, plan=plan)
     # 4 tokens per rank, each reaches the other rank with probability 5/6; 2 layers
     per_collective = 2 * 4 * (5 / 6) * 8
-    assert c.dispatch_forward == pytest.approx(per_collective)
-    assert c.combine_forward == c.dispatch_backward == c.combine_backward == c.dispatch_forward
+    assert c.ep.dispatch_forward == pytest.approx(per_collective)
+    assert (
+        c.ep.combine_forward
+        == c.ep.dispatch_backward
+        == c.ep.combine_backward
+        == c.ep.dispatch_forward
+    )
     stock = cluster.comm(cfg, 8, ep=2, dp_shard=2)
     # each de-duplicated row carries its 2 slots: an int32 id and an fp32 score each, and
     # the scores' gradients come back
     rows = per_collective / 8
-    assert (c.slots_forward, c.slots_backward) == pytest.approx((rows * 16, rows * 8))
-    assert stock.slots_forward == stock.slots_backward == 0
-    moved = c.ep_bytes - c.slots_forward - c.slots_backward
-    assert moved / stock.ep_bytes == pytest.approx(cluster.dedup_factor(4, 2, 2))
+    assert (c.ep.slots_forward, c.ep.slots_backward) == pytest.approx((rows * 16, rows * 8))
+    assert stock.ep.slots_forward == stock.ep.slots_backward == 0
+    moved = c.ep.bytes - c.ep.slots_forward - c.ep.slots_backward
+    assert moved / stock.ep.bytes == pytest.approx(cluster.dedup_factor(4, 2, 2))
 
 
 def test_token_ranks_by_hand():
@@ -141,14 +146,24 @@ def test_token_ranks_by_hand():
     token_ranks = [[[3, 3], [2, 4]], [[4, 0], [0, 4]]]
     c = cluster.comm(cfg, 8, dp_shard=2, plan=plan, token_ranks=token_ranks)
     row = 8
-    assert c.dispatch_by_rank == (3 * row, 2 * row)
-    assert c.combine_by_rank == (2 * row, 3 * row)
-    assert c.dispatch_forward == c.combine_backward == 3 * row
-    assert c.combine_forward == c.dispatch_backward == 3 * row
-    assert c.slots_by_rank == (3 * 16, 2 * 16) and c.slots_forward == 3 * 16
+    assert c.ep.dispatch_by_rank == (3 * row, 2 * row)
+    assert c.ep.combine_by_rank == (2 * row, 3 * row)
+    assert c.ep.dispatch_forward == c.ep.combine_backward == 3 * row
+    assert c.ep.combine_forward == c.ep.dispatch_backward == 3 * row
+    assert c.ep.slots_by_rank == (3 * 16, 2 * 16) and c.ep.slots_forward == 3 * 16
     # the scores' gradients go back from the rank that received the rows
-    assert c.slots_back_by_rank == (2 * 8, 3 * 8) and c.slots_backward == 3 * 8
-    assert c.ep_by_rank == (2 * 5 * row + 3 * 16 + 2 * 8, 2 * 5 * row + 2 * 16 + 3 * 8)
+    assert c.ep.slots_back_by_rank == (2 * 8, 3 * 8) and c.ep.slots_backward == 3 * 8
+    # what each rank sends in all: its rows in the four all-to-alls, its slots and gradients
+    sent = [
+        2 * (d + b) + s + g
+        for d, b, s, g in zip(
+            c.ep.dispatch_by_rank,
+            c.ep.combine_by_rank,
+            c.ep.slots_by_rank,
+            c.ep.slots_back_by_rank,
+        )
+    ]
+    assert sent == [2 * 5 * row + 3 * 16 + 2 * 8, 2 * 5 * row + 2 * 16 + 3 * 8]
     # with routing beside it, the two must agree: experts 0, 1 on rank 0, 2, 3 on rank 1
     routing = [[[3, 1, 2, 2], [2, 0, 3, 3]], [[4, 4, 0, 0], [0, 0, 4, 4]]]
     assert (
@@ -201,11 +216,11 @@ def test_only_ep_layers_are_counted():
     plan = cluster.parse_plan("span-gather", cfg, ep=2, dedup=False)
     c = cluster.comm(cfg, 16, dp_shard=2, plan=plan)
     stock = cluster.comm(cfg, 16, ep=2, dp_shard=2)
-    assert c.ep_layers == 2 and c.moe_layers == 6
-    assert c.ep_bytes == pytest.approx(stock.ep_bytes * 2 / 6)
+    assert c.ep.layers == 2 and c.moe_layers == 6
+    assert c.ep.bytes == pytest.approx(stock.ep.bytes * 2 / 6)
     # routing then holds one matrix per executed ep layer (layers 0 and 3)
     local = [[[8, 8, 0, 0], [0, 0, 8, 8]]] * 2
-    assert cluster.comm(cfg, 16, dp_shard=2, plan=plan, routing=local).ep_bytes == 0
+    assert cluster.comm(cfg, 16, dp_shard=2, plan=plan, routing=local).ep.bytes == 0
     with pytest.raises(ValueError, match=r"one matrix per executed EP MoE layer \(2\), got 6"):
         cluster.comm(cfg, 16, dp_shard=2, plan=plan, routing=local * 3)
 
@@ -215,9 +230,10 @@ def test_recompute_repeats_the_forward_all_to_alls():
     for policy, slots in (("all", 6), ("visit1", 2), ("none", 0), ("all-but-5", 1)):
         plan = cluster.parse_plan("ep", cfg, ep=2, dedup=False, recompute=policy)
         c = cluster.comm(cfg, 16, dp_shard=2, plan=plan)
-        assert c.dispatch_recompute == pytest.approx(c.dispatch_forward * slots / 6)
-        assert c.combine_recompute == pytest.approx(c.combine_forward * slots / 6)
-        assert c.ep_by_rank[0] == pytest.approx(c.ep_bytes)
+        assert c.ep.dispatch_recompute == pytest.approx(c.ep.dispatch_forward * slots / 6)
+        assert c.ep.combine_recompute == pytest.approx(c.ep.combine_forward * slots / 6)
+        forward = c.ep.dispatch_forward + c.ep.combine_forward
+        assert c.ep.bytes == pytest.approx(forward * (2 + slots / 6))
 
 
 # ----------------------------------------------------------------------------- gathered
@@ -226,12 +242,12 @@ def test_gathered_experts_by_hand():
     plan = cluster.parse_plan("gather", cfg, ep=2)
     c = cluster.comm(cfg, 8, dp_shard=4, gpus_per_node=2, plan=plan)
     # two nodes of two: experts (96 per layer, 2 layers) sharded over a node, 2 replicas
-    assert (c.gather_group_size, c.gather_replicas) == (2, 2)
-    assert c.gather_all_gather_forward == c.gather_all_gather_backward == 2 * 96 / 2 * 2
-    assert c.gather_reduce_scatter == 2 * 96 / 2 * 4
-    assert c.gather_all_reduce == 2 * 2 * (1 / 2) * (96 / 2) * 4
-    assert c.ep_bytes == 0 and c.fsdp_by_part["experts"] == 0
-    assert c.total_bytes == c.fsdp_bytes + c.gather_bytes
+    assert (c.gather.group_size, c.gather.replicas) == (2, 2)
+    assert c.gather.all_gather_forward == c.gather.all_gather_backward == 2 * 96 / 2 * 2
+    assert c.gather.reduce_scatter == 2 * 96 / 2 * 4
+    assert c.gather.all_reduce == 2 * 2 * (1 / 2) * (96 / 2) * 4
+    assert c.ep.bytes == 0 and c.fsdp.by_part["experts"] == 0
+    assert c.total_bytes == c.fsdp.bytes + c.gather.bytes
     every = cluster.comm(
         cfg,
         8,
@@ -239,13 +255,13 @@ def test_gathered_experts_by_hand():
         gpus_per_node=2,
         plan=cluster.parse_plan("gather", cfg, ep=2, gather_group="all"),
     )
-    assert (every.gather_group_size, every.gather_replicas, every.gather_all_reduce) == (4, 1, 0)
-    assert every.gather_reduce_scatter == 2 * 96 * 3 / 4 * 4
+    assert (every.gather.group_size, every.gather.replicas, every.gather.all_reduce) == (4, 1, 0)
+    assert every.gather.reduce_scatter == 2 * 96 * 3 / 4 * 4
     # no re-gather before the backward without resharding
     keep = dataclasses.replace(plan, reshard_after_forward=False)
     kept = cluster.comm(cfg, 8, dp_shard=4, plan=keep)
-    assert kept.gather_all_gather_backward == 0 and kept.gather_group_size == 4
-    assert kept.fsdp_all_gather_backward == 0
+    assert kept.gather.all_gather_backward == 0 and kept.gather.group_size == 4
+    assert kept.fsdp.all_gather_backward == 0
     with pytest.raises(ValueError, match=r"gpus_per_node \(3\) must divide dp_shard \(4\)"):
         cluster.comm(cfg, 8, dp_shard=4, gpus_per_node=3, plan=plan)
 
@@ -259,22 +275,22 @@ def test_span_gathered_as_a_unit_or_layer_by_layer():
     # two span layers of 96 expert parameters over a group of 4: gathered once per step
     # with their unit, once per visit (twice) each way on their own; reduced once either way
     # (FSDP2 reduces a unit run twice after its first visit's backward)
-    assert a.gather_all_gather_forward == 2 * 96 * 3 / 4 * 2
-    assert b.gather_all_gather_forward == 2 * a.gather_all_gather_forward
-    assert b.gather_all_gather_backward == 2 * a.gather_all_gather_backward
-    assert b.gather_reduce_scatter == a.gather_reduce_scatter
-    assert a.ep_bytes == b.ep_bytes and a.fsdp_bytes == b.fsdp_bytes
+    assert a.gather.all_gather_forward == 2 * 96 * 3 / 4 * 2
+    assert b.gather.all_gather_forward == 2 * a.gather.all_gather_forward
+    assert b.gather.all_gather_backward == 2 * a.gather.all_gather_backward
+    assert b.gather.reduce_scatter == a.gather.reduce_scatter
+    assert a.ep.bytes == b.ep.bytes and a.fsdp.bytes == b.fsdp.bytes
     # without resharding a unit keeps them for the backward; their own unit still gathers
     keep = dict(reshard_after_forward=False)
     a2 = cluster.comm(cfg, 16, dp_shard=4, plan=dataclasses.replace(unit, **keep))
     b2 = cluster.comm(cfg, 16, dp_shard=4, plan=dataclasses.replace(layer, **keep))
-    assert a2.gather_all_gather_backward == 0 and b2.gather_bytes == b.gather_bytes
+    assert a2.gather.all_gather_backward == 0 and b2.gather.bytes == b.gather.bytes
     # the span's FSDP units (one, or one per layer) move the same bytes
     span = cluster.comm(cfg, 16, dp_shard=4, plan=dataclasses.replace(unit, span_units="span"))
-    assert (span.fsdp_bytes, span.gather_bytes) == (a.fsdp_bytes, a.gather_bytes)
+    assert (span.fsdp.bytes, span.gather.bytes) == (a.fsdp.bytes, a.gather.bytes)
     # the experts of the gathered layers left the efsdp FSDP axis
     stock = cluster.comm(cfg, 16, ep=2, dp_shard=4)
-    assert a.fsdp_by_part["experts"] == pytest.approx(stock.fsdp_by_part["experts"] / 2)
+    assert a.fsdp.by_part["experts"] == pytest.approx(stock.fsdp.by_part["experts"] / 2)
 
 
 # ----------------------------------------------------------------------------- options, reprs

@@ -122,9 +122,9 @@ def test_the_replay_moves_the_ledgers_bytes(changes):
     p = dataclasses.replace(cluster.parse_plan("ep,gather,ep,gather", cfg, ep=2), **changes)
     c = cluster.comm(cfg, 256, dp_shard=4, gpus_per_node=2, plan=p)
     m = replay.simulate(cfg, p, SMALL, c, cluster.Workload())
-    assert m.moved["ep"] == pytest.approx(c.ep_bytes)
-    assert m.moved["fsdp"] == pytest.approx(c.fsdp_bytes)
-    assert m.moved["gather"] == pytest.approx(c.gather_bytes)
+    assert m.moved["ep"] == pytest.approx(c.ep.bytes)
+    assert m.moved["fsdp"] == pytest.approx(c.fsdp.bytes)
+    assert m.moved["gather"] == pytest.approx(c.gather.bytes)
     assert m.step_s == pytest.approx(m.compute_s + sum(m.exposed.values()))
     rate = SMALL.peak * SMALL.mfu
     flops = budget.ledger(cfg).flops_per_token * 64 / rate
@@ -155,7 +155,7 @@ def test_every_collective_starts_after_the_clusters_latency():
     assert 6 * lat * (1 - 1e-3) <= hidden.exposed["ep"] < blocking.exposed["ep"]
     # the split sizes' bytes (the ledger's counts_forward) move on the links; the EP
     # bytes the replay moved stay the ledger's rows and slots
-    assert hidden.model.moved["ep"] == pytest.approx(hidden.comm.ep_bytes)
+    assert hidden.model.moved["ep"] == pytest.approx(hidden.comm.ep.bytes)
     free = dataclasses.replace(fast, latency=0.0)
     assert cluster.project(cfg, free, 256, plan=p).step_s == pytest.approx(
         blocking.compute_s, rel=1e-3
@@ -174,7 +174,7 @@ def test_overlap_hides_what_compute_can_cover():
     a, b = (cluster.project(cfg, SMALL, 256, plan=p) for p in (slow, two))
     assert b.exposed["ep"] < a.exposed["ep"]
     # without overlap every exchange waits in full, at no more than the link's speed
-    assert a.exposed["ep"] >= a.comm.ep_bytes * 0.5 / SMALL.intra * 0.999
+    assert a.exposed["ep"] >= a.comm.ep.bytes * 0.5 / SMALL.intra * 0.999
     # more chunks: a chunk's exchange is smaller and more compute runs beside it
     four = cluster.project(cfg, SMALL, 256, plan=dataclasses.replace(two, chunks=4))
     assert four.exposed["ep"] < b.exposed["ep"]
@@ -192,7 +192,7 @@ def test_recompute_with_overlap_meets_at_each_recomputed_layer():
         for kw in (dict(recompute="none"), {}, dict(overlap=False))
     )
     assert hidden.exposed["ep"] < met.exposed["ep"] < blocking.exposed["ep"]
-    assert met.comm.ep_bytes == blocking.comm.ep_bytes > hidden.comm.ep_bytes
+    assert met.comm.ep.bytes == blocking.comm.ep.bytes > hidden.comm.ep.bytes
 
 
 def test_span_layers_as_units_spread_the_spans_gather():
@@ -203,7 +203,7 @@ def test_span_layers_as_units_spread_the_spans_gather():
     layer = cluster.parse_plan("ep", cfg, ep=2)
     span = dataclasses.replace(layer, span_units="span")
     a, b = (cluster.project(cfg, SMALL, 256, plan=p) for p in (span, layer))
-    assert a.comm.fsdp_bytes == b.comm.fsdp_bytes
+    assert a.comm.fsdp.bytes == b.comm.fsdp.bytes
     assert b.exposed["fsdp"] < a.exposed["fsdp"] and b.step_s < a.step_s
     assert b.memory.gathered <= a.memory.gathered
 
@@ -263,7 +263,7 @@ def test_loop_prefetch_issues_the_codas_gathers_at_the_last_visit():
         6,
     )
     a, b = (cluster.project(cfg, SMALL, 256, plan=p) for p in (nxt, loop))
-    assert a.comm.fsdp_bytes == b.comm.fsdp_bytes
+    assert a.comm.fsdp.bytes == b.comm.fsdp.bytes
     assert b.exposed["fsdp"] < a.exposed["fsdp"] and b.memory.gathered > a.memory.gathered
     # span experts gathered at every visit: one layer ahead
     every = cluster.parse_plan("span-gather", cfg, ep=2, span_gather="layer", overlap=False)

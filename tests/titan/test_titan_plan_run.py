@@ -130,21 +130,24 @@ def test_the_ledger_counts_the_bytes_on_the_wire(run):
             once = cluster.comm(cfg, WORLD * 64, plan=unit, routing=routing, **kw)
             for r in group:
                 sent, rank = r["steps"][str(step)], r["ep_rank"]
-                assert sent["dispatch_forward"] == led.dispatch_by_rank[rank]
-                assert sent["combine_forward"] == led.combine_by_rank[rank]
-                assert sent["combine_backward"] == led.dispatch_by_rank[rank]
-                assert sent["dispatch_backward"] == led.combine_by_rank[rank]
+                assert sent["dispatch_forward"] == led.ep.dispatch_by_rank[rank]
+                assert sent["combine_forward"] == led.ep.combine_by_rank[rank]
+                assert sent["combine_backward"] == led.ep.dispatch_by_rank[rank]
+                assert sent["dispatch_backward"] == led.ep.combine_by_rank[rank]
                 # every layer recomputed: its forward's exchanges again
-                assert sent["dispatch_recompute"] == led.dispatch_by_rank[rank]
-                assert sent["combine_recompute"] == led.combine_by_rank[rank]
+                assert sent["dispatch_recompute"] == led.ep.dispatch_by_rank[rank]
+                assert sent["combine_recompute"] == led.ep.combine_by_rank[rank]
                 # the split sizes before each dispatch, and before each recomputed one
-                assert sent["counts_forward"] == led.counts_forward > 0
-                assert sent["counts_recompute"] == led.counts_recompute > 0
-                for key in ("gather_all_gather_forward", "gather_all_gather_backward"):
-                    assert sent[key] == pytest.approx(getattr(led, key), rel=1e-12), key
-                    assert sent[key] == pytest.approx(2 * getattr(once, key), rel=1e-12), key
-                for key in ("gather_reduce_scatter", "gather_all_reduce"):
-                    assert sent[key] == pytest.approx(getattr(led, key), rel=1e-12), key
-                    assert getattr(led, key) == getattr(once, key), key
+                assert sent["counts_forward"] == led.ep.counts_forward > 0
+                assert sent["counts_recompute"] == led.ep.counts_recompute > 0
+                for name in ("all_gather_forward", "all_gather_backward"):
+                    key, want = f"gather_{name}", getattr(led.gather, name)
+                    assert sent[key] == pytest.approx(want, rel=1e-12), key
+                    assert sent[key] == pytest.approx(2 * getattr(once.gather, name), rel=1e-12)
+                for name in ("reduce_scatter", "all_reduce"):
+                    key, want = f"gather_{name}", getattr(led.gather, name)
+                    assert sent[key] == pytest.approx(want, rel=1e-12), key
+                    assert want == getattr(once.gather, name), key
             for key in ("dispatch_recompute", "combine_recompute"):
-                assert getattr(led, key) == getattr(led, key.replace("recompute", "forward"))
+                forward = key.replace("recompute", "forward")
+                assert getattr(led.ep, key) == getattr(led.ep, forward)

@@ -189,26 +189,29 @@ def test_the_ledger_counts_the_bytes_on_the_wire(run):
         )
         for r in records:
             sent, rank = r["steps"][str(step)], r["ep_rank"]
-            assert sent["dispatch_forward"] == led.dispatch_by_rank[rank], (step, rank)
-            assert sent["combine_forward"] == led.combine_by_rank[rank], (step, rank)
-            assert sent["combine_backward"] == led.dispatch_by_rank[rank], (step, rank)
-            assert sent["dispatch_backward"] == led.combine_by_rank[rank], (step, rank)
+            assert sent["dispatch_forward"] == led.ep.dispatch_by_rank[rank], (step, rank)
+            assert sent["combine_forward"] == led.ep.combine_by_rank[rank], (step, rank)
+            assert sent["combine_backward"] == led.ep.dispatch_by_rank[rank], (step, rank)
+            assert sent["dispatch_backward"] == led.ep.combine_by_rank[rank], (step, rank)
             # each de-duplicated row's slots (ids and scores), and the scores' gradients
-            assert sent["slots_forward"] == led.slots_by_rank[rank] > 0, (step, rank)
-            assert sent["slots_backward"] == led.slots_back_by_rank[rank], (step, rank)
+            assert sent["slots_forward"] == led.ep.slots_by_rank[rank] > 0, (step, rank)
+            assert sent["slots_backward"] == led.ep.slots_back_by_rank[rank], (step, rank)
             # the split sizes before each chunk's dispatch, and before the recomputed ones
-            assert sent["counts_forward"] == led.counts_forward > 0, (step, rank)
-            assert sent["counts_recompute"] == led.counts_recompute > 0, (step, rank)
-            for key in ("gather_all_gather_forward", "gather_all_gather_backward"):
-                assert sent[key] == pytest.approx(getattr(led, key), rel=1e-12), (step, key)
-            assert sent["gather_reduce_scatter"] == pytest.approx(led.gather_reduce_scatter)
+            assert sent["counts_forward"] == led.ep.counts_forward > 0, (step, rank)
+            assert sent["counts_recompute"] == led.ep.counts_recompute > 0, (step, rank)
+            for name in ("all_gather_forward", "all_gather_backward"):
+                want = getattr(led.gather, name)
+                assert sent[f"gather_{name}"] == pytest.approx(want, rel=1e-12), (step, name)
+            assert sent["gather_reduce_scatter"] == pytest.approx(led.gather.reduce_scatter)
             assert "gather_all_reduce" not in sent  # one node: no replicas
-            fewer = sent["dispatch_forward"] / rows.dispatch_by_rank[rank]
-            assert fewer == pytest.approx(led.dispatch_by_rank[rank] / rows.dispatch_by_rank[rank])
+            fewer = sent["dispatch_forward"] / rows.ep.dispatch_by_rank[rank]
+            assert fewer == pytest.approx(
+                led.ep.dispatch_by_rank[rank] / rows.ep.dispatch_by_rank[rank]
+            )
             assert fewer < 0.5  # k 8 of 104 experts over 2 ranks: about 0.25 (uniform)
         # one recomputed ep layer (layer 1's first visit): the ledger counts its busier rank
         for key in ("dispatch_recompute", "combine_recompute", "slots_recompute"):
-            assert max(r["steps"][str(step)][key] for r in records) == getattr(led, key), key
+            assert max(r["steps"][str(step)][key] for r in records) == getattr(led.ep, key), key
 
 
 def test_export_gives_the_torchtitan_models_logits(run):

@@ -69,18 +69,21 @@ def test_shared_option_helpers(tmp_path):
         cli.threads(0)
 
 
-def test_an_output_where_nothing_can_be_written_is_refused_first(tmp_path, monkeypatch):
-    """A folder or file this process may not write is refused before any work (checked
-    with os.access, stubbed here: root may write almost anywhere)."""
-    import os
-
-    (tmp_path / "locked").mkdir()
-    (tmp_path / "old.json").write_text("{}")
-    locked = {str(tmp_path / "locked"), str(tmp_path / "old.json")}
-    real = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: str(p) not in locked and real(p, mode))
-    with pytest.raises(cli.UsageError, match=r"--plot .*the folder .*locked is not writable"):
-        cli.output_path(tmp_path / "locked" / "new" / "steps.png", "--plot", (".png",))
-    with pytest.raises(cli.UsageError, match="--json .*exists and is not writable"):
-        cli.output_path(tmp_path / "old.json", "--json")
+def test_an_output_where_nothing_can_be_written_is_refused_first(tmp_path):
+    """A folder or file this process may not write is refused before any work. Writing is
+    tried, not asked of os.access, so root is refused too: /proc takes no new file and its
+    files no appending."""
+    with pytest.raises(cli.UsageError, match=r"--plot /proc/x.png: the folder /proc is not"):
+        cli.output_path("/proc/x.png", "--plot", (".png",))
+    with pytest.raises(cli.UsageError, match=r"--plot .*the folder /proc is not writable"):
+        cli.output_path("/proc/new/steps.png", "--plot", (".png",))
+    with pytest.raises(cli.UsageError, match="--json .*the file /proc/version is not writable"):
+        cli.output_path("/proc/version", "--json")
+    old = tmp_path / "old.json"
+    old.write_text("{}")
+    assert cli.output_path(old, "--json") == old and old.read_text() == "{}"  # left as it was
     assert cli.output_path(tmp_path / "new.json", "--json") == tmp_path / "new.json"
+    assert not (tmp_path / "new.json").exists()  # created to try, and removed
+    with pytest.raises(cli.UsageError, match="--plot .*: no folder .*missing"):
+        cli.output_path(tmp_path / "missing" / "a.png", "--plot", (".png",), new_folders=False)
+    assert not (tmp_path / "missing").exists()

@@ -27,10 +27,10 @@ Definitions (one rank, one expert-parallel group of ``ep`` ranks, rows of ``D`` 
   ``bytes_to_others`` excludes the rank's own split (it never leaves the rank),
   ``bytes_total`` includes it.
 * ``counts`` / ``forward``: the small exchange of per-expert counts before each dispatch
-  (int64; de-duplicating, with the number of rows), the ledger's ``counts_*`` fields;
+  (int64; de-duplicating, with the number of rows), the ledger's ``Comm.ep.counts_*``;
   ``slots`` / ``forward``: with de-duplication, each row's local expert ids (int32) and
   routing scores (fp32, ``top_k`` each), and ``slots`` / ``backward`` the scores'
-  gradients: the ledger's ``slots_*`` fields.
+  gradients: the ledger's ``Comm.ep.slots_*``.
 * ``fsdp``: every FSDP all-gather and reduce-scatter (and the all-reduce between replicas of
   an HSDP group) of a parameter group that holds the expert weights of a ``gather`` layer,
   with its process group (``group``: the mesh's dimension names, ``group_size``), its phase,
@@ -41,11 +41,12 @@ Definitions (one rank, one expert-parallel group of ``ep`` ranks, rows of ``D`` 
   to others) and ``<kind>_<phase>_including_self`` of the token exchanges, and
   ``gather_all_gather_forward``, ``gather_all_gather_backward``, ``gather_reduce_scatter``
   and ``gather_all_reduce`` (the expert part of the FSDP collectives), named as the fields
-  of :class:`smelt_model.cluster.Comm` that predict them.
+  of :class:`smelt_model.cluster.Comm` that predict them (``Comm.gather.all_gather_forward``
+  for ``gather_all_gather_forward``; ``Comm.ep.dispatch_forward`` for ``dispatch_forward``).
 
 A recomputed forward (activation checkpointing) runs and counts its exchanges again, as
-``dispatch_recompute`` and ``combine_recompute`` (the :class:`smelt_model.cluster.Comm` fields
-of the same names).
+``dispatch_recompute`` and ``combine_recompute`` (the fields of the same names of
+:class:`smelt_model.cluster.Comm`'s ``ep``).
 """
 
 from __future__ import annotations
