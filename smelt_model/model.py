@@ -10,12 +10,15 @@ update is scaled by 1/r on every visit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from smelt_kernels import backends
@@ -28,6 +31,7 @@ from smelt_model.block import (
     SegmentAttention,
     init_weights,
 )
+from smelt_model.budget import memory
 from smelt_model.budget.ledger import layer_params
 from smelt_model.config import IGNORE_INDEX, ModelConfig
 from smelt_model.executor import Executor, LoopedSpan, LoopSchedule
@@ -237,8 +241,6 @@ class SmeltLM(nn.Module):
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, path: Union[str, Path]) -> Path:
         """Write ``model.safetensors`` and ``config.json`` into the folder ``path``."""
-        from safetensors.torch import save_file
-
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
@@ -250,32 +252,85 @@ class SmeltLM(nn.Module):
     def from_pretrained(
         cls, path: Union[str, Path], device=None, dtype=None, **kwargs
     ) -> "SmeltLM":
-        """Load a folder written by :meth:`save_pretrained`."""
-        from safetensors.torch import load_file
+        """Load a folder written by :meth:`save_pretrained`.
 
+        Before anything is built, ``config.json`` is checked against the weights' shapes as
+        the safetensors header gives them (nothing loaded) and the model it describes against
+        the memory this machine has (:mod:`smelt_model.budget.memory`): a config that does not
+        fit its weights, or whose model (its loop schedule included) could not be held, is one
+        ``ValueError`` naming the file."""
         src = Path(path)
         for f in ("config.json", "model.safetensors"):
             if not (src / f).exists():
                 raise FileNotFoundError(f"{src / f} not found (expected a save_pretrained folder)")
         cfg = ModelConfig.from_json(src / "config.json")
+        weights = src / "model.safetensors"
+        shapes, stored = stored_shapes(weights)
+        check_fits_weights(cfg, shapes, stored, src)
         model = cls(cfg, **kwargs)
-        state = load_file(str(src / "model.safetensors"))
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        missing = sorted(set(expected) - set(shapes))
+        unexpected = sorted(set(shapes) - set(expected))
         if missing or unexpected:
             raise ValueError(
-                f"{src / 'model.safetensors'} does not hold this config's parameters: "
+                f"{weights} does not hold this config's parameters: "
                 f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}, "
                 f"unexpected {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}"
             )
-        for name, t in state.items():
-            if t.shape != expected[name].shape:
+        for name, shape in shapes.items():
+            if shape != expected[name]:
                 raise ValueError(
-                    f"{src / 'model.safetensors'}: {name} has shape {tuple(t.shape)}, the "
-                    f"config's model has {tuple(expected[name].shape)}"
+                    f"{weights}: {name} has shape {shape}, the config's model has {expected[name]}"
                 )
-        model.load_state_dict(state)
+        model.load_state_dict(load_file(str(weights)))
         if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
         return model
+
+
+#: bytes per element of the safetensors dtypes (an unknown one counts as the widest)
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2}
+_DTYPE_BYTES.update({"I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1})
+#: host bytes of one executed step of the loop schedule and its executor (measured: about 190)
+SCHEDULE_STEP_BYTES = 256
+
+
+def stored_shapes(weights: Path) -> tuple[dict[str, tuple[int, ...]], int]:
+    """The shape of every tensor in the safetensors file ``weights`` and the bytes they take,
+    from its header alone; ``ValueError`` naming the file when it is not a safetensors file."""
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            slices = {k: f.get_slice(k) for k in f.keys()}
+            found = {k: (tuple(s.get_shape()), s.get_dtype()) for k, s in slices.items()}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{weights}: not a readable safetensors file ({e})") from None
+    stored = sum(math.prod(shape) * _DTYPE_BYTES.get(dt, 8) for shape, dt in found.values())
+    return {k: shape for k, (shape, _) in found.items()}, stored
+
+
+def check_fits_weights(
+    cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], stored: int, folder: Path
+) -> None:
+    """Refuse ``cfg`` (read from ``folder``'s ``config.json``) before its model is built: its
+    parameter count must be the number of elements ``shapes`` holds (the stored weights, of
+    ``stored`` bytes), and the model built in fp32, the weights loaded beside it and the loop
+    schedule expanded must fit the memory this machine has."""
+    # the loop schedule first, by arithmetic: the estimate expands it
+    loop = cfg.loop
+    executed = cfg.n_layers + ((loop.count - 1) * loop.length if loop is not None else 0)
+    schedule = {"loop schedule": executed * SCHEDULE_STEP_BYTES, "runtime": memory.RUNTIME_BYTES}
+    what = f"loading {folder} ({executed:,} executed layers)"
+    hint = "check config.json's loop and sizes"
+    available = memory.available()
+    memory.check({"model": schedule}, available, what=what, hint=hint)
+    parts = memory.estimate(cfg, tokens=0, seq_len=1, train=False, forward=False)
+    count = parts["weights"] // 4  # the estimate's fp32 weights: 4 bytes per parameter
+    held = sum(math.prod(shape) for shape in shapes.values())
+    if count != held:
+        raise ValueError(
+            f"{folder / 'config.json'} describes a model of {count:,} parameters "
+            f"(vocab_size {cfg.vocab_size}, n_layers {cfg.n_layers}, hidden_size "
+            f"{cfg.hidden_size}), but {folder / 'model.safetensors'} holds {held:,}"
+        )
+    parts.update(schedule, **{"stored weights": stored})
+    memory.check({"model": parts}, available, what=what, hint=hint)

@@ -189,6 +189,21 @@ def _check(config, world: int) -> None:
         )
 
 
+def _check_comm_folder() -> None:
+    """The byte recorder's folder (``SMELT_TITAN_COMM``) takes files, before anything runs:
+    the ranks write there only when they exit, too late to say so."""
+    # imported here as the rest of the launcher's modules: after the patches, not for --help
+    from smelt_kernels.families import env
+    from smelt_model.titan.moe import traffic
+
+    try:
+        folder = env(traffic.ENV)
+        if folder:
+            traffic.check_folder(folder)
+    except ValueError as e:
+        raise UsageError(one_line(e)) from None
+
+
 @contextlib.contextmanager
 def _world_env(world: int):
     """``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` of ``world`` local processes while the launcher
@@ -357,6 +372,7 @@ def _prepare_and_run(args: list[str], nproc: Optional[int], world: int, torchrun
         ConfigManager().parse_args(args)  # prints torchtitan's help and exits
         return 0
     _check(_parse(args), world)
+    _check_comm_folder()
     if nproc is not None and nproc > 1:
         return _start(nproc, args)
     if not torchrun:

@@ -254,3 +254,28 @@ def test_without_torchtitan_the_launcher_says_so_and_export_still_works(
     assert export.main([str(tmp_path / "seed"), "--seed-from", str(tmp_path / "smelt")]) == 0
     assert export.main([str(tmp_path / "seed"), str(tmp_path / "back")]) == 0
     assert SmeltLM.from_pretrained(tmp_path / "back").cfg == cfg
+
+
+@pytest.mark.parametrize("where", ["a_file", "a_file/below"])
+def test_a_comm_folder_the_ranks_cannot_write_is_refused_before_the_run(
+    where, tmp_path, capsys, monkeypatch
+):
+    (tmp_path / "a_file").write_text("not a folder")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("SMELT_TITAN_COMM", str(tmp_path / where))
+    _one_line_error(capsys, launcher.main(["--config", "tiny-smelt"]), "SMELT_TITAN_COMM=", where)
+
+
+def test_a_comm_folder_that_cannot_be_written_exits_non_zero_from_the_command_line(tmp_path):
+    (tmp_path / "taken").write_text("")
+    proc = th.run(
+        [sys.executable, "-m", "smelt_model.titan", "--config", "tiny-smelt"]
+        + ["--training.steps", "1", "--dump_folder", str(tmp_path / "run")],
+        cwd=tmp_path,
+        timeout=120,
+        SMELT_TITAN_COMM=str(tmp_path / "taken"),
+    )
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(PREFIX + "SMELT_TITAN_COMM="), proc.stderr
+    assert not (tmp_path / "run").exists()

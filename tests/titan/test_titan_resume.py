@@ -59,6 +59,13 @@ def stock(tmp_path_factory):
     return {"dir": tmp, "log": log, "losses": th.losses(log)}
 
 
+def _replaced(state, key, value):
+    """``state`` (nested dicts) with every entry ``key`` set to ``value``."""
+    if not isinstance(state, dict):
+        return state
+    return {k: value if k == key else _replaced(v, key, value) for k, v in state.items()}
+
+
 def _craft(stock, dump, marker, only=None) -> dict[int, str]:
     """``dump/checkpoint``: the clean step-1 of the stock run, and above it one step folder
     per fault (each otherwise step 1's state, at its own step; ``only``: that fault
@@ -86,6 +93,18 @@ def _craft(stock, dump, marker, only=None) -> dict[int, str]:
         (
             "data position",
             put("dataloader", "dp_rank_0", pickle.dumps({**position, "_num_yielded": 10**12})),
+        ),
+        (
+            "negative sample_idx",
+            put("dataloader", "dp_rank_0", pickle.dumps(_replaced(position, "sample_idx", -5))),
+        ),
+        (
+            "token outside the vocabulary",
+            put(
+                "dataloader",
+                "dp_rank_0",
+                pickle.dumps(_replaced(position, "inputs_buffer", [1, 10**9])),
+            ),
         ),
         ("step not its folder", None),
         ("truncated shard", "truncate"),
@@ -152,7 +171,9 @@ def test_every_crafted_checkpoint_is_passed_over_and_the_resume_is_exact(stock, 
         "exp_avg shape": ["exp_avg", "Size mismatch"],
         "scheduler field": ["lr_scheduler.last_epoch is the string 'x'"],
         "data position": ["_num_yielded = 1000000000000"],
-        "step not its folder": ["train_state.step is 1, its folder is step-10"],
+        "negative sample_idx": ["sample_idx = -5 is negative"],
+        "token outside the vocabulary": ["inputs_buffer holds token 1000000000"],
+        "step not its folder": ["train_state.step is 1, its folder is step-12"],
         "truncated shard": [".distcp", "truncated"],
         "model only": ["holds the model only", "cannot resume"],
         "tensor payload": ["norm.weight", "it names"],

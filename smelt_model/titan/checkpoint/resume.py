@@ -47,7 +47,7 @@ from torchtitan.components.checkpointer.dcp import CheckpointManager
 from torchtitan.tools.logging import logger
 
 from smelt_model.checkpoint import CheckpointError, dcp, fit
-from smelt_model.config import ModelConfig
+from smelt_model.config import IGNORE_INDEX, ModelConfig
 from smelt_model.titan.checkpoint.state_dict import arch_from_config_json, describe, read_config
 
 __all__ = ["checked_load", "precheck", "step_folders", "STOCK_LOAD"]
@@ -171,9 +171,33 @@ def _holding(manager: Any, held: dict):
         manager.states.update(saved)
 
 
-def _bound(state: Any, batches: int, samples: int, where: str, name: str) -> None:
+#: a stock dataloader's token buffers: ids of the model's vocabulary (labels may be ignored)
+TOKEN_KEYS = {"inputs_buffer": False, "pending_input_ids": False}
+TOKEN_KEYS.update({"labels_buffer": True, "pending_label_ids": True})
+#: a stock dataloader's indices, which cannot be negative
+INDEX_KEYS = ("sample_idx", "epoch")
+
+
+def _tokens(value: Any, vocab: Optional[int], ignore_ok: bool, where: str, label: str) -> None:
+    """Every id of a token buffer in ``[0, vocab)`` (or the ignored label)."""
+    if vocab is None or not isinstance(value, list):
+        return
+    for token in value:
+        if not isinstance(token, int) or isinstance(token, bool):
+            continue
+        if not (0 <= token < vocab or (ignore_ok and token == IGNORE_INDEX)):
+            raise CheckpointError(
+                f"{where}: the data position {label} holds token {token}, outside the "
+                f"model's vocabulary of {vocab}"
+            )
+
+
+def _bound(
+    state: Any, batches: int, samples: int, where: str, name: str, vocab: Optional[int] = None
+) -> None:
     """A data position's counters within what ``batches`` steps' batches (``batches``,
-    smelt's) or their ``samples`` (``*yielded``, torchdata's) can be."""
+    smelt's) or their ``samples`` (``*yielded``, torchdata's) can be; a stock dataloader's
+    indices not negative and its token buffers within the model's ``vocab``."""
     if isinstance(state, dict):
         for key, value in state.items():
             label = f"{name}.{key}"
@@ -184,7 +208,20 @@ def _bound(state: Any, batches: int, samples: int, where: str, name: str) -> Non
                     f"{where}: the data position {label} = {value} is beyond the {limit} "
                     "that the checkpoint's steps can have consumed"
                 )
-            _bound(value, batches, samples, where, label)
+            if key in INDEX_KEYS and isinstance(value, int) and value < 0:
+                raise CheckpointError(f"{where}: the data position {label} = {value} is negative")
+            if key in TOKEN_KEYS:
+                _tokens(value, vocab, TOKEN_KEYS[key], where, label)
+            _bound(value, batches, samples, where, label, vocab)
+
+
+def _vocabulary(trainer: Any) -> Optional[int]:
+    """The rows of the model's token embedding (what a token id indexes), or None."""
+    for part in getattr(trainer, "model_parts", None) or ():
+        for module in part.modules():
+            if isinstance(module, torch.nn.Embedding):
+                return int(module.num_embeddings)
+    return None
 
 
 def _check_held(manager: Any, held: dict, step: Optional[int], where: str) -> None:
@@ -228,7 +265,7 @@ def _check_held(manager: Any, held: dict, step: Optional[int], where: str) -> No
         if got_step is not None and trainer is not None:
             batches = got_step * trainer.gradient_accumulation_steps
             samples = batches * max(trainer.config.training.local_batch_size, 1)
-            _bound(decoded, batches, samples, where, "dataloader")
+            _bound(decoded, batches, samples, where, "dataloader", _vocabulary(trainer))
 
 
 def _give(manager: Any, held: dict) -> None:

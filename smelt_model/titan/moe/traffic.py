@@ -54,6 +54,8 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -65,6 +67,7 @@ __all__ = [
     "enable",
     "write",
     "read",
+    "check_folder",
     "routing_matrices",
     "token_rank_matrices",
     "ENV",
@@ -241,6 +244,22 @@ class Recorder:
 RECORDER = Recorder()
 
 
+def check_folder(folder: str | os.PathLike) -> Path:
+    """Make sure the ranks can write their files into ``folder``: create it (and its parents)
+    if it is missing, then create and remove a file in it. ``ValueError`` naming the folder
+    and the reason otherwise (a file, a place this process may not write). The check writes
+    for real: permission bits say nothing to a process that runs as root."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".comm-check-"):
+            pass
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise ValueError(f"{ENV}={folder}: cannot write records there ({reason})") from None
+    return path
+
+
 def enable(folder: str | os.PathLike) -> None:
     """Turn recording on for this process; files go to ``folder``."""
     RECORDER.enable(folder)
@@ -250,20 +269,58 @@ def write() -> Optional[Path]:
     return RECORDER.write()
 
 
+#: the name the recorder gives each rank's file; other names in the folder are not read
+FILE_NAME = re.compile(r"comm_rank(\d+)\.json")
+
+#: the fields every record holds, with their types (``ep_rank``/``ep_size`` may be null)
+FIELDS = {"rank": int, "calls": list, "events": list, "fsdp": list, "steps": dict}
+
+
 def read(folder: str | os.PathLike) -> list[dict[str, Any]]:
-    """The per-rank records in ``folder``, ordered by rank; ``ValueError`` if there are none."""
-    files = sorted(
-        Path(folder).glob("comm_rank*.json"), key=lambda p: int(p.stem[len("comm_rank") :])
-    )
-    if not files:
-        raise ValueError(f"{folder}: no comm_rank*.json files")
-    records = []
-    for f in files:
-        data = json.loads(f.read_text())
-        if data.get("format") != FORMAT:
-            raise ValueError(f"{f}: not a {FORMAT} file")
-        records.append(data)
-    return records
+    """The per-rank records in ``folder``, ordered by rank.
+
+    Only files named as the recorder names them (``comm_rank<R>.json``, R a number) are read;
+    any other file is left alone. ``ValueError`` naming the folder if there are none, or
+    naming the file and what is wrong with it if one is not a record of this format (not JSON,
+    not an object, another format, a missing or mistyped field, a rank other than its name's).
+    """
+    ranks = {}
+    for path in Path(folder).glob("comm_rank*.json"):
+        match = FILE_NAME.fullmatch(path.name)
+        if match:
+            ranks[int(match.group(1))] = path
+    if not ranks:
+        raise ValueError(f"{folder}: no comm_rank<R>.json files")
+    return [_record(ranks[rank], rank) for rank in sorted(ranks)]
+
+
+def _record(path: Path, rank: int) -> dict[str, Any]:
+    """One rank's record, checked (see :func:`read`)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: holds a {type(data).__name__}, not a {FORMAT} record")
+    if data.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} file (format {data.get('format')!r})")
+    for key, kind in FIELDS.items():
+        value = data.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"{path}: {key!r} must be {kind.__name__}, got {value!r:.60}")
+    for key in ("ep_rank", "ep_size"):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{path}: {key!r} must be an int or null, got {value!r:.60}")
+    for i, call in enumerate(data["calls"]):
+        if not isinstance(call, dict) or not all(
+            isinstance(call.get(key), list) and all(type(n) is int for n in call[key])
+            for key in ("routing", "token_ranks")
+        ):
+            raise ValueError(f"{path}: calls[{i}] lacks integer lists 'routing' and 'token_ranks'")
+    if data["rank"] != rank:
+        raise ValueError(f"{path}: records rank {data['rank']}, its name says rank {rank}")
+    return data
 
 
 def _layer_calls(record: dict[str, Any], step: Optional[int], key: str) -> list[list[int]]:
