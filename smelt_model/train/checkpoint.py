@@ -358,7 +358,9 @@ class Checkpoint:
                 index += 1
         shapes.update({name: tuple(p.shape) for name, p in model.named_parameters()})
         fit.check_optimizer(self.state["optimizer"], optimizer, shapes, where)
-        fit.check_like(self.state["scheduler"], scheduler.state_dict(), where, "scheduler")
+        # exact: LambdaLR.load_state_dict takes every key as an attribute of the scheduler
+        live = scheduler.state_dict()
+        fit.check_like(self.state["scheduler"], live, where, "scheduler", exact=True)
         if self.state["scheduler"].get("last_epoch") != self.step:
             raise CheckpointError(
                 f"{where}: the scheduler is at step {self.state['scheduler'].get('last_epoch')}, "
