@@ -4,6 +4,7 @@ status 2 for a bad option and 1 for a failure of the run, and progress that does
 itself when piped."""
 
 import io
+import os
 import subprocess
 import sys
 
@@ -59,6 +60,29 @@ def test_under_torchrun_it_names_the_command_to_use(tmp_path, capsys, monkeypatc
     assert "torchrun --nproc_per_node N -m smelt_model.titan --config tiny-smelt" in err
     err = _error(capsys, ["--preset", "tiny", *argv], 2)
     assert "--config tiny-baseline (or tiny-smelt)" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_with_one_process_or_two_only_rank_0_says_why(tmp_path, rank):
+    """What torchrun sets; one process (WORLD_SIZE 1) is refused too."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), TORCHELASTIC_RUN_ID="none")
+    env.update(WORLD_SIZE=str(max(rank + 1, 1)), RANK=str(rank), LOCAL_RANK=str(rank))
+    argv = ["--preset", "tiny-smelt", "--data", str(tmp_path / "absent"), "--steps", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "smelt_model.train", *argv, "--out", str(tmp_path / "o")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    if rank:
+        assert proc.stderr == "", proc.stderr
+    else:
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.startswith("smelt-train: error: ") and "torchrun" in proc.stderr
+        assert "-m smelt_model.titan --config tiny-smelt" in proc.stderr
     assert not (tmp_path / "o").exists()
 
 
