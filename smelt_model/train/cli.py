@@ -189,7 +189,13 @@ def _models(preset: str, arch: Optional[str]) -> dict[str, str]:
     by_arch = {name.rsplit("-", 1)[1]: name for name in found}
     if arch in (None, "both"):
         if arch == "both" and len(by_arch) == 1:
-            raise cli.UsageError(f"--arch both: --preset {preset} is one model; name a pair")
+            model = found[0]
+            pair, arch_of = model.rsplit("-", 1)
+            other = f"{pair}-{'smelt' if arch_of == 'baseline' else 'baseline'}"
+            raise cli.UsageError(
+                f"--arch both: {model} is a model; this needs a pair name: "
+                f"{pair} (holds {model} and {other})"
+            )
         return by_arch
     if arch not in by_arch:
         other = found[0].rsplit("-", 1)[0] + f"-{arch}"

@@ -38,7 +38,17 @@ def test_bad_names_and_options_exit_2_before_any_work(tmp_path, capsys):
     absent = ["--data", str(tmp_path / "absent"), "--steps", "1", "--out", str(tmp_path / "o")]
     _error(capsys, ["--preset", "tiny-smlet", *absent], 2, "unknown preset", "'tiny-smelt'")
     _error(capsys, ["--preset", "tiny-smelt", "--arch", "baseline", *absent], 2, "tiny-baseline")
-    _error(capsys, ["--preset", "tiny-smelt", "--arch", "both", *absent], 2, "one model")
+    need_pair = (
+        "tiny-smelt is a model; this needs a pair name: tiny (holds tiny-smelt and tiny-baseline)"
+    )
+    _error(capsys, ["--preset", "TINY-smelt", "--arch", "both", *absent], 2, need_pair)
+    _error(
+        capsys,
+        ["--preset", "200m-s95-baseline", "--arch", "both", *absent],
+        2,
+        "200M-S95-baseline is a model; this needs a pair name: 200M-S95 (holds "
+        "200M-S95-baseline and 200M-S95-smelt)",
+    )
     _error(capsys, ["--preset", "tiny", "--seq-len", "1", *absent], 2, "--seq-len")
     _error(capsys, ["--preset", "tiny", "--threads", "0", *absent], 2, "--threads")
     _error(capsys, ["--preset", "tiny", "--plot", str(tmp_path), *absent], 2, "is a folder")
