@@ -8,8 +8,8 @@ the state the run itself holds, before the first step, and refuse a mismatch wit
 :class:`~smelt_model.checkpoint.CheckpointError` naming the checkpoint and the field:
 
 * :func:`check_like`: a value has the kind of the run's own value at the same place
-  (same keys, a sequence of the same length, a number where a number is, an integer where
-  an integer is, finite, a tensor of the same shape);
+  (the run's keys, with ``exact`` no others; a sequence of the same length, a number where
+  a number is, an integer where an integer is, finite, a tensor of the same shape);
 * :func:`check_optimizer`: a ``torch.optim`` state dict (parameter ids or names): the
   same parameter groups, hyper-parameters like the run's, and every per-parameter tensor
   either a scalar or of its parameter's shape.
@@ -39,12 +39,14 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_like(saved: Any, live: Any, where: str, name: str = "") -> None:
+def check_like(saved: Any, live: Any, where: str, name: str = "", exact: bool = False) -> None:
     """:class:`CheckpointError` (``where``: the file, ``name``: the field) unless ``saved``
-    has the kind of ``live``: dicts hold at least ``live``'s keys, each alike; sequences
-    have ``live``'s length, each alike; a number where ``live`` has one (an ``int`` where
-    it has an ``int``), finite; a bool or None where it has a bool or None; a tensor of
-    ``live``'s shape where it has a tensor; else the same type."""
+    has the kind of ``live``: dicts hold at least ``live``'s keys (with ``exact``, no
+    others either: a state loaded by ``__dict__.update``, as a ``torch.optim.lr_scheduler``
+    is, would take an extra key as an attribute), each alike; sequences have ``live``'s
+    length, each alike; a number where ``live`` has one (an ``int`` where it has an
+    ``int``), finite; a bool or None where it has a bool or None; a tensor of ``live``'s
+    shape where it has a tensor; else the same type."""
     label = name or "the state"
 
     def refuse(why: str) -> CheckpointError:
@@ -56,14 +58,20 @@ def check_like(saved: Any, live: Any, where: str, name: str = "") -> None:
         missing = [k for k in live if k not in saved]
         if missing:
             raise CheckpointError(f"{where}: {label} lacks {missing[0]!r}")
+        extra = [k for k in saved if k not in live] if exact else []
+        if extra:
+            raise CheckpointError(
+                f"{where}: {label} has {extra[0]!r}, which the run's does not have"
+            )
         for key, value in live.items():
-            check_like(saved[key], value, where, f"{name}.{key}" if name else str(key))
+            field = f"{name}.{key}" if name else str(key)
+            check_like(saved[key], value, where, field, exact)
         return
     if isinstance(live, (list, tuple)):
         if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
             raise refuse(f"is {_describe(saved)} of another length")
         for i, (s, v) in enumerate(zip(saved, live)):
-            check_like(s, v, where, f"{label}[{i}]")
+            check_like(s, v, where, f"{label}[{i}]", exact)
         return
     if isinstance(live, torch.Tensor):
         if not isinstance(saved, torch.Tensor) or saved.shape != live.shape:

@@ -7,7 +7,9 @@ scheduler, RNG states, the data position and the lengths of the logs at that ste
 ``manifest.json``, written last, with every file's size and SHA-256. The folder is written
 under a temporary name and renamed into place, then ``checkpoints/latest`` (a file holding
 the folder's name) is replaced atomically; a crash at any moment leaves the previous
-checkpoint loadable.
+checkpoint loadable. Only folders that hold what :func:`save` writes (:func:`written_here`)
+are ever removed, by ``--keep``'s :func:`prune` or replaced: a ``step_*`` entry someone else
+put there, a link included, is left alone and reported.
 
 Reading is strict. ``latest`` must name a ``step_N`` folder directly inside
 ``checkpoints/`` (no path, no symbolic link, at most 18 digits): anything else raises
@@ -42,6 +44,8 @@ from smelt_model.checkpoint import CheckpointError, fit, plainstate
 
 __all__ = [
     "save",
+    "prune",
+    "written_here",
     "load_latest",
     "resolve",
     "resolve_latest",
@@ -113,15 +117,27 @@ def save(
     config_json: str,
     state: dict[str, Any],
     keep: int = 2,
+    on_leave: Optional[Callable[[Path, str], None]] = None,
 ) -> Path:
     """Write the step-``step`` checkpoint under ``folder`` atomically; keep the ``keep``
-    newest complete checkpoints. Returns the checkpoint's folder."""
+    newest checkpoints written here (:func:`prune`; each ``step_*`` entry it leaves alone
+    goes to ``on_leave(path, why)``). Returns the checkpoint's folder.
+
+    :class:`CheckpointError` before anything is written when ``step_N`` is already there
+    and is not a checkpoint this trainer wrote (a link, someone's folder): it is not
+    replaced."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     final = folder / name
+    if final.is_symlink() or final.exists():
+        why = written_here(final)
+        if why:
+            raise CheckpointError(
+                f"{final}: already there and {why}; move it away to save step {step}"
+            )
     for stale in folder.glob(".step_*.tmp*"):  # left by a write that was interrupted
         shutil.rmtree(stale, ignore_errors=True)
     tmp = folder / f".{name}.tmp{os.getpid()}"
@@ -140,19 +156,73 @@ def save(
     files = {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in FILES}
     _fsync_write(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
     _fsync_dir(tmp)
-    if final.is_symlink():
-        final.unlink()
-    elif final.exists():  # a stale copy of this step from an earlier, interrupted run
-        shutil.rmtree(final)
+    if final.exists():  # a copy of this step from an earlier, interrupted run (checked above)
+        _remove(final)
     os.replace(tmp, final)
     _fsync_dir(folder)
     latest_tmp = folder / f".{LATEST}.tmp{os.getpid()}"
     _fsync_write(latest_tmp, (name + "\n").encode())
     os.replace(latest_tmp, folder / LATEST)
     _fsync_dir(folder)
-    for old in _folders(folder)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(folder, keep, on_leave)
     return final
+
+
+def written_here(ckpt: Path) -> str:
+    """Empty when ``ckpt`` is a checkpoint folder as :func:`save` writes it (a real folder
+    holding its ``manifest.json``, which names this step, and no entry but the plain files
+    :func:`save` writes: some may be missing); else why it is not one."""
+    if ckpt.is_symlink():
+        return "is a symbolic link"
+    if not ckpt.is_dir():
+        return "is not a folder"
+    try:
+        entries = list(ckpt.iterdir())
+    except OSError as e:
+        return f"cannot be listed ({e.strerror})"
+    foreign = [p.name for p in entries if p.name not in FILES + (MANIFEST,)]
+    foreign += [p.name for p in entries if p.name in FILES and (p.is_symlink() or not p.is_file())]
+    if foreign:
+        return f"holds {foreign[0]!r}, which no checkpoint holds"
+    try:
+        manifest = plainstate.read_json(ckpt / MANIFEST, "manifest", CheckpointError)
+    except CheckpointError:
+        return f"has no readable {MANIFEST}"
+    if not _NAME.fullmatch(ckpt.name) or manifest.get("step") != _step_of(ckpt):
+        return f"has a {MANIFEST} of another step"
+    return ""
+
+
+def _remove(ckpt: Path) -> None:
+    """Remove a folder :func:`written_here` accepted: its files one by one, the manifest
+    last (an interrupted removal leaves a folder that is still recognised), then the folder,
+    which fails if anything else has appeared in it."""
+    for f in FILES + (MANIFEST,):
+        (ckpt / f).unlink(missing_ok=True)
+    ckpt.rmdir()
+
+
+def prune(folder: Path, keep: int, on_leave: Optional[Callable[[Path, str], None]] = None) -> None:
+    """Remove all but the ``keep`` newest checkpoints of ``folder`` that :func:`save` wrote
+    (:func:`written_here`); ``keep`` 0 keeps every one. Nothing else is removed and no link
+    is followed: every other ``step_*`` entry goes to ``on_leave(path, why)``."""
+    folder = Path(folder)
+    ours, others = [], []
+    for p in sorted(folder.glob("step_*")):
+        why = written_here(p) if _NAME.fullmatch(p.name) else "is not named step_NNNNNNNN"
+        if why:
+            others.append((p, why))
+        else:
+            ours.append(p)
+    ours.sort(key=_step_of)
+    for old in ours[:-keep] if keep > 0 else []:
+        try:
+            _remove(old)
+        except OSError as e:
+            others.append((old, f"could not be removed ({e.strerror})"))
+    for path, why in others:
+        if on_leave is not None:
+            on_leave(path, why)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -358,7 +428,9 @@ class Checkpoint:
                 index += 1
         shapes.update({name: tuple(p.shape) for name, p in model.named_parameters()})
         fit.check_optimizer(self.state["optimizer"], optimizer, shapes, where)
-        fit.check_like(self.state["scheduler"], scheduler.state_dict(), where, "scheduler")
+        # exact: LambdaLR.load_state_dict takes every key as an attribute of the scheduler
+        live = scheduler.state_dict()
+        fit.check_like(self.state["scheduler"], live, where, "scheduler", exact=True)
         if self.state["scheduler"].get("last_epoch") != self.step:
             raise CheckpointError(
                 f"{where}: the scheduler is at step {self.state['scheduler'].get('last_epoch')}, "

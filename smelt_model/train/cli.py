@@ -15,7 +15,8 @@ weight decay and clipping default to the preset's :func:`smelt_model.presets.rec
 tiny pair's without a preset), the same recipe ``smelt_model.titan`` starts from.
 
 Runs on several processes go through torchtitan (``torchrun ... -m smelt_model.titan
---config PRESET``); started under torchrun this command refuses and says so.
+--config PRESET``); started under torchrun (one process or several) this command refuses
+with exit status 2, and only rank 0 says so.
 
 Errors follow :mod:`smelt_tools.cli`: a bad option (``--seq-len`` below 2, an unknown
 preset) is one line and exit status 2 before any work; a failure the run meets (a missing
@@ -188,7 +189,13 @@ def _models(preset: str, arch: Optional[str]) -> dict[str, str]:
     by_arch = {name.rsplit("-", 1)[1]: name for name in found}
     if arch in (None, "both"):
         if arch == "both" and len(by_arch) == 1:
-            raise cli.UsageError(f"--arch both: --preset {preset} is one model; name a pair")
+            model = found[0]
+            pair, arch_of = model.rsplit("-", 1)
+            other = f"{pair}-{'smelt' if arch_of == 'baseline' else 'baseline'}"
+            raise cli.UsageError(
+                f"--arch both: {model} is a model; this needs a pair name: "
+                f"{pair} (holds {model} and {other})"
+            )
         return by_arch
     if arch not in by_arch:
         other = found[0].rsplit("-", 1)[0] + f"-{arch}"
@@ -224,16 +231,34 @@ def _check_numbers(args) -> None:
         raise cli.UsageError(f"--device must be cpu or cuda, got {args.device!r}")
 
 
-def _single_process(args) -> None:
-    """Refuse a start under torchrun (several processes), naming the command that trains
-    on several processes. Every rank says so: torchrun stops the others when the first
-    fails, and that one must have said why."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return
-    names = list(args.models.values()) or ["PRESET"]
+#: what torchrun sets in every process it starts (one process included)
+TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def torchrun_rank() -> Optional[int]:
+    """This process's rank when torchrun started it (any of :data:`TORCHRUN_ENV` is set:
+    ``RANK``, else ``LOCAL_RANK``, else 0), None otherwise."""
+    if not any(name in os.environ for name in TORCHRUN_ENV):
+        return None
+    for name in ("RANK", "LOCAL_RANK"):
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return 0
+
+
+def _under_torchrun(argv: Optional[Sequence[str]]) -> cli.UsageError:
+    """The refusal of a start under torchrun, naming the command that trains there (with
+    the preset of ``argv`` when it names one)."""
+    try:
+        names = list(parse_args(argv).models.values())
+    except (ValueError, TypeError):  # a bad option: the refusal names a placeholder instead
+        names = []
+    names = names or ["PRESET"]
     target = names[0] + (f" (or {names[1]})" if len(names) > 1 else "")
-    raise cli.UsageError(
-        "trains in one process (the CPU or one GPU); on several processes use "
+    return cli.UsageError(
+        "trains in one process (the CPU or one GPU) and was started under torchrun; there use "
         f"torchrun --nproc_per_node N -m smelt_model.titan --config {target}"
     )
 
@@ -262,8 +287,12 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     from smelt_model.train.runspec import compare
     from smelt_model.train.trainer import check_memory
 
+    rank = torchrun_rank()
+    if rank is not None:
+        if rank != 0:
+            return 2  # rank 0 says why, once
+        raise _under_torchrun(argv)
     args = parse_args(argv)
-    _single_process(args)
     try:
         tok_mod.parse_spec(args.tokenizer)
     except ValueError as e:

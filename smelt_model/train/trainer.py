@@ -183,6 +183,7 @@ class Trainer:
         self.spec, self.train_data, self.val_data = spec, train, val
         self.out = Path(out)
         self.warn = warn if warn is not None else self._warn
+        self.left_alone: set[Path] = set()  # step_* entries --keep did not write, said once
         self.device = torch.device(device)
         self.cfg = ModelConfig.from_dict(spec.config)
         rows = spec.tokens_per_step // spec.seq_len
@@ -450,7 +451,13 @@ class Trainer:
             self.cfg.to_json(),
             state,
             keep=self.spec.keep,
+            on_leave=self._leave,
         )
+
+    def _leave(self, path: Path, why: str) -> None:
+        if path not in self.left_alone:
+            self.left_alone.add(path)
+            self.warn(f"{path}: left alone by --keep, not a checkpoint of this run ({why})")
 
     def _resume(self, saved: RunSpec) -> None:
         """Continue from the newest checkpoint that loads; every check comes before the

@@ -117,8 +117,8 @@ class _Run:
         self.progress = self.progress or _Progress(self.units)
 
     def finish(self, json_path) -> int:
-        """Print the table, the failures and the summary; write the JSON (its folder made
-        where missing); the exit status."""
+        """Print the table, the failures and the summary; write the JSON (into a folder
+        that exists: :func:`_run` checked it); the exit status."""
         rows = [self.rows[i] for i in sorted(self.rows)]
         planned = len(self.units) if self.units is not None else 0
         seconds = time.perf_counter() - self.t0
@@ -130,7 +130,6 @@ class _Run:
         print()
         print(results.summary(rows, self.device, seconds, planned), flush=True)
         if json_path is not None:
-            json_path.parent.mkdir(parents=True, exist_ok=True)
             data = results.to_json(
                 rows, self.device, seconds, self.environment, planned, self.tolerances
             )
@@ -305,6 +304,8 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     args.json = output_path(args.json, "--json")
+    if args.json is not None and not args.json.parent.is_dir():
+        raise UsageError(f"--json {args.json}: the folder {args.json.parent} does not exist")
     if args.worker_fd is not None:
         try:
             return _worker(args)

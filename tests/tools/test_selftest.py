@@ -217,6 +217,15 @@ def test_bad_options_are_one_line(args, message):
     assert out.stderr.startswith("smelt-selftest: error: ")
 
 
+def test_a_json_path_in_a_missing_folder_is_refused_and_not_made(tmp_path):
+    path = tmp_path / "absent" / "deeper" / "x.json"
+    out = _command("--quick", "--json", str(path))
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("smelt-selftest: error: ")
+    assert f"--json {path}: the folder {path.parent} does not exist" in out.stderr, out.stderr
+    assert not (tmp_path / "absent").exists()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -4,6 +4,7 @@ status 2 for a bad option and 1 for a failure of the run, and progress that does
 itself when piped."""
 
 import io
+import os
 import subprocess
 import sys
 
@@ -37,7 +38,17 @@ def test_bad_names_and_options_exit_2_before_any_work(tmp_path, capsys):
     absent = ["--data", str(tmp_path / "absent"), "--steps", "1", "--out", str(tmp_path / "o")]
     _error(capsys, ["--preset", "tiny-smlet", *absent], 2, "unknown preset", "'tiny-smelt'")
     _error(capsys, ["--preset", "tiny-smelt", "--arch", "baseline", *absent], 2, "tiny-baseline")
-    _error(capsys, ["--preset", "tiny-smelt", "--arch", "both", *absent], 2, "one model")
+    need_pair = (
+        "tiny-smelt is a model; this needs a pair name: tiny (holds tiny-smelt and tiny-baseline)"
+    )
+    _error(capsys, ["--preset", "TINY-smelt", "--arch", "both", *absent], 2, need_pair)
+    _error(
+        capsys,
+        ["--preset", "200m-s95-baseline", "--arch", "both", *absent],
+        2,
+        "200M-S95-baseline is a model; this needs a pair name: 200M-S95 (holds "
+        "200M-S95-baseline and 200M-S95-smelt)",
+    )
     _error(capsys, ["--preset", "tiny", "--seq-len", "1", *absent], 2, "--seq-len")
     _error(capsys, ["--preset", "tiny", "--threads", "0", *absent], 2, "--threads")
     _error(capsys, ["--preset", "tiny", "--plot", str(tmp_path), *absent], 2, "is a folder")
@@ -59,6 +70,29 @@ def test_under_torchrun_it_names_the_command_to_use(tmp_path, capsys, monkeypatc
     assert "torchrun --nproc_per_node N -m smelt_model.titan --config tiny-smelt" in err
     err = _error(capsys, ["--preset", "tiny", *argv], 2)
     assert "--config tiny-baseline (or tiny-smelt)" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_with_one_process_or_two_only_rank_0_says_why(tmp_path, rank):
+    """What torchrun sets; one process (WORLD_SIZE 1) is refused too."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), TORCHELASTIC_RUN_ID="none")
+    env.update(WORLD_SIZE=str(max(rank + 1, 1)), RANK=str(rank), LOCAL_RANK=str(rank))
+    argv = ["--preset", "tiny-smelt", "--data", str(tmp_path / "absent"), "--steps", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "smelt_model.train", *argv, "--out", str(tmp_path / "o")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    if rank:
+        assert proc.stderr == "", proc.stderr
+    else:
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.startswith("smelt-train: error: ") and "torchrun" in proc.stderr
+        assert "-m smelt_model.titan --config tiny-smelt" in proc.stderr
     assert not (tmp_path / "o").exists()
 
 

@@ -366,6 +366,14 @@ def _scheduler_field_replaced(state):
     state["scheduler"]["base_lrs"] = {"not": "a list"}
 
 
+def _scheduler_with_an_extra_key(state):
+    state["scheduler"]["optimizer"] = 3  # LambdaLR would take it as its optimizer
+
+
+def _scheduler_without_a_key(state):
+    del state["scheduler"]["_last_lr"]
+
+
 def _scheduler_at_another_step(state):
     state["scheduler"]["last_epoch"] = 10**12
 
@@ -376,9 +384,18 @@ def _scheduler_at_another_step(state):
         (_exp_avg_of_another_shape, "exp_avg has shape (3,)"),
         (_lr_a_string, "lr is the string 'fast'"),
         (_scheduler_field_replaced, "scheduler.base_lrs is a dict"),
+        (_scheduler_with_an_extra_key, "scheduler has 'optimizer', which the run's does not"),
+        (_scheduler_without_a_key, "scheduler lacks '_last_lr'"),
         (_scheduler_at_another_step, "scheduler is at step 1000000000000"),
     ],
-    ids=["exp_avg-shape", "lr-string", "scheduler-field", "scheduler-step"],
+    ids=[
+        "exp_avg-shape",
+        "lr-string",
+        "scheduler-field",
+        "scheduler-extra-key",
+        "scheduler-missing-key",
+        "scheduler-step",
+    ],
 )
 def test_a_state_that_does_not_fit_is_one_line_before_any_step(corpus, run, capsys, change, needle):
     cfg, out, _ = run
