@@ -6,7 +6,7 @@ Import the op modules, or the layers built on them, directly::
     from smelt_kernels.moe_gemm import route, moe_ffn
     from smelt_kernels.attention import segment_attention
     from smelt_kernels.norm import rms_norm
-    from smelt_kernels.attention import apply_rotary
+    from smelt_kernels.rotary import apply_rotary
     from smelt_kernels.layers import MoE, SegmentAttention, RMSNorm, Rotary
 
 The native extensions (``smelt_kernels._cpu``, ``smelt_kernels._cuda``) are optional: the

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from . import backends
+
 __all__ = ["cpu_pool_stats", "empty", "poisoning", "release_cpu_pool"]
 
 
 def poisoning() -> bool:
-    from . import backends
-
     return backends.env_flag("SMELT_POISON")
 
 
@@ -39,8 +39,6 @@ def cpu_pool_stats() -> dict[str, int] | None:
     from it, so that a training step does not first-touch tens of megabytes of freshly
     mapped memory per layer. ``SMELT_CPU_POOL_MB`` caps what it keeps unused (default 1024;
     0 turns it off)."""
-    from . import backends
-
     if backends.extension_op_missing("_cpu", "pool_stats", "csrc/cpu_module.cpp") is not None:
         return None
     held, reused, fresh = torch.ops.smelt_cpu.pool_stats()
@@ -51,8 +49,6 @@ def release_cpu_pool() -> int:
     """Free the blocks the native CPU pool keeps unused; returns the bytes freed (0 without
     the extension). Tensors still on pooled blocks are untouched: their blocks come back
     when they are freed."""
-    from . import backends
-
     if backends.extension_op_missing("_cpu", "pool_release", "csrc/cpu_module.cpp") is not None:
         return 0
     return int(torch.ops.smelt_cpu.pool_release())

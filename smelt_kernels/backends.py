@@ -106,7 +106,12 @@ __all__ = [
 logger = logging.getLogger("smelt")
 
 #: the modules whose import registers the shipped ops (loaded by :func:`report`)
-OP_MODULES = ("smelt_kernels.moe_gemm", "smelt_kernels.attention", "smelt_kernels.norm")
+OP_MODULES = (
+    "smelt_kernels.moe_gemm",
+    "smelt_kernels.attention",
+    "smelt_kernels.rotary",
+    "smelt_kernels.norm",
+)
 
 
 class BackendUnavailableError(RuntimeError):

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from .attention import segment_attention
-from .attention.rotary import apply_rotary
 from .moe_gemm import moe_ffn, route, router_loss
 from .norm import rms_norm
+from .rotary import apply_rotary
 
 __all__ = ["RMSNorm", "Rotary", "SegmentAttention", "MoE"]
 
@@ -106,7 +106,7 @@ class Rotary(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (B, T, heads, D); cos/sin: (T, D/2) or (B, T, D/2)
-        (:func:`smelt_kernels.attention.rotary.apply_rotary`: one fused pass on the CPU)."""
+        (:func:`smelt_kernels.rotary.apply_rotary`: one fused pass on the CPU)."""
         return apply_rotary(x, cos, sin)
 
 

@@ -1,9 +1,9 @@
 // Native CPU grouped GEMM behind smelt_kernels.moe_gemm.grouped_gemm.
 //
-//   grouped_mm:       c[r] = a[g(r)] @ op(b[e]) for the rows r of group e, where op(b[e]) is
+//   grouped_gemm:       c[r] = a[g(r)] @ op(b[e]) for the rows r of group e, where op(b[e]) is
 //                     b[e]^T (b: (E, N, K), trans_b) or b[e] (b: (E, K, N)); rows past the
 //                     last group are zero.
-//   grouped_mm_wgrad: db[e] = dc[rows of e]^T @ a[g(rows of e)], (E, N, K).
+//   grouped_gemm_wgrad: db[e] = dc[rows of e]^T @ a[g(rows of e)], (E, N, K).
 // Rows are expert-sorted; offsets (E+1,) int32 holds each group's first row and the end.
 // Same building blocks and scheduling as the MoE kernels (moe_plan.h): row items of one
 // group on one thread, weight-gradient items of (group, 64 output rows) reducing over the
@@ -89,23 +89,23 @@ void wgrad_impl(const at::Tensor& dc, const at::Tensor& a, const int32_t* off, c
 }
 
 void check_grouped(const at::Tensor& a, const at::Tensor& offsets, const c10::optional<at::Tensor>& gather) {
-  TORCH_CHECK_VALUE(a.dim() == 2, "grouped_mm: a must be 2-D");
-  TORCH_CHECK_TYPE(offsets.scalar_type() == at::kInt && offsets.dim() == 1, "grouped_mm: offsets must be int32 (E+1,)");
+  TORCH_CHECK_VALUE(a.dim() == 2, "grouped_gemm: a must be 2-D");
+  TORCH_CHECK_TYPE(offsets.scalar_type() == at::kInt && offsets.dim() == 1, "grouped_gemm: offsets must be int32 (E+1,)");
   if (gather.has_value()) {
-    TORCH_CHECK_TYPE(gather->scalar_type() == at::kInt && gather->dim() == 1, "grouped_mm: gather must be int32 (M,)");
+    TORCH_CHECK_TYPE(gather->scalar_type() == at::kInt && gather->dim() == 1, "grouped_gemm: gather must be int32 (M,)");
   }
 }
 
-at::Tensor grouped_mm(const at::Tensor& a_, const at::Tensor& b_, const at::Tensor& offsets_,
+at::Tensor grouped_gemm(const at::Tensor& a_, const at::Tensor& b_, const at::Tensor& offsets_,
                       const c10::optional<at::Tensor>& gather_, bool trans_b) {
   check_grouped(a_, offsets_, gather_);
   at::Tensor a = a_.contiguous(), b = b_.contiguous(), offsets = offsets_.contiguous();
   at::Tensor gather = gather_.has_value() ? gather_->contiguous() : at::Tensor();
   const int64_t E = b.size(0), M = gather.defined() ? gather.size(0) : a.size(0);
   const int64_t N = trans_b ? b.size(1) : b.size(2);
-  TORCH_CHECK_VALUE(offsets.numel() == E + 1, "grouped_mm: offsets must have E+1 entries");
-  TORCH_CHECK_VALUE((trans_b ? b.size(2) : b.size(1)) == a.size(1), "grouped_mm: inner dims differ");
-  return smelt::named_op("grouped_mm (cpu)", [&]() -> at::Tensor {
+  TORCH_CHECK_VALUE(offsets.numel() == E + 1, "grouped_gemm: offsets must have E+1 entries");
+  TORCH_CHECK_VALUE((trans_b ? b.size(2) : b.size(1)) == a.size(1), "grouped_gemm: inner dims differ");
+  return smelt::named_op("grouped_gemm (cpu)", [&]() -> at::Tensor {
     at::Tensor c = smelt::output({M, N}, a.options());
     if (M == 0 || N == 0) return c;
     if (a.size(1) == 0) return c.zero_();  // K = 0: empty sums
@@ -117,14 +117,14 @@ at::Tensor grouped_mm(const at::Tensor& a_, const at::Tensor& b_, const at::Tens
   });
 }
 
-at::Tensor grouped_mm_wgrad(const at::Tensor& dc_, const at::Tensor& a_, const at::Tensor& offsets_,
+at::Tensor grouped_gemm_wgrad(const at::Tensor& dc_, const at::Tensor& a_, const at::Tensor& offsets_,
                             const c10::optional<at::Tensor>& gather_) {
   check_grouped(a_, offsets_, gather_);
   at::Tensor dc = dc_.to(a_.scalar_type()).contiguous(), a = a_.contiguous(), offsets = offsets_.contiguous();
   at::Tensor gather = gather_.has_value() ? gather_->contiguous() : at::Tensor();
   const int64_t E = offsets.numel() - 1;
-  TORCH_CHECK_VALUE(E >= 0 && dc.dim() == 2, "grouped_mm_wgrad: offsets must have E+1 entries and dc be 2-D");
-  return smelt::named_op("grouped_mm_wgrad (cpu)", [&]() -> at::Tensor {
+  TORCH_CHECK_VALUE(E >= 0 && dc.dim() == 2, "grouped_gemm_wgrad: offsets must have E+1 entries and dc be 2-D");
+  return smelt::named_op("grouped_gemm_wgrad (cpu)", [&]() -> at::Tensor {
     at::Tensor db = smelt::output({E, dc.size(1), a.size(1)}, a.options());
     if (db.numel() == 0) return db;
     const int32_t* g = gather.defined() ? gather.data_ptr<int32_t>() : nullptr;
@@ -139,11 +139,11 @@ at::Tensor grouped_mm_wgrad(const at::Tensor& dc_, const at::Tensor& a_, const a
 }  // namespace smelt_moe
 
 TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {
-  m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets, Tensor? gather, bool trans_b) -> Tensor");
-  m.def("grouped_mm_wgrad(Tensor dc, Tensor a, Tensor offsets, Tensor? gather) -> Tensor");
+  m.def("grouped_gemm(Tensor a, Tensor b, Tensor offsets, Tensor? gather, bool trans_b) -> Tensor");
+  m.def("grouped_gemm_wgrad(Tensor dc, Tensor a, Tensor offsets, Tensor? gather) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(smelt_cpu, CPU, m) {
-  m.impl("grouped_mm", &smelt_moe::grouped_mm);
-  m.impl("grouped_mm_wgrad", &smelt_moe::grouped_mm_wgrad);
+  m.impl("grouped_gemm", &smelt_moe::grouped_gemm);
+  m.impl("grouped_gemm_wgrad", &smelt_moe::grouped_gemm_wgrad);
 }

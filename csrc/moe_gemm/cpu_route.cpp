@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "../cpu_alloc.h"
-#include "cpu_blas.h"
+#include "../cpu_blas.h"
 
 namespace smelt_moe {
 namespace {

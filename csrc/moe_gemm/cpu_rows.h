@@ -12,7 +12,7 @@
 // expert's weights stream in while this one computes instead of stalling the transposes.
 #pragma once
 
-#include "cpu_blas.h"
+#include "../cpu_blas.h"
 #include "../env.h"
 
 namespace smelt_moe {

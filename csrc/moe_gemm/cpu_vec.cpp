@@ -1,7 +1,7 @@
 // Element-wise row kernels of the CPU MoE path: SwiGLU forward and backward, the weighted
 // combine's axpy, and 16-bit <-> fp32 conversion. Each is compiled for AVX-512, AVX2 and the
 // baseline ISA (SMELT_MULTIVERSION) and written as plain loops that the compiler vectorises.
-#include "cpu_blas.h"
+#include "../cpu_blas.h"
 
 namespace smelt_moe {
 

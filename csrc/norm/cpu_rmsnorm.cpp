@@ -15,7 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include "../cpu_alloc.h"
-#include "../moe_gemm/cpu_blas.h"
+#include "../cpu_blas.h"
 
 namespace smelt_norm {
 namespace {

@@ -63,6 +63,7 @@ def register(name: str = NAME) -> str:
     """Register ``name`` (default ``"smelt"``) in transformers' experts, attention and
     attention-mask interfaces; idempotent. Returns the name."""
     _check_version()
+    # names of transformers 5.x: imported after the version check, which says what is wrong
     from transformers import AttentionInterface
     from transformers.integrations.moe import ExpertsInterface
     from transformers.masking_utils import AttentionMaskInterface

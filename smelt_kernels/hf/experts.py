@@ -99,6 +99,8 @@ def is_strict() -> bool:
 
 
 def _reference_code():
+    # transformers 5.x internals: imported when used, so that another version fails in the
+    # package's version check (hf.register) rather than on import
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     return MixtralExperts.forward.__wrapped__.__code__
@@ -121,7 +123,7 @@ def _is_silu(act) -> bool:
 
 def _class_reason(cls: type) -> Optional[str]:
     """What in the class (not the instance) keeps the kernel from serving it."""
-    from transformers.integrations.moe import _default_apply_gate
+    from transformers.integrations.moe import _default_apply_gate  # 5.x internals, as above
 
     if getattr(cls, "_apply_gate", _default_apply_gate) is not _default_apply_gate:
         return "it has its own gate function (e.g. a clamped or scaled SwiGLU)"

@@ -32,8 +32,8 @@ __all__ = [
     "forward",
     "infer",
     "backward",
-    "grouped_mm",
-    "grouped_wgrad",
+    "grouped_gemm",
+    "grouped_gemm_wgrad",
     "forward_kernel",
     "few_rows_limit",
     "VARIANTS",
@@ -75,14 +75,14 @@ def backward(grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev, offs
     )
 
 
-def grouped_mm(a, b, offsets, gather, trans_b: bool):
+def grouped_gemm(a, b, offsets, gather, trans_b: bool):
     backends.check_env("SMELT_POISON")
-    return torch.ops.smelt_cpu.grouped_mm(a, b, offsets, gather, trans_b)
+    return torch.ops.smelt_cpu.grouped_gemm(a, b, offsets, gather, trans_b)
 
 
-def grouped_wgrad(dc, a, offsets, gather):
+def grouped_gemm_wgrad(dc, a, offsets, gather):
     backends.check_env("SMELT_POISON")
-    return torch.ops.smelt_cpu.grouped_mm_wgrad(dc, a, offsets, gather)
+    return torch.ops.smelt_cpu.grouped_gemm_wgrad(dc, a, offsets, gather)
 
 
 def forward_kernel(hidden_size: int, expert_size: int, dtype: torch.dtype) -> str:

@@ -9,7 +9,7 @@ with semantics of :func:`smelt_kernels.moe_gemm.reference.moe_ffn`. Backends, th
 and why one runs: ``smelt_kernels.backends.select("moe_ffn", ...)`` and ``report()``; how
 each computes: its module (``cpu``, ``triton``, ``cuda``, ``reference``). Operators:
 ``torch.ops.smelt.moe_ffn_fwd`` / ``moe_ffn_bwd``, ``route_fwd`` / ``route_bwd``,
-``grouped_mm`` / ``grouped_mm_wgrad``.
+``grouped_gemm`` / ``grouped_gemm_wgrad``.
 """
 
 from __future__ import annotations
@@ -108,20 +108,20 @@ backends.register(
 )
 
 backends.define("grouped_gemm", lambda a, b, offsets, gather, trans_b: (a.device, a.dtype, {}))
-backends.register("grouped_gemm", "torch", reference.grouped_mm, reference.grouped_wgrad)
+backends.register("grouped_gemm", "torch", reference.grouped_gemm, reference.grouped_gemm_wgrad)
 backends.register(
     "grouped_gemm",
     "cpu",
-    moe_cpu.grouped_mm,
-    moe_cpu.grouped_wgrad,
+    moe_cpu.grouped_gemm,
+    moe_cpu.grouped_gemm_wgrad,
     dtypes=_KERNEL_DTYPES,
-    requires=lambda d: moe_cpu.missing("grouped_mm"),
+    requires=lambda d: moe_cpu.missing("grouped_gemm"),
 )
 backends.register(
     "grouped_gemm",
     "triton",
-    backends.lazy(_TRITON, "grouped_mm"),
-    backends.lazy(_TRITON, "grouped_wgrad"),
+    backends.lazy(_TRITON, "grouped_gemm"),
+    backends.lazy(_TRITON, "grouped_gemm_wgrad"),
     auto=("cuda",),
     dtypes=_KERNEL_DTYPES,
 )
@@ -270,7 +270,7 @@ def _gmm_wgrad(dc, a, offsets, gather, backend):
 
 
 _WGRAD = define(
-    "grouped_mm_wgrad",
+    "grouped_gemm_wgrad",
     "(Tensor dc, Tensor a, Tensor offsets, Tensor? gather, str backend) -> Tensor",
     _gmm_wgrad,
     lambda dc, a, offsets, gather, backend: a.new_empty(
@@ -304,7 +304,7 @@ _GMM = KernelOp(
     fake=_gmm_fake,
     composite_backward=_gmm_backward,
     check=_check_grouped,
-    fwd_name="grouped_mm",
+    fwd_name="grouped_gemm",
 )
 
 

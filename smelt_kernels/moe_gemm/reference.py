@@ -11,7 +11,7 @@ which is kept in float32. They do not validate their inputs: the public ops do t
 * :func:`moe_ffn`: the oracle; :func:`moe_ffn_fwd` / :func:`moe_ffn_bwd`: the same forward
   with what backward keeps, and its explicit backward (the ``"torch"`` backend of
   ``torch.ops.smelt.moe_ffn_fwd`` / ``moe_ffn_bwd``).
-* :func:`grouped_mm` / :func:`grouped_wgrad`: the grouped GEMM and its weight gradient.
+* :func:`grouped_gemm` / :func:`grouped_gemm_wgrad`: the grouped GEMM and its weight gradient.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ __all__ = [
     "moe_ffn",
     "moe_ffn_fwd",
     "moe_ffn_bwd",
-    "grouped_mm",
-    "grouped_wgrad",
+    "grouped_gemm",
+    "grouped_gemm_wgrad",
 ]
 
 
@@ -145,7 +145,7 @@ def moe_ffn_bwd(grad_y, x, w1, w2, topk_weights, topk_ids, preact, order, rev, o
     return dx, dw1, dw2, dtw
 
 
-def grouped_mm(
+def grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
     offsets: torch.Tensor,
@@ -161,10 +161,10 @@ def grouped_mm(
     return out
 
 
-def grouped_wgrad(
+def grouped_gemm_wgrad(
     dc: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor, gather: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """db[e] = dc[rows of e]^T @ A[rows of e]: (E, N, K) for :func:`grouped_mm` with trans_b."""
+    """db[e] = dc[rows of e]^T @ A[rows of e]: (E, N, K) for :func:`grouped_gemm` with trans_b."""
     rows = a if gather is None else a[gather.long()]
     db = a.new_zeros(offsets.numel() - 1, dc.shape[1], a.shape[1])
     for e, r0, r1 in _groups(offsets):

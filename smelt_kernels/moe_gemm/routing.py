@@ -52,7 +52,7 @@ def _kernels():
     global _KERNELS
     if _KERNELS is not None:
         return _KERNELS
-    import triton
+    import triton  # optional: loaded with the kernels
     import triton.language as tl
 
     @triton.jit
@@ -91,7 +91,7 @@ def _kernels():
 
 def sort_pairs(topk_ids: torch.Tensor, num_experts: int):
     """(order, rev, offsets, tok) by the Triton counting sort (see the module docstring)."""
-    import triton
+    import triton  # optional: only this path needs it
 
     count_kernel, scatter_kernel = _kernels()
     T, k = topk_ids.shape

@@ -45,7 +45,7 @@ from .. import _alloc
 from ..backends import triton_interpret
 from . import routing as moe_routing
 
-__all__ = ["forward", "backward", "grouped_mm", "grouped_wgrad", "config", "tile_key"]
+__all__ = ["forward", "backward", "grouped_gemm", "grouped_gemm_wgrad", "config", "tile_key"]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -428,7 +428,7 @@ def backward(dy, x, w1, w2, topk_weights, pre, order, rev, offsets):
     return dx, dw1, dw2, dtw.view(T, k)
 
 
-def grouped_mm(a, b, offsets, gather, trans_b: bool):
+def grouped_gemm(a, b, offsets, gather, trans_b: bool):
     """c[r] = a[g(r)] @ (b[e]^T if trans_b else b[e]) for rows r of group e (offsets (E+1,)
     int32 starts); rows past offsets[-1] are zero."""
     M = gather.numel() if gather is not None else a.shape[0]
@@ -444,7 +444,7 @@ def grouped_mm(a, b, offsets, gather, trans_b: bool):
     return c
 
 
-def grouped_wgrad(dc, a, offsets, gather):
+def grouped_gemm_wgrad(dc, a, offsets, gather):
     """db[e] = dc[rows of e]^T @ a[g(rows of e)], shape (E, N, K)."""
     E = offsets.numel() - 1
     N, K = dc.shape[1], a.shape[1]

@@ -16,10 +16,11 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from smelt_kernels import testing
-from smelt_kernels.attention import apply_rotary, segment_attention
 from smelt_kernels.attention import reference as attention_reference
+from smelt_kernels.attention import segment_attention
 from smelt_kernels.moe_gemm import grouped_gemm, moe_ffn, route
 from smelt_kernels.norm import rms_norm
+from smelt_kernels.rotary import apply_rotary
 
 __all__ = ["Case", "CASES"]
 

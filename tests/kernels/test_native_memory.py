@@ -116,7 +116,7 @@ SCRIPT = textwrap.dedent('''
 OPS = {
     "moe": "moe_ffn (cpu",
     "moe_backward": "moe_ffn (cpu",
-    "grouped": "grouped_mm",
+    "grouped": "grouped_gemm",
     "attention": "segment_attention (cpu",
     "norm": "rms_norm (cpu",
 }

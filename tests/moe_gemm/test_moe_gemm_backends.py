@@ -98,11 +98,11 @@ def test_opcheck(name):
     a, b, ends, idx, dc = grouped_case(torch.float32, dev, True)
     starts = torch.cat([ends.new_zeros(1), ends])
     torch.library.opcheck(
-        torch.ops.smelt.grouped_mm.default,
+        torch.ops.smelt.grouped_gemm.default,
         (a.requires_grad_(), b.requires_grad_(), starts, idx.int(), True, name),
     )
     torch.library.opcheck(
-        torch.ops.smelt.grouped_mm_wgrad.default, (dc, a.detach(), starts, idx.int(), name)
+        torch.ops.smelt.grouped_gemm_wgrad.default, (dc, a.detach(), starts, idx.int(), name)
     )
 
 

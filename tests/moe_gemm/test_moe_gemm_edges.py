@@ -138,9 +138,9 @@ def test_native_grouped_ops_zero_sizes(M, K, N, dtype):
     E = 3
     a, b = torch.randn(M, K, dtype=dtype), torch.randn(E, N, K, dtype=dtype)
     starts = torch.tensor([0, M // 3, 2 * M // 3, M], dtype=torch.int32)
-    c = torch.ops.smelt_cpu.grouped_mm(a, b, starts, None, True)
+    c = torch.ops.smelt_cpu.grouped_gemm(a, b, starts, None, True)
     assert c.shape == (M, N) and torch.equal(c, torch.zeros(M, N, dtype=dtype))
-    db = torch.ops.smelt_cpu.grouped_mm_wgrad(torch.randn(M, N, dtype=dtype), a, starts, None)
+    db = torch.ops.smelt_cpu.grouped_gemm_wgrad(torch.randn(M, N, dtype=dtype), a, starts, None)
     assert db.shape == (E, N, K) and not db.isnan().any()
     if M == 0 or K == 0:
         assert torch.equal(db, torch.zeros_like(db))

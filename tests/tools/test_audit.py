@@ -61,7 +61,7 @@ def test_every_triton_kernel_is_audited(rows):
         "moe.wgrad_w1",
         "moe.wgrad_w2",
         "moe.combine",
-        "moe.grouped_mm",
+        "moe.grouped_gemm",
         "moe.route_count",
         "moe.route_scatter",
         "attention.backward_dq",

@@ -1,45 +1,24 @@
-"""Rotary position embedding (rotate-half form) with a fused CPU kernel.
-
-    from smelt_kernels.attention.rotary import apply_rotary
-    q = apply_rotary(q, cos, sin)     # q (B, T, heads, D); cos/sin (T, D/2) or (B, T, D/2)
-
-On the CPU, for float32, bfloat16 and float16 ``x`` with float32 tables, forward and
-backward are one pass each (``csrc/attention/cpu_rotary.cpp``, ``torch.ops.smelt_cpu.rotary``).
-Everything else (CUDA, float64, tables that need gradients, a build without the CPU
-extension, and code being compiled, whose generated kernels fuse the rotation themselves)
-runs :func:`rotary_reference`; :func:`implementation` says which one a call takes.
-"""
+"""Rotary position embedding (rotate-half form): :func:`apply_rotary`, with a fused CPU kernel
+(:mod:`smelt_kernels.rotary.cpu`) and the pure-torch reference
+(:mod:`smelt_kernels.rotary.reference`), chosen by the registry. Everything the native kernel
+does not take (CUDA, float64, tables that need gradients, a build without the CPU extension)
+and code being compiled, whose generated kernels fuse the rotation themselves, runs the
+reference; :func:`implementation` says which one a call takes."""
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
 from .. import backends
 from ..opdef import KernelOp
+from . import cpu, reference
 
-__all__ = ["apply_rotary", "rotary_reference", "implementation", "native_missing"]
+__all__ = ["apply_rotary", "implementation", "native_missing"]
 
 _OP = "rotary"
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@functools.cache  # the extension does not change within a process
-def native_missing() -> Optional[str]:
-    """None when the native CPU kernel is available, else why not."""
-    return backends.extension_op_missing("_cpu", "rotary", "csrc/attention/cpu_rotary.cpp")
-
-
-def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The eager form: ``x1 c - x2 s`` and ``x2 c + x1 s`` over the two halves of the last
-    dimension, in float32 (float64 stays float64), rounded to ``x``'s dtype."""
-    half = x.shape[-1] // 2
-    xf = x if x.dtype == torch.float64 else x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads (and batch)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
 def _cpu_supports(tables_fp32: bool, tables_grad: bool) -> Optional[str]:
@@ -48,11 +27,6 @@ def _cpu_supports(tables_fp32: bool, tables_grad: bool) -> Optional[str]:
     if tables_grad:
         return "the native kernel does not differentiate the tables"
     return None
-
-
-def _native(x, cos, sin, inverse: bool):
-    backends.check_env("SMELT_POISON")
-    return torch.ops.smelt_cpu.rotary(x, cos, sin, inverse)
 
 
 backends.define(
@@ -66,16 +40,16 @@ backends.define(
         },
     ),
 )
-backends.register(_OP, "torch", rotary_reference, direct=True)
+backends.register(_OP, "torch", reference.apply_rotary, direct=True)
 backends.register(
     _OP,
     "cpu",
-    lambda x, cos, sin: _native(x, cos, sin, False),
-    lambda dy, cos, sin: _native(dy, cos, sin, True),
+    cpu.forward,
+    cpu.backward,
     dtypes=_NATIVE_DTYPES,
-    requires=lambda d: native_missing(),
+    requires=lambda d: cpu.missing(),
     supports=_cpu_supports,
-    infer=lambda x, cos, sin: _native(x, cos, sin, False),
+    infer=cpu.infer,
     traced=False,
 )
 
@@ -89,6 +63,11 @@ _ROTARY = KernelOp(
     fake=lambda x, cos, sin: x.new_empty(x.shape),
     backward_fake=lambda dy, cos, sin: dy.new_empty(dy.shape),
 )
+
+
+def native_missing() -> Optional[str]:
+    """None when the native CPU kernel is available, else why not."""
+    return cpu.missing()
 
 
 def implementation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
@@ -124,7 +103,7 @@ def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: Optional[str] = None
 ) -> torch.Tensor:
     """``x`` (B, T, heads, head_dim) rotated by the angles whose cos/sin are given per position
-    (T, head_dim / 2) or per batch row and position (B, T, head_dim / 2):
-    :func:`rotary_reference`'s semantics. Differentiable in ``x``."""
+    (T, head_dim / 2) or per batch row and position (B, T, head_dim / 2): the semantics of
+    :func:`smelt_kernels.rotary.reference.apply_rotary`. Differentiable in ``x``."""
     _validate(x, cos, sin)
     return _ROTARY(x, cos, sin, backend=backend)

@@ -1,5 +1,5 @@
 // Rotary position embedding on the CPU (smelt_cpu::rotary), the native path of
-// smelt_kernels.attention.rotary.apply_rotary.
+// smelt_kernels.rotary.apply_rotary.
 //
 // x (B, T, heads, D) in the rotate-half form, cos/sin (T, D/2) or (B, T, D/2) in fp32:
 //   out[..., :D/2] = x1 c - x2 s        out[..., D/2:] = x2 c + x1 s
@@ -12,7 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include "../cpu_alloc.h"
-#include "../moe_gemm/cpu_blas.h"
+#include "../cpu_blas.h"
 
 namespace smelt_rotary {
 namespace {

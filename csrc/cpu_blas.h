@@ -1,4 +1,5 @@
-// Small-GEMM building blocks for the CPU MoE kernels (csrc/moe_gemm/cpu_*.cpp).
+// Small-GEMM building blocks and the vector conversions the CPU kernels share (the MoE GEMMs
+// in csrc/moe_gemm/, RMSNorm and rotary).
 //
 // Every GEMM here is C (M x N, fp32) (+)= A (M x K, row-major) @ B (K x N), run on one
 // thread through ATen's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm: a
@@ -32,8 +33,8 @@
 
 #include <sys/mman.h>
 
-#include "../cpu_alloc.h"
-#include "../cpu_transpose.h"
+#include "cpu_alloc.h"
+#include "cpu_transpose.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>

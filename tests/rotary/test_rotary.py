@@ -1,4 +1,4 @@
-"""The fused CPU rotary embedding (csrc/attention/cpu_rotary.cpp) against the fp64
+"""The fused CPU rotary embedding (csrc/rotary/cpu_rotary.cpp) against the fp64
 reference, forward and backward, in fp32, bf16 and fp16; per-position and per-batch tables;
 odd head dims, one position, no positions; which path a call takes; bad input."""
 
@@ -6,13 +6,8 @@ import pytest
 import torch
 from helpers import assert_close, fp64_oracle, run_with_grads
 
-from smelt_kernels.attention.rotary import (
-    apply_rotary,
-    implementation,
-    native_missing,
-    rotary_reference,
-)
 from smelt_kernels.layers import Rotary
+from smelt_kernels.rotary import apply_rotary, implementation, native_missing, reference
 from smelt_kernels.testing import EDGES
 
 NATIVE = native_missing()
@@ -41,8 +36,8 @@ def test_matches_reference(shape, dtype):
     x, cos, sin, dy = _case(*shape, dtype)
     assert implementation(x, cos, sin) == "native"
     got = run_with_grads(lambda a: apply_rotary(a, cos, sin), [x], dy)
-    ref = fp64_oracle(lambda a: rotary_reference(a, cos.double(), sin.double()), [x], dy)
-    base = run_with_grads(lambda a: rotary_reference(a, cos, sin), [x], dy)
+    ref = fp64_oracle(lambda a: reference.apply_rotary(a, cos.double(), sin.double()), [x], dy)
+    base = run_with_grads(lambda a: reference.apply_rotary(a, cos, sin), [x], dy)
     for name, a, r, b in zip(("out", "dx"), got, ref, base):
         assert a.dtype == dtype
         assert_close(name, a, r, b)
@@ -61,7 +56,7 @@ def test_no_grad_call_and_thread_counts_agree():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
-    torch.testing.assert_close(outs[0], rotary_reference(x, cos, sin), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[0], reference.apply_rotary(x, cos, sin), rtol=1e-6, atol=1e-6)
 
 
 def test_other_inputs_take_the_reference():
