@@ -48,6 +48,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from output_paths import out_folder
 
 from smelt_kernels import backends, moe_gemm
 from smelt_tools import cli
@@ -280,9 +281,7 @@ def _check(args) -> torch.device:
     if not args.min_time >= 0:
         raise UsageError(f"--min-time must be >= 0, got {args.min_time}")
     cli.threads(args.threads)
-    if args.out is not None:
-        name = args.name or f"moe_gemm_{device.type}"
-        cli.output_path(os.path.join(args.out, f"{name}.json"), "--out")
+    out_folder(args.out)
     return device
 
 
