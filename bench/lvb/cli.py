@@ -185,6 +185,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     res = driver.run_pair(args, log=None if args.quiet else driver._log)
     res.update(
         preset=args.preset,
+        mode=args.mode,
         device=args.device,
         dtype=args.dtype,
         backend=args.backend,
@@ -194,18 +195,16 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     text = report.format_tables(res)
     print("\n" + text)
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         cmd = list(argv) if argv is not None else sys.argv[1:]
         Path(args.markdown).write_text(report.markdown(res, text, cmd))
         print(f"wrote {args.markdown}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         report.plot(res, args.plot)
         print(f"wrote {args.plot}")
+    print(report.next_step(res))
     return 0
 
 

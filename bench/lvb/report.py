@@ -11,7 +11,7 @@ from smelt_model.memory import GiB
 from .verdict import describe
 from .workload import ARCHS
 
-__all__ = ["LEGEND", "format_tables", "markdown", "plot"]
+__all__ = ["LEGEND", "format_tables", "next_step", "markdown", "plot"]
 
 LEGEND = """\
 legend
@@ -33,10 +33,11 @@ legend
               at target: the interval holds the target but lies within --resolution of
               it (the gap is the target as near as the clock can tell: settled);
               unsettled: the interval still holds the target, wider than that, when the
-              run stops; machine busy: most pairs were contended, no gap is given; no
-              target: none is set for the row on this device. The run stops when every
-              row is settled, before a round that would pass --max-time, or at
-              --max-rounds
+              run stops; machine busy: most pairs were contended, no gap is given and
+              the row's times are marked "contended: not usable"; no target: none is
+              set for the row on this device. The run stops when no row is open (each
+              settled, or given up as machine busy), before a round that would pass
+              --max-time, or at --max-rounds
   components  each part timed alone at the step's shapes, round-robin with the step in one
               loop, in the first --component-rounds rounds; ms per step (median x runs
               per step) and % of that loop's step; the ratio column is smelt / baseline,
@@ -47,6 +48,16 @@ legend
               (up to --max-tries) and the row says so instead of printing a negative other
   decode      bytes/token: what one token reads (executed layers' weights with the experts
               its batch selects, the head, the KV cache); GB/s: bytes per step / step time"""
+
+
+#: why a run of one mode can give another gap than the full run's (printed with --mode)
+MODE_NOTE = (
+    "note: --mode {mode} measures its rows in blocks that hold nothing else, so the step "
+    "runs in another context than in the full run (there each block also runs the other "
+    "modes: the other model's prefill and compiled decode, their caches and allocations, "
+    "come before each step; rounds are longer and fewer); its gap can differ from the "
+    "full run's: compare intervals, and quote the full run's verdicts"
+)
 
 
 def _fmt_bytes(n: Optional[float]) -> str:
@@ -103,6 +114,12 @@ def _interval(est: dict[str, Any]) -> str:
 
 def _row_lines(row: dict[str, Any], mode: str, arch: dict[str, Any]) -> list[str]:
     b, s, est = row["baseline"], row["smelt"], row["estimate"]
+    if not row["usable"]:  # machine busy: the times are printed, marked, and nothing from them
+        return [
+            f"{row['mode']:18} {b['ms']:>10.2f}ms {s['ms']:>10.2f}ms {'-':>8}   "
+            "contended: not usable",
+            f"{'  verdict':18} {describe(row['verdict'])}",
+        ]
     ratio = f"{row['wall_ratio']:>8.3f}" if row["wall_ratio"] is not None else f"{'-':>8}"
     lines = [
         f"{row['mode']:18} {b['ms']:>10.2f}ms {s['ms']:>10.2f}ms {ratio}",
@@ -122,20 +139,16 @@ def _row_lines(row: dict[str, Any], mode: str, arch: dict[str, Any]) -> list[str
     fr = row.get("decode_flops_ratio", row["flops_ratio"])
     lines.append(f"{'  F ratio':18} {'':>12} {'':>12} {fr:>8.3f}")
     left = f", {est['left_out']} left out (contended)" if est["left_out"] else ""
-    if row["gap"] is None:
-        lines.append(f"{'  gap (wall / F)':18} {'':>12} {'':>12} {'n/a':>8}   (machine busy)")
-    else:
-        lines.append(
-            f"{'  gap (wall / F)':18} {'':>12} {'':>12} {row['gap']:>8.3f}   "
-            f"{_interval(est)}, {est['pairs']} pairs{left}"
-        )
+    lines.append(
+        f"{'  gap (wall / F)':18} {'':>12} {'':>12} {row['gap']:>8.3f}   "
+        f"{_interval(est)}, {est['pairs']} pairs{left}"
+    )
     g, out = sorted(est["round_gaps"]), est["left_out_gaps"]
-    if row["gap"] is not None:  # a busy row gives no number, not even by round
-        kept = f"min {g[0]:.3f}, max {g[-1]:.3f} over {len(g)} kept pairs" if g else "none kept"
-        if out:
-            shown = ", ".join(f"{x:.3f}" for x in out[:4]) + (", ..." if len(out) > 4 else "")
-            kept += f"; left out {shown}"
-        lines.append(f"{'  gap by round':18} {'':>12} {'':>12} {'':>8}   {kept}")
+    kept = f"min {g[0]:.3f}, max {g[-1]:.3f} over {len(g)} kept pairs"
+    if out:
+        shown = ", ".join(f"{x:.3f}" for x in out[:4]) + (", ..." if len(out) > 4 else "")
+        kept += f"; left out (contended, not usable) {shown}"
+    lines.append(f"{'  gap by round':18} {'':>12} {'':>12} {'':>8}   {kept}")
     lines.append(f"{'  verdict':18} {describe(row['verdict'])}")
     return lines
 
@@ -206,6 +219,8 @@ def format_tables(res: dict[str, Any]) -> str:
         f"{sch['repeats_per_block']} timed steps and {sch['decode_steps_per_block']} decode "
         "steps per block"
     )
+    if res.get("mode", "all") != "all":
+        lines.append(MODE_NOTE.format(mode=res["mode"]))
     lines.append(_machine_line(res))
     est = [sum(arch[a]["memory_estimate_bytes"].values()) / GiB for a in ARCHS]
     rss = [max((x or 0) for x in arch[a].get("peak_rss_bytes", [0])) / GiB for a in ARCHS]
@@ -230,6 +245,41 @@ def format_tables(res: dict[str, Any]) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+GPU_COMMAND = "bash bench/gpu_check.sh"
+
+
+def next_step(res: dict[str, Any]) -> str:
+    """The run's last line: what its verdicts mean together and what to run next."""
+    by: dict[str, list[str]] = {}
+    for rows in res["summary"].values():
+        for row in rows:
+            by.setdefault(row["verdict"]["verdict"], []).append(row["mode"])
+    gpu = (
+        f"the GPU target (train gap <= 1.00 on one H200) is checked by `{GPU_COMMAND}` on a "
+        "machine with a CUDA GPU (it refuses to start without one)"
+    )
+    if "machine busy" in by:
+        return (
+            f"next: {', '.join(by['machine busy'])} gave no gap (machine busy): rerun on a "
+            "quiet machine, or with --threads set to the cores other work leaves free"
+        )
+    if "unsettled" in by:
+        return (
+            f"next: {', '.join(by['unsettled'])} still unsettled: rerun with a larger "
+            "--max-time (or --max-rounds)"
+        )
+    on = res["targets"]["device"]
+    if "misses" in by:
+        return (
+            f"next: on {on} the looped model is slower than its FLOPs say on "
+            f"{', '.join(by['misses'])} (beyond the target); "
+            + (gpu if on == "cpu" else "see docs/benchmarks.md for the parts that cost it")
+        )
+    return f"next: every row with a target meets it or is at it on {on}" + (
+        f"; {gpu}" if on == "cpu" else ""
+    )
 
 
 def markdown(res: dict[str, Any], text: str, argv: Sequence[str]) -> str:

@@ -111,9 +111,23 @@ def test_the_run_stops_as_soon_as_every_row_is_settled(monkeypatch, capsys, tmp_
     assert blocks.calls == {"baseline": 6, "smelt": 6}  # six pairs: the first 95% interval
     res = json.loads(out.read_text())
     assert res["schedule"]["stopped"] == "every row settled"
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 6 and err[0].startswith("round 1 (") and "decided" in err[-1]
+    out, err = capsys.readouterr()
+    err = err.strip().splitlines()
+    # before anything is built: what it will do; then each block of the first round
+    assert err[0].startswith("tiny: 3 rows (train, prefill, decode) on cpu")
+    assert "an interval needs 6 rounds at least" in err[0]
+    assert (
+        err[1]
+        == "round 1: baseline: build, warm up, compile the decode step, time with its components"
+    )
+    assert err[2].startswith("round 1: smelt: build")
+    assert err[3].startswith("round 1 (") and err[4].startswith("the first round took")
+    assert "expect about 6 rounds" in err[4]
+    rounds = [x for x in err if x.startswith("round ") and " s): " in x]
+    assert len(rounds) == 6 and rounds[-1].count(" meets") == 3
     assert all(r["verdict"]["verdict"] == "meets" for rs in res["summary"].values() for r in rs)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("next: every row with a target meets it") and "gpu_check.sh" in last
 
 
 def test_a_busy_machine_ends_the_run_without_a_number(monkeypatch, capsys):
@@ -124,8 +138,35 @@ def test_a_busy_machine_ends_the_run_without_a_number(monkeypatch, capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.strip().startswith("train") and "busy" in x)
     assert "machine busy: 3 of 3 pairs contended (other processes busy on 1.50 of 2 cores" in line
-    assert "n/a" in next(x for x in out.splitlines() if "gap (wall / F)" in x)
-    assert "every row settled (1 given up: machine busy)" in out
+    row = next(x for x in out.splitlines() if x.startswith("train "))
+    assert row.endswith("contended: not usable") and "gap (wall / F)" not in out
+    assert "every row given up: machine busy" in out and "settled" not in out.split("legend")[0]
+    assert out.strip().splitlines()[-1].startswith("next: train gave no gap (machine busy)")
+
+
+def test_most_pairs_contended_is_busy_whatever_the_kept_pairs_say(monkeypatch, capsys, tmp_path):
+    """Every round but the first contended on the train row: its one kept pair would meet,
+    but the row is busy; one contended pair does not make the prefill row busy; the header
+    never says "every row settled" beside the busy row."""
+    rows = ("train", "prefill", "decode (batch1)")
+
+    def others(arch, r, row):
+        return 1.5 if (row == "train" and r > 0) or (row == "prefill" and r == 3) else 0.0
+
+    monkeypatch.setattr(
+        runners, "measure_block", fake_blocks(_gaps(dict.fromkeys(rows, TIGHT)), others)
+    )
+    out_json = tmp_path / "r.json"
+    assert cli.main(SMALL + ["--decode-batch", "1", "--json", str(out_json)]) == 0
+    res = json.loads(out_json.read_text())
+    got = {r["mode"]: r for rs in res["summary"].values() for r in rs}
+    assert got["train"]["verdict"]["verdict"] == "machine busy" and not got["train"]["usable"]
+    assert got["prefill"]["verdict"]["verdict"] == "meets" and got["prefill"]["usable"]
+    assert got["prefill"]["estimate"]["left_out"] == 1
+    stopped = res["schedule"]["stopped"]
+    assert stopped == "1 of 3 rows given up (machine busy), the others settled"
+    out = capsys.readouterr().out
+    assert "every row settled" not in out
 
 
 def test_contended_pairs_are_left_out_of_the_estimate(monkeypatch, capsys):
@@ -138,7 +179,7 @@ def test_contended_pairs_are_left_out_of_the_estimate(monkeypatch, capsys):
     assert cli.main(SMALL[1:] + ["--mode", "train"]) == 0
     out, err = capsys.readouterr()
     assert "6 pairs, 2 left out (contended)" in " ".join(out.split())  # 8 rounds
-    rounds = err.strip().splitlines()
+    rounds = [x for x in err.strip().splitlines() if x.startswith("round ") and " s): " in x]
     assert len(rounds) == 8 and "left out:" not in rounds[0]
     assert rounds[1].endswith(
         "(1 left out); left out: other processes busy on 1.00 of 2 cores, "
