@@ -243,3 +243,21 @@ def test_the_timing_helpers_live_in_one_place():
     env = timing.environment("cpu")
     for key in ("date", "processor", "cpu_count", "torch_threads", "torch", "device_name"):
         assert key in env
+
+
+def test_bench_moe_gemm_refuses_a_run_the_memory_cannot_hold(monkeypatch, capsys, nothing_runs):
+    """The default shapes need several GiB on the CPU: refused first where less is
+    available, with --quick named; --quick itself fits in what is left."""
+    monkeypatch.setattr(bench_moe_gemm, "available_memory", lambda device=None: 5 * 2**30)
+    err = _one_line("bench_moe_gemm", bench_moe_gemm.main, [], capsys)
+    assert "200M-base in float32 needs about 7.9 GiB, 5.0 GiB is available" in err
+    assert "--quick" in err
+    args, _ = bench_moe_gemm.parse_args(["--quick"])
+    assert args.shapes == ["cpu-target"] and args.dtypes == ["float32"] and args.tokens == 256
+    assert args.reference_bwd_params == 0 and args.decode_tokens == [1, 8]
+    args, _ = bench_moe_gemm.parse_args(["--shapes", "200M-base", "--dtypes", "bfloat16"])
+    assert args.shapes == ["200M-base"]  # 4.2 GiB
+    monkeypatch.setattr(bench_moe_gemm, "available_memory", lambda device=None: 2**30)
+    assert bench_moe_gemm.parse_args(["--quick"])[0].tokens == 256  # 0.6 GiB
+    monkeypatch.setattr(bench_moe_gemm, "available_memory", lambda device=None: None)
+    assert bench_moe_gemm.parse_args([])[0].shapes[-1] == "200M-smelt"  # nothing known: runs
