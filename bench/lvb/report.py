@@ -11,7 +11,7 @@ from smelt_model.memory import GiB
 from .verdict import describe
 from .workload import ARCHS
 
-__all__ = ["LEGEND", "format_tables", "next_step", "markdown", "plot"]
+__all__ = ["LEGEND", "format_tables", "next_step", "markdown", "figure", "plot"]
 
 LEGEND = """\
 legend
@@ -294,45 +294,69 @@ def markdown(res: dict[str, Any], text: str, argv: Sequence[str]) -> str:
     )
 
 
-def plot(res: dict[str, Any], path: str) -> None:
-    """Wall-clock against the ledger's FLOPs per call, both architectures, every row; a gray
+def figure(res: dict[str, Any]):
+    """The plot's figure (matplotlib). Left: each row's gap with its interval and its target,
+    one row per line, so no label can cover another; a busy row says so in place of a gap.
+    Right: wall-clock against the ledger's FLOPs per call, each row one color, each
+    architecture one marker, named in the legend rather than beside the points, with a gray
     line through each baseline point at the baseline's FLOP rate."""
-    import matplotlib
+    import matplotlib  # optional dependency: the [plot] extra, needed only for --plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    rows = [row for rs in res["summary"].values() for row in rs]
+    fig, (gap_ax, ax) = plt.subplots(
+        1, 2, figsize=(11, 1.6 + 0.45 * len(rows)), gridspec_kw={"width_ratios": [1.2, 1]}
+    )
+    ys = list(range(len(rows)))[::-1]
+    left = blended_transform_factory(gap_ax.transAxes, gap_ax.transData)
+    colors = [f"C{i % 10}" for i in range(len(rows))]
+    for y, row, color in zip(ys, rows, colors):
+        v = row["verdict"]
+        if v["gap"] is None:
+            gap_ax.text(0.02, y, "machine busy: no gap", va="center", fontsize=8, transform=left)
+        else:
+            if v["low"] is not None:
+                gap_ax.plot([v["low"], v["high"]], [y, y], color=color, lw=2)
+            gap_ax.plot([v["gap"]], [y], "o", color=color)
+        if v["target"] is not None:
+            gap_ax.plot([v["target"]], [y], "|", color="black", ms=14, mew=2)
+    gap_ax.set_yticks(ys, [f"{r['mode']}: {r['verdict']['verdict']}" for r in rows])
+    gap_ax.set_ylim(-0.7, len(rows) - 0.3)
+    gap_ax.axvline(1.0, color="gray", lw=0.6, ls=":")
+    gap_ax.set_xlabel("gap = wall-clock ratio / FLOPs ratio (dot), interval (bar), target (|)")
+    gap_ax.set_title(f"gap at {res['targets']['confidence']:.0%} against each target", fontsize=10)
     markers = {"baseline": "o", "smelt": "s"}
-    colors = {"baseline": "tab:blue", "smelt": "tab:orange"}
-    first_mode = next(iter(res["summary"]))
-    for mode, rows in res["summary"].items():
-        for row in rows:
-            for arch in ARCHS:
-                p = row[arch]
-                ax.scatter(
-                    p["flops"],
-                    p["ms"],
-                    marker=markers[arch],
-                    s=40,
-                    color=colors[arch],
-                    label=arch if mode == first_mode else None,
-                )
-                ax.annotate(
-                    f"{arch} {row['mode']}",
-                    (p["flops"], p["ms"]),
-                    fontsize=7,
-                    xytext=(6, 3) if arch == "smelt" else (6, -9),
-                    textcoords="offset points",
-                )
-            b = row["baseline"]
-            xs = [b["flops"] * 0.8, b["flops"] * 1.4]
-            ax.plot(xs, [b["ms"] * x / b["flops"] for x in xs], lw=0.6, color="gray")
+    for row, color in zip(rows, colors):
+        if not row["usable"]:  # a busy machine's times are no measurement
+            ax.plot([], [], "-", color=color, lw=4, label=f"{row['mode']} (contended: not shown)")
+            continue
+        for arch in ARCHS:
+            p = row[arch]
+            ax.scatter(p["flops"], p["ms"], marker=markers[arch], s=36, color=color)
+        b = row["baseline"]
+        xs = [b["flops"] * 0.8, b["flops"] * 1.4]
+        ax.plot(xs, [b["ms"] * x / b["flops"] for x in xs], lw=0.6, color="gray")
+        ax.plot([], [], "-", color=color, lw=4, label=row["mode"])
+    for arch in ARCHS:
+        ax.scatter([], [], marker=markers[arch], color="black", label=arch)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("useful FLOPs per call (ledger)")
     ax.set_ylabel("wall-clock per call (ms)")
-    ax.set_title(f"{res['preset']} on {res['device']}: gray = baseline's FLOP rate")
-    ax.legend(loc="upper left")
+    ax.set_title("wall-clock against FLOPs; gray: the baseline's FLOP rate", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.suptitle(f"{res['preset']} pair on {res['device']}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    return fig
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    """Write :func:`figure` to ``path`` (.png, .svg or .pdf)."""
+    import matplotlib.pyplot as plt  # optional dependency: the [plot] extra
+
+    fig = figure(res)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    plt.close(fig)

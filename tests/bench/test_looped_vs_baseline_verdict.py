@@ -5,7 +5,7 @@ import json
 
 import pytest
 from helpers_lvb import fake_blocks
-from lvb import cli, driver, runners, verdict
+from lvb import cli, driver, report, runners, verdict
 
 from smelt_model import budget, presets
 
@@ -141,6 +141,8 @@ def test_a_busy_machine_ends_the_run_without_a_number(monkeypatch, capsys):
     row = next(x for x in out.splitlines() if x.startswith("train "))
     assert row.endswith("contended: not usable") and "gap (wall / F)" not in out
     assert "every row given up: machine busy" in out and "settled" not in out.split("legend")[0]
+    # a run of one mode says why its gap can differ from the full run's
+    assert "note: --mode train measures its rows in blocks that hold nothing else" in out
     assert out.strip().splitlines()[-1].startswith("next: train gave no gap (machine busy)")
 
 
@@ -244,3 +246,46 @@ def test_components_are_timed_in_the_first_rounds_only(monkeypatch, tmp_path):
         assert train["components_blocks"] == 2 and train["timing"]["repeats"] == 10
         assert train["components_ms"] and train["components_step"]["repeats"] == 4
     assert cli.main(SMALL + ["--component-rounds", "0"]) == 2
+
+
+def _overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_the_plot_shows_each_rows_gap_interval_and_target_without_overlaps(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    step = _gaps(
+        {"train": TIGHT, "prefill": [g + 0.07 for g in TIGHT]}
+        | {r: [g - 0.1 for g in TIGHT] for r in ("decode (batch1)", "decode (batch8)")}
+    )
+    busy = lambda arch, r, row: 1.2 if row == "decode (batch8)" else 0.0
+    monkeypatch.setattr(runners, "measure_block", fake_blocks(step, busy))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = SMALL + ["--max-rounds", "6", "--json", str(out), "--plot", str(png)]
+    assert cli.main(argv) == 0 and png.stat().st_size > 0
+    res = json.loads(out.read_text())
+    fig = report.figure(res)
+    gap_ax, ax = fig.axes[:2]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    labels = [t.get_text() for t in gap_ax.get_yticklabels()]
+    want = ["train: meets", "prefill: misses", "decode (batch1): meets"]
+    assert labels == want + ["decode (batch8): machine busy"]
+    lines = {(tuple(x.get_xdata()), tuple(x.get_ydata())) for x in gap_ax.get_lines()}
+    ys = dict(zip(labels, [t.get_position()[1] for t in gap_ax.get_yticklabels()]))
+    for row in (r for rs in res["summary"].values() for r in rs):
+        v, y = row["verdict"], ys[f"{row['mode']}: {row['verdict']['verdict']}"]
+        if v["target"] is not None:
+            assert ((v["target"],), (y,)) in lines  # the target's mark on the row's line
+        if v["gap"] is not None:
+            assert ((v["low"], v["high"]), (y, y)) in lines and ((v["gap"],), (y,)) in lines
+    texts = [t for a in fig.axes for t in a.texts] + gap_ax.get_yticklabels()
+    texts += [ax.get_legend()] + [a.title for a in fig.axes] + [a.xaxis.label for a in fig.axes]
+    boxes = [
+        t.get_window_extent(renderer)
+        for t in texts
+        if t.get_visible() and (not hasattr(t, "get_text") or t.get_text())
+    ]
+    for i, a in enumerate(boxes):
+        assert not any(_overlap(a, b) for b in boxes[i + 1 :]), "labels overlap"
+    assert any("machine busy" in t.get_text() for t in gap_ax.texts)
