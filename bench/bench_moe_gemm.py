@@ -7,8 +7,8 @@
     python bench/bench_moe_gemm.py --shapes cpu-target --dtypes float32 --modes fwd
     python bench/bench_moe_gemm.py --quick              # CPU smoke run: one small shape, fp32
 
-On a 2-core CPU the default run takes about 12 minutes and 8.7 GB of memory (2026-12, AMD
-EPYC: 11:52, peak RSS 8.68 GB), most of both in the 200M shapes; it estimates its peak
+On a 2-core CPU the default run takes about 12 minutes and 8.7 GB of memory (2026-12:
+11:52, peak RSS 8.68 GB), most of both in the 200M shapes; it estimates its peak
 (:func:`peak_bytes`) and refuses to start where the machine has less available. ``--quick``
 (the cpu-target shape at 256 tokens, fp32, short timings, the reference's slow backward
 left out, decode at 1 and 8 tokens) runs in under a minute.
