@@ -114,6 +114,13 @@ def _parser() -> cli.Parser:
         default=3,
         help="measurements of a step and its components before giving up (3)",
     )
+    _add_decode_and_outputs(ap)
+    return ap
+
+
+def _add_decode_and_outputs(ap: cli.Parser) -> None:
+    """The decode, recompute, thread and output options."""
+    add = ap.add_argument
     add("--decode-prompt", type=int, default=None, help="prompt length for decode")
     add(
         "--decode-steps",
@@ -148,9 +155,12 @@ def _parser() -> cli.Parser:
     cli.add_threads(ap)
     add("--json", help="write every number here (.json)")
     add("--markdown", help="write the tables here (.md)")
-    add("--plot", help="write a wall-clock vs FLOPs plot here (.png, .svg, .pdf; matplotlib)")
-    add("--quiet", action="store_true", help="no line after each round")
-    return ap
+    add(
+        "--plot",
+        help="write each row's gap, interval and target and wall-clock vs FLOPs here "
+        "(.png, .svg, .pdf; matplotlib)",
+    )
+    add("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):

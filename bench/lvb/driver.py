@@ -97,12 +97,13 @@ def block_line(r: int, arch: str, args) -> str:
 
 def eta_line(round_s: float, needed: int, args) -> str:
     """After the first round: about how long the run will take."""
-    least = max(needed, args.min_rounds)
+    least = min(max(needed, args.min_rounds), args.max_rounds)
     most = min(args.max_time, args.max_rounds * round_s)
     return (
-        f"the first round took {round_s:.0f} s (later rounds take less: no compiling, and "
-        f"no components after {args.component_rounds}); expect about {least} rounds, "
-        f"~{least * round_s:.0f} s at most, more while rows stay open, up to {most:.0f} s"
+        f"the first round took {round_s:.0f} s (later ones are shorter: nothing to compile, "
+        f"no components after round {args.component_rounds}); the fewest rounds that can "
+        f"settle every row: {least}, about {least * round_s:.0f} s at most; the run ends "
+        f"by about {most:.0f} s"
     )
 
 

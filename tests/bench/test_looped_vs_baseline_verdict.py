@@ -122,7 +122,7 @@ def test_the_run_stops_as_soon_as_every_row_is_settled(monkeypatch, capsys, tmp_
     )
     assert err[2].startswith("round 1: smelt: build")
     assert err[3].startswith("round 1 (") and err[4].startswith("the first round took")
-    assert "expect about 6 rounds" in err[4]
+    assert "the fewest rounds that can settle every row: 6" in err[4]
     rounds = [x for x in err if x.startswith("round ") and " s): " in x]
     assert len(rounds) == 6 and rounds[-1].count(" meets") == 3
     assert all(r["verdict"]["verdict"] == "meets" for rs in res["summary"].values() for r in rs)
