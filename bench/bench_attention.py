@@ -44,6 +44,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from output_paths import out_folder
 
 from smelt_kernels import backends
 from smelt_kernels.attention import cpu as attention_cpu
@@ -416,8 +417,7 @@ def _check(args) -> torch.device:
         if name not in known:
             raise cli.unknown("--methods method", name, known)
     dev = check_device(args.device)
-    if args.out is not None:
-        cli.output_path(os.path.join(args.out, f"attention_{dev.type}.json"), "--out")
+    out_folder(args.out)
     return dev
 
 

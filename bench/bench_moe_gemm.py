@@ -5,6 +5,13 @@
     python bench/bench_moe_gemm.py --out runs/bench     # ... and write runs/bench/moe_gemm_cpu.*
     python bench/bench_moe_gemm.py --device cuda        # GPU (paper micro-batch T = 32k)
     python bench/bench_moe_gemm.py --shapes cpu-target --dtypes float32 --modes fwd
+    python bench/bench_moe_gemm.py --quick              # CPU smoke run: one small shape, fp32
+
+On a 2-core CPU the default run takes about 12 minutes and 8.7 GB of memory (2026-12:
+11:52, peak RSS 8.68 GB), most of both in the 200M shapes; it estimates its peak
+(:func:`peak_bytes`) and refuses to start where the machine has less available. ``--quick``
+(the cpu-target shape at 256 tokens, fp32, short timings, the reference's slow backward
+left out, decode at 1 and 8 tokens) runs in under a minute.
 
 Useful FLOPs: forward 6*T*k*H*d_e (gate, up, down), backward twice that.
 Modes: ``fwd`` (inference: under no_grad), ``bwd`` (the backward of a retained graph, with
@@ -48,8 +55,11 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from output_paths import out_folder
 
 from smelt_kernels import backends, moe_gemm
+from smelt_model.memory import GiB
+from smelt_model.memory import available as available_memory
 from smelt_tools import cli
 from smelt_tools.cli import UsageError
 from smelt_tools.timing import (
@@ -71,6 +81,36 @@ SHAPES = {
     "100M-smelt": (576, 424, 288, 8, 4096, 32768),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: what --quick sets: one small shape, fp32, short timings (a smoke run of every path)
+QUICK = dict(
+    shapes="cpu-target",
+    dtypes="float32",
+    tokens=256,
+    repeats=2,
+    reference_bwd_params=0.0,
+    min_time=0.1,
+    decode_shapes="cpu-target",
+    decode_tokens="1,8",
+)
+#: what the process holds besides the layer's tensors (torch, the interpreter)
+BASE_BYTES = GiB // 2
+
+
+def peak_bytes(shape: str, T: int, dtype: torch.dtype, modes, with_reference: bool) -> int:
+    """About the most memory one shape's rows hold at once: the inputs' expert weights, a
+    copy per implementation timed (with its weight gradients in a backward mode), and each
+    implementation's gathered activations and their gradients. On the 200M-base shape in
+    float32 at 4096 tokens it gives 7.9 GiB (8.5 GB) against 8.68 GB peak RSS measured."""
+    H, de, E, k = SHAPES[shape][:4]
+    size = dtype.itemsize
+    weights = 3 * E * H * de * size
+    acts = 2 * T * k * (H + 4 * de) * size
+    worst = 0
+    for mode in modes:
+        grads = mode != "fwd"
+        impls = 2 + (with_reference and (not grads or 3 * E * H * de <= 20e6))
+        worst = max(worst, weights + impls * ((1 + grads) * weights + grads * acts))
+    return worst + BASE_BYTES
 
 
 def make_inputs(H, de, E, k, T, dtype, device, seed=0):
@@ -280,15 +320,51 @@ def _check(args) -> torch.device:
     if not args.min_time >= 0:
         raise UsageError(f"--min-time must be >= 0, got {args.min_time}")
     cli.threads(args.threads)
-    if args.out is not None:
-        name = args.name or f"moe_gemm_{device.type}"
-        cli.output_path(os.path.join(args.out, f"{name}.json"), "--out")
+    out_folder(args.out)
+    _check_memory(args, device)
     return device
+
+
+def _check_memory(args, device) -> None:
+    """Refuse a run whose largest shape would not fit in the memory the device has left."""
+    have = available_memory(device)
+    if have is None:
+        return
+    need, what = max(
+        (
+            peak_bytes(
+                s,
+                args.tokens or SHAPES[s][5 if device.type == "cuda" else 4],
+                DTYPES[d],
+                args.modes,
+                "reference" not in args.skip,
+            ),
+            f"{s} in {d}",
+        )
+        for s in args.shapes
+        for d in args.dtypes
+    )
+    if need > have:
+        raise UsageError(
+            f"--shapes {what} needs about {need / GiB:.1f} GiB, {have / GiB:.1f} GiB is "
+            f"available on {device.type}: pick smaller --shapes, --dtypes bfloat16, fewer "
+            "--tokens, or --quick"
+        )
 
 
 def _parser() -> cli.Parser:
     p = cli.Parser(prog="bench_moe_gemm.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run in under a minute on 2 cores: the cpu-target shape at 256 tokens, "
+        "float32, short timings, no reference backward, decode at 1 and 8 tokens (replaces "
+        "--shapes, --dtypes, --tokens, --repeats, --min-time, --reference-bwd-params, "
+        "--decode-shapes, --decode-tokens). "
+        "The default run takes about 12 minutes and 8.7 GB on a 2-core CPU and is refused "
+        "where less memory is available",
+    )
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--shapes", default="cpu-target,200M-base,200M-smelt")
     p.add_argument("--modes", default="fwd,bwd,fwd+bwd")
@@ -404,9 +480,18 @@ DECODE_COLUMNS = [
 ]
 
 
-def _run(argv=None):
+def parse_args(argv=None):
+    """The options, with --quick's values put in, every one checked (a
+    :class:`UsageError` naming the first bad one); returns them and the device."""
     args = _parser().parse_args(argv)
-    device = _check(args)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    return args, _check(args)
+
+
+def _run(argv=None):
+    args, device = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = layer_rows(args, device)

@@ -1,6 +1,6 @@
 """smelt's GPU kernels against the peers a user would pick instead, on one GPU in one run.
 
-    python bench/bench_peers.py [--out runs/bench] [--tokens 32768] [--rounds 3] [--quick]
+    python bench/bench_peers.py [--device cuda] [--out runs/bench] [--tokens 32768] [--quick]
 
 MoE at the 200M SMELT cell (E 288, H 1056, d_e 352, top-8, bf16): smelt's Triton
 ``moe_ffn`` against a ``torch._grouped_mm`` composite (sort, gather, two grouped GEMMs,
@@ -25,6 +25,8 @@ import platform
 import statistics
 import sys
 import time
+
+from output_paths import out_folder
 
 from smelt_tools import cli
 from smelt_tools.cli import UsageError
@@ -202,6 +204,12 @@ def _attention_cases(T, dev):
 
 def _parser() -> cli.Parser:
     ap = cli.Parser(prog="bench_peers.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda",),
+        help="the one device the peers run on (refused where no CUDA device is visible)",
+    )
     ap.add_argument("--out", default=None, help="folder for peers_cuda.json and peers_cuda.md")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--rounds", type=int, default=3)
@@ -213,12 +221,13 @@ def _run(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.tokens < 1024 or args.rounds < 1:
         raise UsageError("--tokens must be >= 1024 and --rounds >= 1")
-    if args.out is not None:
-        cli.output_path(os.path.join(args.out, "peers_cuda.json"), "--out")
+    out_folder(args.out)
     import torch
 
     if not torch.cuda.is_available():
-        raise UsageError("needs a CUDA device (torch.cuda.is_available() is False)")
+        raise UsageError(
+            f"--device {args.device}: needs a CUDA device (torch.cuda.is_available() is False)"
+        )
     import triton.testing
 
     T, rounds = (8192, 2) if args.quick else (args.tokens, args.rounds)

@@ -24,13 +24,19 @@
 # the same way, with the dependencies it names that the image lacks; without it the torchtitan
 # stage is skipped and summary.md says so. Each stage has its own time limit
 # and a failed stage does not stop the others; OUT_DIR/summary.md says what ran, how long it
-# took and how it ended. Logs are merged into one file; nothing is written more than
+# took and how it ended. Without a visible CUDA device it refuses in one line before it
+# writes anything (exit 2); when any stage fails it ends with one line naming the failed
+# stages and exit status 1. Logs are merged into one file; nothing is written more than
 # two folders down (summary, log, and each benchmark's JSON and Markdown).
 set -u
+PY=${PYTHON:-python3}  # the interpreter that has torch (CUDA), triton and pytest
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: error: no CUDA device is visible to $PY (torch.cuda.is_available() is False, or torch is missing): run it on a machine with a GPU" >&2
+  exit 2
+fi
 OUT=${1:-${OUT:-$(dirname "$0")/../runs/gpu_check}}  # runs/ is git-ignored
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the script moves to the repository root
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}  # the interpreter that has torch (CUDA), triton and pytest
 SUMMARY="$OUT/summary.md"
 LOG="$OUT/log.txt"
 : >"$LOG"
@@ -39,6 +45,8 @@ echo >>"$SUMMARY"
 echo "| stage | seconds | exit |" >>"$SUMMARY"
 echo "|---|---|---|" >>"$SUMMARY"
 
+FAILED=()  # the stages that exited non-zero (a time limit exits 124)
+STAGES=0
 stage() {  # stage NAME TIMEOUT_S COMMAND...
   local name=$1 limit=$2
   shift 2
@@ -48,10 +56,12 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...
   local rc=$?
   echo "| $name | $((SECONDS - t0)) | $rc |" >>"$SUMMARY"
   echo "===== $name: exit $rc after $((SECONDS - t0)) s =====" >>"$LOG"
+  STAGES=$((STAGES + 1))
+  [ "$rc" -eq 0 ] || FAILED+=("$name")
   return 0
 }
 
-stage environment 10 bash -c 'nvidia-smi; $0 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())"; nvcc --version' "$PY"
+stage environment 10 bash -c 'nvidia-smi; $0 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())" && nvcc --version' "$PY"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-16}
 if compgen -G "wheels/*.whl" >/dev/null; then
@@ -90,3 +100,10 @@ fi
 echo >>"$SUMMARY"
 echo "Full output: log.txt. Tables: *.md; every number: *.json." >>"$SUMMARY"
 ls -la "$OUT" >>"$LOG"
+if [ "${#FAILED[@]}" -gt 0 ]; then
+  line="${#FAILED[@]} of $STAGES stages failed: ${FAILED[*]} (see $OUT/summary.md and $OUT/log.txt)"
+  echo "$line" >>"$SUMMARY"
+  echo "gpu_check: $line" >&2
+  exit 1
+fi
+echo "gpu_check: all $STAGES stages passed; results in $OUT"

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from output_paths import output_file
+
 from smelt_tools import cli
 from smelt_tools.timing import cpu_name
 
@@ -103,7 +105,10 @@ def parse_args(argv: Optional[Sequence[str]] = None):
             raise cli.UsageError(
                 f"--out {args.out!r}: give a path without suffix (.json, .md, .png are added)"
             )
-        cli.output_path(args.out, "--out")
+        if Path(args.out).is_dir():
+            raise cli.UsageError(f"--out {args.out}: is a folder, expected a path to add .json to")
+        for suffix in (".json", ".md", ".png"):
+            output_file(Path(args.out + suffix), "--out")
     require("the loss plot")
     return args
 
@@ -210,7 +215,6 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
         },
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     plot_mod.plot_runs(
         [dirs["baseline"], dirs["smelt"]],

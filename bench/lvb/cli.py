@@ -114,6 +114,13 @@ def _parser() -> cli.Parser:
         default=3,
         help="measurements of a step and its components before giving up (3)",
     )
+    _add_decode_and_outputs(ap)
+    return ap
+
+
+def _add_decode_and_outputs(ap: cli.Parser) -> None:
+    """The decode, recompute, thread and output options."""
+    add = ap.add_argument
     add("--decode-prompt", type=int, default=None, help="prompt length for decode")
     add(
         "--decode-steps",
@@ -148,9 +155,12 @@ def _parser() -> cli.Parser:
     cli.add_threads(ap)
     add("--json", help="write every number here (.json)")
     add("--markdown", help="write the tables here (.md)")
-    add("--plot", help="write a wall-clock vs FLOPs plot here (.png, .svg, .pdf; matplotlib)")
-    add("--quiet", action="store_true", help="no line after each round")
-    return ap
+    add(
+        "--plot",
+        help="write each row's gap, interval and target and wall-clock vs FLOPs here "
+        "(.png, .svg, .pdf; matplotlib)",
+    )
+    add("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
@@ -185,6 +195,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     res = driver.run_pair(args, log=None if args.quiet else driver._log)
     res.update(
         preset=args.preset,
+        mode=args.mode,
         device=args.device,
         dtype=args.dtype,
         backend=args.backend,
@@ -194,18 +205,16 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     text = report.format_tables(res)
     print("\n" + text)
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         cmd = list(argv) if argv is not None else sys.argv[1:]
         Path(args.markdown).write_text(report.markdown(res, text, cmd))
         print(f"wrote {args.markdown}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         report.plot(res, args.plot)
         print(f"wrote {args.plot}")
+    print(report.next_step(res))
     return 0
 
 

@@ -26,7 +26,15 @@ from . import runners, summary, verdict
 from .estimate import estimate_gap, min_pairs
 from .workload import ARCHS, check_memory, make_workload, modes_of
 
-__all__ = ["DTYPES", "run_pair", "progress_line"]
+__all__ = [
+    "DTYPES",
+    "run_pair",
+    "start_line",
+    "block_line",
+    "eta_line",
+    "progress_line",
+    "no_row_open",
+]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,6 +65,48 @@ def progress_line(
     return line + (f"; left out: {seen}" if seen else "")
 
 
+def no_row_open(states: list[str]) -> str:
+    """Why a run with no row left open stops: every row settled, or how many were given up
+    on a busy machine (never "settled" beside a busy row)."""
+    busy = sum(s == "busy" for s in states)
+    if not busy:
+        return "every row settled"
+    if busy == len(states):
+        return "every row given up: machine busy (most pairs contended)"
+    return f"{busy} of {len(states)} rows given up (machine busy), the others settled"
+
+
+def start_line(preset: str, modes, rows: int, needed: int, args) -> str:
+    """What a run is about to do, printed before anything is built."""
+    least = max(needed, args.min_rounds)
+    return (
+        f"{preset}: {rows} row{'s' * (rows != 1)} ({', '.join(modes)}) on {args.device}; "
+        "a round builds each model in turn, warms it up and times every row; an interval "
+        f"needs {least} rounds "
+        f"at least; the run ends when every row is settled, before a round that would pass "
+        f"--max-time {args.max_time:g} s, or after --max-rounds {args.max_rounds}"
+    )
+
+
+def block_line(r: int, arch: str, args) -> str:
+    """The phase a run is in: which round, which model, what that block does."""
+    extra = ", compile the decode step" if "decode" in modes_of(args) else ""
+    parts = "with its components" if r < args.component_rounds else "the steps alone"
+    return f"round {r + 1}: {arch}: build, warm up{extra}, time {parts}"
+
+
+def eta_line(round_s: float, needed: int, args) -> str:
+    """After the first round: about how long the run will take."""
+    least = min(max(needed, args.min_rounds), args.max_rounds)
+    most = min(args.max_time, args.max_rounds * round_s)
+    return (
+        f"the first round took {round_s:.0f} s (later ones are shorter: nothing to compile, "
+        f"no components after round {args.component_rounds}); the fewest rounds that can "
+        f"settle every row: {least}, about {least * round_s:.0f} s at most; the run ends "
+        f"by about {most:.0f} s"
+    )
+
+
 def run_pair(args, log: Optional[Callable[[str], None]] = _log) -> dict[str, Any]:
     """Measure the pair ``--preset`` as the options say, until the stopping rule ends the
     run; every number, with the summary. ``log`` gets a line after every round (None:
@@ -76,12 +126,16 @@ def run_pair(args, log: Optional[Callable[[str], None]] = _log) -> dict[str, Any
     # on the CPU the work runs on torch's threads; on CUDA one host thread drives the device
     watch = Watch(threads=1 if device.type == "cuda" else None)
     blocks: dict[str, list[dict[str, Any]]] = {a: [] for a in ARCHS}
+    if log is not None:
+        log(start_line(args.preset, modes, len(list(summary.rows_of(modes, wl))), needed, args))
     start = time.monotonic()
     stop = None
     while stop is None:
         r = len(blocks["baseline"])
         began = time.monotonic()
         for a in ARCHS if r % 2 == 0 else ARCHS[::-1]:
+            if log is not None and r == 0:  # the first round is the long silent one
+                log(block_line(r, a, args))
             blocks[a].append(
                 runners.measure_block(
                     cfgs[a],
@@ -106,9 +160,10 @@ def run_pair(args, log: Optional[Callable[[str], None]] = _log) -> dict[str, Any
         now = time.monotonic()
         if log is not None:
             log(progress_line(r + 1, now - start, states, seen))
-        busy = sum(s == "busy" for s, _ in states.values())
+            if r == 0:
+                log(eta_line(now - began, needed, args))
         if r + 1 >= args.min_rounds and all(s != "open" for s, _ in states.values()):
-            stop = "every row settled" + (f" ({busy} given up: machine busy)" if busy else "")
+            stop = no_row_open([s for s, _ in states.values()])
         elif r + 1 >= args.max_rounds:
             stop = f"--max-rounds {args.max_rounds} reached"
         elif now - start + (now - began) > args.max_time:

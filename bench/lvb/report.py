@@ -11,7 +11,7 @@ from smelt_model.budget.memory import GiB
 from .verdict import describe
 from .workload import ARCHS
 
-__all__ = ["LEGEND", "format_tables", "markdown", "plot"]
+__all__ = ["LEGEND", "format_tables", "next_step", "markdown", "figure", "plot"]
 
 LEGEND = """\
 legend
@@ -33,10 +33,11 @@ legend
               at target: the interval holds the target but lies within --resolution of
               it (the gap is the target as near as the clock can tell: settled);
               unsettled: the interval still holds the target, wider than that, when the
-              run stops; machine busy: most pairs were contended, no gap is given; no
-              target: none is set for the row on this device. The run stops when every
-              row is settled, before a round that would pass --max-time, or at
-              --max-rounds
+              run stops; machine busy: most pairs were contended, no gap is given and
+              the row's times are marked "contended: not usable"; no target: none is
+              set for the row on this device. The run stops when no row is open (each
+              settled, or given up as machine busy), before a round that would pass
+              --max-time, or at --max-rounds
   components  each part timed alone at the step's shapes, round-robin with the step in one
               loop, in the first --component-rounds rounds; ms per step (median x runs
               per step) and % of that loop's step; the ratio column is smelt / baseline,
@@ -47,6 +48,16 @@ legend
               (up to --max-tries) and the row says so instead of printing a negative other
   decode      bytes/token: what one token reads (executed layers' weights with the experts
               its batch selects, the head, the KV cache); GB/s: bytes per step / step time"""
+
+
+#: why a run of one mode can give another gap than the full run's (printed with --mode)
+MODE_NOTE = (
+    "note: --mode {mode} measures its rows in blocks that hold nothing else, so the step "
+    "runs in another context than in the full run (there each block also runs the other "
+    "modes: the other model's prefill and compiled decode, their caches and allocations, "
+    "come before each step; rounds are longer and fewer); its gap can differ from the "
+    "full run's: compare intervals, and quote the full run's verdicts"
+)
 
 
 def _fmt_bytes(n: Optional[float]) -> str:
@@ -103,6 +114,12 @@ def _interval(est: dict[str, Any]) -> str:
 
 def _row_lines(row: dict[str, Any], mode: str, arch: dict[str, Any]) -> list[str]:
     b, s, est = row["baseline"], row["smelt"], row["estimate"]
+    if not row["usable"]:  # machine busy: the times are printed, marked, and nothing from them
+        return [
+            f"{row['mode']:18} {b['ms']:>10.2f}ms {s['ms']:>10.2f}ms {'-':>8}   "
+            "contended: not usable",
+            f"{'  verdict':18} {describe(row['verdict'])}",
+        ]
     ratio = f"{row['wall_ratio']:>8.3f}" if row["wall_ratio"] is not None else f"{'-':>8}"
     lines = [
         f"{row['mode']:18} {b['ms']:>10.2f}ms {s['ms']:>10.2f}ms {ratio}",
@@ -122,20 +139,16 @@ def _row_lines(row: dict[str, Any], mode: str, arch: dict[str, Any]) -> list[str
     fr = row.get("decode_flops_ratio", row["flops_ratio"])
     lines.append(f"{'  F ratio':18} {'':>12} {'':>12} {fr:>8.3f}")
     left = f", {est['left_out']} left out (contended)" if est["left_out"] else ""
-    if row["gap"] is None:
-        lines.append(f"{'  gap (wall / F)':18} {'':>12} {'':>12} {'n/a':>8}   (machine busy)")
-    else:
-        lines.append(
-            f"{'  gap (wall / F)':18} {'':>12} {'':>12} {row['gap']:>8.3f}   "
-            f"{_interval(est)}, {est['pairs']} pairs{left}"
-        )
+    lines.append(
+        f"{'  gap (wall / F)':18} {'':>12} {'':>12} {row['gap']:>8.3f}   "
+        f"{_interval(est)}, {est['pairs']} pairs{left}"
+    )
     g, out = sorted(est["round_gaps"]), est["left_out_gaps"]
-    if row["gap"] is not None:  # a busy row gives no number, not even by round
-        kept = f"min {g[0]:.3f}, max {g[-1]:.3f} over {len(g)} kept pairs" if g else "none kept"
-        if out:
-            shown = ", ".join(f"{x:.3f}" for x in out[:4]) + (", ..." if len(out) > 4 else "")
-            kept += f"; left out {shown}"
-        lines.append(f"{'  gap by round':18} {'':>12} {'':>12} {'':>8}   {kept}")
+    kept = f"min {g[0]:.3f}, max {g[-1]:.3f} over {len(g)} kept pairs"
+    if out:
+        shown = ", ".join(f"{x:.3f}" for x in out[:4]) + (", ..." if len(out) > 4 else "")
+        kept += f"; left out (contended, not usable) {shown}"
+    lines.append(f"{'  gap by round':18} {'':>12} {'':>12} {'':>8}   {kept}")
     lines.append(f"{'  verdict':18} {describe(row['verdict'])}")
     return lines
 
@@ -206,6 +219,8 @@ def format_tables(res: dict[str, Any]) -> str:
         f"{sch['repeats_per_block']} timed steps and {sch['decode_steps_per_block']} decode "
         "steps per block"
     )
+    if res.get("mode", "all") != "all":
+        lines.append(MODE_NOTE.format(mode=res["mode"]))
     lines.append(_machine_line(res))
     est = [sum(arch[a]["memory_estimate_bytes"].values()) / GiB for a in ARCHS]
     rss = [max((x or 0) for x in arch[a].get("peak_rss_bytes", [0])) / GiB for a in ARCHS]
@@ -232,6 +247,41 @@ def format_tables(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+GPU_COMMAND = "bash bench/gpu_check.sh"
+
+
+def next_step(res: dict[str, Any]) -> str:
+    """The run's last line: what its verdicts mean together and what to run next."""
+    by: dict[str, list[str]] = {}
+    for rows in res["summary"].values():
+        for row in rows:
+            by.setdefault(row["verdict"]["verdict"], []).append(row["mode"])
+    gpu = (
+        f"the GPU target (train gap <= 1.00 on one H200) is checked by `{GPU_COMMAND}` on a "
+        "machine with a CUDA GPU (it refuses to start without one)"
+    )
+    if "machine busy" in by:
+        return (
+            f"next: {', '.join(by['machine busy'])} gave no gap (machine busy): rerun on a "
+            "quiet machine, or with --threads set to the cores other work leaves free"
+        )
+    if "unsettled" in by:
+        return (
+            f"next: {', '.join(by['unsettled'])} still unsettled: rerun with a larger "
+            "--max-time (or --max-rounds)"
+        )
+    on = res["targets"]["device"]
+    if "misses" in by:
+        return (
+            f"next: on {on} the looped model is slower than its FLOPs say on "
+            f"{', '.join(by['misses'])} (beyond the target); "
+            + (gpu if on == "cpu" else "see docs/benchmarks.md for the parts that cost it")
+        )
+    return f"next: every row with a target meets it or is at it on {on}" + (
+        f"; {gpu}" if on == "cpu" else ""
+    )
+
+
 def markdown(res: dict[str, Any], text: str, argv: Sequence[str]) -> str:
     """The ``--markdown`` file: a title, the environment, the command and the tables."""
     env = res["environment"]
@@ -244,45 +294,69 @@ def markdown(res: dict[str, Any], text: str, argv: Sequence[str]) -> str:
     )
 
 
-def plot(res: dict[str, Any], path: str) -> None:
-    """Wall-clock against the ledger's FLOPs per call, both architectures, every row; a gray
+def figure(res: dict[str, Any]):
+    """The plot's figure (matplotlib). Left: each row's gap with its interval and its target,
+    one row per line, so no label can cover another; a busy row says so in place of a gap.
+    Right: wall-clock against the ledger's FLOPs per call, each row one color, each
+    architecture one marker, named in the legend rather than beside the points, with a gray
     line through each baseline point at the baseline's FLOP rate."""
-    import matplotlib
+    import matplotlib  # optional dependency: the [plot] extra, needed only for --plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    rows = [row for rs in res["summary"].values() for row in rs]
+    fig, (gap_ax, ax) = plt.subplots(
+        1, 2, figsize=(11, 1.6 + 0.45 * len(rows)), gridspec_kw={"width_ratios": [1.2, 1]}
+    )
+    ys = list(range(len(rows)))[::-1]
+    left = blended_transform_factory(gap_ax.transAxes, gap_ax.transData)
+    colors = [f"C{i % 10}" for i in range(len(rows))]
+    for y, row, color in zip(ys, rows, colors):
+        v = row["verdict"]
+        if v["gap"] is None:
+            gap_ax.text(0.02, y, "machine busy: no gap", va="center", fontsize=8, transform=left)
+        else:
+            if v["low"] is not None:
+                gap_ax.plot([v["low"], v["high"]], [y, y], color=color, lw=2)
+            gap_ax.plot([v["gap"]], [y], "o", color=color)
+        if v["target"] is not None:
+            gap_ax.plot([v["target"]], [y], "|", color="black", ms=14, mew=2)
+    gap_ax.set_yticks(ys, [f"{r['mode']}: {r['verdict']['verdict']}" for r in rows])
+    gap_ax.set_ylim(-0.7, len(rows) - 0.3)
+    gap_ax.axvline(1.0, color="gray", lw=0.6, ls=":")
+    gap_ax.set_xlabel("gap = wall-clock ratio / FLOPs ratio (dot), interval (bar), target (|)")
+    gap_ax.set_title(f"gap at {res['targets']['confidence']:.0%} against each target", fontsize=10)
     markers = {"baseline": "o", "smelt": "s"}
-    colors = {"baseline": "tab:blue", "smelt": "tab:orange"}
-    first_mode = next(iter(res["summary"]))
-    for mode, rows in res["summary"].items():
-        for row in rows:
-            for arch in ARCHS:
-                p = row[arch]
-                ax.scatter(
-                    p["flops"],
-                    p["ms"],
-                    marker=markers[arch],
-                    s=40,
-                    color=colors[arch],
-                    label=arch if mode == first_mode else None,
-                )
-                ax.annotate(
-                    f"{arch} {row['mode']}",
-                    (p["flops"], p["ms"]),
-                    fontsize=7,
-                    xytext=(6, 3) if arch == "smelt" else (6, -9),
-                    textcoords="offset points",
-                )
-            b = row["baseline"]
-            xs = [b["flops"] * 0.8, b["flops"] * 1.4]
-            ax.plot(xs, [b["ms"] * x / b["flops"] for x in xs], lw=0.6, color="gray")
+    for row, color in zip(rows, colors):
+        if not row["usable"]:  # a busy machine's times are no measurement
+            ax.plot([], [], "-", color=color, lw=4, label=f"{row['mode']} (contended: not shown)")
+            continue
+        for arch in ARCHS:
+            p = row[arch]
+            ax.scatter(p["flops"], p["ms"], marker=markers[arch], s=36, color=color)
+        b = row["baseline"]
+        xs = [b["flops"] * 0.8, b["flops"] * 1.4]
+        ax.plot(xs, [b["ms"] * x / b["flops"] for x in xs], lw=0.6, color="gray")
+        ax.plot([], [], "-", color=color, lw=4, label=row["mode"])
+    for arch in ARCHS:
+        ax.scatter([], [], marker=markers[arch], color="black", label=arch)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("useful FLOPs per call (ledger)")
     ax.set_ylabel("wall-clock per call (ms)")
-    ax.set_title(f"{res['preset']} on {res['device']}: gray = baseline's FLOP rate")
-    ax.legend(loc="upper left")
+    ax.set_title("wall-clock against FLOPs; gray: the baseline's FLOP rate", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.suptitle(f"{res['preset']} pair on {res['device']}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    return fig
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    """Write :func:`figure` to ``path`` (.png, .svg or .pdf)."""
+    import matplotlib.pyplot as plt  # optional dependency: the [plot] extra
+
+    fig = figure(res)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    plt.close(fig)

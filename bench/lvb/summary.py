@@ -214,6 +214,8 @@ def summarize(results: dict[str, Any], blocks, leds, cfgs, wl: Workload, modes, 
             estimate=est.to_dict(),
             state=state,
             verdict=v,
+            # a busy machine's timings are kept in the file but are not a measurement
+            usable=v["verdict"] != "machine busy",
         )
         summary.setdefault(mode, []).append(row)
     for a in ARCHS:

@@ -16,8 +16,9 @@ after every round, and :func:`judge` turns the final state into the verdict:
   changes from run to run;
 * **unsettled** -- the interval still holds the target, and reaches past ``--resolution``
   of it, when the run ends (``--max-time``, ``--max-rounds``);
-* **machine busy** -- most pairs were left out because the process did not get its cores;
-  no number is given;
+* **machine busy** -- most pairs were contended (left out because the process did not get
+  its cores), whatever the kept ones say; no number is given and the timings are marked
+  as not usable;
 * **no target** -- none is set for the row on this device (its interval is still given).
 
 Meets, misses and at target are settled; the others say what to do next.
@@ -37,6 +38,7 @@ __all__ = [
     "SETTLED",
     "STATES",
     "target_for",
+    "mostly_contended",
     "row_state",
     "judge",
     "describe",
@@ -58,8 +60,9 @@ RESOLUTION = 0.02
 VERDICTS = ("meets", "misses", "at target", "unsettled", "machine busy", "no target")
 #: the verdicts that answer the question (the rest say what to do next)
 SETTLED = ("meets", "misses", "at target")
-#: what :func:`row_state` returns; only "open" asks for more rounds
-STATES = ("decided", "tied", "measured", "busy", "open")
+#: what :func:`row_state` returns: the settled verdicts, "measured" (no target, an
+#: interval), "busy" (given up) and "open", the only one that asks for more rounds
+STATES = SETTLED + ("measured", "busy", "open")
 
 
 def target_for(device: str, row: str) -> Optional[float]:
@@ -68,23 +71,32 @@ def target_for(device: str, row: str) -> Optional[float]:
     return TARGETS.get(str(device).split(":")[0], {}).get(row)
 
 
+def mostly_contended(est: GapEstimate) -> bool:
+    """Whether most of a row's pairs were contended: the definition of a busy machine."""
+    return est.left_out > est.pairs
+
+
 def row_state(
     est: GapEstimate, target: Optional[float], needed: int, resolution: float = RESOLUTION
 ) -> str:
-    """Where a row stands after a round (one of :data:`STATES`): ``decided`` (its interval
-    lies wholly on one side of the target), ``tied`` (it straddles the target but lies
-    within ``resolution`` of it), ``measured`` (no target, and an interval), ``busy`` (at
-    least half of ``needed`` pairs left out, and twice as many as kept: three rounds in a
-    row contended give up on a busy machine) or ``open``."""
+    """Where a row stands after a round (one of :data:`STATES`). When most of its pairs
+    were contended (:func:`mostly_contended`) it is ``busy`` once at least half of
+    ``needed`` pairs were left out (three rounds contended give up on a busy machine) and
+    ``open`` before that, whatever the kept pairs say. Otherwise it is ``meets`` or
+    ``misses`` (its interval lies wholly on one side of the target), ``at target`` (it
+    straddles the target but lies within ``resolution`` of it), ``measured`` (no target,
+    and an interval) or ``open``."""
+    if mostly_contended(est):
+        return "busy" if est.left_out >= max(1, needed // 2) else "open"
     if est.low is not None:
         if target is None:
             return "measured"
-        if est.high <= target or est.low > target:
-            return "decided"
+        if est.high <= target:
+            return "meets"
+        if est.low > target:
+            return "misses"
         if est.low >= target * (1 - resolution) and est.high <= target * (1 + resolution):
-            return "tied"
-    if est.left_out >= max(1, needed // 2) and est.left_out >= 2 * est.pairs:
-        return "busy"
+            return "at target"
     return "open"
 
 
@@ -124,7 +136,7 @@ def judge(
         "rerun on a quiet machine (or, where the other work leaves some cores free, "
         "with --threads set to that many)"
     )
-    if state == "busy" or (state == "open" and est.left_out and est.low is None):
+    if state == "busy" or mostly_contended(est):
         out.update(
             verdict="machine busy",
             gap=None,
@@ -136,11 +148,11 @@ def judge(
         out.update(verdict="no target")
         if est.low is None:
             out["reason"] = f"{est.pairs} pairs: an interval needs {needed}"
-    elif state == "decided":
-        out.update(verdict="meets" if est.high <= target else "misses")
+    elif state in ("meets", "misses"):
+        out.update(verdict=state)
         if est.left_out:
             out["reason"] = kept
-    elif state == "tied":
+    elif state == "at target":
         out.update(
             verdict="at target",
             reason=f"the interval lies within {resolution:.0%} of the target",
@@ -148,7 +160,8 @@ def judge(
     elif est.low is None:
         out.update(
             verdict="unsettled",
-            reason=f"{est.pairs} pairs: an interval at {est.confidence:.0%} needs {needed}",
+            reason=f"{est.pairs} pairs: an interval at {est.confidence:.0%} needs {needed}"
+            + (f" ({est.left_out} left out, contended)" if est.left_out else ""),
             advice="raise --max-time or --max-rounds",
         )
     else:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from output_paths import output_file
 
 from smelt_model.budget import memory
 from smelt_model.config import ModelConfig
@@ -118,7 +119,7 @@ def check_environment(args) -> None:
             raise UsageError(f"--backend {args.backend} cannot run on {args.device}: {why}")
     suffixes = {"json": (".json",), "markdown": (".md",), "plot": (".png", ".svg", ".pdf")}
     for opt, ends in suffixes.items():
-        cli.output_path(getattr(args, opt), f"--{opt}", ends)
+        output_file(getattr(args, opt), f"--{opt}", ends)
     if args.plot:
         try:
             import matplotlib  # noqa: F401

@@ -11,6 +11,7 @@ from pathlib import Path
 import bench_attention
 import bench_moe_gemm
 import bench_peers
+import output_paths
 import pytest
 import time_to_loss
 import torch
@@ -109,6 +110,7 @@ def test_time_to_loss_bad_input(argv, word, capsys, nothing_runs):
     [
         (["--tokens", "10"], "--tokens"),
         (["--rounds", "x"], "--rounds"),
+        (["--device", "cpu"], "--device"),
     ],
 )
 def test_bench_peers_bad_input(argv, word, capsys, nothing_runs):
@@ -133,9 +135,47 @@ def test_outputs_are_checked_before_anything_runs(prog, module, tmp_path, capsys
     assert option[0] in err and ("folder" in err), err
 
 
+OUTPUT_OPTIONS = [
+    ("bench_attention", bench_attention, "--out", ""),
+    ("bench_moe_gemm", bench_moe_gemm, "--out", ""),
+    ("bench_peers", bench_peers, "--out", ""),
+    ("time_to_loss", time_to_loss, "--out", ""),
+    ("looped_vs_baseline", cli, "--json", ".json"),
+    ("looped_vs_baseline", cli, "--markdown", ".md"),
+    ("looped_vs_baseline", cli, "--plot", ".png"),
+]
+
+
+@pytest.mark.parametrize("prog, module, option, suffix", OUTPUT_OPTIONS)
+def test_an_output_nothing_can_be_written_to_is_refused_first(
+    prog, module, option, suffix, tmp_path, capsys, nothing_runs
+):
+    """Checked by writing, not by asking os.access (which says yes to root for /proc); a
+    missing folder is refused and not made."""
+    err = _one_line(prog, module.main, [option, f"/proc/smelt-check{suffix}"], capsys)
+    assert option in err and "/proc/smelt-check" in err, err
+    missing = tmp_path / "missing" / f"r{suffix}"
+    err = _one_line(prog, module.main, [option, str(missing)], capsys)
+    assert "does not exist" in err and not (tmp_path / "missing").exists(), err
+
+
+def test_a_writable_output_is_left_as_it_was(tmp_path):
+    kept = tmp_path / "r.json"
+    kept.write_text("earlier")
+    assert output_paths.output_file(kept, "--json", (".json",)) == kept
+    assert kept.read_text() == "earlier"
+    new = tmp_path / "new.json"
+    assert output_paths.output_file(new, "--json") == new and not new.exists()
+    assert output_paths.out_folder(tmp_path / "out") == tmp_path / "out"
+    assert not (tmp_path / "out").exists() and sorted(tmp_path.iterdir()) == [kept]
+    assert output_paths.out_folder(tmp_path) == tmp_path and sorted(tmp_path.iterdir()) == [kept]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CPU-only machine")
 def test_gpu_only_benchmarks_say_so_on_a_cpu_machine(capsys, nothing_runs):
     assert "CUDA" in _one_line("bench_peers", bench_peers.main, [], capsys)
+    err = _one_line("bench_peers", bench_peers.main, ["--device", "cuda"], capsys)
+    assert "--device cuda: needs a CUDA device" in err
     assert "CUDA" in _one_line(
         "bench_attention", bench_attention.main, ["--device", "cuda"], capsys
     )
@@ -203,3 +243,21 @@ def test_the_timing_helpers_live_in_one_place():
     env = timing.environment("cpu")
     for key in ("date", "processor", "cpu_count", "torch_threads", "torch", "device_name"):
         assert key in env
+
+
+def test_bench_moe_gemm_refuses_a_run_the_memory_cannot_hold(monkeypatch, capsys, nothing_runs):
+    """The default shapes need several GiB on the CPU: refused first where less is
+    available, with --quick named; --quick itself fits in what is left."""
+    monkeypatch.setattr(bench_moe_gemm, "available_memory", lambda device=None: 5 * 2**30)
+    err = _one_line("bench_moe_gemm", bench_moe_gemm.main, [], capsys)
+    assert "200M-base in float32 needs about 7.9 GiB, 5.0 GiB is available" in err
+    assert "--quick" in err
+    args, _ = bench_moe_gemm.parse_args(["--quick"])
+    assert args.shapes == ["cpu-target"] and args.dtypes == ["float32"] and args.tokens == 256
+    assert args.reference_bwd_params == 0 and args.decode_tokens == [1, 8]
+    args, _ = bench_moe_gemm.parse_args(["--shapes", "200M-base", "--dtypes", "bfloat16"])
+    assert args.shapes == ["200M-base"]  # 4.2 GiB
+    monkeypatch.setattr(bench_moe_gemm, "available_memory", lambda device=None: 2**30)
+    assert bench_moe_gemm.parse_args(["--quick"])[0].tokens == 256  # 0.6 GiB
+    monkeypatch.setattr(bench_moe_gemm, "available_memory", lambda device=None: None)
+    assert bench_moe_gemm.parse_args([])[0].shapes[-1] == "200M-smelt"  # nothing known: runs

@@ -97,20 +97,24 @@ def _est(gap, low, high, pairs=8, left_out=0):
 @pytest.mark.parametrize(
     "est, target, state",
     [
-        (_est(1.00, 0.98, 1.02), 1.03, "decided"),  # meets
-        (_est(1.01, 0.99, 1.03), 1.03, "decided"),  # at the target still meets
-        (_est(1.06, 1.04, 1.08), 1.03, "decided"),  # misses
+        (_est(1.00, 0.98, 1.02), 1.03, "meets"),
+        (_est(1.01, 0.99, 1.03), 1.03, "meets"),  # the interval's top at the target still meets
+        (_est(1.06, 1.04, 1.08), 1.03, "misses"),
         (_est(1.03, 1.00, 1.06), 1.03, "open"),  # straddles: more rounds
-        (_est(1.03, 1.024, 1.036), 1.03, "tied"),  # within 2% of the target
+        (_est(1.03, 1.024, 1.036), 1.03, "at target"),  # within 2% of the target
         (_est(1.02, 1.008, 1.044), 1.03, "open"),  # holds it, reaching past 2% below
         (_est(1.2, 1.1, 1.3), None, "measured"),  # no target: an interval is enough
         (_est(1.2, None, None, pairs=3), None, "open"),
         (_est(None, None, None, pairs=0, left_out=6), 1.03, "busy"),
         (_est(1.0, None, None, pairs=3, left_out=6), 1.03, "busy"),
-        (_est(1.0, None, None, pairs=4, left_out=6), 1.03, "open"),  # not twice as many
+        (_est(1.0, None, None, pairs=4, left_out=6), 1.03, "busy"),  # most pairs contended
+        (_est(1.0, None, None, pairs=4, left_out=4), 1.03, "open"),  # half is not most
         (_est(None, None, None, pairs=0, left_out=3), 1.03, "busy"),  # three rounds: give up
         (_est(None, None, None, pairs=0, left_out=2), 1.03, "open"),
-        (_est(1.0, 0.98, 1.02, pairs=6, left_out=20), 1.03, "decided"),  # kept pairs decide
+        (_est(1.01, None, None, pairs=4, left_out=1), 1.03, "open"),  # 1 of 5: not busy
+        # 6 kept against 40 contended: busy, however settled the kept pairs look
+        (_est(0.95, 0.90, 0.99, pairs=6, left_out=40), 1.03, "busy"),
+        (_est(1.0, 0.98, 1.02, pairs=8, left_out=7), 1.03, "meets"),  # most kept: they decide
     ],
 )
 def test_the_stopping_rule(est, target, state):
@@ -122,14 +126,14 @@ def test_each_verdict_says_what_it_saw_and_what_to_do():
         v = verdict.judge(est, target, state, 6, seen)
         return v, verdict.describe(v)
 
-    v, t = text(_est(1.0, 0.98, 1.02, left_out=2), 1.03, "decided")
+    v, t = text(_est(1.0, 0.98, 1.02, left_out=2), 1.03, "meets")
     assert v["verdict"] == "meets" and t.startswith("meets: gap 1.000 (0.980-1.020) <= 1.03")
     assert "2 left out" in t
-    v, t = text(_est(1.06, 1.04, 1.08), 1.03, "decided")
+    v, t = text(_est(1.06, 1.04, 1.08), 1.03, "misses")
     assert v["verdict"] == "misses" and t == "misses: gap 1.060 (1.040-1.080) > 1.03"
     v, t = text(_est(1.03, 1.00, 1.06), 1.03, "open")
     assert v["verdict"] == "unsettled" and "--max-time" in t and "holds the target" in t
-    v, t = text(_est(1.03, 1.024, 1.036), 1.03, "tied")
+    v, t = text(_est(1.03, 1.024, 1.036), 1.03, "at target")
     assert v["verdict"] == "at target" and v["verdict"] in verdict.SETTLED
     assert t == (
         "at target: gap 1.030 (1.024-1.036) ~ 1.03; the interval lies within 2% of the target"
@@ -153,3 +157,17 @@ def test_each_verdict_says_what_it_saw_and_what_to_do():
     }
     assert set(verdict.SETTLED) == {"meets", "misses", "at target"}
     assert math.isclose(verdict.RESOLUTION, 0.02)
+
+
+def test_busy_means_most_pairs_contended_when_the_run_ends():
+    """The verdict follows the definition whatever state the run ended in: one contended
+    pair of five is not a busy machine, six kept against forty contended is."""
+    few = _est(1.01, None, None, pairs=4, left_out=1)
+    v = verdict.judge(few, 1.03, verdict.row_state(few, 1.03, 6), 6)
+    assert v["verdict"] == "unsettled" and v["gap"] == 1.01
+    assert "needs 6 (1 left out, contended)" in verdict.describe(v)
+    many = _est(0.95, 0.90, 0.99, pairs=6, left_out=40)
+    for state in ("meets", verdict.row_state(many, 1.03, 6)):
+        v = verdict.judge(many, 1.03, state, 6)
+        assert v["verdict"] == "machine busy" and v["gap"] is None
+        assert verdict.describe(v).startswith("machine busy: 40 of 46 pairs contended")

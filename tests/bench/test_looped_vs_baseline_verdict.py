@@ -5,7 +5,7 @@ import json
 
 import pytest
 from helpers_lvb import fake_blocks
-from lvb import cli, driver, runners, verdict
+from lvb import cli, driver, report, runners, verdict
 
 from smelt_model import budget, presets
 
@@ -111,9 +111,23 @@ def test_the_run_stops_as_soon_as_every_row_is_settled(monkeypatch, capsys, tmp_
     assert blocks.calls == {"baseline": 6, "smelt": 6}  # six pairs: the first 95% interval
     res = json.loads(out.read_text())
     assert res["schedule"]["stopped"] == "every row settled"
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 6 and err[0].startswith("round 1 (") and "decided" in err[-1]
+    out, err = capsys.readouterr()
+    err = err.strip().splitlines()
+    # before anything is built: what it will do; then each block of the first round
+    assert err[0].startswith("tiny: 3 rows (train, prefill, decode) on cpu")
+    assert "an interval needs 6 rounds at least" in err[0]
+    assert (
+        err[1]
+        == "round 1: baseline: build, warm up, compile the decode step, time with its components"
+    )
+    assert err[2].startswith("round 1: smelt: build")
+    assert err[3].startswith("round 1 (") and err[4].startswith("the first round took")
+    assert "the fewest rounds that can settle every row: 6" in err[4]
+    rounds = [x for x in err if x.startswith("round ") and " s): " in x]
+    assert len(rounds) == 6 and rounds[-1].count(" meets") == 3
     assert all(r["verdict"]["verdict"] == "meets" for rs in res["summary"].values() for r in rs)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("next: every row with a target meets it") and "gpu_check.sh" in last
 
 
 def test_a_busy_machine_ends_the_run_without_a_number(monkeypatch, capsys):
@@ -124,8 +138,37 @@ def test_a_busy_machine_ends_the_run_without_a_number(monkeypatch, capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.strip().startswith("train") and "busy" in x)
     assert "machine busy: 3 of 3 pairs contended (other processes busy on 1.50 of 2 cores" in line
-    assert "n/a" in next(x for x in out.splitlines() if "gap (wall / F)" in x)
-    assert "every row settled (1 given up: machine busy)" in out
+    row = next(x for x in out.splitlines() if x.startswith("train "))
+    assert row.endswith("contended: not usable") and "gap (wall / F)" not in out
+    assert "every row given up: machine busy" in out and "settled" not in out.split("legend")[0]
+    # a run of one mode says why its gap can differ from the full run's
+    assert "note: --mode train measures its rows in blocks that hold nothing else" in out
+    assert out.strip().splitlines()[-1].startswith("next: train gave no gap (machine busy)")
+
+
+def test_most_pairs_contended_is_busy_whatever_the_kept_pairs_say(monkeypatch, capsys, tmp_path):
+    """Every round but the first contended on the train row: its one kept pair would meet,
+    but the row is busy; one contended pair does not make the prefill row busy; the header
+    never says "every row settled" beside the busy row."""
+    rows = ("train", "prefill", "decode (batch1)")
+
+    def others(arch, r, row):
+        return 1.5 if (row == "train" and r > 0) or (row == "prefill" and r == 3) else 0.0
+
+    monkeypatch.setattr(
+        runners, "measure_block", fake_blocks(_gaps(dict.fromkeys(rows, TIGHT)), others)
+    )
+    out_json = tmp_path / "r.json"
+    assert cli.main(SMALL + ["--decode-batch", "1", "--json", str(out_json)]) == 0
+    res = json.loads(out_json.read_text())
+    got = {r["mode"]: r for rs in res["summary"].values() for r in rs}
+    assert got["train"]["verdict"]["verdict"] == "machine busy" and not got["train"]["usable"]
+    assert got["prefill"]["verdict"]["verdict"] == "meets" and got["prefill"]["usable"]
+    assert got["prefill"]["estimate"]["left_out"] == 1
+    stopped = res["schedule"]["stopped"]
+    assert stopped == "1 of 3 rows given up (machine busy), the others settled"
+    out = capsys.readouterr().out
+    assert "every row settled" not in out
 
 
 def test_contended_pairs_are_left_out_of_the_estimate(monkeypatch, capsys):
@@ -138,7 +181,7 @@ def test_contended_pairs_are_left_out_of_the_estimate(monkeypatch, capsys):
     assert cli.main(SMALL[1:] + ["--mode", "train"]) == 0
     out, err = capsys.readouterr()
     assert "6 pairs, 2 left out (contended)" in " ".join(out.split())  # 8 rounds
-    rounds = err.strip().splitlines()
+    rounds = [x for x in err.strip().splitlines() if x.startswith("round ") and " s): " in x]
     assert len(rounds) == 8 and "left out:" not in rounds[0]
     assert rounds[1].endswith(
         "(1 left out); left out: other processes busy on 1.00 of 2 cores, "
@@ -203,3 +246,46 @@ def test_components_are_timed_in_the_first_rounds_only(monkeypatch, tmp_path):
         assert train["components_blocks"] == 2 and train["timing"]["repeats"] == 10
         assert train["components_ms"] and train["components_step"]["repeats"] == 4
     assert cli.main(SMALL + ["--component-rounds", "0"]) == 2
+
+
+def _overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_the_plot_shows_each_rows_gap_interval_and_target_without_overlaps(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    step = _gaps(
+        {"train": TIGHT, "prefill": [g + 0.07 for g in TIGHT]}
+        | {r: [g - 0.1 for g in TIGHT] for r in ("decode (batch1)", "decode (batch8)")}
+    )
+    busy = lambda arch, r, row: 1.2 if row == "decode (batch8)" else 0.0
+    monkeypatch.setattr(runners, "measure_block", fake_blocks(step, busy))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = SMALL + ["--max-rounds", "6", "--json", str(out), "--plot", str(png)]
+    assert cli.main(argv) == 0 and png.stat().st_size > 0
+    res = json.loads(out.read_text())
+    fig = report.figure(res)
+    gap_ax, ax = fig.axes[:2]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    labels = [t.get_text() for t in gap_ax.get_yticklabels()]
+    want = ["train: meets", "prefill: misses", "decode (batch1): meets"]
+    assert labels == want + ["decode (batch8): machine busy"]
+    lines = {(tuple(x.get_xdata()), tuple(x.get_ydata())) for x in gap_ax.get_lines()}
+    ys = dict(zip(labels, [t.get_position()[1] for t in gap_ax.get_yticklabels()]))
+    for row in (r for rs in res["summary"].values() for r in rs):
+        v, y = row["verdict"], ys[f"{row['mode']}: {row['verdict']['verdict']}"]
+        if v["target"] is not None:
+            assert ((v["target"],), (y,)) in lines  # the target's mark on the row's line
+        if v["gap"] is not None:
+            assert ((v["low"], v["high"]), (y, y)) in lines and ((v["gap"],), (y,)) in lines
+    texts = [t for a in fig.axes for t in a.texts] + gap_ax.get_yticklabels()
+    texts += [ax.get_legend()] + [a.title for a in fig.axes] + [a.xaxis.label for a in fig.axes]
+    boxes = [
+        t.get_window_extent(renderer)
+        for t in texts
+        if t.get_visible() and (not hasattr(t, "get_text") or t.get_text())
+    ]
+    for i, a in enumerate(boxes):
+        assert not any(_overlap(a, b) for b in boxes[i + 1 :]), "labels overlap"
+    assert any("machine busy" in t.get_text() for t in gap_ax.texts)
