@@ -58,8 +58,8 @@ import torch.nn.functional as F
 from output_paths import out_folder
 
 from smelt_kernels import backends, moe_gemm
-from smelt_model.memory import GiB
-from smelt_model.memory import available as available_memory
+from smelt_model.budget.memory import GiB
+from smelt_model.budget.memory import available as available_memory
 from smelt_tools import cli
 from smelt_tools.cli import UsageError
 from smelt_tools.timing import (

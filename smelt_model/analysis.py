@@ -294,7 +294,7 @@ def format_report(report: ProbeReport) -> str:
 
 
 # ----------------------------------------------------------------------------- command line
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -340,7 +340,7 @@ def _load_tokens(path: str, seq_len: int, batch: int, vocab: int) -> torch.Tenso
             raise cli.UsageError(f"expected integer token ids, got {ids.dtype}")
         ids = ids.long()
     except Exception as e:  # whatever the reader says: the file is not an array of token ids
-        raise cli.UsageError(f"--tokens {path}: {_first_line(e)}") from None
+        raise cli.UsageError(f"--tokens {path}: {first_line(e)}") from None
     ids = ids.reshape(-1)
     need = seq_len * batch
     if ids.numel() < need:
@@ -412,12 +412,12 @@ def _load_model(path: Path, backend: str):
                 pass
         except Exception as e:  # a truncated or corrupt file: safetensors checks the whole span
             raise cli.UsageError(
-                f"{weights}: not a complete safetensors file ({_first_line(e)})"
+                f"{weights}: not a complete safetensors file ({first_line(e)})"
             ) from None
     try:
         return SmeltLM.from_pretrained(path, backend=backend)
     except Exception as e:  # config or weights that do not make a model
-        raise cli.UsageError(f"{path}: {_first_line(e)}") from None
+        raise cli.UsageError(f"{path}: {first_line(e)}") from None
 
 
 def _options(argv: Optional[Sequence[str]]):

@@ -45,8 +45,8 @@ row's LSE), and the operand they multiply (V forward, K for dQ, Q and dO for dK/
 with its NaN and inf entries zeroed (0 * NaN is NaN); rows that do see such a value get NaN
 in their whole row (forward: through the rescale factor; dK/dV: rows whose LSE or delta is
 not finite are read as zeros with a NaN LSE). Offsets that can pass 2^31 elements (a
-position times its row stride) are int64 (:func:`_rows`, :func:`_key_rows`,
-:func:`_key_ptrs`).
+position times its row stride) are int64 (:func:`row_pointers`, :func:`key_rows`,
+:func:`key_ptrs`).
 """
 
 from __future__ import annotations
@@ -58,17 +58,17 @@ import triton.language as tl
 from .. import _alloc
 from ..backends import triton_interpret
 from .triton_tiles import (
-    _dot_split,
-    _finite_split,
-    _key_ptrs,
-    _key_rows,
-    _key_runs,
-    _load_split,
-    _row_tile,
-    _rows,
-    _sees,
-    _seg_starts,
-    _store_split,
+    dot_split,
+    finite_split,
+    key_ptrs,
+    key_rows,
+    key_runs,
+    load_split,
+    row_pointers,
+    row_tile,
+    sees_flagged,
+    seg_starts,
+    store_split,
 )
 
 __all__ = ["forward", "backward", "head_dim_split", "head_dim_pad", "block_config"]
@@ -88,9 +88,9 @@ def _fwd_inner(acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_b
                WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k_a, k_t = _load_split(k_base + _key_rows(offs_n, skt), offs_n, Tk, D, DA, DT, BLOCK_N,
+        k_a, k_t = load_split(k_base + key_rows(offs_n, skt), offs_n, Tk, D, DA, DT, BLOCK_N,
                                MASK, UPCAST)
-        s = _dot_split(q_a, q_t, k_a, k_t, DT, PRECISION) * qk_scale
+        s = dot_split(q_a, q_t, k_a, k_t, DT, PRECISION) * qk_scale
         if MASK:
             vis = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] <= pos[:, None])
             s = tl.where(vis, s, float("-inf"))
@@ -102,11 +102,11 @@ def _fwd_inner(acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_b
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_a, v_t = _load_split(v_base + _key_rows(offs_n, svt), offs_n, Tk, D, DA, DT, BLOCK_N,
+        v_a, v_t = load_split(v_base + key_rows(offs_n, svt), offs_n, Tk, D, DA, DT, BLOCK_N,
                                MASK, UPCAST)
         if MASK:  # masked values add nothing (see the module docstring)
-            v_a, v_t, v_bad = _finite_split(v_a, v_t, DT)
-            alpha = tl.where(_sees(vis, v_bad) > 0, float("nan"), alpha)
+            v_a, v_t, v_bad = finite_split(v_a, v_t, DT)
+            alpha = tl.where(sees_flagged(vis, v_bad) > 0, float("nan"), alpha)
         p = p.to(v_a.dtype)
         acc_a = tl.dot(p, v_a, acc_a * alpha[:, None], input_precision=PRECISION)
         if DT > 0:
@@ -119,14 +119,14 @@ def _fwd_inner(acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_b
 def _query_tile(START, Tq, Tk, Hq, G: tl.constexpr, BLOCK_M: tl.constexpr,
                 HAS_SEG: tl.constexpr):
     # this program's row tile (the longest tiles, at the last positions, first), its batch
-    # row b and KV head, its rows (_row_tile) and their segment starts (_seg_starts)
+    # row b and KV head, its rows (row_tile) and their segment starts (seg_starts)
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     Hkv = Hq // G
     b = (bh // Hkv).to(tl.int64)
     hkv = bh % Hkv
-    rows, row_ok, qi, h, pos, pos_first, pos_last = _row_tile(tile, Tq, Tk, hkv, G, BLOCK_M)
-    start, start_first, start_last = _seg_starts(START, b, Tk, pos, pos_first, pos_last, HAS_SEG,
+    rows, row_ok, qi, h, pos, pos_first, pos_last = row_tile(tile, Tq, Tk, hkv, G, BLOCK_M)
+    start, start_first, start_last = seg_starts(START, b, Tk, pos, pos_first, pos_last, HAS_SEG,
                                                  BLOCK_M)
     return b, hkv, rows, row_ok, qi, h, pos, pos_first, pos_last, start, start_first, start_last
 
@@ -140,7 +140,7 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
                 WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     b, hkv, rows, row_ok, qi, h, pos, pos_first, pos_last, start, start_first, start_last = (
         _query_tile(START, Tq, Tk, Hq, G, BLOCK_M, HAS_SEG))
-    q_a, q_t = _load_split(_rows(Q + b * sqb, qi, pos_first - (Tk - Tq), h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
+    q_a, q_t = load_split(row_pointers(Q + b * sqb, qi, pos_first - (Tk - Tq), h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
                            False, UPCAST)
     k_base = K + b * skb + hkv * skh
     v_base = V + b * svb + hkv * svh
@@ -149,7 +149,7 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_a = tl.zeros([BLOCK_M, DA], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_M, DT if DT > 0 else 16], dtype=tl.float32)
-    lo, mid, diag, hi = _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N)
+    lo, mid, diag, hi = key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N)
     s0 = tl.zeros([BLOCK_M], dtype=tl.float32)  # score against the segment's first key
     acc_a, acc_t, m_i, l_i, s0 = _fwd_inner(
         acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base, skt, svt,
@@ -164,7 +164,7 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
     # an empty interval (invalid segment ids) gives NaN, never a plausible number
     lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("nan"))
     inv_l = 1.0 / l_i
-    _store_split(_rows(O + b * sob, qi, pos_first - (Tk - Tq), h, sot, soh),
+    store_split(row_pointers(O + b * sob, qi, pos_first - (Tk - Tq), h, sot, soh),
                  (acc_a * inv_l[:, None]).to(O.dtype.element_ty),
                  (acc_t * inv_l[:, None]).to(O.dtype.element_ty), rows, Tq * G, D, DA, DT)
     stat = (b * Hq + h) * Tq + qi
@@ -204,15 +204,15 @@ def _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_b
                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k_a, k_t = _load_split(_key_ptrs(k_base, n0, skt, BLOCK_N), offs_n, Tk, D, DA, DT, BLOCK_N,
+        k_a, k_t = load_split(key_ptrs(k_base, n0, skt, BLOCK_N), offs_n, Tk, D, DA, DT, BLOCK_N,
                                MASK, UPCAST)
-        v_a, v_t = _load_split(_key_ptrs(v_base, n0, svt, BLOCK_N), offs_n, Tk, D, DA, DT, BLOCK_N,
+        v_a, v_t = load_split(key_ptrs(v_base, n0, svt, BLOCK_N), offs_n, Tk, D, DA, DT, BLOCK_N,
                                MASK, UPCAST)
-        s = _dot_split(q_a, q_t, k_a, k_t, DT, PRECISION) * qk_scale
+        s = dot_split(q_a, q_t, k_a, k_t, DT, PRECISION) * qk_scale
         if MASK:  # masked keys add nothing (see the module docstring)
-            k_a, k_t, _ = _finite_split(k_a, k_t, DT)
+            k_a, k_t, _ = finite_split(k_a, k_t, DT)
         p = tl.math.exp2(s - lse2[:, None])
-        dp = _dot_split(do_a, do_t, v_a, v_t, DT, PRECISION)
+        dp = dot_split(do_a, do_t, v_a, v_t, DT, PRECISION)
         ds = p * (dp - delta[:, None])
         if MASK:
             vis = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] <= pos[:, None])
@@ -234,9 +234,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
     """dQ for a row tile; DQ has dO's strides (sd*)."""
     b, hkv, rows, row_ok, qi, h, pos, pos_first, pos_last, start, start_first, start_last = (
         _query_tile(START, Tq, Tk, Hq, G, BLOCK_M, HAS_SEG))
-    q_a, q_t = _load_split(_rows(Q + b * sqb, qi, pos_first - (Tk - Tq), h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
+    q_a, q_t = load_split(row_pointers(Q + b * sqb, qi, pos_first - (Tk - Tq), h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
                            False, UPCAST)
-    do_a, do_t = _load_split(_rows(DO + b * sdb, qi, pos_first - (Tk - Tq), h, sdt, sdh), rows, 0, D, DA, DT, BLOCK_M,
+    do_a, do_t = load_split(row_pointers(DO + b * sdb, qi, pos_first - (Tk - Tq), h, sdt, sdh), rows, 0, D, DA, DT, BLOCK_M,
                              False, UPCAST)
     stat = (b * Hq + h) * Tq + qi
     lse2 = tl.load(LSE + stat) * _LOG2E
@@ -245,7 +245,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
     v_base = V + b * svb + hkv * svh
     dq_a = tl.zeros([BLOCK_M, DA], dtype=tl.float32)
     dq_t = tl.zeros([BLOCK_M, DT if DT > 0 else 16], dtype=tl.float32)
-    lo, mid, diag, hi = _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N)
+    lo, mid, diag, hi = key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N)
     dq_a, dq_t = _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_base,
                                v_base, skt, svt, lo, mid, Tk, qk_scale, D, DA, DT, BLOCK_N, True,
                                PRECISION, UPCAST)
@@ -255,7 +255,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
     dq_a, dq_t = _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_base,
                                v_base, skt, svt, diag, hi, Tk, qk_scale, D, DA, DT, BLOCK_N, True,
                                PRECISION, UPCAST)
-    _store_split(_rows(DQ + b * sdb, qi, pos_first - (Tk - Tq), h, sdt, sdh), (dq_a * sm_scale).to(DQ.dtype.element_ty),
+    store_split(row_pointers(DQ + b * sdb, qi, pos_first - (Tk - Tq), h, sdt, sdh), (dq_a * sm_scale).to(DQ.dtype.element_ty),
                  (dq_t * sm_scale).to(DQ.dtype.element_ty), rows, Tq * G, D, DA, DT)
 
 
@@ -277,20 +277,20 @@ def _bwd_dkdv_inner(dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, 
         stat = stat_base + h.to(tl.int64) * Tq + qi
         lse2 = tl.load(LSE + stat) * _LOG2E
         delta = tl.load(DELTA + stat)
-        q_ptr = _rows(q_base, qi, r0 // G, h, sqt, sqh)
-        do_ptr = _rows(do_base, qi, r0 // G, h, sdt, sdh)
+        q_ptr = row_pointers(q_base, qi, r0 // G, h, sqt, sqh)
+        do_ptr = row_pointers(do_base, qi, r0 // G, h, sdt, sdh)
         if MASK:
             # Masked rows add nothing (see the module docstring): a row whose q or dO may not
             # be all finite (its LSE is not finite, or _bwd_delta marked its delta NaN) is
             # read as zeros, with a NaN LSE, so that the keys it sees get NaN through P.
             skip = tl.where((tl.abs(lse2) < float("inf")) & (delta == delta), 0, 1)
             lse2 = tl.where(skip > 0, float("nan"), lse2)
-            q_a, q_t = _load_split(q_ptr, skip, 1, D, DA, DT, BLOCK_M, True, UPCAST)
-            do_a, do_t = _load_split(do_ptr, skip, 1, D, DA, DT, BLOCK_M, True, UPCAST)
+            q_a, q_t = load_split(q_ptr, skip, 1, D, DA, DT, BLOCK_M, True, UPCAST)
+            do_a, do_t = load_split(do_ptr, skip, 1, D, DA, DT, BLOCK_M, True, UPCAST)
         else:
-            q_a, q_t = _load_split(q_ptr, rows, 0, D, DA, DT, BLOCK_M, False, UPCAST)
-            do_a, do_t = _load_split(do_ptr, rows, 0, D, DA, DT, BLOCK_M, False, UPCAST)
-        s_t = _dot_split(k_a, k_t, q_a, q_t, DT, PRECISION) * qk_scale  # (keys, rows)
+            q_a, q_t = load_split(q_ptr, rows, 0, D, DA, DT, BLOCK_M, False, UPCAST)
+            do_a, do_t = load_split(do_ptr, rows, 0, D, DA, DT, BLOCK_M, False, UPCAST)
+        s_t = dot_split(k_a, k_t, q_a, q_t, DT, PRECISION) * qk_scale  # (keys, rows)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASK:
             if HAS_SEG:
@@ -304,7 +304,7 @@ def _bwd_dkdv_inner(dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, 
         dv_a = tl.dot(p_lo, do_a, dv_a, input_precision=PRECISION)
         if DT > 0:
             dv_t = tl.dot(p_lo, do_t, dv_t, input_precision=PRECISION)
-        dp_t = _dot_split(v_a, v_t, do_a, do_t, DT, PRECISION)
+        dp_t = dot_split(v_a, v_t, do_a, do_t, DT, PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         if MASK:
             ds_t = tl.where(vis, ds_t, 0.0)
@@ -330,9 +330,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
     b = (bh // Hkv).to(tl.int64)
     hkv = bh % Hkv
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    k_a, k_t = _load_split(_key_ptrs(K + b * skb + hkv * skh, n0, skt, BLOCK_N), offs_n, Tk, D, DA, DT,
+    k_a, k_t = load_split(key_ptrs(K + b * skb + hkv * skh, n0, skt, BLOCK_N), offs_n, Tk, D, DA, DT,
                            BLOCK_N, True, UPCAST)
-    v_a, v_t = _load_split(_key_ptrs(V + b * svb + hkv * svh, n0, svt, BLOCK_N), offs_n, Tk, D, DA, DT,
+    v_a, v_t = load_split(key_ptrs(V + b * svb + hkv * svh, n0, svt, BLOCK_N), offs_n, Tk, D, DA, DT,
                            BLOCK_N, True, UPCAST)
     n_last = tl.minimum(n0 + BLOCK_N, Tk) - 1
     seg = START + b * Tk
@@ -371,9 +371,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
         HAS_SEG, PRECISION, UPCAST)
     out = DK.dtype.element_ty
     rows = b * Tk * Hkv * D + hkv * D
-    _store_split(_key_ptrs(DK + rows, n0, Hkv * D, BLOCK_N), (dk_a * sm_scale).to(out),
+    store_split(key_ptrs(DK + rows, n0, Hkv * D, BLOCK_N), (dk_a * sm_scale).to(out),
                  (dk_t * sm_scale).to(out), offs_n, Tk, D, DA, DT)
-    _store_split(_key_ptrs(DV + rows, n0, Hkv * D, BLOCK_N), dv_a.to(out), dv_t.to(out), offs_n, Tk,
+    store_split(key_ptrs(DV + rows, n0, Hkv * D, BLOCK_N), dv_a.to(out), dv_t.to(out), offs_n, Tk,
                  D, DA, DT)
 
 

@@ -26,7 +26,7 @@ def _load_tile(
 
 
 @triton.jit
-def _load_split(
+def load_split(
     rows_ptr,
     offs_n,
     n_max,
@@ -54,7 +54,7 @@ def _load_split(
 
 
 @triton.jit
-def _store_split(
+def store_split(
     rows_ptr, xa, xt, offs_n, n_max, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr
 ):
     offs_a = tl.arange(0, DA)
@@ -72,7 +72,7 @@ def _store_split(
 
 
 @triton.jit
-def _finite_split(xa, xt, DT: tl.constexpr):
+def finite_split(xa, xt, DT: tl.constexpr):
     """The tile's head-dim blocks with their NaN and inf entries zeroed, and per row (axis 0)
     1 where the row had one, else 0."""
     ok_a = tl.abs(xa) < float("inf")  # False for NaN and +-inf
@@ -86,13 +86,13 @@ def _finite_split(xa, xt, DT: tl.constexpr):
 
 
 @triton.jit
-def _sees(vis, bad):
+def sees_flagged(vis, bad):
     """Per row of ``vis`` (rows, cols): 1 where it sees a column whose ``bad`` flag is set."""
     return tl.max(tl.where(vis & (bad[None, :] > 0), 1, 0), 1)
 
 
 @triton.jit
-def _dot_split(a_a, a_t, b_a, b_t, DT: tl.constexpr, PRECISION: tl.constexpr):
+def dot_split(a_a, a_t, b_a, b_t, DT: tl.constexpr, PRECISION: tl.constexpr):
     """a @ b^T over both head-dim blocks (the tail only when DT > 0)."""
     s = tl.dot(a_a, tl.trans(b_a), input_precision=PRECISION)
     if DT > 0:
@@ -101,7 +101,7 @@ def _dot_split(a_a, a_t, b_a, b_t, DT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _rows(base, qi, qi0, h, st, sh):
+def row_pointers(base, qi, qi0, h, st, sh):
     """Pointers (rows, 1) to gathered (query, head) rows from ``base``: query qi0's offset
     in int64 (a batch row may hold more than 2^31 elements), the rest relative to it in
     int32 (qi - qi0 is at most a tile). The launcher makes every stride a multiple of 8
@@ -112,21 +112,21 @@ def _rows(base, qi, qi0, h, st, sh):
 
 
 @triton.jit
-def _key_rows(offs_n, st):
+def key_rows(offs_n, st):
     """Row offsets (keys, 1) of key positions ``offs_n`` with row stride ``st``, in int64
     (the forward's form: there it compiles without spills, the other one not)."""
     return offs_n.to(tl.int64)[:, None] * st
 
 
 @triton.jit
-def _key_ptrs(base, n0, st, BLOCK_N: tl.constexpr):
+def key_ptrs(base, n0, st, BLOCK_N: tl.constexpr):
     """Pointers (keys, 1) to the rows of keys n0 .. n0 + BLOCK_N - 1 (row stride ``st``):
     n0's offset in int64, the rest relative to it."""
     return (base + tl.cast(n0, tl.int64) * st) + (tl.arange(0, BLOCK_N) * st)[:, None]
 
 
 @triton.jit
-def _row_tile(tile, Tq, Tk, hkv, G: tl.constexpr, BLOCK_M: tl.constexpr):
+def row_tile(tile, Tq, Tk, hkv, G: tl.constexpr, BLOCK_M: tl.constexpr):
     """Rows of a tile: (rows, valid, query index, head, position) and the tile's first and
     last valid positions. Rows past the end are clamped onto the last row (never stored)."""
     n_rows = Tq * G
@@ -143,7 +143,7 @@ def _row_tile(tile, Tq, Tk, hkv, G: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N: tl.constexpr):
+def key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N: tl.constexpr):
     """Bounds of the three key runs of a row tile: [lo, mid) masked, [mid, diag) unmasked,
     [diag, hi) masked. Tiles start at lo, so the runs never overlap."""
     lo = start_first
@@ -153,7 +153,7 @@ def _key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _seg_starts(
+def seg_starts(
     START, b, Tk, pos, pos_first, pos_last, HAS_SEG: tl.constexpr, BLOCK_M: tl.constexpr
 ):
     if HAS_SEG:

@@ -108,7 +108,7 @@ _WEIGHTS_ONLY = re.compile(
 )
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     """``e`` in a few words (torch's weights-only refusal: what it refused)."""
     text = str(e).strip()
     found = _WEIGHTS_ONLY.search(text)
@@ -124,7 +124,7 @@ def _unpickle_metadata(stream, where: str) -> Any:
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from None
     except Exception as e:  # a truncated or garbled file
-        raise CheckpointError(f"{where}: not readable DCP metadata ({_first_line(e)})") from None
+        raise CheckpointError(f"{where}: not readable DCP metadata ({first_line(e)})") from None
 
 
 # ----------------------------------------------------------------------------- metadata types
@@ -287,7 +287,7 @@ def plain_object(stream: io.BytesIO, what: str) -> Any:
         return torch.load(stream, weights_only=True)
     except Exception as e:
         raise CheckpointError(
-            f"{what} is not plain data: refused, nothing was run ({_first_line(e)})"
+            f"{what} is not plain data: refused, nothing was run ({first_line(e)})"
         ) from None
 
 
@@ -353,7 +353,7 @@ def restricted_loads(blob: Any, what: str) -> Any:
         return _PlainUnpickler(io.BytesIO(bytes(blob))).load()
     except Exception as e:
         raise CheckpointError(
-            f"{what} is not plain data: refused, nothing was run ({_first_line(e)})"
+            f"{what} is not plain data: refused, nothing was run ({first_line(e)})"
         ) from None
 
 
@@ -420,7 +420,7 @@ class SafeReader(FileSystemReader):
                     except Exception as e:
                         raise CheckpointError(
                             f"{where}: the entry {item.storage_index.fqn} is not readable "
-                            f"({_first_line(e)})"
+                            f"({first_line(e)})"
                         ) from None
         done: Future = Future()
         done.set_result(None)

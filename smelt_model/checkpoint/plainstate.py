@@ -28,7 +28,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-__all__ = ["StateFileError", "dump", "load", "encode", "decode", "read_json"]
+__all__ = ["StateFileError", "dump", "load", "encode", "decode", "read_json", "first_line"]
 
 FORMAT = "smelt-train-state/1"
 #: numpy dtypes an ndarray entry may have (numbers only: no objects, no strings)
@@ -163,7 +163,7 @@ def dump(state: Any) -> tuple[bytes, dict[str, torch.Tensor]]:
     return json.dumps(doc, allow_nan=False).encode(), tensors
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -176,7 +176,7 @@ def read_json(path: Path, what: str, error: type[Exception] = ValueError) -> dic
     try:
         doc = json.loads(path.read_bytes())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise error(f"{path}: not a valid {what} ({_first_line(e)})") from None
+        raise error(f"{path}: not a valid {what} ({first_line(e)})") from None
     if not isinstance(doc, dict):
         raise error(f"{path}: not a valid {what} (expected a JSON object)")
     return doc
@@ -195,7 +195,7 @@ def load(json_path: Union[str, Path], tensor_path: Union[str, Path]) -> Any:
         tensors = load_file(str(tensor_path))
     except Exception as e:  # safetensors' own error types; the file is not a tensor file
         raise StateFileError(
-            f"{tensor_path}: not a readable safetensors file ({_first_line(e)})"
+            f"{tensor_path}: not a readable safetensors file ({first_line(e)})"
         ) from None
     doc = read_json(json_path, "JSON state file", StateFileError)
     if not (doc.get("format") == FORMAT and "state" in doc):
@@ -205,4 +205,4 @@ def load(json_path: Union[str, Path], tensor_path: Union[str, Path]) -> Any:
     try:
         return decode(doc["state"], tensors)
     except (ValueError, RecursionError) as e:
-        raise StateFileError(f"{json_path}: {_first_line(e)}") from None
+        raise StateFileError(f"{json_path}: {first_line(e)}") from None

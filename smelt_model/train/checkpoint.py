@@ -393,7 +393,7 @@ class Checkpoint:
             self.weights = load_file(str(path / WEIGHTS))
         except Exception as e:  # safetensors' own error types: a damaged header
             raise CheckpointError(
-                f"{path / WEIGHTS}: not a readable safetensors file ({plainstate._first_line(e)})"
+                f"{path / WEIGHTS}: not a readable safetensors file ({plainstate.first_line(e)})"
             ) from None
         try:
             state = plainstate.load(path / STATE_JSON, path / STATE_TENSORS)
