@@ -355,7 +355,8 @@ PATCHES: tuple[Patch, ...] = (
         "safe_dataloader_state",
         TORCHTITAN,
         "ParallelAwareDataloader.load_state_dict pickle.loads the bytes a checkpoint "
-        "keeps for its position; the patch reads them with dcp_reader.restricted_loads",
+        "keeps for its position; the patch reads them with "
+        "smelt_model.checkpoint.dcp.restricted_loads",
         "always",
         _always,
         install=_install_safe_dataloader_state,

@@ -3,7 +3,8 @@
 A checkpoint is a folder ``checkpoints/step_NNNNNNNN/`` holding ``model.safetensors`` and
 ``config.json`` (loadable with ``SmeltLM.from_pretrained``), the training state (optimizer,
 scheduler, RNG states, the data position and the lengths of the logs at that step) as
-``state.json`` + ``state.safetensors`` (:mod:`.plainstate`: JSON and tensors, no pickle) and
+``state.json`` + ``state.safetensors`` (:mod:`smelt_model.checkpoint.plainstate`:
+JSON and tensors, no pickle) and
 ``manifest.json``, written last, with every file's size and SHA-256. The folder is written
 under a temporary name and renamed into place, then ``checkpoints/latest`` (a file holding
 the folder's name) is replaced atomically; a crash at any moment leaves the previous

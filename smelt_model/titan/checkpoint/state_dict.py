@@ -31,9 +31,16 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch
+import torch.distributed.checkpoint as torch_dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from smelt_model import presets
+from smelt_model.budget import memory
 from smelt_model.checkpoint import CheckpointError, dcp
 from smelt_model.config import ModelConfig
+from smelt_model.model import SmeltLM
 
 __all__ = [
     "to_smelt",
@@ -117,7 +124,6 @@ def titan_keys(cfg: ModelConfig) -> list[str]:
 
 
 def _smelt_state(model_or_folder: Union[torch.nn.Module, str, Path]) -> tuple[ModelConfig, dict]:
-    from smelt_model.model import SmeltLM
 
     if isinstance(model_or_folder, SmeltLM):
         model = model_or_folder
@@ -129,7 +135,6 @@ def _smelt_state(model_or_folder: Union[torch.nn.Module, str, Path]) -> tuple[Mo
 
 def _stored_dtype(folder: Union[str, Path]) -> Union[torch.dtype, None]:
     """The one dtype of every weight in a ``save_pretrained`` folder (None if they differ)."""
-    from safetensors import safe_open
 
     names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
     path = Path(folder) / "model.safetensors"
@@ -148,7 +153,6 @@ def write_seed(
     Start a run from it with ``--checkpoint.enable --checkpoint.initial_load_path
     OUT_DIR`` (model only; the run's own preset must have the same geometry).
     """
-    import torch.distributed.checkpoint as dcp
 
     cfg, state = _smelt_state(model_or_folder)
     titan = {k: v.contiguous() for k, v in from_smelt(state).items()}
@@ -157,7 +161,7 @@ def write_seed(
     out.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # one process, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(titan, checkpoint_id=str(out), no_dist=True)
+        torch_dcp.save(titan, checkpoint_id=str(out), no_dist=True)
     return out
 
 
@@ -167,7 +171,6 @@ def is_dcp_folder(path: Union[str, Path]) -> bool:
 
 def preset_of(cfg: ModelConfig) -> Union[str, None]:
     """The name of the preset whose config is ``cfg``, or None."""
-    from smelt_model import presets
 
     return next((name for name in presets.names() if presets.get(name) == cfg), None)
 
@@ -186,7 +189,6 @@ def describe(cfg: ModelConfig) -> str:
 def read_config(ckpt_dir: Union[str, Path], meta=None) -> ModelConfig:
     """The model config a SMELT checkpoint folder holds (its ``config_json``), read in this
     process alone. :class:`CheckpointError` when the folder is not a SMELT checkpoint."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(ckpt_dir)
     meta = meta if meta is not None else dcp.read_metadata(path)
@@ -213,13 +215,11 @@ def load_model_state(ckpt_dir: Union[str, Path]) -> tuple[ModelConfig, dict[str,
 
     ``ckpt_dir``: one step's folder (``<dump>/checkpoint/step-N``) written by a SMELT run
     or by :func:`write_seed`. Tensors keep the dtype they are stored in. Raises
-    :class:`CheckpointError` for anything else (:mod:`.dcp_reader` says what is checked),
+    :class:`CheckpointError` for anything else (:mod:`smelt_model.checkpoint.dcp` says
+    what is checked),
     and :class:`smelt_model.budget.memory.MemoryRefusal` before reading a model that would not
     fit in this machine's memory.
     """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from smelt_model.budget import memory
 
     path = Path(ckpt_dir)
     if not is_dcp_folder(path):
@@ -266,20 +266,17 @@ def _itemsize(entry) -> int:
 
 
 def _meta_state(cfg: ModelConfig) -> dict:
-    from smelt_model.model import SmeltLM
 
     with torch.device("meta"):
         return SmeltLM(cfg).state_dict()
 
 
 def _load(state: dict, path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with warnings.catch_warnings():  # one process, on purpose
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=dcp.reader(path), no_dist=True)
+            torch_dcp.load(state, storage_reader=dcp.reader(path), no_dist=True)
     except CheckpointException as e:
         cause = dcp.first_failure(e)
         if isinstance(cause, CheckpointError):

@@ -35,17 +35,25 @@ torch.compile and is refused.
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import spmd_types as spmd
 import torch
+import torchtitan.distributed.fsdp as tt_fsdp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC
 from torchtitan.models.common.moe_sharding import set_moe_sharding_config
 from torchtitan.tools.logging import logger
 
+from smelt_model.budget import memory
+from smelt_model.cluster import Workload
 from smelt_model.schedule import kept_layers as _policy_kept
 from smelt_model.titan.moe import traffic
 from smelt_model.titan.moe.dispatch import (
@@ -171,7 +179,6 @@ def _workload(config: Any, arch: Any) -> Any:
     """The ledger's :class:`~smelt_model.cluster.Workload` of a run: the dtypes its weights
     are gathered and its gradients reduced in, its sequence length, and whose expert compute
     it runs."""
-    from smelt_model.cluster import Workload
 
     training = config.training
     model = getattr(getattr(config, "model_spec", None), "model", None)
@@ -190,7 +197,6 @@ def _workload(config: Any, arch: Any) -> Any:
 
 
 def _reshard_after_forward(parallelism: Any) -> bool:
-    import torchtitan.distributed.fsdp as tt_fsdp
 
     return tt_fsdp.get_fsdp_reshard_after_forward_policy(
         parallelism.fsdp_reshard_after_forward, pp_enabled=False
@@ -201,9 +207,6 @@ def _available_per_rank(mesh: RunMesh) -> Any:
     """Bytes one rank may use: its GPU's free memory, or on the CPU the machine's available
     memory shared by the ranks of the node, within the rank's own address-space limit
     (None when the platform does not say)."""
-    import os
-
-    from smelt_model.budget import memory
 
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -264,7 +267,6 @@ def _layer_experts(model: nn.Module, kind: str) -> list[nn.Module]:
 
 def _gather_mesh(model: nn.Module, dp_mesh):
     """The mesh a ``gather`` layer's experts are sharded over (module docstring)."""
-    from torch.distributed.device_mesh import init_device_mesh
 
     plan, world, node = model.config.plan, dp_mesh.size(), model.config.node_size
     if plan.gather_group == "all" or node >= world:
@@ -277,7 +279,6 @@ def _gather_mesh(model: nn.Module, dp_mesh):
 
 
 def _shard_over(n_experts: int, spread: int):
-    from torch.distributed.tensor import Shard
 
     return Shard(1) if spread > n_experts else Shard(0)
 
@@ -330,9 +331,6 @@ def clip_grad_norm_by_mesh(
     on the meshes it expects (one, or the dense one and one expert-parallel one); otherwise
     each mesh's norm, combined (the p-th root of the sum of ``norm**p``; the max for the
     inf-norm), and every gradient clipped by that total. No pipeline parallelism here."""
-    import math
-
-    from torch.distributed.tensor import DTensor
 
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     groups: dict[Any, list] = {}
@@ -380,8 +378,6 @@ def parallelize_smelt(
     **_: Any,
 ) -> nn.Module:
     """torchtitan's ``parallelize_fn`` for :class:`~smelt_model.titan.model.SmeltTitan`."""
-    import torchtitan.distributed.fsdp as tt_fsdp
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     if compile_config.enable and "model" in compile_config.components:
         raise ValueError(
@@ -420,8 +416,6 @@ def parallelize_smelt(
     if plan is not None and plan.gather_layers:
         gather_mesh = _gather_mesh(model, dp_mesh)
         if plan.span_gather == "layer":  # each span layer's experts gathered at every visit
-            from torch.distributed.fsdp import fully_shard
-
             shard = _shard_over(model.cfg.n_experts, gather_mesh.size(gather_mesh.ndim - 1))
             for i in plan.gather_layers:
                 if model.cfg.schedule.in_span(i):
