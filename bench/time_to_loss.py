@@ -81,13 +81,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     )
     args = ap.parse_args(argv)
     try:
-        found = presets.resolve(args.preset)
+        args.preset = presets.pair_name(args.preset)
     except presets.PresetError as e:
         raise cli.UsageError(f"--preset: {e}") from None
-    if len(found) != 2:
-        pair = found[0].rsplit("-", 1)[0]
-        raise cli.UsageError(f"--preset {args.preset} is one model; the pair is {pair}")
-    args.preset = found[0][: -len("-baseline")]
     for name in ("budget_flops", "lr"):
         v = getattr(args, name)
         if not (v > 0 and math.isfinite(v)):

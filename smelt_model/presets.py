@@ -37,6 +37,7 @@ __all__ = [
     "pairs",
     "resolve",
     "model_name",
+    "pair_name",
     "Recipe",
     "recipe",
     "DECAY",
@@ -183,6 +184,20 @@ def model_name(name: str) -> str:
             f"{name!r} is a matched pair; name one of its models: {' or '.join(found)}"
         )
     return found[0]
+
+
+def pair_name(name: str) -> str:
+    """The matched pair ``name`` names, spelt as :func:`pairs` spells it (``TINY`` -> ``tiny``).
+    A model name, where a pair is needed, is refused with the pair that holds it; an unknown
+    name as :func:`resolve` refuses it."""
+    found = resolve(name)
+    if len(found) != 2:
+        pair = found[0].rsplit("-", 1)[0]
+        raise PresetError(
+            f"{found[0]} is a model; this needs a pair name: {pair} (holds "
+            f"{' and '.join(f'{pair}-{a}' for a in reversed(ARCHS))})"
+        )
+    return found[0].rsplit("-", 1)[0]
 
 
 def get(name: str) -> ModelConfig:

@@ -180,8 +180,10 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.preset not in presets.pairs():
-        raise cli.unknown("--preset", args.preset, presets.pairs())
+    try:
+        args.preset = presets.pair_name(args.preset)
+    except presets.PresetError as e:
+        raise cli.UsageError(f"--preset: {e}") from None
     make_workload(args)
     check_environment(args)
     return args

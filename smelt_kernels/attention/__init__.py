@@ -4,11 +4,9 @@
 
 Inside: ``ops`` (validation, custom ops, autograd), ``reference`` (pure torch), ``cpu``,
 ``triton`` and ``cuda`` (the backends). The rotary embedding applied to q and k before the
-op is its own feature, :mod:`smelt_kernels.rotary`; ``apply_rotary`` is named here too, where
-the README lists it beside ``segment_attention``.
+op is its own feature, :mod:`smelt_kernels.rotary`.
 """
 
-from ..rotary import apply_rotary
 from .ops import segment_attention, segment_bounds, select_backend
 
-__all__ = ["segment_attention", "segment_bounds", "select_backend", "apply_rotary"]
+__all__ = ["segment_attention", "segment_bounds", "select_backend"]

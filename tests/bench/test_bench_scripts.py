@@ -93,6 +93,7 @@ def test_bench_moe_gemm_bad_input(argv, word, capsys, nothing_runs):
     "argv, word",
     [
         (["--preset", "nope"], "--preset"),
+        (["--preset", "tiny-smelt"], "tiny-smelt is a model; this needs a pair name: tiny (holds"),
         (["--budget-flops", "-1"], "--budget-flops"),
         (["--budget-flops", "inf"], "--budget-flops"),
         (["--seq-len", "1"], "--seq-len"),

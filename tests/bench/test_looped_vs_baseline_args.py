@@ -35,6 +35,8 @@ def _fails(argv, capsys):
     "argv, option",
     [
         (["--tokens", "0"], "--tokens"),
+        (["--preset", "tiny-smelt"], "tiny-smelt is a model; this needs a pair name: tiny"),
+        (["--preset", "tiny-nothing"], "unknown preset 'tiny-nothing'"),
         (["--tokens", "-5"], "--tokens"),
         (["--seq-len", "0"], "--seq-len"),
         (["--tokens", "100", "--seq-len", "64"], "--tokens"),

@@ -115,3 +115,15 @@ def test_a_pair_trains_by_one_recipe():
     assert tiny.tokens_per_step == tiny.seq_len * tiny.batch_size
     with pytest.raises(ValueError, match="unknown preset"):
         presets.recipe("huge")
+
+
+def test_a_model_name_where_a_pair_is_needed_names_the_pair():
+    assert presets.pair_name("TINY") == "tiny"
+    with pytest.raises(
+        presets.PresetError,
+        match=r"200M-S95-smelt is a model; this needs a pair "
+        r"name: 200M-S95 \(holds 200M-S95-smelt and 200M-S95-baseline\)",
+    ):
+        presets.pair_name("200m-s95-SMELT")
+    with pytest.raises(presets.PresetError, match="unknown preset"):
+        presets.pair_name("tiny-nothing")
