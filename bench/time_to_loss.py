@@ -32,8 +32,15 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
 from output_paths import output_file
 
+from smelt_model import presets
+from smelt_model.plotting import require
+from smelt_model.train import cli as train_cli
+from smelt_model.train import plot as plot_mod
+from smelt_model.train.lockstep import Progress, build_trainers, run_lockstep
+from smelt_model.train.plot import read_log
 from smelt_tools import cli
 from smelt_tools.timing import cpu_name
 
@@ -57,8 +64,6 @@ def reach(evals: list[dict], target: float) -> Optional[dict]:
 
 def parse_args(argv: Optional[Sequence[str]] = None):
     """The options, each checked (a :class:`UsageError` naming the first bad one)."""
-    from smelt_model import presets
-    from smelt_model.plotting import require
 
     ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -109,44 +114,24 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     return args
 
 
-def _run(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-
-    import torch
-
-    from smelt_model.train import cli as train_cli
-    from smelt_model.train import plot as plot_mod
-    from smelt_model.train.lockstep import Progress, build_trainers, run_lockstep
-    from smelt_model.train.plot import read_log
-
-    torch.set_num_threads(args.threads)
+def _train(args) -> tuple[dict, list, float]:
+    """Both models of the pair trained in lockstep to the FLOP budget: (their run folders,
+    their trainers, the wall seconds)."""
     work = Path(tempfile.mkdtemp(prefix="time_to_loss_"))
-    targs = train_cli.parse_args(
-        [
-            "--preset",
-            args.preset,
-            "--arch",
-            "both",
-            "--data",
-            args.data,
-            "--seq-len",
-            str(args.seq_len),
-            "--tokens-per-step",
-            str(args.tokens_per_step),
-            "--lr",
-            str(args.lr),
-            "--budget-flops",
-            str(args.budget_flops),
-            "--eval-tokens",
-            str(args.eval_tokens),
-            "--seed",
-            str(args.seed),
-            "--out",
-            str(work),
-            "--device",
-            "cpu",
-        ]
-    )
+    options = {
+        "--preset": args.preset,
+        "--arch": "both",
+        "--data": args.data,
+        "--seq-len": args.seq_len,
+        "--tokens-per-step": args.tokens_per_step,
+        "--lr": args.lr,
+        "--budget-flops": args.budget_flops,
+        "--eval-tokens": args.eval_tokens,
+        "--seed": args.seed,
+        "--out": work,
+        "--device": "cpu",
+    }
+    targs = train_cli.parse_args([str(x) for kv in options.items() for x in kv])
     # eval-every is set per run below from its step count, so both get the same evaluations
     dirs = {a: work / a for a in ("baseline", "smelt")}
     try:
@@ -164,8 +149,12 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     )
     t0 = time.time()
     run_lockstep(trainers, Progress())
-    wall = time.time() - t0
+    return dirs, trainers, time.time() - t0
 
+
+def _summarise(trainers) -> tuple[dict, float, Optional[dict]]:
+    """(each run's steps, FLOPs, seconds and evaluations, the baseline's final validation
+    loss as the target, SMELT's FLOP and second ratios to reach it or None)."""
     runs = {}
     for t in trainers:
         steps, evals = read_log(t.out)
@@ -187,9 +176,18 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     if s is not None:
         ratios = {"flops": s["flops"] / b["flops"], "seconds": s["seconds"] / b["seconds"]}
         ratios.update({"flops_saved": 1 - ratios["flops"], "seconds_saved": 1 - ratios["seconds"]})
+    return runs, target, ratios
+
+
+def _run(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dirs, trainers, wall = _train(args)
+    runs, target, ratios = _summarise(trainers)
     command = "python bench/time_to_loss.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )
+    work = dirs["baseline"].parent
     out = Path(args.out) if args.out is not None else work / "time_to_loss_cpu"
     opts = dict(vars(args))
     try:  # record the output inside the repository relative to it, never a machine's path
