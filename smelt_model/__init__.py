@@ -1,12 +1,15 @@
-"""smelt_model: the model layer. It owns the configs and presets (with each preset's
-training recipe), the budgets (``budget``: the ledger, matcher, communication and cluster
-models), the loop runtime (``plan``, ``executor``) and the block it runs, the thin SMELT /
-baseline model, generation, probes and analysis, the two trainers (``train``: one process;
-``titan``: every multi-process run, on torchtitan) and the scaling-law tools.
+"""smelt_model: the model layer, in homes (docs/architecture.md draws them and what each may
+import; tests/package/test_layering.py checks it). The model core: the configs and presets
+(each with its training recipe), the loop schedule (``schedule``) and its ``executor``, the
+block they run, the thin SMELT / baseline model, generation, probes, conversion and analysis.
+Around it: the paper's three budgets (``budget``), the cluster model on paper (``cluster``),
+the scaling-law tools (``scaling``), the text both trainers read (``data``), what every
+checkpoint reader shares (``checkpoint``), and the two trainers (``train``: one process;
+``titan``: every multi-process run, on torchtitan).
 
 It builds on ``smelt_kernels`` (ops and drop-in layers) and ``smelt_tools`` (the command
-convention), never on ``bench``; neither of those imports it (tests/package/test_layering.py).
-Only ``titan`` imports torchtitan, and nothing here imports ``titan`` but itself.
+convention), never on ``bench``; neither of those imports it. Only ``titan`` imports
+torchtitan, and nothing here imports ``titan`` but itself.
 
 The budget, model, generation, probe and scaling names load on first use (the model pulls
 in torch and the kernels, the scaling tools numpy and scipy), so ``import smelt_model``
@@ -40,7 +43,7 @@ _LAZY = {
 
 def __getattr__(name):
     # the model layer imports the kernels, the scaling tools scipy: load them on first use
-    if name in ("budget", "scaling", "analysis"):
+    if name in ("budget", "cluster", "scaling", "analysis"):
         return importlib.import_module(f"{__name__}.{name}")
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
@@ -56,6 +59,7 @@ __all__ = [
     "ModelConfig",
     "middle_loop",
     "budget",
+    "cluster",
     "presets",
     "Ledger",
     "Ratios",

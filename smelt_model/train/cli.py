@@ -36,6 +36,24 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+
+from smelt_kernels import backends
+from smelt_model import presets
+from smelt_model.data import tokenizer as tok_mod
+from smelt_model.plotting import plot_path
+from smelt_model.schedule import RECOMPUTE_POLICIES, check_recompute
+from smelt_model.train import plot as plot_mod
+from smelt_model.train.lockstep import (
+    Progress,
+    build_trainers,
+    merge_endpoints,
+    run_lockstep,
+    summary_line,
+)
+from smelt_model.train.options import configs, recipe_fields, resume_checks
+from smelt_model.train.runspec import compare
+from smelt_model.train.trainer import check_memory
 from smelt_tools import cli
 
 __all__ = ["PROG", "main", "build_parser", "parse_args"]
@@ -55,8 +73,6 @@ _RECIPE = {
 
 
 def build_parser() -> cli.Parser:
-    from smelt_kernels import backends
-    from smelt_model.schedule import RECOMPUTE_POLICIES, check_recompute
 
     ap = cli.Parser(
         prog=PROG, description="Train baseline / SMELT models on packed documents, one process."
@@ -155,8 +171,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The options, checked (a :class:`smelt_tools.cli.UsageError` naming the first bad
     one), with the recipe's defaults filled in and ``args.models`` set: ``{arch: name}``
     of the presets to train (empty for ``--config`` / ``--init`` alone)."""
-    from smelt_model import presets
-    from smelt_model.plotting import plot_path
 
     args = build_parser().parse_args(argv)
     given = [o for o in ("preset", "config") if getattr(args, o) is not None]
@@ -180,7 +194,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def _models(preset: str, arch: Optional[str]) -> dict[str, str]:
     """{arch: model preset name} that ``--preset`` and ``--arch`` select."""
-    from smelt_model import presets
 
     try:
         found = presets.resolve(preset)
@@ -264,7 +277,6 @@ def _under_torchrun(argv: Optional[Sequence[str]]) -> cli.UsageError:
 
 
 def _device(args) -> str:
-    import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -274,19 +286,6 @@ def _device(args) -> str:
 
 def _run(argv: Optional[Sequence[str]] = None) -> int:
     """Train (see the module docstring)."""
-    from smelt_model.data import tokenizer as tok_mod
-    from smelt_model.train import plot as plot_mod
-    from smelt_model.train.lockstep import (
-        Progress,
-        build_trainers,
-        merge_endpoints,
-        run_lockstep,
-        summary_line,
-    )
-    from smelt_model.train.options import configs, recipe_fields, resume_checks
-    from smelt_model.train.runspec import compare
-    from smelt_model.train.trainer import check_memory
-
     rank = torchrun_rank()
     if rank is not None:
         if rank != 0:
@@ -298,8 +297,6 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
     if args.threads is not None:
-        import torch
-
         torch.set_num_threads(args.threads)
     device = _device(args)
     out = Path(args.out)

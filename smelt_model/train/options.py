@@ -9,6 +9,15 @@ import math
 from pathlib import Path
 from typing import Optional
 
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from smelt_model import presets
+from smelt_model.config import ModelConfig
+from smelt_model.data import tokenizer as tok_mod
+from smelt_model.train import checkpoint
+from smelt_model.train.runspec import read_run_file
 from smelt_tools import cli
 
 __all__ = [
@@ -49,7 +58,6 @@ def steps_for(args, tokens_per_step: int, flops_per_token: float) -> int:
 def init_folder(path: str) -> Path:
     """The folder ``--init`` names: a save_pretrained folder, or the checkpoint that a run
     folder, ``RUN/checkpoints/latest`` or ``step_N`` points at."""
-    from smelt_model.train import checkpoint
 
     if not Path(path).exists():
         raise ValueError(f"--init {path}: no such folder")
@@ -59,7 +67,6 @@ def init_folder(path: str) -> Path:
 def _from_file(args, vocab: int):
     """The ModelConfig of ``--config`` or of the ``--init`` folder, its vocabulary checked
     against the tokenizer's ``vocab``."""
-    from smelt_model.config import ModelConfig
 
     if args.config is not None:
         where, path = f"--config {args.config}", Path(args.config)
@@ -81,7 +88,6 @@ def _from_file(args, vocab: int):
 def configs(args, vocab: int) -> dict:
     """{arch: ModelConfig} of the run, for a tokenizer of ``vocab`` ids: a preset keeps its
     vocabulary unless the tokenizer needs more; a file's must hold the tokenizer's."""
-    from smelt_model import presets
 
     if not args.models:  # --config, or --init alone
         cfg = _from_file(args, vocab)
@@ -117,8 +123,6 @@ def init_weights(args) -> Optional[dict]:
     """The ``--init`` folder's weights (safetensors: nothing in them can run code)."""
     if args.init is None:
         return None
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     path = init_folder(args.init) / "model.safetensors"
     if not path.is_file():
@@ -133,8 +137,6 @@ def resume_checks(args, dirs: dict, vocab_spec: int):
     """On ``--resume``: each run's ``run.json`` (a damaged one is refused naming it) and the
     run's own tokenizer; the recipe the arguments ask for is compared here, before any data
     or model. Returns ``(saved specs by arch or {}, tokenizer or None, vocabulary size)``."""
-    from smelt_model.data import tokenizer as tok_mod
-    from smelt_model.train.runspec import read_run_file
 
     if not args.resume:
         for d in dirs.values():
@@ -156,7 +158,6 @@ def resume_checks(args, dirs: dict, vocab_spec: int):
 
 def recipe_fields(args, arch: str, cfg) -> dict:
     """The RunSpec fields the command line fixes without reading the data."""
-    import torch
 
     now = {
         "arch": arch,
