@@ -35,6 +35,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+# torch, torchtitan and the launcher's other modules are imported inside the functions that
+# need them: after smelt_model.titan.patches has been applied (the order torchtitan needs),
+# and never for --help or an option error.
 from smelt_tools.cli import CommandError, UsageError, command, one_line, wants_traceback
 
 PROG = "python -m smelt_model.titan"

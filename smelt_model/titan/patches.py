@@ -23,6 +23,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+# Every patch imports what it changes inside its own install function: the launcher applies
+# the patches before torchtitan's modules load (its --help and option errors import none of
+# them), and a patch for a version that is not installed imports nothing.
+
 __all__ = ["Patch", "PATCHES", "needed", "apply", "applied", "launch_args", "config_defaults"]
 
 TORCHTITAN = "torchtitan 0.3.0"
