@@ -45,8 +45,8 @@ def test_each_layer_gets_its_dispatcher_and_sharding(monkeypatch, spec, dedup, k
     config.training.local_batch_size = 2
     model = config.model_spec.model
     update_model_config(model, config)
-    assert model.schedule.letters == kinds and model.overlap and model.schedule.dedup == dedup
-    assert model.chunks == 2 and model.schedule.span_units == "layer"
+    assert model.plan.letters == kinds and model.overlap and model.plan.dedup == dedup
+    assert model.chunks == 2 and model.plan.span_units == "layer"
     ep_cls = DedupAllToAllTokenDispatcher if dedup else CountingAllToAllTokenDispatcher
     for i, kind in enumerate(kinds):
         moe = model.moe[i]
