@@ -1,6 +1,8 @@
 """The ``"cuda"`` backend of segment attention: the forward kernel of ``csrc/attention/cuda.cu``
 (``torch.ops.smelt_cuda.segment_attention_fwd``, from the optional ``smelt_kernels._cuda``
-extension). It is forward-only; the backward runs the Triton kernels."""
+extension). It is forward-only; the backward runs the Triton kernels. It takes the plain segment mask only:
+a call with a window, a key mask or soft-capping runs the Triton kernels (the registry says
+so once)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,10 @@ def _rows_aligned(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:3]) and x.data_ptr() % 16 == 0
 
 
-def forward(q, k, v, start, scale, want_sink):
+def forward(q, k, v, start, scale, want_sink, window=0, key_ok=None, softcap=0.0):
+    # the registry never picks this kernel for a window, a key mask or soft-capping
+    if window or key_ok is not None or softcap:
+        raise ValueError("the CUDA attention kernel takes no window, key_mask or softcap")
     backends.extension("_cuda")
     q, k, v = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
     B, Tq, Hq, D = q.shape

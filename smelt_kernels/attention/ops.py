@@ -63,32 +63,61 @@ def _check_segment_values(segment_ids: Optional[torch.Tensor], any_device: bool 
 
 # ----------------------------------------------------------------------------- implementations
 # Every implementation takes the backend-module arguments: forward(q, k, v, start, scale,
-# want_sink) -> (o, lse, psink or None); backward(do, q, k, v, o, lse, start, end, scale)
-# -> (dq, dk, dv).
-def _kernel_head_dim(head_dim: int) -> Optional[str]:
+# want_sink, window, key_ok, softcap) -> (o, lse, psink or None); backward(do, q, k, v, o,
+# lse, start, end, scale, window, key_ok, softcap) -> (dq, dk, dv). v has q's head dim (the
+# entry point pads the narrower side); sinks are applied here, around the kernels.
+def _kernel_head_dim(head_dim: int, extras: tuple = ()) -> Optional[str]:
     if head_dim % 8 != 0 or head_dim > 128:
         return f"needs head dim D a multiple of 8 and <= 128, got D={head_dim}"
     return None
+
+
+def _cuda_supports(head_dim: int, extras: tuple = ()) -> Optional[str]:
+    if extras:
+        return f"the CUDA kernel takes no {' / '.join(extras)} (a plain segment mask only)"
+    return _kernel_head_dim(head_dim)
 
 
 def _cuda_requires(device) -> Optional[str]:
     return backends.extension_op_missing("_cuda", "segment_attention_fwd", "csrc/attention/cuda.cu")
 
 
-def _cpu_infer(q, k, v, segment_ids, scale, want_sink):
+def _cpu_infer(q, k, v, segment_ids, key_mask, sinks, scale, window, softcap, want_sink):
     if want_sink or q.numel() == 0:
         return None
-    return attention_cpu.infer(q, k, v, segment_ids, scale)
+    out = attention_cpu.infer(q, k, v, segment_ids, scale, window, _key_ok(key_mask), softcap)
+    if out is None or sinks is None:
+        return out
+    return _with_sinks(out[0], out[1], sinks)
 
 
-backends.define(
-    _OP,
-    lambda q, k, v, segment_ids=None, scale=None, want_sink=False: (
+def _extras(key_mask=None, window=0, softcap=0.0) -> tuple:
+    """The masking features a call uses, by name (the registry's feature for backends that
+    take only the plain segment mask)."""
+    used = (("window", window), ("key_mask", key_mask is not None), ("softcap", softcap))
+    return tuple(name for name, on in used if on)
+
+
+def _describe(
+    q,
+    k,
+    v,
+    segment_ids=None,
+    key_mask=None,
+    sinks=None,
+    scale=None,
+    window=0,
+    softcap=0.0,
+    want_sink=False,
+):
+    return (
         q.device,
         q.dtype,
-        {"head_dim": q.shape[-1]},
-    ),
-)
+        {"head_dim": q.shape[-1], "extras": _extras(key_mask, window, softcap)},
+    )
+
+
+backends.define(_OP, _describe)
 backends.register(_OP, "torch", reference.forward, reference.backward)
 backends.register(
     _OP,
@@ -116,7 +145,7 @@ backends.register(
     backward_via=("triton", "torch"),
     dtypes=(torch.float16, torch.bfloat16),
     requires=_cuda_requires,
-    supports=_kernel_head_dim,
+    supports=_cuda_supports,
 )
 
 
@@ -132,7 +161,20 @@ def _stat_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _forward(impl, q, k, v, segment_ids, scale, want_sink):
+def _key_ok(key_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if key_mask is None else key_mask.to(torch.bool).contiguous()
+
+
+def _with_sinks(o, lse, sinks):
+    """(o, lse) of attention whose softmax also holds one logit per head (``sinks`` (Hq,)):
+    the kernel's rows rescaled by exp(lse - lse'), lse' = logaddexp(lse, sink)."""
+    total = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+    keep = torch.exp(lse - total)  # 0 for a row that sees no key (lse -inf)
+    o = (o.to(keep.dtype) * keep.transpose(1, 2)[..., None]).to(o.dtype)
+    return o, total
+
+
+def _forward(impl, q, k, v, segment_ids, key_mask, sinks, scale, window, softcap, want_sink):
     start = attention_cpu.native_starts(segment_ids)  # checks CPU ids in the same pass
     if start is None:
         _check_segment_values(segment_ids)  # CPU ids without the native pass
@@ -140,21 +182,31 @@ def _forward(impl, q, k, v, segment_ids, scale, want_sink):
     Tk = k.shape[1]
     stat = _stat_dtype(q)
     if q.numel() == 0:
+        lse = q.new_full((B, Hq, Tq), float("-inf"), dtype=stat)
+        if sinks is not None:
+            lse = sinks.to(stat)[None, :, None].expand(B, Hq, Tq).contiguous()
         return (
             q.new_zeros(B, Tq, Hq, D),
-            q.new_zeros(B, Hq, Tq, dtype=stat),
+            lse,
             q.new_zeros((B, Hq) if want_sink else (0,), dtype=stat),
         )
     if start is None and segment_ids is not None:
         start = segment_bounds(segment_ids)[0]
-    o, lse, psink = impl.forward(q, k, v, start, scale, want_sink)
+    o, lse, psink = impl.forward(
+        q, k, v, start, scale, want_sink, window, _key_ok(key_mask), softcap
+    )
+    if sinks is not None:
+        plain = lse
+        o, lse = _with_sinks(o, lse, sinks)
+        if want_sink:
+            psink = psink * torch.exp(plain - lse).nan_to_num(0.0)
     if not want_sink:
         return o, lse, q.new_zeros(0, dtype=stat)
     counted = reference.query_starts(start, B, Tq, Tk, q.device)[1]
     return o, lse, reference.sink_mean(psink, counted)
 
 
-def _fake(q, k, v, segment_ids, scale, want_sink):
+def _fake(q, k, v, segment_ids, key_mask, sinks, scale, window, softcap, want_sink):
     B, Tq, Hq, D = q.shape
     stat = _stat_dtype(q)
     return (
@@ -164,24 +216,40 @@ def _fake(q, k, v, segment_ids, scale, want_sink):
     )
 
 
-def _backward(impl, do, q, k, v, o, lse, segment_ids, scale):
+def _backward(impl, do, q, k, v, o, lse, segment_ids, key_mask, sinks, scale, window, softcap):
     if q.numel() == 0:
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        dsinks = torch.zeros_like(sinks) if sinks is not None else q.new_zeros(0)
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), dsinks
     start, end = segment_bounds(segment_ids) if segment_ids is not None else (None, None)
-    return impl.backward(do, q, k, v, o, lse, start, end, scale)
+    dq, dk, dv = impl.backward(
+        do, q, k, v, o, lse, start, end, scale, window, _key_ok(key_mask), softcap
+    )
+    if sinks is None:
+        return dq, dk, dv, q.new_zeros(0)
+    # d lse'/d sink = p_sink, and d o/d lse' = -o: dsink = -sum over rows of p_sink * (dO . O)
+    delta = (do.to(lse.dtype) * o.to(lse.dtype)).sum(-1).transpose(1, 2)  # (B, Hq, Tq)
+    p_sink = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)
+    dsinks = -(p_sink * delta).nan_to_num(0.0).sum((0, 2))
+    return dq, dk, dv, dsinks.to(sinks.dtype)
+
+
+def _backward_fake(do, q, k, v, o, lse, segment_ids, key_mask, sinks, scale, window, softcap):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 _ATTENTION = KernelOp(
     _OP,
-    inputs="Tensor q, Tensor k, Tensor v, Tensor? segment_ids, float scale, str backend, "
-    "bool want_sink",
+    inputs="Tensor q, Tensor k, Tensor v, Tensor? segment_ids, Tensor? key_mask, Tensor? sinks, "
+    "float scale, int window, float softcap, str backend, bool want_sink",
     outputs=("o", "lse", "sink"),
     public=3,
-    differentiable=("q", "k", "v"),
-    saves=("q", "k", "v", "o", "lse", "segment_ids"),
-    backward_attrs=("scale",),
+    differentiable=("q", "k", "v", "sinks"),
+    saves=("q", "k", "v", "o", "lse", "segment_ids", "key_mask", "sinks"),
+    backward_attrs=("scale", "window", "softcap"),
     forward=_forward,
     backward=_backward,
+    backward_fake=_backward_fake,
     fake=_fake,
     check=lambda q, k, v, segment_ids, *_: _check_segment_values(segment_ids, any_device=True),
     check_cpu=False,
@@ -193,7 +261,7 @@ def _validate(q, k, v, segment_ids, scale) -> None:
     for name, x, layout in (
         ("q", q, "(B, Tq, Hq, D)"),
         ("k", k, "(B, Tk, Hkv, D)"),
-        ("v", v, "(B, Tk, Hkv, D)"),
+        ("v", v, "(B, Tk, Hkv, Dv)"),
     ):
         backends.require_tensor(_OP, name, x)
         if x.dim() != 4:
@@ -203,9 +271,9 @@ def _validate(q, k, v, segment_ids, scale) -> None:
     backends.require_floating(_OP, "q", q, k=k, v=v)
     backends.require_device(_OP, "q", q, k=k, v=v)
     B, Tq, Hq, D = q.shape
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3] or v.shape[3] < 1:
         raise ValueError(
-            f"segment_attention: k and v must have one shape, got {tuple(k.shape)} and "
+            f"segment_attention: k and v must agree in (B, Tk, Hkv), got {tuple(k.shape)} and "
             f"{tuple(v.shape)}"
         )
     Bk, Tk, Hkv, Dk = k.shape
@@ -250,6 +318,48 @@ def _validate(q, k, v, segment_ids, scale) -> None:
             raise ValueError(f"segment_attention: scale must be finite, got {scale}")
 
 
+def _validate_extras(q, k, key_mask, window, softcap, sinks) -> None:
+    B, Tk, Hq = q.shape[0], k.shape[1], q.shape[2]
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise TypeError(
+                f"segment_attention: window must be a non-negative int or None, got {window!r}"
+            )
+    if key_mask is not None:
+        backends.require_tensor(_OP, "key_mask", key_mask, "a torch.Tensor or None")
+        if key_mask.dtype.is_floating_point or key_mask.dtype.is_complex:
+            raise TypeError(
+                f"segment_attention: key_mask must be a bool or integer tensor, got "
+                f"{key_mask.dtype}"
+            )
+        if tuple(key_mask.shape) != (B, Tk):
+            raise ValueError(
+                f"segment_attention: key_mask must have shape (B, Tk) = {(B, Tk)}, "
+                f"got {tuple(key_mask.shape)}"
+            )
+        backends.require_device(_OP, "q", q, key_mask=key_mask)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(
+                f"segment_attention: softcap must be a Python number or None, got "
+                f"{type(softcap).__name__}"
+            )
+        if not (0 < float(softcap) < float("inf")):
+            raise ValueError(
+                f"segment_attention: softcap must be positive and finite, got {softcap}"
+            )
+    if sinks is not None:
+        backends.require_tensor(_OP, "sinks", sinks, "a torch.Tensor or None")
+        if not sinks.dtype.is_floating_point:
+            raise TypeError(f"segment_attention: sinks must be floating, got {sinks.dtype}")
+        if tuple(sinks.shape) != (Hq,):
+            raise ValueError(
+                f"segment_attention: sinks must have shape (Hq,) = {(Hq,)}, got "
+                f"{tuple(sinks.shape)}"
+            )
+        backends.require_device(_OP, "q", q, sinks=sinks)
+
+
 def segment_attention(
     q,
     k,
@@ -257,6 +367,10 @@ def segment_attention(
     segment_ids=None,
     *,
     scale=None,
+    window=None,
+    key_mask=None,
+    softcap=None,
+    sinks=None,
     return_lse=False,
     return_sink=False,
     backend=None,
@@ -264,28 +378,56 @@ def segment_attention(
 ):
     """Causal attention inside packed segments, with GQA.
 
-    q (B, Tq, Hq, D); k, v (B, Tk, Hkv, D), one floating dtype and device, Hq a multiple of
-    Hkv (query head h reads KV head h // (Hq / Hkv)), Tq <= Tk: the queries are the last Tq
-    positions (Tq < Tk is a decode step against a KV cache). ``segment_ids`` (B, Tk) integer,
-    non-decreasing along T, labels each position's document (None: one per row); a query
-    sees the earlier positions of its own document only, and a key it cannot see adds
-    nothing to any output or gradient. ``scale`` defaults to D ** -0.5.
+    q (B, Tq, Hq, D); k (B, Tk, Hkv, D); v (B, Tk, Hkv, Dv), one floating dtype and device,
+    Hq a multiple of Hkv (query head h reads KV head h // (Hq / Hkv)), Tq <= Tk: the queries
+    are the last Tq positions (Tq < Tk is a decode step against a KV cache). ``segment_ids``
+    (B, Tk) integer, non-decreasing along T, labels each position's document (None: one per
+    row); a query sees the earlier positions of its own document only, and a key it cannot
+    see adds nothing to any output or gradient. ``scale`` defaults to D ** -0.5.
 
-    Returns ``o`` (B, Tq, Hq, D) in q's dtype, differentiable in q, k and v; with
-    ``return_lse`` also the natural-log log-sum-exp of the scaled scores (B, Hq, Tq), and
-    with ``return_sink`` the attention sink (B, Hq): the mean probability queries put on
-    their segment's first key, over queries that are not a segment start (0 where there are
-    none); both fp32 (fp64 for fp64 inputs), without gradient. Segment-id values are
-    checked: always on CPU tensors; on other devices by a host read unless
+    Further masking, each free when unused: ``window`` (int): a query at position p sees keys
+    after p - window only (Mistral's sliding window; None or 0: none); ``key_mask`` (B, Tk)
+    bool or 0/1 integers: keys it clears are seen by no query (padding with holes); a query
+    that sees no key gets zeros (and gives zero gradients). ``softcap``: scores become
+    ``softcap * tanh(s / softcap)``. ``sinks`` (Hq,) floating, differentiable: one learned
+    logit per head in every row's softmax normaliser (gpt-oss's attention sinks), which
+    takes probability away from the keys and gives no value. A v head dim Dv other than D
+    runs the kernels at max(D, Dv) on zero-padded columns.
+
+    Returns ``o`` (B, Tq, Hq, Dv) in q's dtype, differentiable in q, k, v and sinks; with
+    ``return_lse`` also the natural-log log-sum-exp of the scaled scores and the sink (B, Hq,
+    Tq), and with ``return_sink`` the attention-sink statistic (B, Hq): the mean probability
+    queries put on their segment's first key, over queries that are not a segment start (0
+    where there are none); both fp32 (fp64 for fp64 inputs), without gradient. Segment-id
+    values are checked: always on CPU tensors; on other devices by a host read unless
     ``check_values=False`` or the call is compiled or captured (unchecked decreasing ids
     give NaN rows). Deterministic on every backend. ``backend``: None/"auto" or a name.
     """
     _validate(q, k, v, segment_ids, scale)
+    _validate_extras(q, k, key_mask, window, softcap, sinks)
     backends.check_values_flag(_OP, check_values)
-    sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    D, Dv = q.shape[-1], v.shape[-1]
+    sc = D**-0.5 if scale is None else float(scale)
+    if Dv < D:  # zero columns of v give zero columns of o
+        v = torch.nn.functional.pad(v, (0, D - Dv))
+    elif Dv > D:  # zero columns of q and k add nothing to the scores
+        q = torch.nn.functional.pad(q, (0, Dv - D))
+        k = torch.nn.functional.pad(k, (0, Dv - D))
     out = _ATTENTION(
-        q, k, v, segment_ids, sc, bool(return_sink), backend=backend, check_values=check_values
+        q,
+        k,
+        v,
+        segment_ids,
+        key_mask,
+        sinks,
+        sc,
+        int(window or 0),
+        float(softcap or 0.0),
+        bool(return_sink),
+        backend=backend,
+        check_values=check_values,
     )
+    o = out[0] if Dv == D else out[0][..., :Dv]
     if not return_lse and not return_sink:
-        return out[0]
-    return (out[0],) + ((out[1],) if return_lse else ()) + ((out[2],) if return_sink else ())
+        return o
+    return (o,) + ((out[1],) if return_lse else ()) + ((out[2],) if return_sink else ())
