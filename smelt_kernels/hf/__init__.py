@@ -8,11 +8,12 @@
 ``"smelt"`` lands in three of transformers' registries: ``ExpertsInterface``
 (:mod:`.experts`: the routed SwiGLU experts on :func:`smelt_kernels.moe_gemm.moe_ffn`),
 ``AttentionInterface`` (:mod:`.attention`: :func:`smelt_kernels.attention.segment_attention`
-with padding-free packing) and ``AttentionMaskInterface`` (hands the 2-D padding mask to the
-attention function instead of building a 4-D one). Experts the kernel cannot serve fall
-back to transformers' eager path with one log line (``smelt.hf`` logger); attention
-features it does not have raise a ``ValueError`` naming them. :func:`set_strict` (or
-``SMELT_HF_STRICT=1``) turns the experts fallback into an error.
+with padding masks of any shape, packing, caches, windows, soft-capping and sinks) and
+``AttentionMaskInterface`` (hands the 2-D padding mask to the attention function instead of
+building a 4-D one). Experts the kernel cannot serve fall back to transformers' eager path,
+attention cases it does not compute to transformers' sdpa, each with one log line
+(``smelt.hf`` logger). :func:`set_strict` (or ``SMELT_HF_STRICT=1``) turns a fallback into
+an error.
 
 transformers is an optional dependency (``pip install -e ".[hf]"``); importing this package
 without it raises an ``ImportError`` that says so.
@@ -25,7 +26,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError('smelt_kernels.hf needs transformers 5.x: pip install -e ".[hf]"') from e
 
-from .attention import smelt_attention_forward, smelt_attention_mask
+from .attention import UnsupportedAttention, smelt_attention_forward, smelt_attention_mask
 from .experts import (
     SUPPORTED_FAMILIES,
     UnsupportedExperts,
@@ -42,6 +43,7 @@ __all__ = [
     "is_strict",
     "unsupported_reason",
     "UnsupportedExperts",
+    "UnsupportedAttention",
     "SUPPORTED_FAMILIES",
     "smelt_experts_forward",
     "smelt_attention_forward",

@@ -1,34 +1,45 @@
 """``attn_implementation="smelt"``: transformers' attention call on :func:`segment_attention`.
 
-transformers calls ``fn(module, query (B, Hq, Tq, D), key, value (B, Hkv, Tk, D),
-attention_mask, dropout=, scaling=, sliding_window=, **kwargs)`` and wants
-``(out (B, Tq, Hq, D), None)``. :func:`smelt_attention_forward` transposes the views,
-derives ``segment_ids`` (B, Tk) on the device -- no host synchronisation -- and runs the
-causal segment-masked kernel. The segments come from, in this order of union:
+transformers calls ``fn(module, query (B, Hq, Tq, D), key, value (B, Hkv, Tk, Dv),
+attention_mask, dropout=, scaling=, sliding_window=, softcap=, s_aux=, **kwargs)`` and wants
+``(out (B, Tq, Hq, Dv), None)``. :func:`smelt_attention_forward` transposes the views,
+builds what the kernel needs on the device -- no host synchronisation, so it captures and
+compiles -- and runs the causal kernel:
 
-* the 2-D padding mask that :func:`smelt_attention_mask` (registered beside it in
-  ``AttentionMaskInterface``) hands through: each run of kept or padded positions is a
-  segment, so real tokens never see padding. A row must keep one contiguous run (left or
-  right padding); a mask with holes raises;
-* ``cu_seq_lens_k`` (the cumulative document lengths that ``DataCollatorWithFlattening``
-  makes for the flash-attention varlen path): one segment per document;
-* ``position_ids`` when the call has as many queries as keys (no cached prefix): a new
-  segment wherever the position does not advance by one (packed documents restart at 0).
+* keys: the 2-D padding mask that :func:`smelt_attention_mask` (registered beside it in
+  ``AttentionMaskInterface``) hands through is the kernel's ``key_mask``: each query sees the
+  earlier keys the mask keeps, holes included (a right-padded batch in ``generate``, any
+  mask); a query that sees no key gives zeros;
+* segments: ``cu_seq_lens_k`` (the cumulative document lengths that
+  ``DataCollatorWithFlattening`` makes for the flash-attention varlen path), or, as
+  transformers reads packing, ``position_ids`` when there is no padding mask and the call has
+  as many queries as keys (no cached prefix): a new segment wherever the position does not
+  advance by one (packed documents restart at 0);
+* ``sliding_window`` (Mistral's and Qwen's convention: a query sees ``window`` keys, itself
+  included), ``softcap`` and the per-head sink logits (``s_aux``, gpt-oss's ``sinks``) are
+  the kernel's own arguments; a value head dim of its own (DeepSeek's MLA) runs as is;
+* caches: ``DynamicCache`` and the sliding-window caches hand keys that end at the last
+  query, the kernel's decode form. ``StaticCache`` hands its whole buffer: the mask marks the
+  keys past the last query (its unused tail) and the keys are rotated on the device so that
+  the used ones end at the last query, the tail masked.
 
-With a KV cache (``DynamicCache``, what ``generate`` uses) the queries are the last Tq
-keys, which is the kernel's decode form. Refused with a ``ValueError`` naming the feature:
-a sliding window shorter than the keys, logit soft-capping, attention sinks, dropout,
-non-causal modules, arbitrary 4-D masks, caches whose keys do not end at the last query
-(``StaticCache``), and custom mask functions (``or_mask_function`` / ``and_mask_function``).
+What the kernel does not compute runs transformers' ``sdpa`` with one log line saying why
+(once per reason; strict mode -- ``set_strict`` or ``SMELT_HF_STRICT=1`` -- raises
+:class:`UnsupportedAttention` instead): a 4-D mask passed by the caller, mask functions
+other than causal, sliding-window and packing (``or_mask_function`` /
+``and_mask_function``, chunked or bidirectional masks), attention dropout, non-causal
+modules and an additive position bias.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from ..attention import segment_attention
+from .experts import is_strict
 
 __all__ = [
     "smelt_attention_forward",
@@ -36,11 +47,28 @@ __all__ = [
     "segments_from_mask",
     "segments_from_positions",
     "segments_from_cu_seqlens",
+    "UnsupportedAttention",
 ]
 
+logger = logging.getLogger("smelt.hf")
+_logged: set[str] = set()
 
-def _refuse(feature: str, hint: str = "") -> None:
-    raise ValueError(f"smelt attention does not support {feature}" + (f"; {hint}" if hint else ""))
+#: the mask a static cache's layer gets: 1 a key to keep, 0 padding, -1 no key yet (the
+#: cache's unused tail, past the last query)
+_TAIL = -1
+
+
+class UnsupportedAttention(NotImplementedError):
+    """Raised in strict mode for an attention call the smelt kernel cannot serve."""
+
+
+def _fallback(reason: str) -> None:
+    """Strict mode: raise. Otherwise log once per reason that transformers' sdpa runs."""
+    if is_strict():
+        raise UnsupportedAttention(f"smelt attention cannot serve {reason} (strict mode)")
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("smelt attention: %s runs on transformers' sdpa instead", reason)
 
 
 # ---------------------------------------------------------------------- segment ids
@@ -51,22 +79,10 @@ def _boundaries_to_ids(new: torch.Tensor) -> torch.Tensor:
 
 
 def segments_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) padding mask (1 keep, 0 pad) -> segment ids: each run is a segment.
-
-    A row may hold one contiguous run of kept positions only (left and/or right padding);
-    more than one raises a ``ValueError`` (on CUDA a device-side assert, never a host read).
-    """
+    """(B, T) padding mask (1 keep, 0 pad) -> segment ids: each run of kept or padded
+    positions is a segment. (The attention entry hands the mask to the kernel as its
+    ``key_mask`` instead, which also serves masks with holes.)"""
     m = mask.to(torch.bool)
-    rises = m & ~torch.cat([torch.zeros_like(m[:, :1]), m[:, :-1]], dim=1)
-    holes = rises.sum(-1) > 1
-    msg = (
-        "smelt attention: attention_mask rows must keep one contiguous run of tokens "
-        "(left or right padding), not several"
-    )
-    if m.device.type == "cuda":
-        torch._assert_async(~holes.any(), msg)
-    elif bool(holes.any()):
-        raise ValueError(msg)
     return _boundaries_to_ids(m[:, 1:] != m[:, :-1])
 
 
@@ -83,17 +99,9 @@ def segments_from_cu_seqlens(cu: torch.Tensor, length: int) -> torch.Tensor:
     return ids.to(torch.int32)[None]
 
 
-def _union(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Segments that split wherever either split (both (B, T) non-decreasing ids)."""
-    if a is None or b is None:
-        return a if b is None else b
-    a, b = torch.broadcast_tensors(a, b)
-    return _boundaries_to_ids((a[:, 1:] != a[:, :-1]) | (b[:, 1:] != b[:, :-1]))
-
-
 # ---------------------------------------------------------------------- mask interface
-#: pieces of transformers' mask functions that the kernel's causal segment mask already is
-#: (causal; packing, served through position_ids; a sliding window, checked against Tk)
+#: pieces of transformers' mask functions that the kernel's own masking is (causal; a
+#: sliding window, from the layer's ``sliding_window``; packing, served through position_ids)
 _SERVED_PARTS = {"causal_mask_function", "sliding_window_overlay", "packed_sequence_mask_function"}
 
 
@@ -132,28 +140,78 @@ def smelt_attention_mask(
     attention_mask: Optional[torch.Tensor] = None,
     **kwargs,
 ):
-    """``AttentionMaskInterface`` entry: hand the 2-D padding mask through (or None)."""
-    if isinstance(q_offset, torch.Tensor) or (isinstance(kv_offset, torch.Tensor)):
-        _refuse("caches with tensor offsets (e.g. StaticCache)", "use DynamicCache")
-    if kv_offset != 0 or q_offset + q_length != kv_length:
-        _refuse(
-            f"a cache whose keys do not end at the last query (q_offset={q_offset}, "
-            f"q_length={q_length}, kv_length={kv_length}, kv_offset={kv_offset}; "
-            "StaticCache or a sliding-window cache)",
-            "use DynamicCache",
-        )
+    """``AttentionMaskInterface`` entry: what the layers' attention calls get as their mask.
+
+    None (no padding, keys ending at the last query); the 2-D padding mask over the layer's
+    keys (bool (B, kv_length)); or, where keys may run past the last query (a static cache,
+    whose ``q_offset`` is a tensor), an int8 (B, kv_length) mask that also marks that unused
+    tail (-1). A mask function the kernel does not serve gets transformers' own 4-D sdpa
+    mask, which the attention call hands to sdpa (with one log line)."""
     part = _unserved_part(mask_function)
     if part is not None:
-        _refuse(
-            f"the mask function {part} (custom or_mask_function / and_mask_function, "
-            "chunked or block masks)"
+        from transformers.masking_utils import sdpa_mask  # 5.x internals, used when needed
+
+        _fallback(f"the mask function {part} (custom or_mask/and_mask, chunked or bidirectional)")
+        return sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            allow_is_causal_skip=False,
+            **{
+                k: v
+                for k, v in kwargs.items()
+                if k in ("local_size", "allow_torch_fix", "use_vmap")
+            },
         )
-    if attention_mask is None:
+    keys_end = kv_offset + kv_length
+    tail = isinstance(q_offset, torch.Tensor) or q_offset + q_length != keys_end
+    if attention_mask is None and not tail:
         return None
-    return attention_mask[:, -kv_length:]
+    device = attention_mask.device if attention_mask is not None else kwargs.get("device")
+    if attention_mask is None:
+        keep = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+    else:
+        keep = attention_mask.to(torch.bool)
+        if keep.shape[-1] < keys_end:  # a static cache's buffer outruns the mask
+            keep = torch.nn.functional.pad(keep, (0, keys_end - keep.shape[-1]))
+        keep = keep[:, kv_offset:keys_end]
+    if not tail:
+        return keep
+    if not isinstance(q_offset, torch.Tensor) and q_offset + q_length > keys_end:
+        raise ValueError(
+            f"smelt attention: the queries end at {q_offset + q_length}, past the cache's "
+            f"keys ({keys_end})"
+        )
+    pos = torch.arange(kv_offset, keys_end, device=keep.device)
+    past = pos > q_offset + (q_length - 1)
+    return torch.where(past[None, :], _TAIL, keep.to(torch.int8)).to(torch.int8)
 
 
 # ---------------------------------------------------------------------- attention
+def _rotate_static(query, key, value, mask):
+    """Keys of a static cache (int8 ``mask`` with its unused tail at -1) rotated on the
+    device so that the used keys end at the last query (the kernel's decode form), with
+    the key mask in the same order (the tail cleared)."""
+    B, Hkv, Tk, _ = key.shape
+    used = (mask != _TAIL).sum(-1, keepdim=True)  # (B, 1): the last query's key + 1
+    idx = (torch.arange(Tk, device=mask.device)[None, :] + used) % Tk  # (B, Tk)
+    key = torch.gather(key, 2, idx[:, None, :, None].expand(B, Hkv, Tk, key.shape[-1]))
+    value = torch.gather(value, 2, idx[:, None, :, None].expand(B, Hkv, Tk, value.shape[-1]))
+    return key, value, torch.gather(mask, 1, idx) > 0
+
+
+def _sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # 5.x, as above
+
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+
+
 def smelt_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -170,55 +228,69 @@ def smelt_attention_forward(
     """The ``AttentionInterface`` entry (see the module docstring)."""
     B, Hq, Tq, D = query.shape
     Tk = key.shape[2]
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if not is_causal:
-        _refuse("non-causal (bidirectional) attention")
-    if softcap is not None:
-        _refuse("logit soft-capping (softcap)")
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        _refuse("attention sinks (s_aux / sinks)")
-    if dropout:
-        _refuse(f"attention dropout ({dropout})", "set attention_dropout=0")
-    if sliding_window is not None and Tk > sliding_window:
-        _refuse(f"a sliding window ({sliding_window}) shorter than the {Tk} keys")
-    if kwargs.get("position_bias") is not None:
-        _refuse("an additive position bias")
-    Dv = value.shape[-1]
-    if Dv > D:
-        _refuse(f"a value head dim ({Dv}) larger than the query's ({D})")
-    if Tq > Tk:
-        _refuse(f"more queries ({Tq}) than keys ({Tk})")
-
-    seg = None
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            _refuse(
-                f"a {attention_mask.dim()}-D attention mask (only 2-D padding masks)",
-                "pass a 2-D attention_mask, position_ids or cu_seq_lens",
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    sinks = kwargs.pop("s_aux", None)
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    reason = None
+    if attention_mask is not None and attention_mask.dim() != 2:
+        reason = f"a {attention_mask.dim()}-D attention mask (a custom mask)"
+    elif not causal:
+        reason = "non-causal (bidirectional) attention"
+    elif dropout:
+        reason = f"attention dropout ({dropout})"
+    elif kwargs.get("position_bias") is not None:
+        reason = "an additive position bias"
+    if reason is not None:
+        if softcap is not None or sinks is not None:
+            raise ValueError(
+                f"smelt attention: {reason} with soft-capping or sinks is served by neither "
+                "smelt nor sdpa"
             )
+        _fallback(reason)
+        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if Tq > Tk:
+        raise ValueError(f"smelt attention: more queries ({Tq}) than keys ({Tk})")
+
+    key_mask = None
+    if attention_mask is not None:
         if tuple(attention_mask.shape) != (B, Tk):
             raise ValueError(
                 f"smelt attention: attention_mask has shape "
                 f"{tuple(attention_mask.shape)}, keys need ({B}, {Tk})"
             )
-        seg = segments_from_mask(attention_mask)
+        if attention_mask.dtype == torch.int8:  # a static cache's buffer (see the mask entry)
+            key, value, key_mask = _rotate_static(query, key, value, attention_mask)
+        else:
+            key_mask = attention_mask.to(torch.bool)
+    seg = None
     cu = kwargs.get("cu_seq_lens_k")
     if cu is not None:
         if B != 1 or Tq != Tk:
-            _refuse("cu_seq_lens with a batch of more than one row or with a cache")
-        seg = _union(seg, segments_from_cu_seqlens(cu, Tk))
-    else:
+            raise ValueError(
+                "smelt attention: cu_seq_lens with a batch of more than one row or with a "
+                "cache is not supported"
+            )
+        seg = segments_from_cu_seqlens(cu, Tk)
+    elif attention_mask is None:  # as transformers: packing is read from positions only then
         pos = kwargs.get("position_ids")
         if pos is not None and pos.dim() == 3:  # multimodal RoPE (3, B, T): text positions
             pos = pos[0]
         if pos is not None and Tq == Tk and Tq > 1 and pos.shape[-1] == Tk:
-            seg = _union(seg, segments_from_positions(pos.expand(B, -1)))
+            seg = segments_from_positions(pos.expand(B, -1))
 
-    q = query.transpose(1, 2)
-    k = key.transpose(1, 2)
-    v = value.transpose(1, 2)
-    if Dv < D:  # e.g. DeepSeek's MLA: zero columns in V give zero columns in the output
-        v = torch.nn.functional.pad(v, (0, D - Dv))
+    window = sliding_window if sliding_window is not None and sliding_window < Tk else None
     # the ids above are non-decreasing by construction (cumulative sums of starts)
-    out = segment_attention(q, k, v, seg, scale=scaling, check_values=False)
-    return (out[..., :Dv] if Dv < D else out), None
+    out = segment_attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        seg,
+        scale=scaling,
+        window=window,
+        key_mask=key_mask,
+        softcap=softcap,
+        sinks=sinks,
+        check_values=False,
+    )
+    return out, None
