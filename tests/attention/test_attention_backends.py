@@ -30,14 +30,20 @@ def test_opcheck(name):
     q, k, v, do = make_inputs(2, 20, 20, 4, 2, 16, torch.float32, dev)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     seg = make_segments("mixed", 2, 20).to(dev)
+    keys = torch.rand(2, 20, generator=torch.Generator().manual_seed(1)) > 0.3
+    sinks = torch.randn(4, requires_grad=True).to(dev)
     fwd = torch.ops.smelt.segment_attention_fwd.default
-    torch.library.opcheck(fwd, (q, k, v, seg, 0.25, name, True))
-    torch.library.opcheck(fwd, (q, k, v, None, 0.25, name, False))
-    o, lse, _ = fwd(q, k, v, seg, 0.25, name, False)
+    torch.library.opcheck(fwd, (q, k, v, seg, None, None, 0.25, 0, 0.0, name, True))
+    torch.library.opcheck(fwd, (q, k, v, None, None, None, 0.25, 0, 0.0, name, False))
+    extras = (keys.to(dev), sinks, 0.25, 5, 3.0)  # key mask, sinks, scale, window, softcap
+    torch.library.opcheck(fwd, (q, k, v, seg, *extras, name, False))
     bwd = torch.ops.smelt.segment_attention_bwd.default
-    torch.library.opcheck(
-        bwd, (do, q.detach(), k.detach(), v.detach(), o.detach(), lse, seg, 0.25, name)
-    )
+    o, lse, _ = fwd(q, k, v, seg, None, None, 0.25, 0, 0.0, name, False)
+    saved = (q.detach(), k.detach(), v.detach(), o.detach(), lse)
+    torch.library.opcheck(bwd, (do, *saved, seg, None, None, 0.25, 0, 0.0, name))
+    o, lse, _ = fwd(q, k, v, seg, *extras, name, False)
+    saved = (q.detach(), k.detach(), v.detach(), o.detach(), lse)
+    torch.library.opcheck(bwd, (do, *saved, seg, extras[0], sinks.detach(), *extras[2:], name))
 
 
 @pytest.mark.parametrize("name", [None, "torch"])
