@@ -17,6 +17,24 @@ with positions p_first..p_last only visits keys start(p_first)..p_last, in three
 * keys every row sees (>= start(p_last) and <= p_first): no mask at all;
 * the diagonal run up to p_last: masked.
 
+Optional masking and capping, each a compile-time switch (off: the kernels compile to the
+code they had without it):
+
+* ``window`` (HAS_WINDOW): position p also needs key > p - window. A row tile's lowest key
+  becomes max(start(p_first), p_first - window + 1), and the unmasked run starts above the
+  last row's max(start(p_last), p_last - window + 1), so a short window visits about
+  window + tile keys per row tile; a key tile of the dK/dV kernel stops at the rows up to
+  min(segment end, n_last + window - 1), and its unmasked rows end at n0 + window - 1.
+* ``key_ok`` (HAS_KEY_OK, uint8 (B, Tk)): keys it clears are seen by no row. Every key run
+  is masked then (the middle one too); a dK/dV key tile whose keys are all cleared visits
+  no row. A row that sees no key gets O = 0 and LSE = -inf; the backward reads an LSE of
+  -inf as no probability anywhere (zeros, not NaN).
+* ``softcap`` (SOFTCAP): scores become softcap * tanh(s / softcap) in natural units. The
+  kernels' qk_scale is then 2 * log2(e) * scale / softcap, the exp2 argument of tanh
+  (:func:`~.triton_tiles.tanh_exp2`), and ``cap2`` = softcap * log2(e) brings the capped
+  score into the log2 domain; the backward recomputes tanh from q.k and multiplies dS by
+  1 - tanh^2.
+
 Softmax runs online in fp32 in the log2 domain (``exp2``); the kernel stores the
 natural-log LSE. The sink statistic needs only the score against each row's segment
 start and the row's LSE: the forward picks that score out of the S tiles it computes
@@ -63,12 +81,16 @@ from .triton_tiles import (
     key_ptrs,
     key_rows,
     key_runs,
+    keys_ok,
     load_split,
     row_pointers,
     row_tile,
     sees_flagged,
     seg_starts,
     store_split,
+    tanh_exp2,
+    visible,
+    window_runs,
 )
 
 __all__ = ["forward", "backward", "head_dim_split", "head_dim_pad", "block_config"]
@@ -83,16 +105,21 @@ _LN2 = tl.constexpr(LN2)
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_inner(acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base,
-               skt, svt, lo, hi, Tk, qk_scale, D: tl.constexpr, DA: tl.constexpr,
-               DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+               kok_base, skt, svt, lo, hi, Tk, qk_scale, window, cap2, D: tl.constexpr,
+               DA: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+               WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_KEY_OK: tl.constexpr, SOFTCAP: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_a, k_t = load_split(k_base + key_rows(offs_n, skt), offs_n, Tk, D, DA, DT, BLOCK_N,
                                MASK, UPCAST)
         s = dot_split(q_a, q_t, k_a, k_t, DT, PRECISION) * qk_scale
+        if SOFTCAP:  # s was the exp2 argument of tanh; capped, in log2 units
+            s = cap2 * tanh_exp2(s)
         if MASK:
-            vis = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] <= pos[:, None])
+            vis = visible(offs_n[None, :], start[:, None], pos[:, None], window,
+                          keys_ok(kok_base, offs_n, Tk, HAS_KEY_OK)[None, :], HAS_WINDOW,
+                          HAS_KEY_OK)
             s = tl.where(vis, s, float("-inf"))
         if WANT_SINK:
             # every row's segment start is <= start_last: only the first tiles hold one
@@ -132,38 +159,54 @@ def _query_tile(START, Tq, Tk, Hq, G: tl.constexpr, BLOCK_M: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk"])
-def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
+def _fwd_kernel(Q, K, V, O, LSE, PSINK, START, KEY_OK,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
-                Tq, Tk, Hq, qk_scale,
+                Tq, Tk, Hq, qk_scale, window, cap2,
                 G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
-                WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                WANT_SINK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_KEY_OK: tl.constexpr, SOFTCAP: tl.constexpr):
     b, hkv, rows, row_ok, qi, h, pos, pos_first, pos_last, start, start_first, start_last = (
         _query_tile(START, Tq, Tk, Hq, G, BLOCK_M, HAS_SEG))
     q_a, q_t = load_split(row_pointers(Q + b * sqb, qi, pos_first - (Tk - Tq), h, sqt, sqh), rows, 0, D, DA, DT, BLOCK_M,
                            False, UPCAST)
     k_base = K + b * skb + hkv * skh
     v_base = V + b * svb + hkv * svh
+    kok_base = KEY_OK + b * Tk
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_a = tl.zeros([BLOCK_M, DA], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_M, DT if DT > 0 else 16], dtype=tl.float32)
-    lo, mid, diag, hi = key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N)
+    lo_first, lo_last = window_runs(start_first, start_last, pos_first, pos_last, window,
+                                    HAS_WINDOW)
+    lo, mid, diag, hi = key_runs(lo_first, lo_last, pos_first, pos_last, BLOCK_N)
     s0 = tl.zeros([BLOCK_M], dtype=tl.float32)  # score against the segment's first key
     acc_a, acc_t, m_i, l_i, s0 = _fwd_inner(
-        acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base, skt, svt,
-        lo, mid, Tk, qk_scale, D, DA, DT, BLOCK_N, True, WANT_SINK, PRECISION, UPCAST)
+        acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base, kok_base,
+        skt, svt, lo, mid, Tk, qk_scale, window, cap2, D, DA, DT, BLOCK_N, True, WANT_SINK,
+        PRECISION, UPCAST, HAS_WINDOW, HAS_KEY_OK, SOFTCAP)
+    # keys every row sees: unmasked, unless key_ok may clear some of them
     acc_a, acc_t, m_i, l_i, s0 = _fwd_inner(
-        acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base, skt, svt,
-        mid, diag, Tk, qk_scale, D, DA, DT, BLOCK_N, False, WANT_SINK, PRECISION, UPCAST)
+        acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base, kok_base,
+        skt, svt, mid, diag, Tk, qk_scale, window, cap2, D, DA, DT, BLOCK_N, HAS_KEY_OK,
+        WANT_SINK, PRECISION, UPCAST, HAS_WINDOW, HAS_KEY_OK, SOFTCAP)
     acc_a, acc_t, m_i, l_i, s0 = _fwd_inner(
-        acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base, skt, svt,
-        diag, hi, Tk, qk_scale, D, DA, DT, BLOCK_N, True, WANT_SINK, PRECISION, UPCAST)
+        acc_a, acc_t, m_i, l_i, s0, q_a, q_t, pos, start, start_last, k_base, v_base, kok_base,
+        skt, svt, diag, hi, Tk, qk_scale, window, cap2, D, DA, DT, BLOCK_N, True, WANT_SINK,
+        PRECISION, UPCAST, HAS_WINDOW, HAS_KEY_OK, SOFTCAP)
 
-    # an empty interval (invalid segment ids) gives NaN, never a plausible number
-    lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("nan"))
-    inv_l = 1.0 / l_i
+    if HAS_KEY_OK:
+        # a row that sees no key (key_ok cleared them all): o = 0, lse = -inf; an empty
+        # interval (invalid segment ids) still NaN
+        seen = l_i > 0
+        none = tl.where(start <= pos, 0.0, float("nan"))
+        lse2 = tl.where(seen, m_i + tl.math.log2(l_i), none - float("inf"))
+        inv_l = tl.where(seen, 1.0 / l_i, none)
+    else:
+        # an empty interval (invalid segment ids) gives NaN, never a plausible number
+        lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("nan"))
+        inv_l = 1.0 / l_i
     store_split(row_pointers(O + b * sob, qi, pos_first - (Tk - Tq), h, sot, soh),
                  (acc_a * inv_l[:, None]).to(O.dtype.element_ty),
                  (acc_t * inv_l[:, None]).to(O.dtype.element_ty), rows, Tq * G, D, DA, DT)
@@ -171,6 +214,10 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START,
     tl.store(LSE + stat, lse2 * _LN2, mask=row_ok)
     if WANT_SINK:
         p0 = tl.where(start != pos, tl.math.exp2(s0 - lse2), 0.0)
+        if HAS_WINDOW:  # a start key the window leaves out (its tile may not be visited)
+            p0 = tl.where(start > pos - window, p0, 0.0)
+        if HAS_KEY_OK:  # a row that sees nothing: 0 (its lse is -inf)
+            p0 = tl.where((l_i > 0) | (start > pos), p0, 0.0)
         tl.store(PSINK + stat, p0, mask=row_ok)
 
 
@@ -199,9 +246,10 @@ def _bwd_delta(O, DO, DELTA, n_rows, Tq, Hq, D: tl.constexpr, D_PAD: tl.constexp
 
 @triton.jit
 def _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_base, v_base,
-                  skt, svt, lo, hi, Tk, qk_scale, D: tl.constexpr, DA: tl.constexpr,
-                  DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  kok_base, skt, svt, lo, hi, Tk, qk_scale, window, cap2, D: tl.constexpr,
+                  DA: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_KEY_OK: tl.constexpr, SOFTCAP: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_a, k_t = load_split(key_ptrs(k_base, n0, skt, BLOCK_N), offs_n, Tk, D, DA, DT, BLOCK_N,
@@ -209,13 +257,20 @@ def _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_b
         v_a, v_t = load_split(key_ptrs(v_base, n0, svt, BLOCK_N), offs_n, Tk, D, DA, DT, BLOCK_N,
                                MASK, UPCAST)
         s = dot_split(q_a, q_t, k_a, k_t, DT, PRECISION) * qk_scale
+        if SOFTCAP:  # capped scores; dS takes tanh' = 1 - tanh^2
+            th = tanh_exp2(s)
+            s = cap2 * th
         if MASK:  # masked keys add nothing (see the module docstring)
             k_a, k_t, _ = finite_split(k_a, k_t, DT)
         p = tl.math.exp2(s - lse2[:, None])
+        if SOFTCAP:  # P times tanh' (tanh not kept through the product below)
+            p = p * (1.0 - th * th)
         dp = dot_split(do_a, do_t, v_a, v_t, DT, PRECISION)
         ds = p * (dp - delta[:, None])
         if MASK:
-            vis = (offs_n[None, :] >= start[:, None]) & (offs_n[None, :] <= pos[:, None])
+            vis = visible(offs_n[None, :], start[:, None], pos[:, None], window,
+                          keys_ok(kok_base, offs_n, Tk, HAS_KEY_OK)[None, :], HAS_WINDOW,
+                          HAS_KEY_OK)
             ds = tl.where(vis, ds, 0.0)
         ds = ds.to(k_a.dtype)
         dq_a = tl.dot(ds, k_a, dq_a, input_precision=PRECISION)
@@ -225,12 +280,13 @@ def _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_b
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk"])
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START, KEY_OK,
                    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh,
-                   Tq, Tk, Hq, sm_scale, qk_scale,
+                   Tq, Tk, Hq, sm_scale, qk_scale, window, cap2,
                    G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_KEY_OK: tl.constexpr, SOFTCAP: tl.constexpr):
     """dQ for a row tile; DQ has dO's strides (sd*)."""
     b, hkv, rows, row_ok, qi, h, pos, pos_first, pos_last, start, start_first, start_last = (
         _query_tile(START, Tq, Tk, Hq, G, BLOCK_M, HAS_SEG))
@@ -240,31 +296,40 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, START,
                              False, UPCAST)
     stat = (b * Hq + h) * Tq + qi
     lse2 = tl.load(LSE + stat) * _LOG2E
+    if HAS_KEY_OK:  # a row that sees no key (lse -inf) has no probability anywhere
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     delta = tl.load(DELTA + stat)
     k_base = K + b * skb + hkv * skh
     v_base = V + b * svb + hkv * svh
+    kok_base = KEY_OK + b * Tk
     dq_a = tl.zeros([BLOCK_M, DA], dtype=tl.float32)
     dq_t = tl.zeros([BLOCK_M, DT if DT > 0 else 16], dtype=tl.float32)
-    lo, mid, diag, hi = key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N)
+    lo_first, lo_last = window_runs(start_first, start_last, pos_first, pos_last, window,
+                                    HAS_WINDOW)
+    lo, mid, diag, hi = key_runs(lo_first, lo_last, pos_first, pos_last, BLOCK_N)
     dq_a, dq_t = _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_base,
-                               v_base, skt, svt, lo, mid, Tk, qk_scale, D, DA, DT, BLOCK_N, True,
-                               PRECISION, UPCAST)
+                               v_base, kok_base, skt, svt, lo, mid, Tk, qk_scale, window, cap2, D,
+                               DA, DT, BLOCK_N, True, PRECISION, UPCAST, HAS_WINDOW, HAS_KEY_OK,
+                               SOFTCAP)
     dq_a, dq_t = _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_base,
-                               v_base, skt, svt, mid, diag, Tk, qk_scale, D, DA, DT, BLOCK_N, False,
-                               PRECISION, UPCAST)
+                               v_base, kok_base, skt, svt, mid, diag, Tk, qk_scale, window, cap2, D,
+                               DA, DT, BLOCK_N, HAS_KEY_OK, PRECISION, UPCAST, HAS_WINDOW,
+                               HAS_KEY_OK, SOFTCAP)
     dq_a, dq_t = _bwd_dq_inner(dq_a, dq_t, q_a, q_t, do_a, do_t, lse2, delta, pos, start, k_base,
-                               v_base, skt, svt, diag, hi, Tk, qk_scale, D, DA, DT, BLOCK_N, True,
-                               PRECISION, UPCAST)
+                               v_base, kok_base, skt, svt, diag, hi, Tk, qk_scale, window, cap2, D,
+                               DA, DT, BLOCK_N, True, PRECISION, UPCAST, HAS_WINDOW, HAS_KEY_OK,
+                               SOFTCAP)
     store_split(row_pointers(DQ + b * sdb, qi, pos_first - (Tk - Tq), h, sdt, sdh), (dq_a * sm_scale).to(DQ.dtype.element_ty),
                  (dq_t * sm_scale).to(DQ.dtype.element_ty), rows, Tq * G, D, DA, DT)
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, do_base,
+def _bwd_dkdv_inner(dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, kok, q_base, do_base,
                     stat_base, LSE, DELTA, seg, sqt, sqh, sdt, sdh, lo, hi, Tq, Tk, hkv, qk_scale,
-                    G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_SEG: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    window, cap2, G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr,
+                    DT: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                    HAS_SEG: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, HAS_KEY_OK: tl.constexpr, SOFTCAP: tl.constexpr):
     n_rows = Tq * G
     off = Tk - Tq
     for r0 in range(lo, hi, BLOCK_M):
@@ -282,7 +347,8 @@ def _bwd_dkdv_inner(dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, 
         if MASK:
             # Masked rows add nothing (see the module docstring): a row whose q or dO may not
             # be all finite (its LSE is not finite, or _bwd_delta marked its delta NaN) is
-            # read as zeros, with a NaN LSE, so that the keys it sees get NaN through P.
+            # read as zeros, with a NaN LSE, so that the keys it sees get NaN through P. (A
+            # row that sees no key, LSE -inf, is one of them: every pair of it is masked.)
             skip = tl.where((tl.abs(lse2) < float("inf")) & (delta == delta), 0, 1)
             lse2 = tl.where(skip > 0, float("nan"), lse2)
             q_a, q_t = load_split(q_ptr, skip, 1, D, DA, DT, BLOCK_M, True, UPCAST)
@@ -291,16 +357,21 @@ def _bwd_dkdv_inner(dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, 
             q_a, q_t = load_split(q_ptr, rows, 0, D, DA, DT, BLOCK_M, False, UPCAST)
             do_a, do_t = load_split(do_ptr, rows, 0, D, DA, DT, BLOCK_M, False, UPCAST)
         s_t = dot_split(k_a, k_t, q_a, q_t, DT, PRECISION) * qk_scale  # (keys, rows)
+        if SOFTCAP:  # capped scores; dS takes tanh' = 1 - tanh^2
+            th = tanh_exp2(s_t)
+            s_t = cap2 * th
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASK:
             if HAS_SEG:
                 start = tl.load(seg + pos)
             else:
                 start = tl.zeros([BLOCK_M], dtype=tl.int32)
-            vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= pos[None, :]) \
-                & row_ok[None, :]
+            vis = visible(offs_n[:, None], start[None, :], pos[None, :], window, kok[:, None],
+                          HAS_WINDOW, HAS_KEY_OK) & row_ok[None, :]
             p_t = tl.where(vis, p_t, 0.0)
         p_lo = p_t.to(do_a.dtype)
+        if SOFTCAP:  # from here P times tanh' (tanh not kept through the products below)
+            p_t = p_t * (1.0 - th * th)
         dv_a = tl.dot(p_lo, do_a, dv_a, input_precision=PRECISION)
         if DT > 0:
             dv_t = tl.dot(p_lo, do_t, dv_t, input_precision=PRECISION)
@@ -316,12 +387,13 @@ def _bwd_dkdv_inner(dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, 
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk"])
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, KEY_OK,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh,
-                     Tq, Tk, Hq, sm_scale, qk_scale,
+                     Tq, Tk, Hq, sm_scale, qk_scale, window, cap2,
                      G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr,
-                     PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     HAS_KEY_OK: tl.constexpr, SOFTCAP: tl.constexpr):
     """dK, dV for a key tile of one KV head, summed over every row (all G heads) that sees
     it. DK and DV are contiguous (B, Tk, Hkv, D)."""
     n0 = tl.program_id(0) * BLOCK_N
@@ -334,6 +406,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
                            BLOCK_N, True, UPCAST)
     v_a, v_t = load_split(key_ptrs(V + b * svb + hkv * svh, n0, svt, BLOCK_N), offs_n, Tk, D, DA, DT,
                            BLOCK_N, True, UPCAST)
+    kok = keys_ok(KEY_OK + b * Tk, offs_n, Tk, HAS_KEY_OK)
     n_last = tl.minimum(n0 + BLOCK_N, Tk) - 1
     seg = START + b * Tk
     if HAS_SEG:
@@ -342,14 +415,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
     else:
         end_first = n_last * 0 + Tk - 1
         end_last = end_first
+    if HAS_WINDOW:  # rows at or past a key's position + window do not see it
+        end_first = tl.minimum(end_first, n0 + window - 1)
+        end_last = tl.minimum(end_last, n_last + window - 1)
     off = Tk - Tq
     # rows that can see a key of this tile: positions max(n0, off) .. end of n_last's segment
+    # (or n_last + window - 1, if lower)
     row_lo = (tl.maximum(n0, off) - off) * G
     row_hi = (end_last - off + 1) * G
     # masked while the tile's first position is below its last key; then unmasked while the
-    # tile's last position stays in n0's segment; the rest masked
+    # tile's last position stays in n0's segment (and window); the rest masked
     mid = row_lo + tl.cdiv(tl.maximum((n_last - off) * G - row_lo, 0), BLOCK_M) * BLOCK_M
     tail = mid + (tl.maximum((end_first - off + 1) * G - mid, 0) // BLOCK_M) * BLOCK_M
+    if HAS_KEY_OK:  # a tile whose keys are all cleared: no row sees it, dK = dV = 0
+        some = tl.max(kok.to(tl.int32), 0) > 0
+        mid = tl.where(some, mid, row_lo)
+        tail = tl.where(some, tail, row_lo)
+        row_hi = tl.where(some, row_hi, row_lo)
     q_base = Q + b * sqb
     do_base = DO + b * sdb
     stat_base = b * Hq * Tq
@@ -358,17 +440,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
     dk_t = tl.zeros([BLOCK_N, DT if DT > 0 else 16], dtype=tl.float32)
     dv_t = tl.zeros([BLOCK_N, DT if DT > 0 else 16], dtype=tl.float32)
     dk_a, dk_t, dv_a, dv_t = _bwd_dkdv_inner(
-        dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, do_base, stat_base, LSE, DELTA,
-        seg, sqt, sqh, sdt, sdh, row_lo, mid, Tq, Tk, hkv, qk_scale, G, D, DA, DT, BLOCK_M, True,
-        HAS_SEG, PRECISION, UPCAST)
+        dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, kok, q_base, do_base, stat_base, LSE,
+        DELTA, seg, sqt, sqh, sdt, sdh, row_lo, mid, Tq, Tk, hkv, qk_scale, window, cap2, G, D, DA,
+        DT, BLOCK_M, True, HAS_SEG, PRECISION, UPCAST, HAS_WINDOW, HAS_KEY_OK, SOFTCAP)
     dk_a, dk_t, dv_a, dv_t = _bwd_dkdv_inner(
-        dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, do_base, stat_base, LSE, DELTA,
-        seg, sqt, sqh, sdt, sdh, mid, tail, Tq, Tk, hkv, qk_scale, G, D, DA, DT, BLOCK_M, False,
-        HAS_SEG, PRECISION, UPCAST)
+        dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, kok, q_base, do_base, stat_base, LSE,
+        DELTA, seg, sqt, sqh, sdt, sdh, mid, tail, Tq, Tk, hkv, qk_scale, window, cap2, G, D, DA,
+        DT, BLOCK_M, HAS_KEY_OK, HAS_SEG, PRECISION, UPCAST, HAS_WINDOW, HAS_KEY_OK, SOFTCAP)
     dk_a, dk_t, dv_a, dv_t = _bwd_dkdv_inner(
-        dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, q_base, do_base, stat_base, LSE, DELTA,
-        seg, sqt, sqh, sdt, sdh, tail, row_hi, Tq, Tk, hkv, qk_scale, G, D, DA, DT, BLOCK_M, True,
-        HAS_SEG, PRECISION, UPCAST)
+        dk_a, dk_t, dv_a, dv_t, k_a, k_t, v_a, v_t, offs_n, kok, q_base, do_base, stat_base, LSE,
+        DELTA, seg, sqt, sqh, sdt, sdh, tail, row_hi, Tq, Tk, hkv, qk_scale, window, cap2, G, D, DA,
+        DT, BLOCK_M, True, HAS_SEG, PRECISION, UPCAST, HAS_WINDOW, HAS_KEY_OK, SOFTCAP)
     out = DK.dtype.element_ty
     rows = b * Tk * Hkv * D + hkv * D
     store_split(key_ptrs(DK + rows, n0, Hkv * D, BLOCK_N), (dk_a * sm_scale).to(out),
@@ -445,42 +527,64 @@ def _meta(q, has_seg: bool) -> dict:
                 UPCAST=_upcast(q.dtype))
 
 
-def _fwd_launch(q, k, v, o, lse, psink, start, scale, want_sink, cfg):
+def _feature_args(Tk, scale, window, key_ok, softcap, dummy):
+    """(KEY_OK pointer, qk_scale, window, cap2) and the feature switches of a launch. A window
+    of Tk or more hides nothing: off. qk_scale multiplies q.k: scale * log2(e) (scores in log2
+    units) or, with a softcap, 2 * log2(e) * scale / softcap (the exp2 argument of tanh, the
+    score then softcap * log2(e) * tanh: cap2)."""
+    has_window = 0 < window < Tk
+    flags = dict(HAS_WINDOW=has_window, HAS_KEY_OK=key_ok is not None, SOFTCAP=softcap > 0)
+    kok = key_ok.contiguous().view(torch.uint8) if key_ok is not None else dummy
+    qk = 2 * LOG2E * scale / softcap if softcap > 0 else scale * LOG2E
+    return (kok, qk, window if has_window else 0, softcap * LOG2E), flags
+
+
+def _fwd_launch(q, k, v, o, lse, psink, start, scale, want_sink, cfg, window=0, key_ok=None,
+                softcap=0.0):
     """(grid, args, kwargs) of the forward kernel; also what the audit compiles."""
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     grid = (triton.cdiv(Tq * G, cfg["BLOCK_M"]), B * Hkv)
-    args = (q, k, v, o, lse, psink, start if start is not None else lse,
+    (kok, qk, win, cap2), flags = _feature_args(Tk, scale, window, key_ok, softcap, lse)
+    args = (q, k, v, o, lse, psink, start if start is not None else lse, kok,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            Tq, Tk, Hq, scale * LOG2E)
-    return grid, args, dict(G=G, WANT_SINK=want_sink, **_meta(q, start is not None), **cfg)
+            Tq, Tk, Hq, qk, win, cap2)
+    return grid, args, dict(G=G, WANT_SINK=want_sink, **_meta(q, start is not None), **flags,
+                            **cfg)
 
 
-def _bwd_launches(do, q, k, v, lse, delta, dq, dk, dv, start, end, scale, cfg_dkdv, cfg_dq):
+def _bwd_launches(do, q, k, v, lse, delta, dq, dk, dv, start, end, scale, cfg_dkdv, cfg_dq,
+                  window=0, key_ok=None, softcap=0.0):
     """[(kernel, grid, args, kwargs)] of the dK/dV and dQ kernels."""
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     seg = start if start is not None else delta
+    (kok, qk, win, cap2), flags = _feature_args(Tk, scale, window, key_ok, softcap, delta)
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-              Tq, Tk, Hq, scale, scale * LOG2E)
-    meta = dict(G=G, **_meta(q, start is not None))
+              Tq, Tk, Hq, scale, qk, win, cap2)
+    meta = dict(G=G, **_meta(q, start is not None), **flags)
     return [
         (_bwd_dkdv_kernel, (triton.cdiv(Tk, cfg_dkdv["BLOCK_N"]), B * Hkv),
-         (q, k, v, do, lse, delta, dk, dv, seg, end if start is not None else seg, *common),
+         (q, k, v, do, lse, delta, dk, dv, seg, end if start is not None else seg, kok, *common),
          dict(meta, **cfg_dkdv)),
         (_bwd_dq_kernel, (triton.cdiv(Tq * G, cfg_dq["BLOCK_M"]), B * Hkv),
-         (q, k, v, do, lse, delta, dq, seg, *common), dict(meta, **cfg_dq)),
+         (q, k, v, do, lse, delta, dq, seg, kok, *common), dict(meta, **cfg_dq)),
     ]
 
 
-def forward(q, k, v, start, scale: float, want_sink: bool):
+def forward(q, k, v, start, scale: float, want_sink: bool, window: int = 0, key_ok=None,
+            softcap: float = 0.0):
     """o (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 and, with ``want_sink``, the per-row
-    probability on the segment's first key (B, Hq, Tq) fp32 (0 for segment starts).
-    ``start``: int32 (B, Tk) segment start of every position, or None (one segment)."""
+    probability on the segment's first key (B, Hq, Tq) fp32 (0 for segment starts, and
+    where that key is not seen). ``start``: int32 (B, Tk) segment start of every position,
+    or None (one segment). ``window`` (0: none): position p sees keys above p - window only;
+    ``key_ok`` (bool (B, Tk) or None): keys it clears are seen by no query; ``softcap`` (0:
+    none): scores become softcap * tanh(s / softcap). A query that sees no key gets o = 0,
+    lse = -inf."""
     q, k, v = (_rows_aligned(x) for x in (q, k, v))
     B, Tq, Hq, D = q.shape
     o = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
@@ -489,14 +593,18 @@ def forward(q, k, v, start, scale: float, want_sink: bool):
     if q.numel() == 0:  # no query (Tq, Hq or B is 0): nothing to compute
         return o, lse, (psink if want_sink else None)
     cfg = block_config("fwd", D, q.device, q.dtype)
-    grid, args, kwargs = _fwd_launch(q, k, v, o, lse, psink, start, scale, want_sink, cfg)
+    grid, args, kwargs = _fwd_launch(q, k, v, o, lse, psink, start, scale, want_sink, cfg, window,
+                                     key_ok, softcap)
     _fwd_kernel[grid](*args, **kwargs)
     return o, lse, (psink if want_sink else None)
 
 
-def backward(do, q, k, v, o, lse, start, end, scale: float):
+def backward(do, q, k, v, o, lse, start, end, scale: float, window: int = 0, key_ok=None,
+             softcap: float = 0.0):
     """(dq, dk, dv) for the forward above; ``end``: int32 (B, Tk) last position of every
-    position's segment (None with ``start`` None). Deterministic."""
+    position's segment (None with ``start`` None); ``window``, ``key_ok``, ``softcap`` as
+    there. The probabilities come from ``lse`` (a row whose lse is -inf has none).
+    Deterministic."""
     q, k, v = (_rows_aligned(x) for x in (q, k, v))
     do = do.contiguous()
     o = o.contiguous()  # _bwd_delta reads both as contiguous rows
@@ -514,7 +622,7 @@ def backward(do, q, k, v, o, lse, start, end, scale: float):
     dv = _alloc.empty((B, Tk, Hkv, D), v.dtype, v.device)
     launches = _bwd_launches(do, q, k, v, lse, delta, dq, dk, dv, start, end, scale,
                              block_config("dkdv", D, q.device, q.dtype),
-                             block_config("dq", D, q.device, q.dtype))
+                             block_config("dq", D, q.device, q.dtype), window, key_ok, softcap)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return dq, dk, dv

@@ -145,11 +145,55 @@ def row_tile(tile, Tq, Tk, hkv, G: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit
 def key_runs(start_first, start_last, pos_first, pos_last, BLOCK_N: tl.constexpr):
     """Bounds of the three key runs of a row tile: [lo, mid) masked, [mid, diag) unmasked,
-    [diag, hi) masked. Tiles start at lo, so the runs never overlap."""
+    [diag, hi) masked. ``start_first`` / ``start_last``: the lowest key the tile's first /
+    last row sees (their segment starts, raised by a window: :func:`window_runs`); rows'
+    lowest keys never decrease, so every row sees [mid, diag). Tiles start at lo, so the
+    runs never overlap."""
     lo = start_first
     mid = lo + tl.cdiv(tl.maximum(start_last - lo, 0), BLOCK_N) * BLOCK_N
     diag = mid + (tl.maximum(pos_first + 1 - mid, 0) // BLOCK_N) * BLOCK_N
     return lo, mid, diag, pos_last + 1
+
+
+@triton.jit
+def visible(keys, start, pos, window, key_ok, HAS_WINDOW: tl.constexpr, HAS_KEY_OK: tl.constexpr):
+    """Which (key, position) pairs are seen (the operands broadcast against each other): key
+    in [start, pos], above pos - ``window`` (HAS_WINDOW) and cleared by no ``key_ok``
+    (HAS_KEY_OK)."""
+    vis = (keys >= start) & (keys <= pos)
+    if HAS_WINDOW:
+        vis = vis & (keys > pos - window)
+    if HAS_KEY_OK:
+        vis = vis & key_ok
+    return vis
+
+
+@triton.jit
+def keys_ok(KEY_OK, offs_n, Tk, HAS_KEY_OK: tl.constexpr):
+    """Per key of ``offs_n``: its ``KEY_OK`` flag (uint8, one row of it), False past Tk;
+    without HAS_KEY_OK a placeholder nobody reads."""
+    if HAS_KEY_OK:
+        ok = tl.load(KEY_OK + offs_n, mask=offs_n < Tk, other=0) != 0
+    else:
+        ok = offs_n < Tk
+    return ok
+
+
+@triton.jit
+def tanh_exp2(y):
+    """tanh(x) for y = 2 x log2(e): 1 - 2 / (2^y + 1). Stable for large |y|: 2^y overflows
+    to inf (1) or underflows to 0 (-1), never NaN for a finite y."""
+    return 1.0 - 2.0 / (tl.math.exp2(y) + 1.0)
+
+
+@triton.jit
+def window_runs(lo_first, lo_last, pos_first, pos_last, window, HAS_WINDOW: tl.constexpr):
+    """The lowest key a row tile's first and last rows see, given their segment starts: with
+    HAS_WINDOW, also above position - ``window``."""
+    if HAS_WINDOW:
+        lo_first = tl.maximum(lo_first, pos_first - window + 1)
+        lo_last = tl.maximum(lo_last, pos_last - window + 1)
+    return lo_first, lo_last
 
 
 @triton.jit
