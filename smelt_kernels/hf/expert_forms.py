@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from ..moe_gemm import grouped_gemm
-from ..moe_gemm import ops as _moe_ops
 
 __all__ = [
     "Loop",
@@ -307,24 +306,9 @@ class Form:
 
 def _gemm(a, w, ends, gather, transposed: bool):
     """Rows ``a[gather]`` (or ``a``) of expert e times its weight: ``w[e]^T`` for Linear
-    layout (E, out, in), ``w[e]`` for transposed storage (E, in, out)."""
-    if not transposed:
-        return grouped_gemm(a, w, ends, gather_idx=gather, check_values=False)
-    # the operator takes the (E, in, out) layout itself (trans_b=False); the public entry
-    # takes Linear layout only, which would copy every expert's weights on each call
-    if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[1]:
-        raise ValueError(
-            f"smelt experts: rows {tuple(a.shape)} do not fit transposed weights "
-            f"{tuple(w.shape)} (E, in, out)"
-        )
-    if not a.dtype.is_floating_point or a.dtype != w.dtype:
-        raise TypeError(
-            f"smelt experts: rows and weights must share a dtype, got {a.dtype}, {w.dtype}"
-        )
-    starts = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
-    return _moe_ops._GMM(
-        a.contiguous(), w.contiguous(), starts, gather, False, backend=None, check_values=False
-    )
+    layout (E, out, in), ``w[e]`` for transposed storage (E, in, out), read in place."""
+    layout = "kn" if transposed else "nk"
+    return grouped_gemm(a, w, ends, gather_idx=gather, b_layout=layout, check_values=False)
 
 
 def composed_forward(

@@ -452,12 +452,15 @@ def grouped_gemm(
     offsets: torch.Tensor,
     *,
     gather_idx: Optional[torch.Tensor] = None,
+    b_layout: str = "nk",
     backend: Optional[str] = None,
     check_values: Optional[bool] = None,
 ) -> torch.Tensor:
     """Grouped GEMM over rows sorted by group: ``c[i] = A[i] @ b[e]^T`` for i in group e.
 
-    a: (Ma, K) rows; b: (E, N, K) one Linear-layout weight per group; offsets: (E,) int32 or
+    a: (Ma, K) rows; b: (E, N, K) one Linear-layout weight per group, or with ``b_layout="kn"``
+    (E, K, N), the transposed storage some models keep (``c[i] = A[i] @ b[e]``, read in
+    place, no copy); offsets: (E,) int32 or
     int64 cumulative *end* rows (group e is rows [offsets[e-1], offsets[e]), as in
     ``torch._grouped_mm``); gather_idx: optional (M,) int row indices, A[i] = a[gather_idx[i]]
     (else A = a, M = Ma). Rows at or after offsets[-1] come out zero. Returns c (M, N) in a's
@@ -468,12 +471,15 @@ def grouped_gemm(
     """
     for name, t in (("a", a), ("b", b), ("offsets", offsets)):
         backends.require_tensor("grouped_gemm", name, t)
+    if b_layout not in ("nk", "kn"):
+        raise ValueError(f"grouped_gemm: b_layout must be 'nk' or 'kn', got {b_layout!r}")
+    b_shape = "(E, N, K)" if b_layout == "nk" else "(E, K, N)"
     if a.dim() != 2 or b.dim() != 3:
         raise ValueError(
-            f"grouped_gemm: a must be (M, K) and b (E, N, K), got {tuple(a.shape)}, "
+            f"grouped_gemm: a must be (M, K) and b {b_shape}, got {tuple(a.shape)}, "
             f"{tuple(b.shape)}"
         )
-    E, N, K = b.shape
+    E, N, K = b.shape if b_layout == "nk" else (b.shape[0], b.shape[2], b.shape[1])
     if a.shape[1] != K:
         raise ValueError(f"grouped_gemm: a has K={a.shape[1]} columns, b expects K={K}")
     if offsets.dim() != 1 or offsets.shape[0] != E:
@@ -512,7 +518,7 @@ def grouped_gemm(
         b.contiguous(),
         starts.to(torch.int32).contiguous(),
         gather,
-        True,
+        b_layout == "nk",
         backend=backend,
         check_values=check_values,
     )

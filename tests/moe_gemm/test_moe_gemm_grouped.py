@@ -37,6 +37,31 @@ def test_grouped_gemm_matches_reference(name, gather, dtype):
 
 
 @pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("gather", [False, True])
+def test_grouped_gemm_reads_transposed_weights_in_place(name, gather):
+    """b_layout="kn": (E, K, N) weights give what their (E, N, K) transpose gives, forward
+    and both gradients (b's in its own layout)."""
+    if name == "cpu" and not has_cpu_kernel():
+        pytest.skip("no native CPU kernel")
+    dev = device_for(name)
+    a, b, ends, idx, dc = grouped_case(torch.float32, dev, gather)
+    bt = b.transpose(1, 2).contiguous()
+    a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    a2, b2 = a.clone().requires_grad_(), bt.clone().requires_grad_()
+    want = grouped_gemm(a1, b1, ends, gather_idx=idx, backend=name)
+    got = grouped_gemm(a2, b2, ends, gather_idx=idx, b_layout="kn", backend=name)
+    want_g = torch.autograd.grad(want, (a1, b1), dc)
+    got_g = torch.autograd.grad(got, (a2, b2), dc)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_g[0], want_g[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_g[1], want_g[1].transpose(1, 2), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="b_layout must be 'nk' or 'kn'"):
+        grouped_gemm(a, bt, ends, b_layout="t")
+    with pytest.raises(ValueError, match=r"b \(E, K, N\)"):
+        grouped_gemm(a, bt[0], ends, b_layout="kn")
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_grouped_gemm_backward_is_the_autograd_gradient(name, dtype):
     """The public backward gives what autograd through grouped_gemm gives (an empty group,
