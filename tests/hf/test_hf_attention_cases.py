@@ -15,6 +15,7 @@ from hf_testutil import VOCAB, build, grads, o1_init, use  # noqa: E402
 
 import smelt_kernels.hf as smelt_hf  # noqa: E402
 from smelt_kernels.hf import attention as ha  # noqa: E402
+from smelt_kernels.hf import experts as smelt_experts  # noqa: E402
 
 
 def ids(n=11, b=1, seed=11):
@@ -25,6 +26,7 @@ def ids(n=11, b=1, seed=11):
 def hf_log(caplog):
     """The smelt.hf log lines of the test (each fallback reason logs once per process)."""
     ha._logged.clear()
+    smelt_experts._logged.clear()
     with caplog.at_level(logging.WARNING, logger="smelt.hf"):
         yield caplog
 
@@ -235,6 +237,24 @@ def test_gpt_oss_attention_sinks_match_eager(hf_log):
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :2] = 0
     assert_same(model, ids(9, 2), mask, mask.bool())
+    assert smelt_lines(hf_log) == []
+
+
+def test_a_gpt_oss_model_runs_entirely_on_smelt_and_matches_eager(hf_log):
+    """Experts (biases, interleaved clamped SwiGLU) and attention (sinks, a sliding window,
+    a padding hole) both on smelt's kernels: no fallback line, eager's logits and gradients."""
+    model = gpt_oss()
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, 4] = 0
+    model.set_experts_implementation("eager")
+    model.set_attn_implementation("eager")
+    want, want_g = logits_and_grads(model, ids(9, 2), mask)
+    model.set_experts_implementation("smelt")
+    model.set_attn_implementation("smelt")
+    got, got_g = logits_and_grads(model, ids(9, 2), mask)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name], rtol=1e-4, atol=2e-5, msg=name)
     assert smelt_lines(hf_log) == []
 
 
