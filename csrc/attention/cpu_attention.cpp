@@ -3,7 +3,9 @@
 //
 // Layouts: q, o (B, Tq, Hq, D); k, v (B, Tk, Hkv, D); the Tq queries are the last Tq
 // positions; start (B, Tk) int32, the first position of each position's segment. Query p
-// sees keys start(p)..p. lse and psink are (B, Hq, Tq) fp32.
+// sees keys start(p)..p, and with a window only those after p - window, and with key_ok
+// (B, Tk) bool only the keys it keeps. lse and psink are (B, Hq, Tq) fp32. A query that sees
+// no key (key_ok clears all of its interval) gets o = 0, lse = -inf, psink = 0.
 //
 // Scheme (flash attention, with the segment structure and GQA folded into the tiling):
 // * Work items are (batch row, KV head, block of query positions). The G query heads of the
@@ -14,6 +16,12 @@
 // * Scores are kept in log2 units (q is scaled by scale * log2 e), with an online softmax
 //   per row and a vectorised 2^x. LSE is returned in natural log; psink is the probability
 //   on the segment's first key, from that key's score and the row's final LSE.
+// * Optional features, each free when unused: a window raises each query's first key (the
+//   forward's key tiles start at the block's first query's, the backward's query blocks end at
+//   a unit's last key's last query); key_ok's holes are masked with the rest (a tile without
+//   holes takes the plain path, a tile of cleared keys is skipped); softcap turns each score
+//   tile into cap * tanh(s / cap) before the softmax (cap in the log2 units of the scores, the
+//   same cap), and the backward multiplies dS by 1 - tanh^2 of the uncapped score.
 // * Backward: delta = rowsum(dO * O); one pass that computes each block of probabilities once
 //   (from the LSE) and from it dV, dK and dQ. A work unit is a chunk of one segment's keys and
 //   every query that sees them; it owns the chunk's dK and dV, and gives each query one dQ
@@ -67,6 +75,10 @@ struct Problem {
   const float* delta = nullptr; // (B, Tq, Hq)
   const int32_t* start = nullptr;  // (B, Tk)
   const int32_t* end = nullptr;    // (B, Tk)
+  int64_t window = 0;                // > 0: query p sees keys after p - window only
+  const uint8_t* key_ok = nullptr;    // (B, Tk) bool: keys it clears are seen by no query
+  const int32_t* ok_count = nullptr;  // (B, Tk + 1): keys key_ok keeps before each position
+  float cap = 0.0f, icap = 0.0f;      // softcap in log2 units (softcap * log2 e), 1 / it; 0: none
   // (B, Hkv, NP) forward: whether each key panel of V holds only finite values (1, 0), or
   // -1 until a masked tile first asks (see v_tile_finite)
   std::atomic<int8_t>* v_ok = nullptr;
@@ -179,6 +191,36 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     start->size(1) == k.size(1),
                 "segment_attention_cpu: start must be int32 (B, Tk)");
   }
+}
+
+// The optional features: window >= 0 (0: none), key_ok bool (B, Tk) on the CPU or None,
+// softcap finite and >= 0 (0: none); set on P (key_ok as its bytes and their prefix counts,
+// kept in ok_count; a window that reaches past the first key is none).
+void features(Problem& P, int64_t window, const c10::optional<at::Tensor>& key_ok, double softcap,
+              at::Tensor& ok_bytes, std::vector<int32_t>& ok_count) {
+  TORCH_CHECK_VALUE(window >= 0, "segment_attention_cpu: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
+                    "segment_attention_cpu: softcap must be finite and >= 0 (0: none), got ", softcap);
+  P.window = window >= P.Tk ? 0 : window;
+  P.cap = static_cast<float>(softcap * 1.4426950408889634);
+  P.icap = softcap > 0.0 ? 1.0f / P.cap : 0.0f;
+  if (!key_ok.has_value()) return;
+  const at::Tensor& m = *key_ok;
+  TORCH_CHECK_VALUE(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == P.B && m.size(1) == P.Tk &&
+                        m.device().is_cpu(),
+                    "segment_attention_cpu: key_ok must be a bool (B, Tk) = (", P.B, ", ", P.Tk,
+                    ") CPU tensor, got ", m.scalar_type(), " ", m.sizes(), " on ", m.device());
+  ok_bytes = m.contiguous();
+  const uint8_t* ok = reinterpret_cast<const uint8_t*>(ok_bytes.data_ptr<bool>());
+  ok_count = smelt::sized<int32_t>(P.B * (P.Tk + 1), "the key_ok counts");
+  for (int64_t b = 0; b < P.B; ++b) {
+    int32_t* c = ok_count.data() + b * (P.Tk + 1);
+    c[0] = 0;
+    for (int64_t j = 0; j < P.Tk; ++j) c[j + 1] = c[j] + (ok[b * P.Tk + j] ? 1 : 0);
+  }
+  if (ok_count.empty() || P.B == 0) return;
+  P.key_ok = ok;
+  P.ok_count = ok_count.data();
 }
 
 void check_out(const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dt, const char* name) {
@@ -311,7 +353,9 @@ void query_items(const Problem& P, const std::vector<int32_t>& st, std::vector<i
       for (int64_t t0 = 0; t0 < P.Tq; t0 += P.BQ) {
         const int64_t t1 = std::min(P.Tq, t0 + P.BQ);
         t0s.push_back((b * P.Hkv + h) * P.Tq + t0);
-        cost.push_back((off + t1 - st[b * P.Tk + off + t0]) * (t1 - t0));
+        const int64_t lo = P.window > 0 ? std::max<int64_t>(st[b * P.Tk + off + t0], off + t0 - P.window + 1)
+                                        : st[b * P.Tk + off + t0];
+        cost.push_back((off + t1 - lo) * (t1 - t0));
       }
 }
 
@@ -344,10 +388,14 @@ void run_backward(const Problem& P, const std::vector<int32_t>& en, float* dqp, 
     for (int64_t s = 0; s < P.Tk;) {
       const int64_t e = en[b * P.Tk + s], L = e - s + 1;
       const int64_t n = std::min(kMaxChunks, std::max<int64_t>(1, (L + kChunkKeys - 1) / kChunkKeys));
-      // key cost: queries max(j, off)..e; chunk ends where the running cost passes c/n of it
+      // key cost: queries max(j, off)..e (with a window, up to j + window - 1 at most); a chunk
+      // ends where the running cost passes c/n of it
       auto cost_of = [&](int64_t j0, int64_t j1) {
         int64_t c = 0;
-        for (int64_t j = j0; j < j1; ++j) c += std::max<int64_t>(0, e - std::max(j, off) + 1);
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t last = P.window > 0 ? std::min(e, j + P.window - 1) : e;
+          c += std::max<int64_t>(0, last - std::max(j, off) + 1);
+        }
         return c;
       };
       const int64_t total = cost_of(s, e + 1);
@@ -434,9 +482,13 @@ at::Tensor staging(const at::Tensor& out) {
 }
 
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& start,
-             double scale, at::Tensor o, at::Tensor lse, at::Tensor psink) {
+             double scale, at::Tensor o, at::Tensor lse, at::Tensor psink, int64_t window,
+             const c10::optional<at::Tensor>& key_ok, double softcap) {
   check_inputs(q, k, v, start);
   Problem P = problem(q, k, scale);
+  at::Tensor ok_bytes;
+  std::vector<int32_t> ok_count;
+  features(P, window, key_ok, softcap, ok_bytes, ok_count);
   check_out(o, q.sizes(), q.scalar_type(), "o");
   check_out(lse, {P.B, P.Hq, P.Tq}, at::kFloat, "lse");
   check_out(psink, {P.B, P.Hq, P.Tq}, at::kFloat, "psink");
@@ -470,8 +522,10 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 
 void segment_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const c10::optional<at::Tensor>& start, double scale, at::Tensor o,
-                           at::Tensor lse, at::Tensor psink) {
-  smelt::named_op("segment_attention (cpu forward)", [&] { forward(q, k, v, start, scale, o, lse, psink); });
+                           at::Tensor lse, at::Tensor psink, int64_t window,
+                           const c10::optional<at::Tensor>& key_ok, double softcap) {
+  smelt::named_op("segment_attention (cpu forward)",
+                  [&] { forward(q, k, v, start, scale, o, lse, psink, window, key_ok, softcap); });
 }
 
 // The forward with its outputs allocated here, (o, lse): the inference entry point, which
@@ -479,22 +533,28 @@ void segment_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::T
 std::tuple<at::Tensor, at::Tensor> segment_attention_infer(const at::Tensor& q, const at::Tensor& k,
                                                            const at::Tensor& v,
                                                            const c10::optional<at::Tensor>& start,
-                                                           double scale) {
+                                                           double scale, int64_t window,
+                                                           const c10::optional<at::Tensor>& key_ok,
+                                                           double softcap) {
   TORCH_CHECK_VALUE(q.dim() == 4, "segment_attention_cpu: q must be (B, Tq, Hq, D), got ", q.sizes());
   return smelt::named_op("segment_attention (cpu forward)", [&]() -> std::tuple<at::Tensor, at::Tensor> {
     at::Tensor o = smelt::output(q.sizes(), q.options());
     at::Tensor lse = smelt::output({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
     at::Tensor psink = smelt::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-    forward(q, k, v, start, scale, o, lse, psink);
+    forward(q, k, v, start, scale, o, lse, psink, window, key_ok, softcap);
     return {o, lse};
   });
 }
 
 void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& o, const at::Tensor& lse, const c10::optional<at::Tensor>& start, double scale,
-              at::Tensor dq, at::Tensor dk, at::Tensor dv) {
+              at::Tensor dq, at::Tensor dk, at::Tensor dv, int64_t window,
+              const c10::optional<at::Tensor>& key_ok, double softcap) {
   check_inputs(q, k, v, start);
   Problem P = problem(q, k, scale);
+  at::Tensor ok_bytes;
+  std::vector<int32_t> ok_count;
+  features(P, window, key_ok, softcap, ok_bytes, ok_count);
   TORCH_CHECK(dout.sizes() == q.sizes() && o.sizes() == q.sizes(), "segment_attention_cpu: do/o shape");
   check_out(lse, {P.B, P.Hq, P.Tq}, at::kFloat, "lse");
   check_out(dq, q.sizes(), q.scalar_type(), "dq");
@@ -541,9 +601,10 @@ void backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, 
 void segment_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
                            const c10::optional<at::Tensor>& start, double scale, at::Tensor dq,
-                           at::Tensor dk, at::Tensor dv) {
+                           at::Tensor dk, at::Tensor dv, int64_t window,
+                           const c10::optional<at::Tensor>& key_ok, double softcap) {
   smelt::named_op("segment_attention (cpu backward)",
-                  [&] { backward(dout, q, k, v, o, lse, start, scale, dq, dk, dv); });
+                  [&] { backward(dout, q, k, v, o, lse, start, scale, dq, dk, dv, window, key_ok, softcap); });
 }
 
 }  // namespace
@@ -555,13 +616,17 @@ std::string attention_isa() { return isa().name; }
 TORCH_LIBRARY_FRAGMENT(smelt_cpu, m) {
   m.def("segment_attention_isa() -> str", &smelt_att::attention_isa);
   m.def("segment_starts(Tensor segment_ids) -> Tensor");
-  m.def("segment_attention_infer(Tensor q, Tensor k, Tensor v, Tensor? start, float scale) -> (Tensor o, Tensor lse)");
+  m.def(
+      "segment_attention_infer(Tensor q, Tensor k, Tensor v, Tensor? start, float scale, int window=0,"
+      " Tensor? key_ok=None, float softcap=0.0) -> (Tensor o, Tensor lse)");
   m.def(
       "segment_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? start, float scale,"
-      " Tensor(a!) o, Tensor(b!) lse, Tensor(c!) psink) -> ()");
+      " Tensor(a!) o, Tensor(b!) lse, Tensor(c!) psink, int window=0, Tensor? key_ok=None,"
+      " float softcap=0.0) -> ()");
   m.def(
       "segment_attention_bwd(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,"
-      " Tensor? start, float scale, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()");
+      " Tensor? start, float scale, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int window=0,"
+      " Tensor? key_ok=None, float softcap=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(smelt_cpu, CPU, m) {

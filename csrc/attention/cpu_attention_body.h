@@ -63,6 +63,25 @@ inline vf<W> exp2v(vf<W> x) {
   return p * s;
 }
 
+// tanh(x), relative error about 5e-7 (NaN stays NaN, +-inf gives +-1): on |x| < 0.25 its
+// odd Taylor series to x^9 (the omitted terms are below 1e-8 of it); above, (1 - t) / (1 + t)
+// with t = e^(-2|x|) in (0, 1] from exp2v, which neither overflows nor loses the sign for
+// large |x| (the 1 - 2 / (e^(2x) + 1) form cancels near 0, where the series takes over).
+template <int W>
+inline vf<W> tanhv(vf<W> x) {
+  const vf<W> ax = x < 0.0f ? -x : x;
+  const vf<W> t = exp2v<W>(ax * -2.8853900817779268f);  // e^(-2|x|) = 2^(-2 log2(e) |x|)
+  const vf<W> big = (1.0f - t) / (1.0f + t);
+  const vf<W> x2 = ax * ax;
+  vf<W> p = splat<W>(2.1869488536155203e-2f);  // 62/2835
+  p = p * x2 - 5.3968253968253971e-2f;         // 17/315
+  p = p * x2 + 1.3333333333333333e-1f;         // 2/15
+  p = p * x2 - 3.3333333333333333e-1f;
+  const vf<W> small = ax + ax * x2 * p;
+  const vf<W> r = ax < 0.25f ? small : big;
+  return x < 0.0f ? -r : r;
+}
+
 // Horizontal max and sum by halving: two halves combined element-wise down to 4 lanes, then
 // two in-register shuffles (a handful of instructions, not a chain over every lane).
 template <int W>
@@ -236,12 +255,22 @@ inline void accumulate(const float* A, int64_t sar, int64_t sak, const float* B,
 }
 
 // ---------------------------------------------------------------------- row helpers
-// Sets S[c] = -inf where key j0 + c is outside [s, p] or c >= n, for ncb*CB columns.
-inline void mask_row(float* S, int64_t ncb, int64_t j0, int64_t s, int64_t p, int64_t n) {
+// Sets S[c] = -inf where key j0 + c is outside [s, p] or c >= n, for ncb*CB columns, and
+// with `bad` (see key_holes) also where bad[c] < 0: a key that key_ok clears.
+inline void mask_row(float* S, int64_t ncb, int64_t j0, int64_t s, int64_t p, int64_t n,
+                     const float* bad = nullptr) {
   vf<W> iota;
   for (int i = 0; i < W; ++i) iota[i] = static_cast<float>(i);
   const float lo = static_cast<float>(s - j0), hi = static_cast<float>(std::min(p - j0, n - 1));
   const vf<W> ninf = splat<W>(-INFINITY);
+  if (bad) {
+    for (int64_t c = 0; c < ncb * CB; c += W) {
+      const vf<W> col = iota + static_cast<float>(c);
+      const vf<W> x = load<W>(S + c);
+      store<W>(S + c, ((col < lo) | (col > hi) | (load<W>(bad + c) < 0.0f)) ? ninf : x);
+    }
+    return;
+  }
   for (int64_t c = 0; c < ncb * CB; c += W) {
     const vf<W> col = iota + static_cast<float>(c);
     const vf<W> x = load<W>(S + c);
@@ -249,17 +278,78 @@ inline void mask_row(float* S, int64_t ncb, int64_t j0, int64_t s, int64_t p, in
   }
 }
 
-// Sets S[c] = 0 where key j0 + c is outside [s, p] or c >= n: the probabilities and dS of
-// masked pairs are exactly nothing, whatever the row's statistics (a NaN LSE, a NaN dP from
-// a value the row does not see).
-inline void zero_masked(float* S, int64_t ncb, int64_t j0, int64_t s, int64_t p, int64_t n) {
+// Sets S[c] = 0 where key j0 + c is outside [s, p] or c >= n (or bad[c] < 0, as mask_row):
+// the probabilities and dS of masked pairs are exactly nothing, whatever the row's
+// statistics (a NaN LSE, a NaN dP from a value the row does not see).
+inline void zero_masked(float* S, int64_t ncb, int64_t j0, int64_t s, int64_t p, int64_t n,
+                        const float* bad = nullptr) {
   vf<W> iota;
   for (int i = 0; i < W; ++i) iota[i] = static_cast<float>(i);
   const float lo = static_cast<float>(s - j0), hi = static_cast<float>(std::min(p - j0, n - 1));
+  if (bad) {
+    for (int64_t c = 0; c < ncb * CB; c += W) {
+      const vf<W> col = iota + static_cast<float>(c);
+      const vf<W> x = load<W>(S + c);
+      store<W>(S + c, ((col < lo) | (col > hi) | (load<W>(bad + c) < 0.0f)) ? vf<W>{} : x);
+    }
+    return;
+  }
   for (int64_t c = 0; c < ncb * CB; c += W) {
     const vf<W> col = iota + static_cast<float>(c);
     const vf<W> x = load<W>(S + c);
     store<W>(S + c, ((col < lo) | (col > hi)) ? vf<W>{} : x);
+  }
+}
+
+// The first key query position p sees: its segment start, raised by the window (if any).
+// Never decreases with p, so the queries that see a key are a run of positions.
+inline int64_t first_key(const Problem& P, const int32_t* st, int64_t p) {
+  return P.window > 0 ? std::max<int64_t>(st[p], p - P.window + 1) : st[p];
+}
+
+// How many of keys j0..j0+n-1 of batch row b key_ok keeps (n without key_ok).
+inline int64_t keys_ok(const Problem& P, int64_t b, int64_t j0, int64_t n) {
+  if (!P.key_ok) return n;
+  const int32_t* c = P.ok_count + b * (P.Tk + 1);
+  return c[j0 + n] - c[j0];
+}
+
+// bad[c] = -inf where key_ok clears key j0 + c, else 0, for c < n; 0 on to ncols.
+inline void key_holes(const Problem& P, int64_t b, int64_t j0, int64_t n, int64_t ncols, float* bad) {
+  const uint8_t* ok = P.key_ok + b * P.Tk + j0;
+  for (int64_t c = 0; c < n; ++c) bad[c] = ok[c] ? 0.0f : -INFINITY;
+  std::fill(bad + n, bad + ncols, 0.0f);
+}
+
+// f(j, len) for each run j..j+len-1 of keys in lo..hi that key_ok keeps (one run, lo..hi,
+// without key_ok or without holes).
+template <typename F>
+inline void ok_runs(const Problem& P, int64_t b, bool holes, int64_t lo, int64_t hi, F&& f) {
+  if (!holes) {
+    if (lo <= hi) f(lo, hi - lo + 1);
+    return;
+  }
+  const uint8_t* ok = P.key_ok + b * P.Tk;
+  for (int64_t j = lo; j <= hi;) {
+    if (!ok[j]) {
+      ++j;
+      continue;
+    }
+    int64_t e = j;
+    while (e < hi && ok[e + 1]) ++e;
+    f(j, e - j + 1);
+    j = e + 1;
+  }
+}
+
+// Soft-capping of a row of scores in log2 units: S[c] = cap * tanh(S[c] / cap) (cap the
+// softcap times log2 e, icap its inverse: the same cap as in natural units); with dt, also
+// dt[c] = 1 - tanh^2, the derivative the backward multiplies dS by.
+inline void cap_row(float* S, int64_t ncb, float cap, float icap, float* dt = nullptr) {
+  for (int64_t c = 0; c < ncb * CB; c += W) {
+    const vf<W> t = tanhv<W>(load<W>(S + c) * icap);
+    store<W>(S + c, t * cap);
+    if (dt) store<W>(dt + c, 1.0f - t * t);
   }
 }
 
@@ -341,19 +431,19 @@ inline void gather_rows(const Problem& P, const float* src, int64_t b, int64_t h
 }
 
 // Key tiles of the queries t0..t1-1, from the last position down to the first query's
-// segment start: tiles of at most BK keys that start on a key panel (so the top one and the
-// lowest one are partial; keys below that segment start are masked by every query). Calls
-// f(j0, n, ta, tb) with the tile's keys j0..j0+n-1 and the queries ta..tb-1 whose segment
-// interval meets it.
+// first key (its segment start, or the window's start): tiles of at most BK keys that start
+// on a key panel (so the top one and the lowest one are partial; keys below that first key
+// are masked by every query). Calls f(j0, n, ta, tb) with the tile's keys j0..j0+n-1 and
+// the queries ta..tb-1 whose interval [first_key(p), p] meets it.
 template <typename F>
 inline void for_key_tiles(const Problem& P, const int32_t* st, int64_t t0, int64_t t1, F&& f) {
   const int64_t off = P.Tk - P.Tq, BK = P.BK;
-  const int64_t kbeg = st[off + t0], kend = off + t1, lowest = kbeg / CB * CB;
+  const int64_t kbeg = first_key(P, st, off + t0), kend = off + t1, lowest = kbeg / CB * CB;
   for (int64_t j1 = kend, j0; j1 > kbeg; j1 = j0) {
     j0 = std::max(lowest, (j1 + CB - 1) / CB * CB - BK);
     int64_t ta = t0, tb = t1;
     while (ta < t1 && off + ta < j0) ++ta;
-    while (tb > ta && st[off + tb - 1] > j1 - 1) --tb;
+    while (tb > ta && first_key(P, st, off + tb - 1) > j1 - 1) --tb;
     if (ta < tb) f(j0, j1 - j0, ta, tb);
   }
 }
@@ -374,7 +464,9 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
   float* alpha = grow(buf.acc2, M + W);
   float* rmax = grow(buf.dp, M * W);
   float* first = grow(buf.sink, M);  // each row's score on its segment's first key
+  float* bad = grow(buf.ok, BK);      // key_ok's holes in a tile (see key_holes)
   gather_rows(P, P.q, b, h, t0, t1, P.qscale, Q);
+  std::fill(first, first + M, -INFINITY);  // a first key outside the window: never visited
   std::fill(O, O + M * D, 0.0f);
   std::fill(mx, mx + M, -INFINITY);
   std::fill(l, l + M, 0.0f);
@@ -383,26 +475,35 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
   const float* V = P.v + (b * P.Hkv + h) * P.Tk * D;
   vf<W> lanes;
   for (int i = 0; i < W; ++i) lanes[i] = static_cast<float>(i);
+  const bool cap = P.cap > 0.0f;
   for_key_tiles(P, st, t0, t1, [&](int64_t j0, int64_t n, int64_t ta, int64_t tb) {
     const int64_t r0 = (ta - t0) * G, r1 = (tb - t0) * G, ncb = (n + CB - 1) / CB;
+    const int64_t nok = keys_ok(P, b, j0, n);
+    if (nok == 0) return;  // key_ok clears every key of the tile: no row sees one
+    // with holes, a row may see no key of the tile (its max is -inf): it takes 0 as its
+    // reference here (so 2^(S - m) is 0, not NaN) and keeps -inf as its running max
+    const bool holes = nok < n;
+    if (holes) key_holes(P, b, j0, n, ncb * CB, bad);
     scores(Q + r0 * D, D, KP + j0 * D, CB, D, S + r0 * BK, BK, r1 - r0, ncb, rmax + r0 * W, D * CB);
     // each row's new running max: from the tile's scores (the micro-kernel's maxima, or
-    // after masking a pass over the row), then the rescale factors 2^(old - new), W rows
-    // at a time (lanes past r1 get 2^0 and are never read)
+    // after capping or masking a pass over the row), then the rescale factors 2^(old - new),
+    // W rows at a time (lanes past r1 get 2^0 and are never read)
     bool masked = false;
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t p = off + t0 + r / G, s = st[p];
+      const int64_t p = off + t0 + r / G, s = st[p], lo = first_key(P, st, p);
       float* Sr = S + r * BK;
-      if (s >= j0 && s < j0 + n) first[r] = Sr[s - j0];
+      if (cap) cap_row(Sr, ncb, P.cap, P.icap);
       float tmax;
-      if (needs_mask(ncb, j0, s, p, n)) {
+      if (holes || needs_mask(ncb, j0, lo, p, n)) {
         masked = true;
-        mask_row(Sr, ncb, j0, s, p, n);
+        mask_row(Sr, ncb, j0, lo, p, n, holes ? bad : nullptr);
         tmax = row_max(Sr, ncb);
       } else {
-        tmax = hmax<W>(load<W>(rmax + r * W));
+        tmax = cap ? row_max(Sr, ncb) : hmax<W>(load<W>(rmax + r * W));
       }
+      if (s >= j0 && s < j0 + n) first[r] = Sr[s - j0];
       mnew[r] = std::max(mx[r], tmax);
+      if (holes && mnew[r] == -INFINITY) mnew[r] = 0.0f;
     }
     for (int64_t r = r0; r < r1; r += W) {
       const vf<W> x = load<W>(mx + r) - load<W>(mnew + r);
@@ -411,13 +512,15 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
     for (int64_t r = r0; r < r1; ++r) {
       l[r] = l[r] * alpha[r] + exp_row(S + r * BK, ncb, mnew[r]);
       if (alpha[r] != 1.0f) scale_row(O + r * D, D, alpha[r]);
-      mx[r] = mnew[r];
+      mx[r] = holes && l[r] == 0.0f ? -INFINITY : mnew[r];  // (l >= 1 once a key is seen)
     }
     if (masked && !v_tile_finite(P, V, (b * P.Hkv + h) * P.NP, j0, n)) {
       // each row sums over the keys it sees only (see rows_finite)
       for (int64_t r = r0; r < r1; ++r) {
-        const int64_t p = off + t0 + r / G, lo = std::max<int64_t>(st[p], j0), hi = std::min(p, j0 + n - 1);
-        if (lo <= hi) accumulate(S + r * BK + (lo - j0), BK, 1, V + lo * D, D, hi - lo + 1, O + r * D, D, 1, D);
+        const int64_t p = off + t0 + r / G, lo = std::max(first_key(P, st, p), j0), hi = std::min(p, j0 + n - 1);
+        ok_runs(P, b, holes, lo, hi, [&](int64_t j, int64_t len) {
+          accumulate(S + r * BK + (j - j0), BK, 1, V + j * D, D, len, O + r * D, D, 1, D);
+        });
       }
     } else {
       accumulate(S + r0 * BK, BK, 1, V + j0 * D, D, n, O + r0 * D, D, r1 - r0, D);
@@ -425,13 +528,14 @@ inline void forward_block(const Problem& P, int64_t b, int64_t h, int64_t t0, in
   });
   for (int64_t r = 0; r < M; ++r) {
     const int64_t t = t0 + r / G, g = r % G, p = off + t, s = st[p];
-    const float lse2 = mx[r] + std::log2(l[r]);
+    const float lse2 = mx[r] + std::log2(l[r]);  // -inf for a row that sees no key (l = 0)
+    const bool none = l[r] == 0.0f;               // (only where key_ok clears all its keys)
     float* out = o + ((b * P.Tq + t) * P.Hq + h * G + g) * D;
-    const float inv = 1.0f / l[r];
+    const float inv = none ? 0.0f : 1.0f / l[r];
     for (int64_t d = 0; d < D; ++d) out[d] = O[r * D + d] * inv;
     const int64_t si = (b * P.Hq + h * G + g) * P.Tq + t;
     lse[si] = lse2 * 0.69314718055994531f;
-    psink[si] = s == p ? 0.0f : std::exp2(first[r] - lse2);
+    psink[si] = s == p || none ? 0.0f : std::exp2(first[r] - lse2);
   }
 }
 
@@ -446,31 +550,41 @@ inline void backward_rows(const Problem& P, int64_t b, int64_t h, int64_t t0, in
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = (t - t0) * G + g, hq = h * G + g;
-      lse2[r] = P.lse[(b * P.Hq + hq) * P.Tq + t] * 1.4426950408889634f;
+      const float x = P.lse[(b * P.Hq + hq) * P.Tq + t];
+      // a row that saw no key (lse -inf) has no probabilities: 2^(S - inf) = 0
+      lse2[r] = x == -INFINITY ? INFINITY : x * 1.4426950408889634f;
       delta[r] = P.delta[(b * P.Tq + t) * P.Hq + hq];
     }
 }
 
 // Probabilities (in S) and dS (in dP) of the M rows of queries tq0.. against keys j0..j0+n-1,
 // n <= CB, whose K^T and V^T are the key panels KP and VP ((D, CB) each); both exactly 0 at
-// masked pairs. Returns whether any pair was masked.
+// masked pairs (bad: key_ok's holes in the tile, see key_holes, or null). With softcap, the
+// scores are capped before the softmax and dS is multiplied by 1 - tanh^2 of the uncapped
+// score (dt: CB floats of scratch). Returns whether any pair was masked.
 inline bool probs_and_ds(const Problem& P, const int32_t* st, int64_t tq0, int64_t j0, int64_t n,
                          int64_t M, const float* Q, const float* dO, const float* lse2,
-                         const float* delta, const float* KP, const float* VP, float* S, float* dP) {
+                         const float* delta, const float* KP, const float* VP, float* S, float* dP,
+                         const float* bad, float* dt) {
   const int64_t G = P.G, D = P.D, BK = P.BK, off = P.Tk - P.Tq, ncb = 1;
+  const bool cap = P.cap > 0.0f;
   scores(Q, D, KP, CB, D, S, BK, M, ncb);
   scores(dO, D, VP, CB, D, dP, BK, M, ncb);
   bool masked = false;
   for (int64_t r = 0; r < M; ++r) {
-    const int64_t p = off + tq0 + r / G, s = st[p];
+    const int64_t p = off + tq0 + r / G, lo = first_key(P, st, p);
     float* Sr = S + r * BK;
-    const bool m = needs_mask(ncb, j0, s, p, n);
-    if (m) mask_row(Sr, ncb, j0, s, p, n);
+    const bool m = bad || needs_mask(ncb, j0, lo, p, n);
+    if (cap) cap_row(Sr, ncb, P.cap, P.icap, dt);
+    if (m) mask_row(Sr, ncb, j0, lo, p, n, bad);
     exp_row(Sr, ncb, lse2[r]);
     ds_row(Sr, dP + r * BK, ncb, delta[r]);
+    if (cap) {
+      for (int64_t c = 0; c < ncb * CB; c += W) store<W>(dP + r * BK + c, load<W>(dP + r * BK + c) * load<W>(dt + c));
+    }
     if (m) {
-      zero_masked(Sr, ncb, j0, s, p, n);
-      zero_masked(dP + r * BK, ncb, j0, s, p, n);
+      zero_masked(Sr, ncb, j0, lo, p, n, bad);
+      zero_masked(dP + r * BK, ncb, j0, lo, p, n, bad);
       masked = true;
     }
   }
@@ -514,6 +628,8 @@ inline void backward_unit(const Problem& P, int64_t b, int64_t h, int64_t kb, in
     float* KP = grow(buf.kp, np * D * KT);
     float* VP = grow(buf.vp, np * D * KT);
     float* k_ok = grow(buf.ok, np);  // 1 where the panel's keys are all finite
+    float* bad = grow(buf.sink, 2 * CB);  // key_ok's holes in a tile (see key_holes)
+    float* dt = bad + CB;                 // softcap: 1 - tanh^2 of a row's scores
     for (int64_t i = 0; i < np; ++i) {
       const int64_t n = std::min(KT, nk - i * KT);
       key_panel(K + (kb + i * KT) * D, D, n, D, KP + i * D * KT);
@@ -521,25 +637,36 @@ inline void backward_unit(const Problem& P, int64_t b, int64_t h, int64_t kb, in
       k_ok[i] = rows_finite(K + (kb + i * KT) * D, D, n, D) ? 1.0f : 0.0f;
     }
     const int64_t tlo = plo - off;
-    for (int64_t pa = plo; pa <= e; pa += BQ) {
-      const int64_t t0 = pa - off, t1 = std::min(e + 1, pa + BQ) - off, M = (t1 - t0) * G;
+    // the last query that sees one of the unit's keys: the segment's end, or with a window
+    // the last key's last one; the unit's dQ shares of later queries are zeros
+    const int64_t pend = P.window > 0 ? std::min(e, ke - 2 + P.window) : e;
+    const uint8_t* key_ok = P.key_ok ? P.key_ok + b * P.Tk : nullptr;
+    for (int64_t pa = plo; pa <= pend; pa += BQ) {
+      const int64_t t0 = pa - off, t1 = std::min(pend + 1, pa + BQ) - off, M = (t1 - t0) * G;
       backward_rows(P, b, h, t0, t1, Q, dO, lse2, delta);
       const bool q_ok = rows_finite(Q, D, M, D), do_ok = rows_finite(dO, D, M, D);
       std::fill(dQ, dQ + M * D, 0.0f);
       const int64_t kend = std::min(ke, off + t1);  // keys past the block's last query: none seen
-      for (int64_t j0 = kb; j0 < kend; j0 += KT) {
+      // keys before the block's first query's window: none seen (tiles stay on kb + i * KT)
+      const int64_t kfirst = P.window > 0 ? kb + std::max<int64_t>(0, pa - P.window + 1 - kb) / KT * KT : kb;
+      for (int64_t j0 = kfirst; j0 < kend; j0 += KT) {
         const int64_t n = std::min(KT, ke - j0);
         const int64_t pi = (j0 - kb) / KT;
-        const bool masked =
-            probs_and_ds(P, st, t0, j0, n, M, Q, dO, lse2, delta, KP + pi * D * KT, VP + pi * D * KT, S, dP);
+        const int64_t nok = keys_ok(P, b, j0, n);
+        if (nok == 0) continue;  // key_ok clears every key of the tile
+        const bool holes = nok < n;
+        if (holes) key_holes(P, b, j0, n, CB, bad);
+        const bool masked = probs_and_ds(P, st, t0, j0, n, M, Q, dO, lse2, delta, KP + pi * D * KT,
+                                         VP + pi * D * KT, S, dP, holes ? bad : nullptr, dt);
         // Where a masked pair meets a non-finite operand, exact sums over the visible pairs
         // (see rows_finite): per key over the rows that see it (a run of rows: positions
-        // from the key on, up to the end of its segment), per row over its keys.
+        // from the key on, up to the end of its segment or window), per row over its keys.
         if (masked && !(q_ok && do_ok)) {
           for (int64_t j = j0; j < j0 + n; ++j) {
+            if (holes && !key_ok[j]) continue;
             const int64_t ta = std::max(t0, j - off);
             int64_t tb = t1;
-            while (tb > ta && st[off + tb - 1] > j) --tb;
+            while (tb > ta && first_key(P, st, off + tb - 1) > j) --tb;
             if (ta >= tb) continue;
             const int64_t ra = (ta - t0) * G, rb = (tb - t0) * G;
             if (!do_ok) accumulate(S + ra * BK + (j - j0), 1, BK, dO + ra * D, D, rb - ra, dV + (j - kb) * D, D, 1, D);
@@ -550,8 +677,10 @@ inline void backward_unit(const Problem& P, int64_t b, int64_t h, int64_t kb, in
         if (!masked || q_ok) accumulate(dP, 1, BK, Q, D, M, dK + (j0 - kb) * D, D, n, D);   // dK += dS^T Q
         if (masked && k_ok[pi] == 0.0f) {
           for (int64_t r = 0; r < M; ++r) {
-            const int64_t p = off + t0 + r / G, lo = std::max<int64_t>(st[p], j0), hi = std::min(p, j0 + n - 1);
-            if (lo <= hi) accumulate(dP + r * BK + (lo - j0), BK, 1, K + lo * D, D, hi - lo + 1, dQ + r * D, D, 1, D);
+            const int64_t p = off + t0 + r / G, lo = std::max(first_key(P, st, p), j0), hi = std::min(p, j0 + n - 1);
+            ok_runs(P, b, holes, lo, hi, [&](int64_t j, int64_t len) {
+              accumulate(dP + r * BK + (j - j0), BK, 1, K + j * D, D, len, dQ + r * D, D, 1, D);
+            });
           }
         } else {
           accumulate(dP, BK, 1, K + j0 * D, D, n, dQ, D, M, D);  // dQ += dS K
@@ -564,6 +693,8 @@ inline void backward_unit(const Problem& P, int64_t b, int64_t h, int64_t kb, in
           for (int64_t d = 0; d < D; ++d) out[d] = src[d] * mul;
         }
     }
+    for (int64_t p = std::max(plo, pend + 1); p <= e; ++p)
+      for (int64_t g = 0; g < G; ++g) std::fill_n(dst + (p - off - tlo) * dst_stride + g * D, D, 0.0f);
   }
   const float kmul = P.scale / P.qscale;  // dS^T Q used Q times qscale
   for (int64_t j = 0; j < nk; ++j) {
