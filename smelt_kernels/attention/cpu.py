@@ -11,11 +11,17 @@ Two variants, same contract (see :func:`forward`, :func:`backward`, :data:`VARIA
   are chunks of a segment's keys (each owns its dK/dV, and dQ shares are summed in chunk
   order: no atomics, bitwise the same for any thread count). float32, bfloat16 and
   float16 inputs, head dim any multiple of 8; 16-bit inputs are widened to fp32 once per
-  call and computed with fp32 FMAs (no AMX path).
+  call and computed with fp32 FMAs (no AMX path). It also applies the optional masking of
+  the op (see :func:`forward`): a sliding ``window`` (its key tiles start at each query
+  block's window, so a short window costs a band, not the segment), ``key_ok`` (masked with
+  the segment bounds; tiles it clears entirely are skipped) and ``softcap`` (scores capped
+  in the tiles, the backward multiplies dS by the tanh derivative).
 * ``chunked`` (:func:`chunked_forward`, :func:`chunked_backward`): ATen's CPU
   flash-attention kernel on segment-aware chunks, described below. It runs where the native
   kernel cannot: float64 inputs, head dims that are not a multiple of 8, or a build without
-  the extension. :func:`variant_for` says which one a call takes, and why.
+  the extension. :func:`variant_for` says which one a call takes, and why. It has no
+  window, key_ok or softcap: a call that uses them on such inputs runs the pure-torch
+  reference (``reference.forward`` / ``backward``, which materialise the scores) instead.
 
 The chunked path. A batch row's queries are cut into chunks of ``CHUNK`` positions. A chunk
 [c0, c1) only needs keys from the start of its first query's segment, and splits into two
@@ -122,16 +128,65 @@ def inference_missing(dtype: torch.dtype, head_dim: int) -> Optional[str]:
     )
 
 
-def infer(q, k, v, segment_ids: Optional[torch.Tensor], scale: float):
+def infer(
+    q,
+    k,
+    v,
+    segment_ids: Optional[torch.Tensor],
+    scale: float,
+    window: int = 0,
+    key_ok: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+):
     """(o, lse) of a call that autograd does not record, from the native kernel's inference
     entry point, or None where that does not take the inputs (the op then runs its custom op).
-    ``segment_ids`` are checked (ValueError if they decrease) by the native starts pass."""
+    ``segment_ids`` are checked (ValueError if they decrease) by the native starts pass;
+    ``window``, ``key_ok`` and ``softcap`` as in :func:`forward`."""
     if inference_missing(q.dtype, q.shape[-1]) is not None:
         return None
+    window, softcap = _check_features(q, k, window, key_ok, softcap)
     backends.check_env(*_ENV)
     return torch.ops.smelt_cpu.segment_attention_infer(
-        q, k, v, native_starts(segment_ids), float(scale)
+        q, k, v, native_starts(segment_ids), float(scale), window, key_ok, softcap
     )
+
+
+def _check_features(q, k, window, key_ok, softcap) -> tuple[int, float]:
+    """(window, softcap) as int and float after checking them and ``key_ok``: ValueError
+    naming the argument that is not a non-negative int, a bool (B, Tk) CPU tensor or None,
+    a finite non-negative number."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(
+            f"segment_attention cpu: window must be an int >= 0 (0: none), got {window!r}"
+        )
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(
+            f"segment_attention cpu: softcap must be a number >= 0 (0: none), got {softcap!r}"
+        )
+    if not (0.0 <= float(softcap) < float("inf")):
+        raise ValueError(f"segment_attention cpu: softcap must be finite and >= 0, got {softcap}")
+    if key_ok is not None:
+        want = (k.shape[0], k.shape[1])
+        if (
+            not isinstance(key_ok, torch.Tensor)
+            or key_ok.dtype != torch.bool
+            or tuple(key_ok.shape) != want
+            or key_ok.device.type != "cpu"
+        ):
+            got = (
+                f"{key_ok.dtype} {tuple(key_ok.shape)} on {key_ok.device}"
+                if isinstance(key_ok, torch.Tensor)
+                else type(key_ok).__name__
+            )
+            raise ValueError(
+                f"segment_attention cpu: key_ok must be a bool (B, Tk) = {want} CPU tensor or "
+                f"None, got {got}"
+            )
+    return int(window), float(softcap)
+
+
+def _uses_features(window, key_ok, softcap) -> bool:
+    return bool(window) or key_ok is not None or bool(softcap)
 
 
 def native_isa() -> Optional[str]:
@@ -160,7 +215,8 @@ VARIANTS = (
     backends.Variant(
         "chunked",
         "ATen's CPU flash kernel on segment-aware chunks: float64, other "
-        "head dims, or a build without the extension",
+        "head dims, or a build without the extension (with window, key_ok or "
+        "softcap there: the pure-torch reference)",
     ),
 )
 
@@ -192,29 +248,71 @@ def implementation(dtype: torch.dtype, head_dim: int) -> str:
     return "chunked" if _chunked_reason(dtype, head_dim) else "native"
 
 
-def forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: bool):
+def forward(
+    q,
+    k,
+    v,
+    start: Optional[torch.Tensor],
+    scale: float,
+    want_sink: bool,
+    window: int = 0,
+    key_ok: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+):
     """o (B, Tq, Hq, D), lse (B, Hq, Tq) (fp32, or fp64 for fp64 inputs) and, with
     ``want_sink``, each query's probability on its segment's first key (B, Hq, Tq), else None.
 
     ``start``: int32 (B, Tk) segment start of every key position, or None (one segment).
+    ``window`` > 0: a query at position p sees keys after p - window only; ``key_ok`` (B, Tk)
+    bool: keys it clears are seen by no query; ``softcap`` > 0: scores s become
+    softcap * tanh(s / softcap). A query that sees no key gets o = 0, lse = -inf, psink = 0;
+    psink is 0 where the segment's first key is not seen.
     """
+    window, softcap = _check_features(q, k, window, key_ok, softcap)
     if implementation(q.dtype, q.shape[-1]) == "native":
-        return native_forward(q, k, v, start, scale, want_sink)
+        return native_forward(q, k, v, start, scale, want_sink, window, key_ok, softcap)
+    if _uses_features(window, key_ok, softcap):
+        return reference.forward(q, k, v, start, scale, want_sink, window, key_ok, softcap)
     return chunked_forward(q, k, v, start, scale, want_sink)
 
 
 def backward(
-    do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor], scale: float
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    start: Optional[torch.Tensor],
+    end: Optional[torch.Tensor],
+    scale: float,
+    window: int = 0,
+    key_ok: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
 ):
     """(dq, dk, dv) for :func:`forward`, from its o and lse (``end``, the last position of
-    each segment, is not needed here)."""
+    each segment, is not needed here). The probabilities come from ``lse``; a row whose lse
+    is -inf has none (zero gradients)."""
+    window, softcap = _check_features(q, k, window, key_ok, softcap)
     if implementation(q.dtype, q.shape[-1]) == "native":
-        return native_backward(do, q, k, v, o, lse, start, end, scale)
+        return native_backward(do, q, k, v, o, lse, start, end, scale, window, key_ok, softcap)
+    if _uses_features(window, key_ok, softcap):
+        return reference.backward(do, q, k, v, o, lse, start, end, scale, window, key_ok, softcap)
     return chunked_backward(do, q, k, v, o, lse, start, end, scale)
 
 
 # ----------------------------------------------------------------------------- native
-def native_forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_sink: bool):
+def native_forward(
+    q,
+    k,
+    v,
+    start: Optional[torch.Tensor],
+    scale: float,
+    want_sink: bool,
+    window: int = 0,
+    key_ok: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+):
     """:func:`forward` on the native kernel (float32 / bfloat16 / float16, D % 8 == 0)."""
     reason = native_missing()
     if reason is not None:
@@ -224,12 +322,25 @@ def native_forward(q, k, v, start: Optional[torch.Tensor], scale: float, want_si
     o = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
     psink = _alloc.empty((B, Hq, Tq), torch.float32, q.device)
-    torch.ops.smelt_cpu.segment_attention_fwd(q, k, v, start, float(scale), o, lse, psink)
+    torch.ops.smelt_cpu.segment_attention_fwd(
+        q, k, v, start, float(scale), o, lse, psink, window, key_ok, float(softcap)
+    )
     return o, lse, (psink if want_sink else None)
 
 
 def native_backward(
-    do, q, k, v, o, lse, start: Optional[torch.Tensor], end: Optional[torch.Tensor], scale: float
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    start: Optional[torch.Tensor],
+    end: Optional[torch.Tensor],
+    scale: float,
+    window: int = 0,
+    key_ok: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
 ):
     """:func:`backward` on the native kernel (the segment ends are derived from ``start``)."""
     reason = native_missing()
@@ -251,6 +362,9 @@ def native_backward(
         dq,
         dk,
         dv,
+        window,
+        key_ok,
+        float(softcap),
     )
     return dq, dk, dv
 
@@ -504,7 +618,7 @@ def _starts_fake(segment_ids):
     return segment_ids.new_empty(segment_ids.shape, dtype=torch.int32)
 
 
-def _infer_fake(q, k, v, start, scale):
+def _infer_fake(q, k, v, start, scale, window=0, key_ok=None, softcap=0.0):
     B, Tq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(B, Hq, Tq, dtype=torch.float32)
 
