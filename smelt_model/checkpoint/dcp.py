@@ -36,9 +36,12 @@ import re
 from pathlib import Path
 from typing import Any, Union
 
+import numpy as np
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem, _create_file_view, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -49,6 +52,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
 
 from smelt_model.checkpoint import CheckpointError
 
@@ -299,8 +303,6 @@ def _typed_storage_from_bytes(blob: bytes):
 
 
 def _numeric_dtype(*args):
-    import numpy as np
-
     dtype = np.dtype(*args)
     if dtype.kind not in "biufc":
         raise pickle.UnpicklingError(f"a numpy array of dtype {dtype}")
@@ -402,8 +404,6 @@ class SafeReader(FileSystemReader):
         return self.fs.create_stream(self.fs.concat_path(self.path, relative), "rb")
 
     def read_data(self, plan, planner):
-        from torch.futures import Future
-
         per_file: dict[str, list] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
@@ -427,9 +427,6 @@ class SafeReader(FileSystemReader):
         return done
 
     def _read_item(self, stream, item, planner, where) -> None:
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-        from torch.distributed.checkpoint.filesystem import _create_file_view
-
         info = self.storage_data[item.storage_index]
         view = _create_file_view(stream, info.offset, info.length)
         data = self.transforms.transform_load_stream(item, info.transform_descriptors or (), view)
@@ -479,8 +476,6 @@ def first_failure(e: BaseException) -> BaseException:
     """The error behind ``e``: DCP wraps what a rank raised while loading in a
     ``CheckpointException`` (a ``BaseException``); this is the first rank's error, or
     ``e`` itself when it wraps nothing."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     while isinstance(e, CheckpointException) and e.failures:
         e = e.failures[min(e.failures)][0]
     return e

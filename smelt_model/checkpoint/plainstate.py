@@ -27,6 +27,7 @@ from typing import Any, Union
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 __all__ = ["StateFileError", "dump", "load", "encode", "decode", "read_json", "first_line"]
 
@@ -188,8 +189,6 @@ def load(json_path: Union[str, Path], tensor_path: Union[str, Path]) -> Any:
     Raises :class:`StateFileError` naming the file for anything else: unreadable or
     malformed JSON, content outside the grammar, a tensor file that is not safetensors.
     """
-    from safetensors.torch import load_file
-
     json_path, tensor_path = Path(json_path), Path(tensor_path)
     try:
         tensors = load_file(str(tensor_path))

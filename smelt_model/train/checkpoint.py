@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from smelt_kernels import backends
 from smelt_model.checkpoint import CheckpointError, fit, plainstate
@@ -127,8 +128,6 @@ def save(
     :class:`CheckpointError` before anything is written when ``step_N`` is already there
     and is not a checkpoint this trainer wrote (a link, someone's folder): it is not
     replaced."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
@@ -386,8 +385,6 @@ class Checkpoint:
     """
 
     def __init__(self, path: Path):
-        from safetensors.torch import load_file
-
         self.path = path = Path(path)
         _check_manifest(path)
         try:
