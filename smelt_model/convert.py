@@ -33,6 +33,7 @@ from typing import Any, Union
 import torch
 
 from smelt_model.config import ModelConfig
+from smelt_model.model import SmeltLM
 
 __all__ = ["from_hf", "to_hf", "config_from_hf", "config_to_hf", "LAYER_KEYS", "TOP_KEYS"]
 
@@ -122,6 +123,7 @@ def config_from_hf(hcfg) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig, max_position_embeddings: int = 32768, **overrides: Any):
     """A ``MixtralConfig`` for an unlooped :class:`ModelConfig`; refuses a looped one."""
+    # transformers is optional (the [hf] extra): only a conversion needs it
     from transformers import MixtralConfig
 
     if cfg.is_looped:
@@ -222,6 +224,7 @@ def _state(model, hf: bool) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------- conversion
 def _load_hf(path: Union[str, Path]):
+    # transformers is optional, as above
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src = Path(path)
@@ -235,12 +238,10 @@ def _load_hf(path: Union[str, Path]):
     return AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True, dtype="auto")
 
 
-def from_hf(model_or_path, **kwargs) -> "SmeltLM":  # noqa: F821
+def from_hf(model_or_path, **kwargs) -> SmeltLM:
     """A :class:`SmeltLM` with the weights of a Mixtral-layout transformers model (or of
     the folder it was saved to), copied exactly, in the source's dtype and on its device.
     ``kwargs`` go to :class:`SmeltLM` (``backend``, ``recompute``)."""
-    from smelt_model.model import SmeltLM
-
     hf = _load_hf(model_or_path) if isinstance(model_or_path, (str, Path)) else model_or_path
     if not isinstance(hf, torch.nn.Module) or not hasattr(hf, "config"):
         raise TypeError(
@@ -266,9 +267,8 @@ def to_hf(model, **config_overrides: Any):
     exactly, in its dtype and on its device. A looped model is refused (see the module
     docstring). ``config_overrides`` go to the ``MixtralConfig`` (e.g.
     ``max_position_embeddings``)."""
+    # transformers is optional, as above
     from transformers import MixtralForCausalLM
-
-    from smelt_model.model import SmeltLM
 
     if not isinstance(model, SmeltLM):
         raise TypeError(f"to_hf: expected a SmeltLM, got {type(model).__name__}")

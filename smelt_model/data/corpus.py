@@ -21,6 +21,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from smelt_model.config import IGNORE_INDEX
+from smelt_model.data import tokenizer as tok_mod
 
 __all__ = [
     "STDLIB",
@@ -248,8 +249,6 @@ def prepare(
     The training documents are packed in an order shuffled by ``seed``; validation
     documents in corpus order. A BPE tokenizer is trained on the training split only.
     """
-    from smelt_model.data import tokenizer as tok_mod
-
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"--seq-len must be an int >= 2, got {seq_len!r}")
     tok_mod.parse_spec(tokenizer_spec)
