@@ -171,6 +171,7 @@ def _sample(
 def compile_unavailable(device: torch.device | str = "cpu") -> Optional[str]:
     """None when ``torch.compile`` can build a decode step for ``device``, else why not."""
     try:
+        # seconds to load: only when a compiled decode step is asked for
         import torch._dynamo as dynamo
     except ImportError as e:  # pragma: no cover - every supported torch has it
         return f"torch.compile is unavailable ({e})"

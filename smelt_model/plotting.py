@@ -48,9 +48,11 @@ def plot_path(
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the off-screen backend (no display needed)."""
     require()
+    # optional (the [plot] extra): only a command that draws imports it
     import matplotlib
 
     matplotlib.use("Agg")
+    # after use(): pyplot picks its backend when it loads
     import matplotlib.pyplot as plt
 
     return plt

@@ -185,6 +185,7 @@ def _address_space_headroom() -> Optional[int]:
     -v``, what batch schedulers set): the limit less the current virtual size; None when
     no limit is set."""
     try:
+        # POSIX only: elsewhere there is no address-space limit to read
         import resource
     except ImportError:  # not a POSIX platform
         return None

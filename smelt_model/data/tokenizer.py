@@ -57,6 +57,7 @@ class BPETokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
         tokenizers = _import_tokenizers()
+        # imported once the check above has said what is missing
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
         tok = tokenizers.Tokenizer(models.BPE())
@@ -87,6 +88,7 @@ class BPETokenizer:
 
 def _import_tokenizers():
     try:
+        # optional (the [train] extra): only a BPE tokenizer needs it
         import tokenizers
     except ImportError:
         raise ValueError(

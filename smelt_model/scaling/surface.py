@@ -189,7 +189,8 @@ def single_threaded_blas():
     if getattr(_BLAS_STATE, "limited", False):
         yield
         return
-    try:  # threadpoolctl is optional
+    try:
+        # optional: without it the fit runs on the BLAS threads there are
         from threadpoolctl import threadpool_limits
     except ImportError:
         yield
