@@ -26,8 +26,10 @@ torchrun's own, and torchrun adds its report of the failed worker after smelt's 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
+import logging
 import os
 import re
 import socket
@@ -35,9 +37,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-# torch, torchtitan and the launcher's other modules are imported inside the functions that
+# torch, torchtitan and the modules that load them are imported inside the functions that
 # need them: after smelt_model.titan.patches has been applied (the order torchtitan needs),
 # and never for --help or an option error.
+from smelt_model import presets
+from smelt_model.titan import patches
 from smelt_tools.cli import CommandError, UsageError, command, one_line, wants_traceback
 
 PROG = "python -m smelt_model.titan"
@@ -100,6 +104,7 @@ def _parser_message(text: str) -> str:
 
 
 def _parse(args: list[str]):
+    # after the patches (see the note on the imports)
     from torchtitan.config import ConfigManager
 
     err = io.StringIO()
@@ -116,6 +121,7 @@ def _parse(args: list[str]):
 
 def _check_overrides(config) -> None:
     """Every ``--override.imports`` target imports and names an ``@override``."""
+    # after the patches, as above
     from torchtitan.config.override import _resolve_active, _resolve_target
 
     entries = [(e, {}) if isinstance(e, str) else (e[0], e[1]) for e in config.override.imports]
@@ -128,6 +134,7 @@ def _check_overrides(config) -> None:
 def _check(config, world: int) -> None:
     """What the parser cannot know: the overrides, the mesh against the world and the
     model, the run's lengths."""
+    # these load torchtitan: after the patches, as above
     from smelt_model.titan.model import SmeltTitan
     from smelt_model.titan.parallel.parallelize import (
         check_parallelism,
@@ -286,8 +293,7 @@ def _report(error: BaseException, status: int) -> int:
 def _start(nproc: int, args: list[str]) -> int:
     """Run ``args`` in ``nproc`` local processes through torch's elastic launcher (torchrun's
     own); the workers report their failures, this returns the first one's status."""
-    import logging
-
+    # torch: only once a run starts, never for --help
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -308,9 +314,10 @@ def _start(nproc: int, args: list[str]) -> int:
 
 
 def _train(args: list[str]) -> int:
+    # after the patches, as above
     import torchtitan.train as tt_train
 
-    from smelt_model.checkpoint.dcp import first_failure
+    from smelt_model.checkpoint.dcp import first_failure  # loads torch: after them too
 
     sys.argv = [PROG] + args
     try:
@@ -337,6 +344,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
     try:
         nproc, args = _take_nproc(list(sys.argv[1:] if argv is None else argv))
         try:
+            # optional (the [titan] extra): missing, it is one line
             import torchtitan  # noqa: F401
         except ImportError:
             raise UsageError(
@@ -353,8 +361,6 @@ def _run(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _prepare_and_run(args: list[str], nproc: Optional[int], world: int, torchrun: bool) -> int:
-    from smelt_model.titan import patches
-
     patches.apply()
     args = patches.launch_args(args)
     if _option(args, "--module") is None:
@@ -363,13 +369,12 @@ def _prepare_and_run(args: list[str], nproc: Optional[int], world: int, torchrun
     if _option(args, "--config") is None and not helping:
         raise UsageError("--config PRESET is required (a name of smelt_model.presets.names())")
     if _option(args, "--module") == MODULE and not helping:
-        from smelt_model import presets
-
         try:  # any case, pair or model name: presets.model_name says what a model is
             presets.model_name(_option(args, "--config"))
         except presets.PresetError as e:
             raise UsageError(f"--config: {e}") from None
     if helping:
+        # after the patches, as in _parse
         from torchtitan.config import ConfigManager
 
         ConfigManager().parse_args(args)  # prints torchtitan's help and exits
@@ -400,9 +405,6 @@ def _leave(status: int) -> None:
     exception", SIGABRT) after the run has already finished or printed its one line. So the
     exit handlers run (the byte recorder writes its files there), the streams are flushed,
     and the process ends without the C++ teardown."""
-    import atexit
-    import logging
-
     atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

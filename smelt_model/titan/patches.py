@@ -51,12 +51,14 @@ class Patch:
 
 # ----------------------------------------------------------------------------- conditions
 def _no_accelerator() -> bool:
+    # torch when the condition is asked, not when the list is read (the note on the imports)
     from torch._utils import _get_available_device_type
 
     return _get_available_device_type() is None
 
 
 def _torch_older_than(major: int, minor: int) -> bool:
+    # as in _no_accelerator
     import torch
 
     parts = torch.__version__.split("+")[0].split(".")
@@ -90,6 +92,7 @@ def _total_memory() -> int:
 
 def _cpu_device_module() -> types.ModuleType:
     """``torch.cpu`` plus the device-module calls torchtitan's metrics make (no figures)."""
+    # when the patch is installed (the note on the imports)
     import torch
 
     mod = types.ModuleType("smelt_cpu_device")
@@ -110,6 +113,7 @@ def _cpu_device_module() -> types.ModuleType:
 
 
 def _install_cpu_device() -> None:
+    # what the patch changes, when it is installed (the note on the imports)
     import torchtitan.tools.utils as tt_utils
 
     tt_utils.device_type = "cpu"
@@ -117,6 +121,7 @@ def _install_cpu_device() -> None:
 
 
 def _install_gloo_sum_reduction() -> None:
+    # what the patch changes, when it is installed (the note on the imports)
     import torchtitan.distributed.fsdp as tt_fsdp
     from torch.distributed._composable.fsdp import FSDPModule
 
@@ -132,6 +137,7 @@ def _install_gloo_sum_reduction() -> None:
 
 
 def _install_set_timeout() -> None:
+    # what the patch changes, when it is installed (the note on the imports)
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -143,19 +149,21 @@ def _install_set_timeout() -> None:
 
 # ----------------------------------------------------------------------------- checkpoints
 def _install_safe_dcp_reader() -> None:
+    # what the patch changes, when it is installed (the note on the imports)
     from torch.distributed.checkpoint import FileSystemReader
 
-    from smelt_model.checkpoint.dcp import SafeReader
+    from smelt_model.checkpoint.dcp import SafeReader  # loads torch: as above
 
     for name in SafeReader.METHODS:
         setattr(FileSystemReader, name, SafeReader.__dict__[name])
 
 
 def _install_safe_dataloader_state() -> None:
+    # what the patch changes, when it is installed (the note on the imports)
     from torchdata.stateful_dataloader import StatefulDataLoader
     from torchtitan.components.dataloader import ParallelAwareDataloader
 
-    from smelt_model.checkpoint.dcp import restricted_loads
+    from smelt_model.checkpoint.dcp import restricted_loads  # loads torch: as above
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
@@ -178,9 +186,10 @@ def _install_safe_dataloader_state() -> None:
 
 
 def _install_checked_resume() -> None:
+    # what the patch changes, when it is installed (the note on the imports)
     from torchtitan.components.checkpointer.dcp import CheckpointManager
 
-    from smelt_model.titan.checkpoint.resume import checked_load
+    from smelt_model.titan.checkpoint.resume import checked_load  # loads torchtitan: as above
 
     CheckpointManager._load = checked_load
 
@@ -197,6 +206,7 @@ class _Filters(logging.Filter):
 
 def _wrap_init_logger() -> None:
     """torchtitan's ``init_logger``, then smelt's filters on the handlers it made (once)."""
+    # what the patch changes, when it is installed (the note on the imports)
     import torchtitan.tools.logging as tt_logging
 
     if getattr(tt_logging.init_logger, "_smelt", False):
@@ -264,6 +274,7 @@ def _cpu_record(record: logging.LogRecord) -> bool:
 
 
 def _install_cpu_metrics() -> None:
+    # what the patch changes, when it is installed (the note on the imports)
     import torchtitan.tools.utils as tt_utils
 
     tt_utils.get_peak_flops = lambda device_name: float("nan")
@@ -273,11 +284,14 @@ def _install_cpu_metrics() -> None:
 
 # ----------------------------------------------------------------------------- the list
 def _install_clip_grad_by_mesh() -> None:
+    # what the patch changes, when it is installed (the note on the imports)
     from torchtitan.distributed import utils as dist_utils
 
     stock = dist_utils.clip_grad_norm_
 
     def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        # at the first call: parallelize loads more of torchtitan, which must find every
+        # patch in place
         from smelt_model.titan.parallel.parallelize import clip_grad_norm_by_mesh
 
         return clip_grad_norm_by_mesh(stock, *args, **kwargs)
