@@ -22,6 +22,7 @@ with ``--override.imports``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import numpy as np
@@ -248,6 +249,4 @@ def smelt_tokenizer(cfg: HuggingFaceTokenizer.Config, path: str = "") -> SmeltTo
 
 
 def _local_corpus(spec: str) -> bool:
-    from pathlib import Path
-
     return spec == smelt_data_module.STDLIB or Path(spec).exists()

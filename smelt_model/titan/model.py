@@ -53,6 +53,7 @@ from smelt_model.titan.attention import segment_ids_from_positions
 from smelt_model.titan.checkpoint.state_dict import config_bytes
 from smelt_model.titan.loss import SmeltTitanOutput
 from smelt_model.titan.moe.layer import moe_config
+from smelt_model.titan.parallel.parallelize import update_model_config
 
 __all__ = ["SmeltTitan", "FlexSegmentAttention"]
 
@@ -154,8 +155,6 @@ class SmeltTitan(SmeltLM, BaseModel):
                 raise ValueError(f"chunks must be 2 or more, got {self.chunks}")
 
         def update_from_config(self, *, config, **kwargs) -> None:
-            from smelt_model.titan.parallel.parallelize import update_model_config
-
             update_model_config(self, config)
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:

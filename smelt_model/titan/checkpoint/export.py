@@ -28,8 +28,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 def export(ckpt_dir, out_dir, dtype: Optional[str] = None) -> Path:
     """Write the ``SmeltLM`` of the checkpoint ``ckpt_dir`` into ``out_dir``; the weights
     keep their stored dtype unless ``dtype`` (one of :data:`DTYPES`) is given."""
+    # torch and the model: for an export, never for --help or an option error
     import torch
 
+    # as torch above
     from smelt_model.model import SmeltLM
     from smelt_model.titan.checkpoint.state_dict import load_model_state, to_smelt
 
@@ -79,6 +81,7 @@ def _run(argv: Optional[Sequence[str]] = None) -> None:
             raise UsageError("--seed-from takes one folder (the checkpoint to write)")
         if args.dtype is not None:
             raise UsageError("--dtype applies to an export, not to --seed-from")
+        # loads torch: after the options are checked, as in export()
         from smelt_model.titan.checkpoint.state_dict import write_seed
 
         out = write_seed(args.seed_from, _folder_to_write(args.ckpt_dir, "CKPT_DIR"))

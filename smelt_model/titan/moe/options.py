@@ -54,6 +54,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from smelt_model.budget import memory
 from smelt_model.cluster import (
     CLUSTER_PRESETS,
     Workload,
@@ -111,6 +112,7 @@ class RunMesh:
 
     @classmethod
     def of(cls, parallelism: Any, training: Any = None) -> "RunMesh":
+        # the options and the plan need no torch: only a run's mesh asks the process group
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -233,8 +235,6 @@ def resolve(
 
 def _check_memory(plan: Any, arch: ModelConfig, cluster: Any, tokens: int, w: Any) -> None:
     """MemoryRefusal (a ValueError, one line) when ``plan`` does not fit a rank's memory."""
-    from smelt_model.budget import memory
-
     try:
         need = project(arch, cluster, tokens, plan=plan, workload=w).memory
     except ValueError as e:

@@ -59,6 +59,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
+
 from smelt_kernels.families import env
 
 __all__ = [
@@ -93,6 +96,7 @@ FSDP_KEYS = {
 
 
 def _step() -> Optional[int]:
+    # torchtitan only while a run records: reading a folder back needs none
     from torchtitan.observability import structured_logger as sl
 
     step = sl.get_step()
@@ -139,8 +143,6 @@ class Recorder:
         chunk: int = 0,
     ) -> int:
         """Record one MoE call on an ``ep`` layer (of batch chunk ``chunk``); returns its index."""
-        import torch.distributed as dist
-
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         index = len(self.calls)
@@ -230,8 +232,6 @@ class Recorder:
         """Write ``comm_rank<R>.json`` into the folder (when recording is on)."""
         if self.folder is None or not (self.events or self.calls or self.fsdp):
             return None
-        import torch.distributed as dist
-
         if dist.is_initialized():
             self.rank = dist.get_rank()
         data = self.to_dict()
@@ -373,8 +373,6 @@ def token_rank_matrices(
 
 # ----------------------------------------------------------------------------- FSDP
 def _phase() -> str:
-    import torch
-
     return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
@@ -418,6 +416,7 @@ def record_fsdp(model: Any, gather_params: set) -> int:
     sharded parameters); returns how many groups. Nothing happens while recording is off."""
     if not RECORDER.enabled:
         return 0
+    # FSDP takes a second to load: only when its collectives are recorded
     from torch.distributed.fsdp import FSDPModule
 
     ids = {id(p) for p in gather_params}

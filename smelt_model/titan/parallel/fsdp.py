@@ -33,7 +33,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 __all__ = ["SPAN_UNITS", "PREFETCH", "shard", "units", "Prefetch"]
 
@@ -72,9 +75,6 @@ def shard(
     the head, used last in the forward and first in the backward) are never freed after
     the forward, as FSDP2 does for a root by default.
     """
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if prefetch not in PREFETCH:
@@ -86,8 +86,6 @@ def shard(
                 "shard() needs an initialised process group (torch.distributed."
                 "init_process_group) or an explicit mesh"
             )
-        from torch.distributed.device_mesh import init_device_mesh
-
         device_type = next(model.parameters()).device.type
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for unit in wrapped:
@@ -139,8 +137,6 @@ class Prefetch:
         reshard_after_forward: bool,
         prefetch: str = "loop",
     ):
-        from torch.distributed.fsdp import FSDPModule
-
         self.schedule = model.schedule
         self.reshard_after_forward = reshard_after_forward
         self.span_layers = span_units == "layer"

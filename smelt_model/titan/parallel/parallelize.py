@@ -45,6 +45,8 @@ import torchtitan.distributed.fsdp as tt_fsdp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 from torch.distributed.tensor import DTensor, Shard
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
@@ -286,9 +288,6 @@ def _shard_over(n_experts: int, spread: int):
 def _placement_fn(model: nn.Module, parallel_dims: ParallelDims, dp_mesh, gather_mesh):
     """FSDP placement per parameter (module docstring): expert weights ``Shard(1)`` where
     their mesh (times EP) outnumbers the experts, else ``Shard(0)``; the rest ``Shard(0)``."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-
     n_experts = model.cfg.n_experts
     infos: dict[int, Any] = {}  # one FSDPMeshInfo per mesh: FSDP groups parameters by it
 
