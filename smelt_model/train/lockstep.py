@@ -14,6 +14,13 @@ import torch
 
 from smelt_model import budget
 from smelt_model.data.corpus import prepare
+from smelt_model.train.options import (
+    configs,
+    default_every,
+    init_weights,
+    resume_checks,
+    steps_for,
+)
 from smelt_model.train.trainer import RunSpec, Trainer
 
 __all__ = ["build_trainers", "run_lockstep", "Progress", "merge_endpoints", "summary_line"]
@@ -24,15 +31,6 @@ def build_trainers(args, dirs: dict, device: str):
     (the options of :func:`smelt_model.train.cli.parse_args`), writing into ``dirs[arch]``.
     Returns ``(trainers, corpus)``. With ``args.resume`` the runs' own tokenizer is used,
     and the warm-up and schedule length come from their ``run.json``."""
-
-    from smelt_model.train.options import (
-        configs,
-        default_every,
-        init_weights,
-        resume_checks,
-        steps_for,
-    )
-
     saved, tokenizer, _ = resume_checks(args, dirs, 0)
     corpus = prepare(
         args.data, args.tokenizer, args.seq_len, args.val_fraction, args.seed, tokenizer

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Sequence, Union
 
+from smelt_model.plotting import pyplot, save
+
 __all__ = ["read_log", "plot_runs"]
 
 COLORS = {"baseline": "tab:blue", "smelt": "tab:orange"}
@@ -28,8 +30,6 @@ def plot_runs(
 ) -> Path:
     """Draw the runs' validation (solid) and training (faint) losses against FLOPs and
     seconds into ``path``."""
-    from smelt_model.plotting import pyplot, save
-
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for run in runs:

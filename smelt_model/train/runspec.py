@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -68,8 +68,6 @@ class RunSpec:
 def read_run_file(path: Path) -> RunSpec:
     """The :class:`RunSpec` in a run's ``run.json``; ``ValueError`` naming the file when it
     is not one (bad JSON, unknown or missing fields, values of the wrong type)."""
-    from dataclasses import MISSING, fields
-
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: not found (no run to continue there)")

@@ -28,9 +28,10 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -38,8 +39,10 @@ import numpy as np
 import torch
 
 from smelt_model import budget
+from smelt_model.budget import memory
 from smelt_model.config import ModelConfig
 from smelt_model.data.corpus import Packed, epoch_order
+from smelt_model.model import SmeltLM
 from smelt_model.model import valid_targets as model_valid_targets
 from smelt_model.train import checkpoint
 from smelt_model.train.runspec import RunSpec, compare, read_run_file
@@ -88,8 +91,6 @@ def check_memory(
     (one line) when it does not fit. ``available``: bytes to compare with (default
     :func:`smelt_model.budget.memory.available` of ``device``).
     """
-    from smelt_model.budget import memory
-
     act = 2 if dtype == "bf16" else 4
     parts = {}
     for arch, cfg in cfgs.items():
@@ -174,10 +175,6 @@ class Trainer:
         init: Optional[dict[str, torch.Tensor]] = None,
         warn: Optional[Callable[[str], None]] = None,
     ):
-        from dataclasses import replace
-
-        from smelt_model.model import SmeltLM
-
         if backend is not None and backend != spec.backend:
             spec = replace(spec, backend=backend)
         self.spec, self.train_data, self.val_data = spec, train, val
@@ -239,8 +236,6 @@ class Trainer:
 
     @staticmethod
     def _warn(message: str) -> None:
-        import sys
-
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ schedule and data
