@@ -2,46 +2,43 @@
 at one and two threads (value and gradient), and bitwise the drop-in layer's in one
 process."""
 
-import json
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
-import titan_helpers as th  # noqa: E402
-
 from smelt_kernels.layers import MoE  # noqa: E402
 from smelt_model import presets  # noqa: E402
 from smelt_model.titan.moe.layer import moe_config  # noqa: E402
 
-_LOSS = """
-import json, sys, torch
-from smelt_model import presets
-from smelt_model.titan.moe.layer import moe_config
 
-torch.set_num_threads(int(sys.argv[1]))
-cfg = presets.get("tiny-smelt").replace(aux_loss_weight=0.01, z_loss_weight=1e-3)
-moe = moe_config(cfg).build()
-g = torch.Generator().manual_seed(0)
-# more tokens than ATen's parallel grain (32768): a plain sum over them would split
-logits = torch.randn(40000, cfg.n_experts, generator=g).requires_grad_()
-ids = torch.topk(logits.detach(), cfg.top_k).indices.reshape(-1)
-counts = torch.bincount(ids, minlength=cfg.n_experts)
-loss = moe.router_loss(logits, counts)
-loss.backward()
-print(json.dumps([loss.item().hex(), logits.grad.double().sum().item().hex(),
-                  logits.grad.view(torch.int32).sum().item()]))
-"""
-
-
-def test_router_loss_is_bitwise_the_same_at_one_and_two_threads(tmp_path):
-    runs = [
-        th.run([sys.executable, "-c", _LOSS, str(n)], cwd=tmp_path, timeout=120) for n in (1, 2)
+def _loss_at(threads: int) -> list:
+    """The router loss and its gradient at ``threads`` intra-op threads, as bits."""
+    torch.set_num_threads(threads)
+    cfg = presets.get("tiny-smelt").replace(aux_loss_weight=0.01, z_loss_weight=1e-3)
+    moe = moe_config(cfg).build()
+    g = torch.Generator().manual_seed(0)
+    # more tokens than ATen's parallel grain (32768): a plain sum over them would split
+    logits = torch.randn(40000, cfg.n_experts, generator=g).requires_grad_()
+    ids = torch.topk(logits.detach(), cfg.top_k).indices.reshape(-1)
+    counts = torch.bincount(ids, minlength=cfg.n_experts)
+    loss = moe.router_loss(logits, counts)
+    loss.backward()
+    return [
+        loss.item().hex(),
+        logits.grad.double().sum().item().hex(),
+        logits.grad.view(torch.int32).sum().item(),
     ]
-    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
-    one, two = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+
+
+def test_router_loss_is_bitwise_the_same_at_one_and_two_threads():
+    """Both in this process: ATen's intra-op pool is resized between the two."""
+    before = torch.get_num_threads()
+    try:
+        one, two = (_loss_at(n) for n in (1, 2))
+        assert torch.get_num_threads() == 2  # the second really ran on two threads
+    finally:
+        torch.set_num_threads(before)
     assert one == two
 
 
