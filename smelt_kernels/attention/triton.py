@@ -479,12 +479,15 @@ def head_dim_pad(d: int) -> int:
 
 
 def block_config(kind: str, d: int, device: torch.device,
-                 dtype: torch.dtype = torch.bfloat16) -> dict:
+                 dtype: torch.dtype = torch.bfloat16, masked: bool = False) -> dict:
     """Tile sizes per kernel (``kind`` 'fwd', 'dq' or 'dkdv') at head dim ``d``. The
     interpreter gets small tiles (so small tests cross many tile edges). The GPU values are
     FlashAttention-2-style choices for Hopper, each compiled by ``python -m
     smelt_tools.audit`` for sm_90a without register spills and with shared memory under the
-    limit, but not timed on the device; fp32 inputs (exact "ieee" products) get small tiles."""
+    limit, but not timed on the device; fp32 inputs (exact "ieee" products) get small tiles.
+    ``masked``: a window, key_ok or softcap is on; their masks and tanh take registers the
+    16-bit forward and dK/dV tiles do not have to spare (they spilled): the forward takes
+    32-wide key tiles, dK/dV 8 warps (and 32 rows at a time from width 96)."""
     if device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     width = head_dim_pad(d)
@@ -494,12 +497,13 @@ def block_config(kind: str, d: int, device: torch.device,
         return dict(BLOCK_M=16, BLOCK_N=16 if kind == "dq" else 32, num_warps=4 if kind == "dq" else 8,
                     num_stages=2)
     if kind == "fwd":
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_N=32 if masked else 64, num_warps=8, num_stages=3)
     # dq (rows streamed over key tiles) and dkdv (keys streamed over row tiles): 64 x 64
     # keeps two fp32 accumulators plus the streamed tiles in registers up to 96 columns; at
     # 128 dK/dV streams 32 rows at a time (64 spilled 120 bytes at head dim 112)
-    bm = 32 if kind == "dkdv" and width > 96 else 64
-    return dict(BLOCK_M=bm, BLOCK_N=64, num_warps=8 if width > 64 else 4, num_stages=2)
+    bm = 32 if kind == "dkdv" and (width > 96 or (masked and width > 80)) else 64
+    warps = 8 if width > 64 or (masked and kind == "dkdv") else 4
+    return dict(BLOCK_M=bm, BLOCK_N=64, num_warps=warps, num_stages=2)
 
 
 def _precision(dtype: torch.dtype):
@@ -525,6 +529,11 @@ def _meta(q, has_seg: bool) -> dict:
     da, dt = head_dim_split(D)
     return dict(D=D, DA=da, DT=dt, HAS_SEG=has_seg, PRECISION=_precision(q.dtype),
                 UPCAST=_upcast(q.dtype))
+
+
+def _masked(Tk: int, window: int, key_ok, softcap: float) -> bool:
+    """Whether a window (below Tk), key_ok or softcap is on (see :func:`block_config`)."""
+    return 0 < window < Tk or key_ok is not None or softcap > 0
 
 
 def _feature_args(Tk, scale, window, key_ok, softcap, dummy):
@@ -592,7 +601,7 @@ def forward(q, k, v, start, scale: float, want_sink: bool, window: int = 0, key_
     psink = _alloc.empty((B, Hq, Tq), torch.float32, q.device) if want_sink else lse
     if q.numel() == 0:  # no query (Tq, Hq or B is 0): nothing to compute
         return o, lse, (psink if want_sink else None)
-    cfg = block_config("fwd", D, q.device, q.dtype)
+    cfg = block_config("fwd", D, q.device, q.dtype, _masked(k.shape[1], window, key_ok, softcap))
     grid, args, kwargs = _fwd_launch(q, k, v, o, lse, psink, start, scale, want_sink, cfg, window,
                                      key_ok, softcap)
     _fwd_kernel[grid](*args, **kwargs)
@@ -620,9 +629,11 @@ def backward(do, q, k, v, o, lse, start, end, scale: float, window: int = 0, key
     dq = _alloc.empty((B, Tq, Hq, D), q.dtype, q.device)
     dk = _alloc.empty((B, Tk, Hkv, D), k.dtype, k.device)
     dv = _alloc.empty((B, Tk, Hkv, D), v.dtype, v.device)
+    masked = _masked(Tk, window, key_ok, softcap)
     launches = _bwd_launches(do, q, k, v, lse, delta, dq, dk, dv, start, end, scale,
-                             block_config("dkdv", D, q.device, q.dtype),
-                             block_config("dq", D, q.device, q.dtype), window, key_ok, softcap)
+                             block_config("dkdv", D, q.device, q.dtype, masked),
+                             block_config("dq", D, q.device, q.dtype, masked), window, key_ok,
+                             softcap)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return dq, dk, dv
