@@ -35,29 +35,73 @@ def _bad_folder(init, tmp_path, case):
     return folder
 
 
-@pytest.mark.parametrize("case", list(BAD))
-def test_from_pretrained_refuses_a_config_its_weights_or_memory_cannot_hold(init, tmp_path, case):
-    folder = _bad_folder(init, tmp_path, case)
-    script = (
-        "import sys\nfrom smelt_model.model import SmeltLM\n"
-        "try:\n    SmeltLM.from_pretrained(sys.argv[1])\n"
-        "except ValueError as e:\n    print(e)\n    sys.exit(3)\n"
-    )
-    proc = th.run([sys.executable, "-c", script, str(folder)], cwd=tmp_path, timeout=60)
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    assert BAD[case][2] in proc.stdout and str(folder) in proc.stdout, proc.stdout
+#: one interpreter for every bad folder: ``SmeltLM.from_pretrained(folder)``, then
+#: ``python -m smelt_model.titan.checkpoint.export SEED --seed-from folder`` as ``python -m``
+#: runs it (its own ``__main__``, its exit status, and everything written to the stderr
+#: file descriptor while it ran)
+_REFUSALS = """
+import json, os, runpy, sys, tempfile, traceback
+from smelt_model.model import SmeltLM
+
+out = {}
+for case, folder, seed in json.loads(sys.argv[1]):
+    mine = out[case] = {}
+    try:
+        SmeltLM.from_pretrained(folder)
+        mine["from_pretrained"] = [0, ""]
+    except ValueError as e:
+        mine["from_pretrained"] = [3, str(e)]
+    except Exception:
+        mine["from_pretrained"] = [1, traceback.format_exc()]
+    sys.argv = ["export", seed, "--seed-from", folder]
+    with tempfile.TemporaryFile("w+") as err:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            runpy.run_module("smelt_model.titan.checkpoint.export", run_name="__main__")
+            status = 0
+        except SystemExit as e:
+            status = e.code
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        mine["seed_from"] = [status, err.read(), os.path.exists(seed)]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def refusals(init, tmp_path_factory):
+    """case -> {"folder", "seed", "from_pretrained": [status, message],
+    "seed_from": [exit status, stderr, whether SEED exists]}"""
+    tmp = tmp_path_factory.mktemp("bad")
+    cases = [(c, str(_bad_folder(init, tmp, c)), str(tmp / f"{c}-seed")) for c in BAD]
+    proc = th.run([sys.executable, "-c", _REFUSALS, json.dumps(cases)], cwd=tmp, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case, folder, seed in cases:
+        out[case].update(folder=folder, seed=seed)
+    return out
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_seed_from_refuses_it_in_one_line(init, tmp_path, case):
-    folder = _bad_folder(init, tmp_path, case)
-    cmd = [sys.executable, "-m", "smelt_model.titan.checkpoint.export", str(tmp_path / "seed")]
-    proc = th.run(cmd + ["--seed-from", str(folder)], cwd=tmp_path, timeout=60)
-    assert proc.returncode == 1
-    err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("smelt-export: error: "), proc.stderr[-2000:]
+def test_from_pretrained_refuses_a_config_its_weights_or_memory_cannot_hold(refusals, case):
+    status, message = refusals[case]["from_pretrained"]
+    assert status == 3, message[-2000:]
+    assert BAD[case][2] in message and refusals[case]["folder"] in message, message
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_seed_from_refuses_it_in_one_line(refusals, case):
+    status, stderr, seed_exists = refusals[case]["seed_from"]
+    assert status == 1
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("smelt-export: error: "), stderr[-2000:]
     assert BAD[case][2] in err[0]
-    assert not (tmp_path / "seed").exists()
+    assert not seed_exists
 
 
 def test_a_file_that_is_not_safetensors_is_named(init, tmp_path):
