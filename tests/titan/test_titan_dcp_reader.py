@@ -174,6 +174,8 @@ class _Payload:
         return (open, (self.path, "w"))
 
 
+# DCP warns that it assumes one process even when no_dist=True says so (torch 2.13)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_the_patched_reader_holds_every_dcp_load_in_the_process(seed, tmp_path):
     """What the launcher's ``safe_dcp_reader`` patch does to a plain ``dcp.load``."""
     import torch.distributed.checkpoint as dcp

@@ -221,6 +221,8 @@ def test_torch_kernels_switch_is_one_flag_and_keeps_the_weights():
     torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
 
 
+# the unfused (uncompiled) FlexAttention is the path this test checks
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 def test_flex_attention_core_matches_segment_attention(monkeypatch):
     """The FlexAttention path's mask, GQA and layout (FlexAttention run uncompiled)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
