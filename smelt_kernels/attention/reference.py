@@ -257,12 +257,13 @@ def backward(
     raw = torch.einsum("bqhd,bkhd->bhqk", qa, kk) * scale
     s = capped(raw, softcap)
     lse_a = lse.to(acc)[..., None]
-    p = torch.where(vis & (lse_a > float("-inf")), torch.exp(s - lse_a), 0.0)
+    # a row whose lse is -inf sees no key (no probability); a NaN lse stays NaN
+    p = torch.where(vis & (lse_a != float("-inf")), torch.exp(s - lse_a), 0.0)
     dp = torch.einsum("bqhd,bkhd->bhqk", doa, vv)
     pdp = torch.where(vis, p * dp, 0.0)
     ds = torch.where(vis, p * (dp - pdp.sum(-1, keepdim=True)), 0.0)
-    if softcap:
-        ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
+    if softcap:  # at masked pairs nothing, whatever their raw score
+        ds = torch.where(vis, ds * (1 - torch.tanh(raw / softcap) ** 2), 0.0)
     dq = _visible_sum("bhqk,bkhd->bqhd", ds, kk, vis) * scale
     dk = _visible_sum("bhqk,bqhd->bkhd", ds, qa, vis).reshape(B, Tk, hkv, g, D).sum(3) * scale
     dv = _visible_sum("bhqk,bqhd->bkhd", p, doa, vis).reshape(B, Tk, hkv, g, Dv).sum(3)
