@@ -201,8 +201,9 @@ def _fwd_kernel(Q, K, V, O, LSE, PSINK, START, KEY_OK,
         # interval (invalid segment ids) still NaN
         seen = l_i > 0
         none = tl.where(start <= pos, 0.0, float("nan"))
-        lse2 = tl.where(seen, m_i + tl.math.log2(l_i), none - float("inf"))
-        inv_l = tl.where(seen, 1.0 / l_i, none)
+        l_seen = tl.where(seen, l_i, 1.0)  # no 0 in the log or the division
+        lse2 = tl.where(seen, m_i + tl.math.log2(l_seen), none - float("inf"))
+        inv_l = tl.where(seen, 1.0 / l_seen, none)
     else:
         # an empty interval (invalid segment ids) gives NaN, never a plausible number
         lse2 = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("nan"))
