@@ -93,9 +93,21 @@ def run_phases(gen: Generator[Carry, Carry, Any]) -> Any:
 def token_ranks(topk_expert_ids_TK: torch.Tensor, ep: int, n_experts: int) -> torch.Tensor:
     """(ep,) int64: how many tokens have at least one of their experts on each EP rank
     (experts placed contiguously, ``n_experts / ep`` per rank)."""
+    _, has = _destinations(topk_expert_ids_TK, ep, n_experts)
+    return has.sum(0)
+
+
+def _destinations(topk_expert_ids_TK: torch.Tensor, ep: int, n_experts: int):
+    """(the EP rank of each slot's expert (T, K) int64, whether each token has an expert on
+    each rank (T, ep) bool), experts placed contiguously, ``n_experts / ep`` per rank."""
     dest = topk_expert_ids_TK.long() // (n_experts // ep)
-    mask = torch.zeros(dest.shape[0], ep, dtype=torch.bool, device=dest.device)
-    return mask.scatter_(1, dest, True).sum(0)
+    has = torch.zeros(dest.shape[0], ep, dtype=torch.bool, device=dest.device)
+    return dest, has.scatter_(1, dest, True)
+
+
+def _sum_rows(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out`` with each of ``rows`` added onto its row ``index[i]`` (deterministic)."""
+    return deterministic_scatter_add(out, index.reshape(-1, 1).expand(-1, out.shape[-1]), rows)
 
 
 class ScaledLocalTokenDispatcher(LocalTokenDispatcher):
@@ -293,9 +305,7 @@ def scale_rows(rows: torch.Tensor, scores: torch.Tensor, dtype: torch.dtype) -> 
 def _weighted_sum(rows, scores, token_of_row, x_TD) -> torch.Tensor:
     """Each row times its score (:func:`scale_rows`), summed onto its token: a (T, D) tensor
     like ``x_TD``."""
-    rows = scale_rows(rows, scores, rows.dtype)
-    index = token_of_row.reshape(-1, 1).expand(-1, x_TD.shape[-1])
-    return deterministic_scatter_add(torch.zeros_like(x_TD), index, rows)
+    return _sum_rows(torch.zeros_like(x_TD), token_of_row, scale_rows(rows, scores, rows.dtype))
 
 
 def _local_combine(routed_output_RD, metadata, x_TD) -> torch.Tensor:
@@ -393,8 +403,7 @@ class DedupAllToAllTokenDispatcher(CountingAllToAllTokenDispatcher):
         e = E // ep
         call = self._maybe_record(counts_E, topk_expert_ids_TK, chunk)
         ids = topk_expert_ids_TK.long()
-        dest = ids // e
-        has = torch.zeros(T, ep, dtype=torch.bool, device=ids.device).scatter_(1, dest, True)
+        dest, has = _destinations(ids, ep, E)
         pg, xg = self._groups()
         with torch.no_grad():
             # per destination rank: the slot count of each of its experts, and the row count
@@ -451,17 +460,13 @@ class DedupAllToAllTokenDispatcher(CountingAllToAllTokenDispatcher):
         rows = torch.zeros(
             metadata.received_rows, D, dtype=torch.float32, device=routed_output_RD.device
         )
-        rows = deterministic_scatter_add(
-            rows, metadata.row_of_N.reshape(-1, 1).expand(-1, D), weighted
-        ).to(routed_output_RD.dtype)
+        rows = _sum_rows(rows, metadata.row_of_N, weighted).to(routed_output_RD.dtype)
         _, xg = self._groups()
         flight = Flight(xg, metadata.output_splits, metadata.input_splits, "combine", metadata.call)
         (buf,) = start(flight, rows)
         keep, (buf,) = yield from pause(keep, (buf,))
         (back,) = wait(flight, buf)
-        index = metadata.token_of_S.reshape(-1, 1).expand(-1, x_TD.shape[-1])
-        out = x_TD.new_zeros(x_TD.shape)
-        return keep, deterministic_scatter_add(out, index, back)
+        return keep, _sum_rows(x_TD.new_zeros(x_TD.shape), metadata.token_of_S, back)
 
 
 @override(
