@@ -29,6 +29,9 @@ from typing import Callable
 
 import torch
 
+from smelt_kernels.attention import select_backend as attn_backend
+from smelt_kernels.moe_gemm import select_backend as moe_backend
+
 from .cli import Parser, UsageError, add_threads, command, threads
 from .timing import environment, markdown_table, measure_interleaved, result_row
 
@@ -81,6 +84,7 @@ PROG = "python -m smelt_tools.hf_bench"
 
 
 def build_model(shape: dict, device: torch.device, seed: int = 0):
+    # optional (the [hf] extra): the command says so in one line when it is missing
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(
@@ -149,11 +153,10 @@ def shape_for(device: torch.device, quick: bool) -> dict:
 
 
 def run(device: torch.device, repeats: int, warmup: int, quick: bool) -> dict:
+    # optional, as in build_model; smelt_kernels.hf needs it
     import transformers
 
     import smelt_kernels.hf  # noqa: F401  (registers "smelt")
-    from smelt_kernels.attention import select_backend as attn_backend
-    from smelt_kernels.moe_gemm import select_backend as moe_backend
 
     shape = shape_for(device, quick)
     print(f"building a Mixtral-shaped model on {device} ({shape['dtype']})", file=sys.stderr)

@@ -22,7 +22,9 @@ This module needs only torch; it imports nothing from the model layer.
 
 from __future__ import annotations
 
+import ctypes
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -303,11 +305,9 @@ def release_memory() -> None:
     """Collect garbage and hand freed heap pages back to the system (the native kernels'
     block pool, then glibc ``malloc_trim``), so that the next model built does not sit on
     top of the last one's freed memory."""
-    import ctypes
-    import gc
-
     gc.collect()
     try:
+        # the kernels load their extensions: this module needs only torch (module docstring)
         from smelt_kernels.moe_gemm import release_cpu_pool
 
         release_cpu_pool()  # the native kernels' unused output blocks
@@ -353,6 +353,7 @@ def environment(device: Optional[torch.device | str] = None) -> dict[str, Any]:
         "device": str(dev),
     }
     try:
+        # optional (Linux only): the record says None without it
         import triton
 
         env["triton"] = triton.__version__

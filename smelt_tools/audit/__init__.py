@@ -50,6 +50,7 @@ ATTENTION_HEADS = (12, 2)  # query heads, KV heads
 # ----------------------------------------------------------------------------- tools
 def triton_ptxas() -> str | None:
     try:
+        # optional (Linux only): without it the audit says its Triton part cannot run
         import triton
     except ImportError:
         return None
@@ -123,6 +124,7 @@ class TritonCompiler:
     """Compile a JIT kernel for sm_90a from launch arguments, without a GPU."""
 
     def __init__(self):
+        # Triton, optional: only when its kernels are compiled (see triton_ptxas)
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, compile, make_backend
         from triton.runtime.jit import create_function_from_signature
@@ -135,6 +137,7 @@ class TritonCompiler:
     def compile(self, fn, args: tuple, kwargs: dict) -> tuple[dict, bool]:
         """(what :func:`_row` takes: ptxas's report, shared memory, matrix instructions,
         warps, stages; whether the same code was compiled before)."""
+        # optional, as in __init__
         import triton
 
         binder = self._binder(fn.signature, fn.params, self.backend)
@@ -444,6 +447,7 @@ def _run(argv=None) -> int:
 
     tools = {}
     if ptxas is not None:
+        # found with its ptxas: installed (see triton_ptxas)
         import triton
 
         tools["triton"] = triton.__version__

@@ -35,7 +35,7 @@ def _gemm_launches(H: int, de: int, E: int, T: int, top_k: int, dtype, prec: dic
     PREC/UPCAST switches."""
     import torch  # lazy: see the module docstring
 
-    from smelt_kernels.moe_gemm import triton as mt
+    from smelt_kernels.moe_gemm import triton as mt  # lazy: see the module docstring
 
     cuda, i32, f32 = torch.device("cuda"), torch.int32, torch.float32
     TK = T * top_k
@@ -87,7 +87,7 @@ def _dgrad_x(H: int, de: int, E: int, T: int, top_k: int, up_bm: int, prec: dict
     """(kernel, fn, args, kwargs) of dX = dPre @ W1 through the rows kernel, bf16."""
     import torch  # lazy: see the module docstring
 
-    from smelt_kernels.moe_gemm import triton as mt
+    from smelt_kernels.moe_gemm import triton as mt  # lazy: see the module docstring
 
     bf16, i32 = torch.bfloat16, torch.int32
     TK = T * top_k
@@ -103,7 +103,7 @@ def _wgrads(H: int, de: int, E: int, T: int, top_k: int, prec: dict) -> list:
     """(kernel, fn, args, kwargs) of the two weight gradients, dW1 and dW2, bf16."""
     import torch  # lazy: see the module docstring
 
-    from smelt_kernels.moe_gemm import triton as mt
+    from smelt_kernels.moe_gemm import triton as mt  # lazy: see the module docstring
 
     bf16, i32 = torch.bfloat16, torch.int32
     TK = T * top_k
@@ -132,7 +132,7 @@ def _grouped_gemm(H: int, de: int, E: int, T: int, top_k: int, prec: dict):
     """(kernel, fn, args, kwargs) of the grouped GEMM (gathered rows of x times W1), bf16."""
     import torch  # lazy: see the module docstring
 
-    from smelt_kernels.moe_gemm import triton as mt
+    from smelt_kernels.moe_gemm import triton as mt  # lazy: see the module docstring
 
     bf16, i32 = torch.bfloat16, torch.int32
     TK = T * top_k
@@ -148,7 +148,7 @@ def _combine(H: int, T: int, top_k: int):
     """(kernel, fn, args, kwargs) of the weighted combine of the expert rows, bf16."""
     import torch  # lazy: see the module docstring
 
-    from smelt_kernels.moe_gemm import triton as mt
+    from smelt_kernels.moe_gemm import triton as mt  # lazy: see the module docstring
 
     TK = T * top_k
     out, dy = _meta(TK, H, dtype=torch.bfloat16), _meta(T, H, dtype=torch.bfloat16)
@@ -189,7 +189,7 @@ def _routing_launches(top_k: int) -> list[dict]:
     """The routing sort's count and scatter kernels, at 4096 tokens and 288 experts."""
     import torch  # lazy: see the module docstring
 
-    from smelt_kernels.moe_gemm import routing
+    from smelt_kernels.moe_gemm import routing  # lazy: see the module docstring
 
     count, scatter = routing._kernels()
     ids = _meta(4096 * top_k, dtype=torch.int32)
@@ -240,7 +240,7 @@ def attention_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
     sequence (nothing is allocated)."""
     import torch  # lazy: see the module docstring
 
-    from smelt_kernels.attention import triton as at
+    from smelt_kernels.attention import triton as at  # lazy: see the module docstring
 
     meta, cuda = torch.device("meta"), torch.device("cuda")
     hq, hkv = heads

@@ -140,6 +140,7 @@ class _Run:
 def _units(args):
     """(the rows to run, the device) of these options; UsageError for bad names or a device
     that is not there."""
+    # the runner loads torch: only in the worker (module docstring)
     from . import runner
 
     try:
@@ -151,9 +152,10 @@ def _units(args):
 
 
 def _in_process(args, run: _Run) -> int:
+    # torch and the kernels: only here and in the worker (module docstring)
     from smelt_kernels import backends
 
-    from . import runner
+    from . import runner  # as the kernels above
 
     units, dev = _units(args)
     run.start(
@@ -173,9 +175,10 @@ def _worker(args) -> int:
     """Run rows ``args.start`` on, reporting on the pipe ``args.worker_fd``: ``units`` first,
     then ``unit`` (a row starts), ``case`` (a case starts, with the row so far), ``result``
     per row, ``done``."""
+    # torch and the kernels, as in _in_process
     from smelt_kernels import backends
 
-    from . import runner
+    from . import runner  # as the kernels above
 
     out = os.fdopen(args.worker_fd, "w")
 
