@@ -26,8 +26,12 @@ import statistics
 import sys
 import time
 
+import torch
+import torch.nn.functional as F
 from output_paths import out_folder
 
+from smelt_kernels.attention import segment_attention
+from smelt_kernels.moe_gemm import moe_ffn, route
 from smelt_tools import cli
 from smelt_tools.cli import UsageError
 
@@ -35,11 +39,6 @@ PROG = "bench_peers"
 
 
 def _moe_cases(T, dev):
-    import torch
-    import torch.nn.functional as F
-
-    from smelt_kernels.moe_gemm import moe_ffn, route
-
     E, H, de, k = 288, 1056, 352, 8
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(T, H, device=dev, generator=g, dtype=torch.bfloat16)
@@ -79,6 +78,7 @@ def _moe_cases(T, dev):
         ("moe fwd+bwd", "torch._grouped_mm composite", composite_fwd_bwd, 3 * flops),
     ]
     try:
+        # optional peer: missing, it is a row that says so
         import sonicmoe  # noqa: F401
 
         cases.append(
@@ -90,8 +90,6 @@ def _moe_cases(T, dev):
 
 
 def _doc_lengths(T, mean, gen):
-    import torch
-
     lens, total = [], 0
     while total < T:
         n = int(torch.empty(1).exponential_(1.0 / mean, generator=gen).clamp(16, 4 * mean))
@@ -102,11 +100,6 @@ def _doc_lengths(T, mean, gen):
 
 
 def _attention_cases(T, dev):
-    import torch
-    import torch.nn.functional as F
-
-    from smelt_kernels.attention import segment_attention
-
     hq, hkv = 12, 2
     gen = torch.Generator().manual_seed(0)
     lens = _doc_lengths(T, 800, gen)
@@ -131,6 +124,7 @@ def _attention_cases(T, dev):
             continue
         qt, kt, vt = (t.transpose(1, 2) for t in (q, *kv))  # (B, H, T, D)
         try:
+            # a peer this torch build may lack: missing, it is a row that says why
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
             doc = seg[0]
@@ -151,6 +145,7 @@ def _attention_cases(T, dev):
         except Exception as e:  # noqa: BLE001
             cases.append((f"attention fwd d{D}", "FlexAttention", None, f"unavailable ({e!s:.80})"))
         try:
+            # a peer this torch build may lack, as FlexAttention above
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             L = 800
@@ -176,6 +171,7 @@ def _attention_cases(T, dev):
         except Exception as e:  # noqa: BLE001
             cases.append((f"attention fwd d{D}", "cuDNN SDPA", None, f"unavailable ({e!s:.80})"))
         try:
+            # optional peer, as sonic-moe
             from flash_attn_interface import flash_attn_varlen_func
 
             cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
@@ -222,12 +218,11 @@ def _run(argv=None) -> int:
     if args.tokens < 1024 or args.rounds < 1:
         raise UsageError("--tokens must be >= 1024 and --rounds >= 1")
     out_folder(args.out)
-    import torch
-
     if not torch.cuda.is_available():
         raise UsageError(
             f"--device {args.device}: needs a CUDA device (torch.cuda.is_available() is False)"
         )
+    # Triton (Linux only) times the calls: imported once a CUDA device is there
     import triton.testing
 
     T, rounds = (8192, 2) if args.quick else (args.tokens, args.rounds)

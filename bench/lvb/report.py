@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from smelt_model.budget.memory import GiB
+from smelt_model.plotting import pyplot
 
 from .verdict import describe
 from .workload import ARCHS
@@ -300,10 +301,8 @@ def figure(res: dict[str, Any]):
     Right: wall-clock against the ledger's FLOPs per call, each row one color, each
     architecture one marker, named in the legend rather than beside the points, with a gray
     line through each baseline point at the baseline's FLOP rate."""
-    import matplotlib  # optional dependency: the [plot] extra, needed only for --plot
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()  # off screen
+    # optional (the [plot] extra), as pyplot: only for --plot
     from matplotlib.transforms import blended_transform_factory
 
     rows = [row for rs in res["summary"].values() for row in rs]
@@ -355,8 +354,6 @@ def figure(res: dict[str, Any]):
 
 def plot(res: dict[str, Any], path: str) -> None:
     """Write :func:`figure` to ``path`` (.png, .svg or .pdf)."""
-    import matplotlib.pyplot as plt  # optional dependency: the [plot] extra
-
     fig = figure(res)
     fig.savefig(path, dpi=130, bbox_inches="tight")
-    plt.close(fig)
+    pyplot().close(fig)

@@ -12,9 +12,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from smelt_kernels.moe_gemm import moe_ffn, route
 from smelt_model.budget.memory import peak_rss
 from smelt_model.config import ModelConfig
 from smelt_model.executor import activation_memory, maybe_capture
+from smelt_model.generation import DecodeStep, KVCache
+from smelt_model.model import SmeltLM
 from smelt_tools.timing import measure, measure_parts, release_memory
 
 from .workload import Workload, decode_cache_len, decode_warmup, packed_segments
@@ -31,8 +34,6 @@ __all__ = [
 
 def build(cfg: ModelConfig, device, dtype, backend, recompute):
     """The model of ``cfg``, seeded: the same weights every time it is built."""
-    from smelt_model.model import SmeltLM
-
     torch.manual_seed(0)
     model = SmeltLM(cfg, backend=backend, recompute=recompute)
     return model.to(device=device, dtype=dtype)
@@ -93,8 +94,6 @@ def prefill_runner(model, wl: Workload, device, args):
 def decode_runner(model, wl: Workload, B: int, device, args):
     """One greedy decode step per call, on a cache prefilled with a ``decode_prompt`` prompt,
     through :class:`DecodeStep` (compiled unless ``--eager-decode``)."""
-    from smelt_model.generation import DecodeStep, KVCache
-
     model.eval()
     g = torch.Generator(device="cpu").manual_seed(2)
     P = wl.decode_prompt
@@ -124,8 +123,6 @@ def component_runners(
 ) -> dict[str, tuple[Callable, int]]:
     """Per component: a callable running it once at the step's shapes (forward, plus backward
     when ``train``), and how many times a step runs it."""
-    from smelt_kernels.moe_gemm import moe_ffn, route
-
     cfg = model.cfg
     B, T, H = wl.batch, wl.seq_len, cfg.hidden_size
     dtype = next(model.parameters()).dtype

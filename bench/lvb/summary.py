@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterator, Optional
 
+from smelt_kernels import backends as bk
 from smelt_model.config import ModelConfig
 from smelt_tools.timing import PartsTiming, Timing, merge
 
@@ -110,8 +111,6 @@ def _merge_parts(blocks: list[dict[str, Any]], fallback: list[dict[str, Any]]) -
 def arch_results(blocks, cfgs, leds, mem, args, device, modes, wl: Workload, itemsize: int):
     """Per architecture: its config, ledger and memory, and per mode the timings pooled over
     the blocks its rows kept."""
-    from smelt_kernels import backends as bk
-
     pairs = {n: pairs_of(blocks, m, k, args.busy_limit) for n, m, k in rows_of(modes, wl)}
     out = {}
     for a in ARCHS:

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from output_paths import output_file
 
+from smelt_kernels import backends as bk
 from smelt_model.budget import memory
 from smelt_model.config import ModelConfig
 from smelt_tools import cli
@@ -109,8 +110,6 @@ def make_workload(args) -> Workload:
 
 def check_environment(args) -> None:
     """Backends, device and optional packages, before anything is built or measured."""
-    from smelt_kernels import backends as bk
-
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but no CUDA device is available")
     if args.backend != "auto":
@@ -122,6 +121,7 @@ def check_environment(args) -> None:
         output_file(getattr(args, opt), f"--{opt}", ends)
     if args.plot:
         try:
+            # optional (the [plot] extra): checked here, imported when the plot is drawn
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError(
