@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from smelt_tools.cli import UsageError
+from smelt_tools.cli import UsageError, output_name
 
 __all__ = ["output_file", "out_folder"]
 
@@ -48,14 +48,9 @@ def output_file(
     """A file the command will write (else a :class:`UsageError` naming ``option``): one of
     ``suffixes`` when given, not a folder, in a folder that exists, and writable there now.
     None passes."""
-    if value is None:
+    path = output_name(value, option, suffixes)
+    if path is None:
         return None
-    path = Path(value)
-    if path.is_dir():
-        raise UsageError(f"{option} {value}: is a folder, expected a file to write")
-    suffixes = tuple(suffixes)
-    if suffixes and path.suffix.lower() not in suffixes:
-        raise UsageError(f"{option} {value}: expected a {' or '.join(suffixes)} file")
     _existing_folder(path.parent, option, value)
     _try_write(path, option, value)
     return path

@@ -52,6 +52,7 @@ __all__ = [
     "wants_traceback",
     "add_threads",
     "threads",
+    "output_name",
     "output_path",
     "unknown",
 ]
@@ -164,6 +165,24 @@ def threads(value: Optional[int]) -> Optional[int]:
     return value
 
 
+def output_name(
+    value: Union[str, os.PathLike, None], option: str, suffixes: Iterable[str] = ()
+) -> Optional[Path]:
+    """``value`` as a file the command will write, checked by its name alone (else
+    :class:`UsageError` naming ``option``): not a folder, with one of ``suffixes`` when
+    given. None passes. :func:`output_path` (and the benchmarks' ``output_file``) check its
+    folder and try the write after it."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_dir():
+        raise UsageError(f"{option} {value}: is a folder, expected a file to write")
+    suffixes = tuple(suffixes)
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise UsageError(f"{option} {value}: expected a {' or '.join(suffixes)} file")
+    return path
+
+
 def output_path(
     value: Union[str, os.PathLike, None],
     option: str,
@@ -178,14 +197,9 @@ def output_path(
     says yes to root everywhere, even in ``/proc``): an existing file is opened for
     appending, a new one created and removed, a folder still to be made is probed with a
     temporary file in its nearest existing parent. None passes."""
-    if value is None:
+    path = output_name(value, option, suffixes)
+    if path is None:
         return None
-    path = Path(value)
-    if path.is_dir():
-        raise UsageError(f"{option} {value}: is a folder, expected a file to write")
-    suffixes = tuple(suffixes)
-    if suffixes and path.suffix.lower() not in suffixes:
-        raise UsageError(f"{option} {value}: expected a {' or '.join(suffixes)} file")
     parent = path.parent
     if not new_folders and not parent.exists():
         raise UsageError(f"{option} {value}: no folder {parent}")
