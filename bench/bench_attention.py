@@ -153,6 +153,7 @@ _FLEX: dict[str, Callable] = {}
 
 
 def _flex(q, k, v, ids):
+    # FlexAttention's module is loaded only when that method runs (--skip-flex never does)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:

@@ -1,8 +1,8 @@
 """The ``"cuda"`` backend of segment attention: the forward kernel of ``csrc/attention/cuda.cu``
 (``torch.ops.smelt_cuda.segment_attention_fwd``, from the optional ``smelt_kernels._cuda``
-extension). It is forward-only; the backward runs the Triton kernels. It takes the plain segment mask only:
-a call with a window, a key mask or soft-capping runs the Triton kernels (the registry says
-so once)."""
+extension). It is forward-only; the backward runs the Triton kernels. It takes the plain
+segment mask only: a call with a window, a key mask or soft-capping runs the Triton kernels
+(the registry says so once)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers import activations as A
 
 from ..moe_gemm import grouped_gemm
 
@@ -217,8 +219,6 @@ def gate_calls_act(name: Optional[str]) -> bool:
 # --------------------------------------------------------------------------- activations
 def _elementwise_activations() -> tuple[set, set]:
     """(module classes, functions): parameter-free elementwise activations, by identity."""
-    import torch.nn.functional as F
-    from transformers import activations as A
 
     classes = {
         nn.SiLU,
