@@ -27,6 +27,7 @@ same way, without a fall-back.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import warnings
 from pathlib import Path
@@ -50,7 +51,7 @@ from smelt_model.checkpoint import CheckpointError, dcp, fit
 from smelt_model.config import IGNORE_INDEX, ModelConfig
 from smelt_model.titan.checkpoint.state_dict import arch_from_config_json, describe, read_config
 
-__all__ = ["checked_load", "precheck", "step_folders", "STOCK_LOAD"]
+__all__ = ["checked_load", "precheck", "step_folders", "thread_check", "STOCK_LOAD", "THREADS_FILE"]
 
 #: torchtitan's own ``CheckpointManager._load``
 STOCK_LOAD = CheckpointManager._load
@@ -321,8 +322,45 @@ def _attempt(manager: Any, step: int, path: Path) -> tuple[Optional[str], bool]:
 
 
 # ----------------------------------------------------------------------------- the patch
+#: beside a run's step folders: the threads per process of the run that started it
+THREADS_FILE = "smelt_threads.json"
+
+
+def thread_check(folder: Path, resuming: bool, threads: int, rank: int = 0) -> Optional[str]:
+    """A fresh run records ``threads`` (per process) in ``folder`` (rank 0 writes); a resume
+    compares its own count with the record. Returns the line to warn with when a resume
+    runs at another count (its losses then agree to about 1e-5, not bitwise: the CPU's
+    reductions depend on the thread count), or when the record cannot be read; else None."""
+    record = folder / THREADS_FILE
+    if not resuming:
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps({"threads_per_process": threads}) + "\n")
+        return None
+    if not record.is_file():
+        return None  # checkpoints written before the record existed: nothing to compare
+    try:
+        was = json.loads(record.read_text())["threads_per_process"]
+        if isinstance(was, bool) or not isinstance(was, int):
+            raise TypeError(was)
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{record}: unreadable, the thread count of the run is not checked"
+    if was == threads:
+        return None
+    return (
+        f"resuming at {threads} threads per process a run started at {was} ({record}): the "
+        f"losses agree with an uninterrupted run to about 1e-5, not exactly; set "
+        f"OMP_NUM_THREADS={was} for an exact resume"
+    )
+
+
 def checked_load(manager: Any, step: int = -1) -> bool:
     """``CheckpointManager._load`` by the module's rule; True when something was loaded."""
+    resuming = step != -1 or bool(step_folders(manager.folder))
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    note = thread_check(Path(manager.folder), resuming, torch.get_num_threads(), rank)
+    if note is not None:
+        logger.warning(note)
     if step != -1:
         path = Path(manager.folder) / f"step-{step}"
         if not path.is_dir():
