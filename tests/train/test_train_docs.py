@@ -1,7 +1,11 @@
 """Every command and snippet of docs/training.md, run in order in one empty folder: they
 succeed, write nothing outside ``runs/``, and the trainer's piped progress says each
-evaluation once. (The snippets alone also run in tests/docs/test_docs.py.)"""
+evaluation once. The snippets run in this process (each in a namespace of its own, the
+folder as working directory); alone, each in a fresh process, they also run in
+tests/docs/test_docs.py."""
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -9,6 +13,8 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from traceback import format_exc
+from types import SimpleNamespace
 
 import pytest
 
@@ -36,14 +42,27 @@ def _command(line, cwd):
     return _run(words, cwd)
 
 
-def test_the_documented_commands_run_and_write_under_runs(tmp_path):
+def _run_snippet(body, cwd, monkeypatch):
+    """A snippet as ``python snippet.py`` runs it in ``cwd`` (a ``__main__`` namespace of
+    its own, ``cwd`` the working directory, what it prints captured), in this process: the
+    interpreter and the packages are already loaded, so no process start is paid for it."""
+    out = io.StringIO()
+    with monkeypatch.context() as m, contextlib.redirect_stdout(out):
+        m.chdir(cwd)
+        try:
+            exec(compile(body, str(cwd / "snippet.py"), "exec"), {"__name__": "__main__"})
+        except BaseException:
+            return SimpleNamespace(returncode=1, stdout=out.getvalue(), stderr=format_exc())
+    return SimpleNamespace(returncode=0, stdout=out.getvalue(), stderr="")
+
+
+def test_the_documented_commands_run_and_write_under_runs(tmp_path, monkeypatch):
     blocks = re.findall(r"```(bash|python)\n(.*?)```", DOC.read_text(), re.S)
     assert sum(lang == "bash" for lang, _ in blocks) >= 4
     done = {}
     for lang, body in blocks:
         if lang == "python":
-            (tmp_path.parent / "snippet.py").write_text(body)
-            proc = _run([sys.executable, str(tmp_path.parent / "snippet.py")], tmp_path)
+            proc = _run_snippet(body, tmp_path, monkeypatch)
             assert proc.returncode == 0, body + proc.stderr[-3000:]
             continue
         for line in body.strip().splitlines():
