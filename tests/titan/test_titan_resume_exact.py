@@ -30,8 +30,7 @@ def _run(tmp_path, dump, out):
         th.SMALL_CORPUS,
         "--checkpoint.enable",
         "--checkpoint.interval",
-        "2",
-        "--checkpoint.no-last-save-model-only",
+        "2",  # step 2 in full; step 4, the last, model only (the test removes it)
         "--dump_folder",
         str(dump),
     ]
