@@ -209,11 +209,11 @@ def gate_of(cls: type) -> tuple[Optional[str], Optional[str]]:
     return None, f"its gate function {name} is none of the gate functions smelt recognises"
 
 
-def gate_calls_act(name: Optional[str]) -> bool:
-    """Whether the recognised gate function ``name`` calls ``self.act_fn``."""
-    if name == "default":
+def gate_calls_act(gate: Optional[str]) -> bool:
+    """Whether the recognised gate function ``gate`` (its name) calls ``self.act_fn``."""
+    if gate == "default":
         return True
-    return any(n == name and "act_fn" in ref.co_names for ref, n in _gates())
+    return any(n == gate and "act_fn" in ref.co_names for ref, n in _gates())
 
 
 # --------------------------------------------------------------------------- activations

@@ -29,7 +29,7 @@ BAD_INPUTS = [
         "kv shapes",
         lambda q, k, v: (q, k, v[:, :5], None),
         ValueError,
-        "k and v must have one shape",
+        r"k and v must agree in \(B, Tk, Hkv\)",
     ),
     (
         "batch",

@@ -70,7 +70,7 @@ def logits_and_grads(model, x, mask=None, keep=None, **kw):
     return out.detach(), grads(model)
 
 
-def assert_same(model, x, mask=None, keep=None, rtol=1e-4, atol=2e-5, ref="eager", **kw):
+def assert_same(model, x, mask=None, keep=None, rtol=1e-4, atol=1e-4, ref="eager", **kw):
     model.set_attn_implementation(ref)
     want, want_g = logits_and_grads(model, x, mask, keep, **kw)
     model.set_attn_implementation("smelt")
@@ -254,7 +254,7 @@ def test_a_gpt_oss_model_runs_entirely_on_smelt_and_matches_eager(hf_log):
     got, got_g = logits_and_grads(model, ids(9, 2), mask)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
     for name in want_g:
-        torch.testing.assert_close(got_g[name], want_g[name], rtol=1e-4, atol=2e-5, msg=name)
+        torch.testing.assert_close(got_g[name], want_g[name], rtol=1e-4, atol=1e-4, msg=name)
     assert smelt_lines(hf_log) == []
 
 
@@ -309,7 +309,7 @@ def test_compiled_sinks_window_and_holes_match_eager():
     got_g = {n.removeprefix("_orig_mod."): g for n, g in got_g.items()}
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
     for name in want_g:
-        torch.testing.assert_close(got_g[name], want_g[name], rtol=1e-4, atol=2e-5, msg=name)
+        torch.testing.assert_close(got_g[name], want_g[name], rtol=1e-4, atol=1e-4, msg=name)
     torch._dynamo.reset()
 
 
