@@ -210,3 +210,19 @@ def seg_starts(
         start_first = pos_first * 0
         start_last = pos_first * 0
     return start, start_first, start_last
+
+
+@triton.jit
+def query_tile(START, Tq, Tk, Hq, G: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SEG: tl.constexpr):
+    # this program's row tile (the longest tiles, at the last positions, first), its batch
+    # row b and KV head, its rows (row_tile) and their segment starts (seg_starts)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    Hkv = Hq // G
+    b = (bh // Hkv).to(tl.int64)
+    hkv = bh % Hkv
+    rows, row_ok, qi, h, pos, pos_first, pos_last = row_tile(tile, Tq, Tk, hkv, G, BLOCK_M)
+    start, start_first, start_last = seg_starts(
+        START, b, Tk, pos, pos_first, pos_last, HAS_SEG, BLOCK_M
+    )
+    return b, hkv, rows, row_ok, qi, h, pos, pos_first, pos_last, start, start_first, start_last

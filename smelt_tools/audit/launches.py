@@ -257,16 +257,16 @@ def attention_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
         seg = torch.empty((1, tokens), dtype=torch.int32, device=meta)
         cfgs = {kind: at.block_config(kind, D, cuda, dtype) for kind in ("fwd", "dkdv", "dq")}
         launches = [
-            (at._fwd_kernel, None)
-            + at._fwd_launch(q, k, k, q, stat, stat, seg, 0.1, True, cfgs["fwd"])[1:]
+            (at.fwd_kernel, None)
+            + at.fwd_launch(q, k, k, q, stat, stat, seg, 0.1, True, cfgs["fwd"])[1:]
         ]
-        launches += at._bwd_launches(
+        launches += at.bwd_launches(
             q, q, k, k, stat, stat, q, k, k, seg, seg, 0.1, cfgs["dkdv"], cfgs["dq"]
         )
         for kernel, _, args, kw in launches:
             if dtype == torch.float32:
                 kw = dict(kw, PRECISION="ieee")
-            name = {at._fwd_kernel: "forward", at._bwd_dkdv_kernel: "backward_dkdv"}.get(
+            name = {at.fwd_kernel: "forward", at.bwd_dkdv_kernel: "backward_dkdv"}.get(
                 kernel, "backward_dq"
             )
             jobs.append(
@@ -283,7 +283,7 @@ def attention_launches(head_dims, heads, tokens: int = 4096) -> list[dict]:
     jobs.append(
         dict(
             kernel="attention.backward_delta",
-            fn=at._bwd_delta,
+            fn=at.bwd_delta,
             hot=False,
             config="bf16 D88 BLOCK64",
             args=(torch.empty(8, dtype=bf16, device=meta),) * 2
