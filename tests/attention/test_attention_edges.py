@@ -219,20 +219,21 @@ try:
     import triton
     import triton.language as tl
 
-    from smelt_kernels.attention.triton import _key_ptrs, _key_rows, _rows
+    from smelt_kernels.attention.triton_tiles import key_ptrs, key_rows, row_pointers
 
     @triton.jit
     def _offsets_kernel(OUT, BASE, qi0, h0, st, sh, n0, skt):
-        # the element offsets _rows and _key_ptrs give from BASE, and the int32 product
+        # the element offsets row_pointers and key_ptrs give from BASE, and the int32 product
         r = tl.arange(0, 4)
         qi = qi0 + r
         at = BASE.to(tl.int64)
         tl.store(
-            OUT + r, tl.reshape(_rows(BASE, qi, qi0, h0 + r * 0, st, sh).to(tl.int64) - at, (4,))
+            OUT + r,
+            tl.reshape(row_pointers(BASE, qi, qi0, h0 + r * 0, st, sh).to(tl.int64) - at, (4,)),
         )
-        tl.store(OUT + 4 + r, tl.reshape(_key_ptrs(BASE, n0, skt, 4).to(tl.int64) - at, (4,)))
+        tl.store(OUT + 4 + r, tl.reshape(key_ptrs(BASE, n0, skt, 4).to(tl.int64) - at, (4,)))
         tl.store(OUT + 8 + r, (qi * st).to(tl.int64))
-        tl.store(OUT + 12 + r, tl.reshape(_key_rows(n0 + r, skt), (4,)))
+        tl.store(OUT + 12 + r, tl.reshape(key_rows(n0 + r, skt), (4,)))
 except ImportError:  # no Triton: the test below skips
     _offsets_kernel = None
 
