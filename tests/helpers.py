@@ -9,6 +9,10 @@ tests run :data:`smelt_kernels.testing.EDGES`.
 
 from __future__ import annotations
 
+import contextlib
+import io
+from traceback import format_exc
+from types import SimpleNamespace
 from typing import Callable, Optional, Sequence
 
 import pytest
@@ -115,3 +119,17 @@ def assert_all_close(
 ) -> None:
     for name, a, r, b in zip(names, got, ref, base):
         assert_close(name, a, r, b, dtype)
+
+
+def run_snippet(body, cwd, monkeypatch):
+    """A snippet as ``python snippet.py`` runs it in ``cwd`` (a ``__main__`` namespace of
+    its own, ``cwd`` the working directory, what it prints captured), in this process: the
+    interpreter and the packages are already loaded, so no process start is paid for it."""
+    out = io.StringIO()
+    with monkeypatch.context() as m, contextlib.redirect_stdout(out):
+        m.chdir(cwd)
+        try:
+            exec(compile(body, str(cwd / "snippet.py"), "exec"), {"__name__": "__main__"})
+        except BaseException:
+            return SimpleNamespace(returncode=1, stdout=out.getvalue(), stderr=format_exc())
+    return SimpleNamespace(returncode=0, stdout=out.getvalue(), stderr="")

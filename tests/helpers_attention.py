@@ -77,3 +77,21 @@ def run_and_compare(name, dev, B, Tq, Tk, heads, D, dtype, seg, scale=None, seed
     grads = torch.autograd.grad(o, (q, k, v), do)
     assert o.dtype == dtype and lse.dtype == torch.float32 and sink.dtype == torch.float32
     check(("o", "lse", "sink", "dq", "dk", "dv"), (o, lse, sink, *grads), q, k, v, seg, do, scale)
+
+
+def key_ok_case(kind, B, T, seed=0):
+    """bool (B, T) key_ok, or None: "random" (about a third cleared), "pad" (the first third
+    of each row cleared, as left padding), "row" (random, and row 0 all cleared), "all"
+    (nothing cleared)."""
+    if kind is None:
+        return None
+    gen = torch.Generator().manual_seed(seed + 100)
+    ok = torch.rand(B, T, generator=gen) > 0.35
+    if kind == "pad":
+        ok = torch.ones(B, T, dtype=torch.bool)
+        ok[:, : T // 3] = False
+    elif kind == "row":
+        ok[0] = False
+    elif kind == "all":
+        ok = torch.ones(B, T, dtype=torch.bool)
+    return ok

@@ -257,6 +257,20 @@ _ATTENTION = KernelOp(
 
 
 # ----------------------------------------------------------------------------- entry point
+def _check_per_key(q, name: str, t, B: int, Tk: int, bool_ok: bool) -> None:
+    """A (B, Tk) integer tensor (or bool, with ``bool_ok``) on q's device, or the error
+    naming ``name``."""
+    backends.require_tensor(_OP, name, t, "a torch.Tensor or None")
+    if t.dtype.is_floating_point or t.dtype.is_complex or (t.dtype == torch.bool and not bool_ok):
+        kind = "a bool or integer tensor" if bool_ok else "an integer tensor"
+        raise TypeError(f"segment_attention: {name} must be {kind}, got {t.dtype}")
+    if tuple(t.shape) != (B, Tk):
+        raise ValueError(
+            f"segment_attention: {name} must have shape (B, Tk) = {(B, Tk)}, got {tuple(t.shape)}"
+        )
+    backends.require_device(_OP, "q", q, **{name: t})
+
+
 def _validate(q, k, v, segment_ids, scale) -> None:
     for name, x, layout in (
         ("q", q, "(B, Tq, Hq, D)"),
@@ -293,21 +307,7 @@ def _validate(q, k, v, segment_ids, scale) -> None:
             "(queries are the last Tq positions)"
         )
     if segment_ids is not None:
-        backends.require_tensor(_OP, "segment_ids", segment_ids, "a torch.Tensor or None")
-        if (
-            segment_ids.dtype.is_floating_point
-            or segment_ids.dtype.is_complex
-            or segment_ids.dtype == torch.bool
-        ):
-            raise TypeError(
-                f"segment_attention: segment_ids must be an integer tensor, got {segment_ids.dtype}"
-            )
-        if tuple(segment_ids.shape) != (B, Tk):
-            raise ValueError(
-                f"segment_attention: segment_ids must have shape (B, Tk) = {(B, Tk)}, "
-                f"got {tuple(segment_ids.shape)}"
-            )
-        backends.require_device(_OP, "q", q, segment_ids=segment_ids)
+        _check_per_key(q, "segment_ids", segment_ids, B, Tk, bool_ok=False)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(
@@ -326,18 +326,7 @@ def _validate_extras(q, k, key_mask, window, softcap, sinks) -> None:
                 f"segment_attention: window must be a non-negative int or None, got {window!r}"
             )
     if key_mask is not None:
-        backends.require_tensor(_OP, "key_mask", key_mask, "a torch.Tensor or None")
-        if key_mask.dtype.is_floating_point or key_mask.dtype.is_complex:
-            raise TypeError(
-                f"segment_attention: key_mask must be a bool or integer tensor, got "
-                f"{key_mask.dtype}"
-            )
-        if tuple(key_mask.shape) != (B, Tk):
-            raise ValueError(
-                f"segment_attention: key_mask must have shape (B, Tk) = {(B, Tk)}, "
-                f"got {tuple(key_mask.shape)}"
-            )
-        backends.require_device(_OP, "q", q, key_mask=key_mask)
+        _check_per_key(q, "key_mask", key_mask, B, Tk, bool_ok=True)
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
             raise TypeError(

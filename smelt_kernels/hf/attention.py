@@ -192,7 +192,7 @@ def smelt_attention_mask(
 
 
 # ---------------------------------------------------------------------- attention
-def _rotate_static(query, key, value, mask):
+def _rotate_static(key, value, mask):
     """Keys of a static cache (int8 ``mask`` with its unused tail at -1) rotated on the
     device so that the used keys end at the last query (the kernel's decode form), with
     the key mask in the same order (the tail cleared)."""
@@ -260,7 +260,7 @@ def smelt_attention_forward(
                 f"{tuple(attention_mask.shape)}, keys need ({B}, {Tk})"
             )
         if attention_mask.dtype == torch.int8:  # a static cache's buffer (see the mask entry)
-            key, value, key_mask = _rotate_static(query, key, value, attention_mask)
+            key, value, key_mask = _rotate_static(key, value, attention_mask)
         else:
             key_mask = attention_mask.to(torch.bool)
     seg = None

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from helpers_attention import key_ok_case
 
 from smelt_kernels.attention import cpu as attention_cpu
 from smelt_kernels.attention import reference, segment_bounds
@@ -39,21 +40,6 @@ def segments(layout, B, T, seed=0):
                 lens.append(min(n, T - sum(lens)))
         rows.append(torch.repeat_interleave(torch.arange(len(lens)) * 2, torch.tensor(lens)))
     return torch.stack(rows)
-
-
-def holes(kind, B, T, seed=0):
-    """bool (B, T) key_ok, or None: "random" (about a third cleared), "pad" (the first
-    third of each row cleared, as left padding), "row" (random, and row 0 all cleared)."""
-    if kind is None:
-        return None
-    gen = torch.Generator().manual_seed(seed + 100)
-    ok = torch.rand(B, T, generator=gen) > 0.35
-    if kind == "pad":
-        ok = torch.ones(B, T, dtype=torch.bool)
-        ok[:, : T // 3] = False
-    if kind == "row":
-        ok[0] = False
-    return ok
 
 
 def inputs(B, Tq, Tk, hq, hkv, D, seed=0, qmul=1.0):
@@ -106,7 +92,7 @@ def check(
     q, k, v, do = inputs(B, Tq, Tk, hq, hkv, D, seed, qmul)
     seg = segments(layout, B, Tk, seed + 1)
     start, end = segment_bounds(seg) if seg is not None else (None, None)
-    key_ok = holes(hole, B, Tk, seed)
+    key_ok = key_ok_case(hole, B, Tk, seed)
     scale = D**-0.5
     got = run(q, k, v, do, start, end, scale, window, key_ok, softcap, fwd, bwd)
     assert got[0].dtype == torch.float32 and got[1].dtype == got[2].dtype == torch.float32
@@ -325,7 +311,7 @@ def test_infer_entry_point():
     q, k, v, _ = inputs(2, 65, 65, 6, 2, 24, seed=14)
     seg = segments("mixed", 2, 65, 15)
     start, _ = segment_bounds(seg)
-    key_ok = holes("random", 2, 65, 16)
+    key_ok = key_ok_case("random", 2, 65, 16)
     o, lse = attention_cpu.infer(q, k, v, seg, 0.25, 11, key_ok, 1.5)
     want = attention_cpu.native_forward(q, k, v, start, 0.25, False, 11, key_ok, 1.5)
     assert torch.equal(o, want[0]) and torch.equal(lse, want[1])
@@ -362,7 +348,7 @@ def _run_all():
         q, k, v, do = inputs(2, T, T, 5, 1, D, seed=T)
         seg = segments(layout, 2, T, seed=T + 1)
         start, end = segment_bounds(seg) if seg is not None else (None, None)
-        out += run(q, k, v, do, start, end, 0.125, window, holes(hole, 2, T, T), softcap)
+        out += run(q, k, v, do, start, end, 0.125, window, key_ok_case(hole, 2, T, T), softcap)
     return out
 
 
@@ -465,7 +451,8 @@ def test_instruction_set_variants(isa):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, SMELT_ATTENTION_ISA="" if isa == "native" else isa)
     here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join([root, here, env.get("PYTHONPATH", "")])
+    tests = os.path.dirname(here)  # helpers_attention and helpers
+    env["PYTHONPATH"] = os.pathsep.join([root, here, tests, env.get("PYTHONPATH", "")])
     res = subprocess.run(
         [sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )

@@ -13,6 +13,7 @@ device. Outputs are poisoned (NaN) before the launches, so an unwritten element 
 
 import pytest
 import torch
+from helpers_attention import key_ok_case
 
 from smelt_kernels import _alloc
 from smelt_kernels.attention import reference, segment_bounds
@@ -70,23 +71,6 @@ def _segments(layout, B, T, seed=0):
     return torch.stack(rows)
 
 
-def _holes(kind, B, T, seed=0):
-    """bool (B, T) key_ok or None: "random" (about a third cleared), "pad" (the first third
-    of each row cleared), "row" (random, and row 0 all cleared), "all" (nothing cleared)."""
-    if kind is None:
-        return None
-    gen = torch.Generator().manual_seed(seed + 100)
-    ok = torch.rand(B, T, generator=gen) > 0.35
-    if kind == "pad":
-        ok = torch.ones(B, T, dtype=torch.bool)
-        ok[:, : T // 3] = False
-    elif kind == "row":
-        ok[0] = False
-    elif kind == "all":
-        ok = torch.ones(B, T, dtype=torch.bool)
-    return ok
-
-
 def _inputs(B, Tq, Tk, hq, hkv, D, dtype, seed, qmul=1.0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Tq, hq, D, generator=gen) * qmul
@@ -142,7 +126,7 @@ def check(
     q, k, v, do = _inputs(B, Tq, Tk, *heads, D, dtype, seed, qmul)
     seg = _segments(layout, B, Tk, seed + 1)
     start, end = segment_bounds(seg) if seg is not None else (None, None)
-    key_ok = _holes(hole, B, Tk, seed)
+    key_ok = key_ok_case(hole, B, Tk, seed)
     if nan_hidden:
         hidden = ~key_ok[:, :, None, None]
         k = k.masked_fill(hidden, float("nan"))
@@ -207,7 +191,7 @@ def test_key_ok_all_true_is_none():
     dev = _device()
     q, k, v, do = (x.to(dev) for x in _inputs(1, 29, 29, 2, 1, 32, torch.float32, 5))
     start, end = (x.to(dev) for x in segment_bounds(_segments("mixed", 1, 29, 6)))
-    ok = _holes("all", 1, 29).to(dev)
+    ok = key_ok_case("all", 1, 29).to(dev)
     base = _run(q, k, v, do, start, end, 0.2, 7, None, 0.0)
     for got, ref in zip(_run(q, k, v, do, start, end, 0.2, 7, ok, 0.0), base):
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)

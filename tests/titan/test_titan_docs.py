@@ -8,16 +8,13 @@ runs are the issue's "stock qwen3 / deepseek-v3 MoE with smelt's overrides, FSDP
 their losses must be finite and (qwen3, SMELT) fall.
 """
 
-import contextlib
-import io
 import math
 import re
 import shlex
 import sys
-from traceback import format_exc
-from types import SimpleNamespace
 
 import pytest
+from helpers import run_snippet
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
@@ -44,27 +41,13 @@ def _run_bash_line(line, cwd):
     return th.run(words, cwd=cwd, timeout=170, **extra)
 
 
-def _run_snippet(body, cwd, monkeypatch):
-    """A snippet as ``python snippet.py`` runs it in ``cwd`` (a ``__main__`` namespace of
-    its own, ``cwd`` the working directory, what it prints captured), in this process: the
-    interpreter and the packages are already loaded, so no process start is paid for it."""
-    out = io.StringIO()
-    with monkeypatch.context() as m, contextlib.redirect_stdout(out):
-        m.chdir(cwd)
-        try:
-            exec(compile(body, str(cwd / "snippet.py"), "exec"), {"__name__": "__main__"})
-        except BaseException:
-            return SimpleNamespace(returncode=1, stdout=out.getvalue(), stderr=format_exc())
-    return SimpleNamespace(returncode=0, stdout=out.getvalue(), stderr="")
-
-
 def test_the_documented_commands_run(tmp_path, monkeypatch):
     blocks = _blocks()
     assert sum(lang == "bash" for lang, _ in blocks) >= 4
     runs = {}
     for lang, body in blocks:
         if lang == "python":
-            proc = _run_snippet(body, tmp_path, monkeypatch)
+            proc = run_snippet(body, tmp_path, monkeypatch)
             assert proc.returncode == 0, body + proc.stderr[-3000:]
             runs[body] = proc
             continue

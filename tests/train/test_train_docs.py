@@ -4,8 +4,6 @@ evaluation once. The snippets run in this process (each in a namespace of its ow
 folder as working directory); alone, each in a fresh process, they also run in
 tests/docs/test_docs.py."""
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -13,10 +11,9 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from traceback import format_exc
-from types import SimpleNamespace
 
 import pytest
+from helpers import run_snippet
 
 pytest.importorskip(
     "torchtitan", reason="the page moves a model through torchtitan (extra 'titan')"
@@ -42,27 +39,13 @@ def _command(line, cwd):
     return _run(words, cwd)
 
 
-def _run_snippet(body, cwd, monkeypatch):
-    """A snippet as ``python snippet.py`` runs it in ``cwd`` (a ``__main__`` namespace of
-    its own, ``cwd`` the working directory, what it prints captured), in this process: the
-    interpreter and the packages are already loaded, so no process start is paid for it."""
-    out = io.StringIO()
-    with monkeypatch.context() as m, contextlib.redirect_stdout(out):
-        m.chdir(cwd)
-        try:
-            exec(compile(body, str(cwd / "snippet.py"), "exec"), {"__name__": "__main__"})
-        except BaseException:
-            return SimpleNamespace(returncode=1, stdout=out.getvalue(), stderr=format_exc())
-    return SimpleNamespace(returncode=0, stdout=out.getvalue(), stderr="")
-
-
 def test_the_documented_commands_run_and_write_under_runs(tmp_path, monkeypatch):
     blocks = re.findall(r"```(bash|python)\n(.*?)```", DOC.read_text(), re.S)
     assert sum(lang == "bash" for lang, _ in blocks) >= 4
     done = {}
     for lang, body in blocks:
         if lang == "python":
-            proc = _run_snippet(body, tmp_path, monkeypatch)
+            proc = run_snippet(body, tmp_path, monkeypatch)
             assert proc.returncode == 0, body + proc.stderr[-3000:]
             continue
         for line in body.strip().splitlines():
