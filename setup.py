@@ -279,7 +279,7 @@ if __name__ == "__main__":  # what pip and setuptools run; tests import the help
         ],
         extras_require={
             # tested versions: constraints.txt (pip install -c constraints.txt -e ".[test]")
-            "test": ["pytest>=8", "pytest-benchmark", "ruff"],
+            "test": ["pytest>=8", "pytest-benchmark", "pytest-xdist", "ruff"],
             "plot": ["matplotlib"],
             "hf": ["transformers>=5.23,<6"],
             "train": ["tokenizers>=0.23"],

@@ -1,6 +1,12 @@
 """Test-session set-up: Triton through its interpreter when there is no GPU, poisoned
 outputs, and the shared helpers (tests/helpers*.py) and the benchmarks' modules (bench/)
-importable from every test folder, and a small real corpus."""
+importable from every test folder, and a small real corpus.
+
+Under pytest-xdist (the README's ``-n auto``): as many workers as cores, fewer where the
+memory would not hold them; each worker takes its share of the cores as torch threads; the
+tests marked ``slow`` are scheduled first, and a module's tests that share a module-scoped
+fixture run on one worker (``--dist loadgroup``), so the fixture is built once.
+"""
 
 import os
 import shutil
@@ -22,7 +28,41 @@ import helpers  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+#: memory one worker may need at its peak (the largest in-process model tests)
+WORKER_BYTES = 3 << 30
+
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _workers))
+
 from smelt_model.data.corpus import stdlib_root  # noqa: E402
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker per core this process may use, as many as the memory holds."""
+    return max(1, min(len(os.sched_getaffinity(0)), _available_bytes() // WORKER_BYTES))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (the rest fill in around them), and one xdist group per module whose
+    tests share a module-scoped fixture."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        shared = info is not None and any(
+            d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs
+        )
+        if shared and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(autouse=True)

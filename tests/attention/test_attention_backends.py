@@ -24,6 +24,7 @@ def test_cuda_forward_borrows_a_backward():
     assert backends.backward_impl(cuda, torch.device("cuda")).backend == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
 def test_opcheck(name):
     dev = device_for(name)

@@ -32,6 +32,7 @@ def _smelt_op(op) -> bool:
     return op.namespace in ("smelt", "smelt_cpu")
 
 
+@pytest.mark.slow
 def test_fake_strides_equal_real_ones_for_every_head_layout():
     """Every (Hq, Hkv) with Hq 1-6 and every head dim 7-40: each smelt operator the call and
     its backward reach gives outputs whose sizes and strides its fake predicts."""

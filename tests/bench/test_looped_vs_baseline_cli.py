@@ -9,6 +9,9 @@ import pytest
 
 from smelt_model import budget, presets
 
+# its module-scoped runs take long: scheduled first
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "looped_vs_baseline.py")
 

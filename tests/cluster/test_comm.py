@@ -398,6 +398,7 @@ def _doc_commands() -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_doc_tables_are_the_commands_output(capsys):
     commands = _doc_commands()
     assert len(commands) >= 2

@@ -111,6 +111,7 @@ def _worker(rank, init_file, out_file):
     not dist.is_available() or not dist.is_gloo_available(),
     reason="torch.distributed with gloo is not available",
 )
+@pytest.mark.slow
 def test_fsdp2_two_processes_match_single_process():
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.pt")

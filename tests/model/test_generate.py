@@ -100,6 +100,7 @@ def cheap_compiler(monkeypatch):
     generation._COMPILED.clear()
 
 
+@pytest.mark.slow
 def test_compiled_decode_equals_eager_and_recompute(cheap_compiler):
     torch.manual_seed(0)
     cfg = presets.get("tiny-smelt")
@@ -118,6 +119,7 @@ def test_compiled_decode_equals_eager_and_recompute(cheap_compiler):
     assert torch.equal(compiled, eager) and torch.equal(compiled, full)
 
 
+@pytest.mark.slow
 def test_decode_step_logits_match_the_model(cheap_compiler):
     cfg = micro_config()
     model = SmeltLM(cfg).eval()  # the default kernels: the ones a user's decode runs

@@ -95,6 +95,7 @@ def test_decode_skewed_routing(T, kind, dtype):
     assert_close(run(case), oracle(case), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_decode_target_shape(T):
     """The CPU target's expert shape (H 256, d_e 64, E 288, k 8)."""

@@ -103,6 +103,7 @@ def _worker_traceback(text: str) -> bool:
 BAD_OVERRIDE = ["--override.imports", "smelt_model.titan.no_such_module.fn"]
 
 
+@pytest.mark.slow
 def test_a_bad_option_under_torchrun_is_one_line_printed_once(tmp_path):
     proc = th.torchrun(
         ["-m", "smelt_model.titan", "--config", "tiny-smelt", *BAD_OVERRIDE],

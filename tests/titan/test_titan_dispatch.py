@@ -10,6 +10,9 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
+# its module-scoped runs take long: scheduled first
+pytestmark = pytest.mark.slow
+
 import titan_helpers as th  # noqa: E402
 
 E, K, WORLD = 16, 4, 2

@@ -41,6 +41,7 @@ def _run_bash_line(line, cwd):
     return th.run(words, cwd=cwd, timeout=170, **extra)
 
 
+@pytest.mark.slow
 def test_the_documented_commands_run(tmp_path, monkeypatch):
     blocks = _blocks()
     assert sum(lang == "bash" for lang, _ in blocks) >= 4

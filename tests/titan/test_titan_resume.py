@@ -18,6 +18,9 @@ import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
+# its module-scoped runs take long: scheduled first
+pytestmark = pytest.mark.slow
+
 import titan_helpers as th  # noqa: E402
 
 from smelt_model import presets  # noqa: E402

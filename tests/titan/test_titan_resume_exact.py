@@ -39,6 +39,7 @@ def _run(tmp_path, dump, out):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reproduces_the_uninterrupted_losses_exactly(tmp_path):
     whole = _run(tmp_path, tmp_path / "whole", tmp_path / "whole.json")
     assert whole["steps"] == [1, 2, 3, 4]

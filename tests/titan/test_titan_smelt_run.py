@@ -16,6 +16,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (extra 'titan')")
 
+# its module-scoped runs take long: scheduled first
+pytestmark = pytest.mark.slow
+
 import titan_helpers as th  # noqa: E402
 
 from smelt_model import cluster, presets  # noqa: E402

@@ -16,6 +16,9 @@ import pytest
 
 from smelt_tools import audit
 
+# its module-scoped runs take long: scheduled first
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOT = {"moe.up_proj", "moe.down_proj", "attention.forward"}
 

@@ -163,6 +163,7 @@ def test_a_backward_that_returns_nan_fails(monkeypatch):
         assert not any(f.split(": ")[1].startswith(("y", "dw")) for f in r.failures), r.failures
 
 
+@pytest.mark.slow
 def test_a_crashing_kernel_fails_its_row_and_the_rest_run(tmp_path):
     # every process of the command loads an RMSNorm forward that kills its process in
     # float32 and raises a CUDA error (the context is gone) in bfloat16, and notes its pid

@@ -39,6 +39,7 @@ def _command(line, cwd):
     return _run(words, cwd)
 
 
+@pytest.mark.slow
 def test_the_documented_commands_run_and_write_under_runs(tmp_path, monkeypatch):
     blocks = re.findall(r"```(bash|python)\n(.*?)```", DOC.read_text(), re.S)
     assert sum(lang == "bash" for lang, _ in blocks) >= 4
