@@ -235,6 +235,10 @@ def format_tables(res: dict[str, Any]) -> str:
             lines += _row_lines(row, mode, arch)
         if mode != "decode":
             lines += _component_lines(arch, mode, rows[0])
+        if mode == "train":
+            used = [arch[a]["train"].get("optimizer", "AdamW") for a in ARCHS]
+            both = used[0] if used[0] == used[1] else " / ".join(used)
+            lines.append(f"  optimizer: {both}")
         lines.append(_memory_line(arch, mode))
     lines += [""] + _verdict_lines(res)
     lines += [

@@ -18,6 +18,7 @@ from smelt_model.config import ModelConfig
 from smelt_model.executor import activation_memory, maybe_capture
 from smelt_model.generation import DecodeStep, KVCache
 from smelt_model.model import SmeltLM
+from smelt_model.train.trainer import adamw
 from smelt_tools.timing import measure, measure_parts, release_memory
 
 from .workload import Workload, decode_cache_len, decode_warmup, packed_segments
@@ -58,7 +59,7 @@ def train_runner(model, wl: Workload, device, args):
     ids, seg = _batch(model, wl, device, 0)
     model.train()
     cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=cuda)
+    opt = adamw(model.parameters(), lr=1e-4, capturable=cuda)
 
     def step(i, s):
         out = model(i, s, labels=i)
@@ -73,6 +74,7 @@ def train_runner(model, wl: Workload, device, args):
         "tokens": wl.tokens,
         "captured": runner.graph is not None,
         "capture_note": getattr(runner, "reason", None),
+        "optimizer": "AdamW, fused" if opt.param_groups[0]["fused"] else "AdamW",
     }
     return (lambda: runner(ids, seg)), info, (ids, seg), opt
 

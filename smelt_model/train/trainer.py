@@ -56,6 +56,7 @@ __all__ = [
     "read_run_file",
     "check_memory",
     "LOGS",
+    "adamw",
 ]
 
 ENDPOINT_COLUMNS = ("arch", "F", "S", "D", "loss", "step", "seconds", "C")
@@ -124,6 +125,24 @@ def valid_targets(segment_ids, labels) -> int:
     """How many targets the model's loss counts in these rows (numpy arrays or tensors):
     :func:`smelt_model.model.valid_targets`, the rule ``SmeltLM.lm_loss`` applies."""
     return int(model_valid_targets(torch.as_tensor(labels), torch.as_tensor(segment_ids)).sum())
+
+
+def _fused_devices() -> tuple[str, ...]:
+    # torch lists the device types its fused optimizers have kernels for in a private helper;
+    # without it (another torch), CUDA only, which every torch since 2.0 fuses
+    listed = getattr(torch.utils._foreach_utils, "_get_fused_kernels_supported_devices", None)
+    return tuple(listed()) if listed is not None else ("cuda",)
+
+
+def adamw(params, **kwargs) -> torch.optim.AdamW:
+    """torch's AdamW over ``params`` (tensors or parameter groups), fused (one kernel over
+    every parameter) where the installed torch fuses it for their device (the CPU and CUDA
+    since torch 2.4), else torch's default form. The trainer and the main job build both
+    models' optimizers through it; ``optimizer.param_groups[0]["fused"]`` says which ran."""
+    params = list(params)
+    first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
+    fused = first.device.type in _fused_devices()
+    return torch.optim.AdamW(params, fused=fused or None, **kwargs)
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_factor: float) -> float:
@@ -207,7 +226,7 @@ class Trainer:
         self.model = model = model.to(self.device)
         decay = [p for p in model.parameters() if p.ndim >= 2]
         other = [p for p in model.parameters() if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = adamw(
             [
                 {"params": decay, "weight_decay": spec.weight_decay},
                 {"params": other, "weight_decay": 0.0},
@@ -505,7 +524,12 @@ class Trainer:
         ckpt.check_fits(self.model, self.optimizer, self.scheduler)
         try:
             self.model.load_state_dict(weights)
+            # the optimizer's numbers come from the checkpoint, its kernel (fused or not,
+            # which load_state_dict would take from the saved groups) from this process
+            kernel = [(g["fused"], g["foreach"]) for g in self.optimizer.param_groups]
             self.optimizer.load_state_dict(st["optimizer"])
+            for g, (fused, foreach) in zip(self.optimizer.param_groups, kernel):
+                g["fused"], g["foreach"] = fused, foreach
             self.scheduler.load_state_dict(st["scheduler"])
             rng = st["rng"]
             torch.set_rng_state(rng["torch"])

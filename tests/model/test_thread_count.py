@@ -1,11 +1,13 @@
-"""A whole training step of the SMELT model (forward, router losses, backward, AdamW) gives the
-same bits at any thread count: every smelt kernel reduces in a fixed order, and the router
-loss avoids ATen's softmax backward, whose result depends on the thread count."""
+"""A whole training step of the SMELT model (forward, router losses, backward, the trainer's
+AdamW, fused on the CPU) gives the same bits at any thread count: every smelt kernel reduces
+in a fixed order, and the router loss avoids ATen's softmax backward, whose result depends on
+the thread count."""
 
 import torch
 
 from smelt_model import presets
 from smelt_model.model import SmeltLM
+from smelt_model.train.trainer import adamw
 
 
 def _step(threads: int) -> dict[str, torch.Tensor]:
@@ -15,7 +17,8 @@ def _step(threads: int) -> dict[str, torch.Tensor]:
         cfg = presets.get("tiny-smelt").replace(aux_loss_weight=0.01, z_loss_weight=1e-3)
         torch.manual_seed(0)
         model = SmeltLM(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = adamw(model.parameters(), lr=1e-3)
+        assert opt.param_groups[0]["fused"]
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, cfg.vocab_size, (2, 256), generator=g)
         segments = torch.arange(256).expand(2, 256) // 100
