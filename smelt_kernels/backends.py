@@ -111,6 +111,7 @@ OP_MODULES = (
     "smelt_kernels.attention",
     "smelt_kernels.rotary",
     "smelt_kernels.norm",
+    "smelt_kernels.dense",
 )
 
 

@@ -28,11 +28,12 @@ import torch
 from torch import nn
 
 from .attention import segment_attention
+from .dense import linear
 from .moe_gemm import moe_ffn, route, router_loss
 from .norm import rms_norm
 from .rotary import apply_rotary
 
-__all__ = ["RMSNorm", "Rotary", "SegmentAttention", "MoE"]
+__all__ = ["Linear", "RMSNorm", "Rotary", "SegmentAttention", "MoE"]
 
 
 def _sizes(layer: str, **sizes: int) -> None:
@@ -58,6 +59,32 @@ def _input(layer: str, x, hidden_size: int, weight: torch.Tensor) -> None:
             f"convert one to the other (e.g. layer.to({x.dtype})) or run under "
             "torch.autocast"
         )
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (the same parameters, state-dict names and initial draw) whose GEMMs run
+    through :func:`smelt_kernels.dense.linear`: the fastest fp32 GEMM on the host, forward
+    and backward. Under ``torch.autocast`` it is ``nn.Linear``'s own forward (autocast picks
+    the dtype there). ``backend`` is handed to ``linear`` (None: the best available)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        backend: Optional[str] = None,
+    ):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            return super().forward(x)
+        y = linear(x, self.weight, backend=self.backend)
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -180,12 +207,13 @@ class SegmentAttention(nn.Module):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(n_heads * head_dim, hidden_size, bias=False)
+        self.q_proj = Linear(hidden_size, n_heads * head_dim, bias=False)
+        self.k_proj = Linear(hidden_size, n_kv_heads * head_dim, bias=False)
+        self.v_proj = Linear(hidden_size, n_kv_heads * head_dim, bias=False)
+        self.o_proj = Linear(n_heads * head_dim, hidden_size, bias=False)
         self.rotary = Rotary(head_dim, rope_theta)
         self.core = _Attend(backend)
+        self.backend = backend
 
     @property
     def backend(self) -> Optional[str]:
@@ -194,6 +222,9 @@ class SegmentAttention(nn.Module):
     @backend.setter
     def backend(self, name: Optional[str]) -> None:
         self.core.backend = name
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            if isinstance(proj, Linear):  # a user may have put another module there
+                proj.backend = name
 
     def forward(
         self,
@@ -274,7 +305,7 @@ class MoE(nn.Module):
         self.hidden_size, self.n_experts, self.expert_size = hidden_size, n_experts, expert_size
         self.aux_loss_weight = aux_loss_weight
         self.z_loss_weight = z_loss_weight
-        self.router = nn.Linear(hidden_size, n_experts, bias=False)
+        self.router = Linear(hidden_size, n_experts, bias=False)
         self.topk = _TopK(top_k, renormalize)
         self.backend = backend
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * expert_size, hidden_size))
@@ -294,6 +325,8 @@ class MoE(nn.Module):
     @backend.setter
     def backend(self, name: Optional[str]) -> None:
         self.topk.backend = name
+        if isinstance(self.router, Linear):
+            self.router.backend = name
 
     def reset_parameters(self, std: float = 0.02, out_std: Optional[float] = None) -> None:
         """Normal(0, std) weights; ``down_proj`` Normal(0, out_std) (default ``std``)."""

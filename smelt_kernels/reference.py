@@ -1,7 +1,8 @@
 """Every pure-torch reference in one namespace: the oracles of the tests, and the CPU path
 users can read. Each op's references live beside its kernels
 (:mod:`smelt_kernels.moe_gemm.reference`, :mod:`smelt_kernels.attention.reference`,
-:mod:`smelt_kernels.rotary.reference`, :mod:`smelt_kernels.norm.reference`).
+:mod:`smelt_kernels.rotary.reference`, :mod:`smelt_kernels.norm.reference`,
+:mod:`smelt_kernels.dense.reference`).
 
 Per op, the function a user calls and, where the ``"torch"`` backend runs something else,
 that backend's forward and backward under the names of the operators they serve
@@ -14,6 +15,8 @@ that backend's forward and backward under the names of the operators they serve
   backend's :func:`segment_attention_fwd` / :func:`segment_attention_bwd`.
 * ``rotary``: :func:`apply_rotary`.
 * ``rms_norm``: :func:`rms_norm`.
+* ``linear``: :func:`linear` (``x @ weight^T``, or ``x @ weight`` for the input gradient) and
+  the weight gradient :func:`linear_wgrad`.
 * :func:`router_loss`: plain torch itself (no kernel), named here so the set is whole.
 
 ``tests/kernels/test_reference.py`` checks that every op the registry holds has its
@@ -23,6 +26,8 @@ that backend's forward and backward under the names of the operators they serve
 from .attention.reference import backward as segment_attention_bwd
 from .attention.reference import forward as segment_attention_fwd
 from .attention.reference import segment_attention, segment_mask
+from .dense.reference import linear
+from .dense.reference import weight_grad as linear_wgrad
 from .moe_gemm.loss import router_loss
 from .moe_gemm.reference import (
     grouped_gemm,
@@ -48,5 +53,7 @@ __all__ = [
     "segment_attention_bwd",
     "apply_rotary",
     "rms_norm",
+    "linear",
+    "linear_wgrad",
     "router_loss",
 ]

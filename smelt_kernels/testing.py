@@ -41,6 +41,7 @@ __all__ = [
     "AttentionEdge",
     "RotaryEdge",
     "NormEdge",
+    "DenseEdge",
     "EDGES",
     "moe_ids",
     "SEGMENT_LAYOUTS",
@@ -262,6 +263,16 @@ class NormEdge:
     quick: bool = False
 
 
+@dataclass(frozen=True)
+class DenseEdge:
+    """A ``linear`` case: x of ``shape`` (..., K) against a weight (N, K)."""
+
+    name: str
+    shape: tuple[int, ...]
+    N: int
+    quick: bool = False
+
+
 #: op name -> its edge cases (the registry's names; ``quick``: the smoke test's one)
 EDGES: dict[str, tuple] = {
     "moe_ffn": (
@@ -322,6 +333,16 @@ EDGES: dict[str, tuple] = {
         NormEdge("H=1", (4, 1)),
         NormEdge("width 7 under two leading dims of 1", (1, 1, 7)),
         NormEdge("no rows", (0, 16)),
+    ),
+    "linear": (
+        DenseEdge("one row", (1, 13), 7),
+        DenseEdge("odd sizes", (37, 29), 19, quick=True),
+        DenseEdge("rows for several threads, wide output", (300, 64), 130),
+        DenseEdge("one output", (5, 16), 1),
+        DenseEdge("leading batch dims", (2, 9, 24), 40),
+        DenseEdge("no rows", (0, 8), 4),
+        DenseEdge("K=0", (6, 0), 5),
+        DenseEdge("N=0", (6, 4), 0),
     ),
 }
 

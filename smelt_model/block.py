@@ -15,11 +15,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from smelt_kernels.layers import MoE, RMSNorm, Rotary, SegmentAttention
+from smelt_kernels.layers import Linear, MoE, RMSNorm, Rotary, SegmentAttention
 from smelt_model.config import ModelConfig
 from smelt_model.executor import Interleaved, Step
 
 __all__ = [
+    "Linear",
     "RMSNorm",
     "Rotary",
     "SegmentAttention",

@@ -25,6 +25,7 @@ from smelt_kernels import backends
 from smelt_model.block import (
     Block,
     ForwardContext,
+    Linear,
     MoE,
     RMSNorm,
     Rotary,
@@ -83,7 +84,7 @@ class SmeltLM(nn.Module):
         self.span = LoopedSpan(blocks[p.start : p.end], self.executor) if p.length else None
         self.coda = nn.ModuleList(blocks[p.end :])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.backend = backend  # hands the kernel backend to every layer
         self.reset_parameters()
@@ -106,7 +107,7 @@ class SmeltLM(nn.Module):
         self._backend = name
         op_backend = None if name == "auto" else name
         for m in self.modules():  # the layers carry the backend; forward never branches on it
-            if isinstance(m, (SegmentAttention, MoE)):
+            if isinstance(m, (SegmentAttention, MoE, Linear)):
                 m.backend = op_backend
 
     @property

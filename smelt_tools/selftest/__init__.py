@@ -9,7 +9,8 @@ new machine or GPU (``smelt-selftest``, or ``python -m smelt_tools.selftest``)::
     smelt-selftest --op moe_ffn --backend cpu triton --json selftest.json
 
 Every implementation the registry (:mod:`smelt_kernels.backends`) holds for every op --
-``route``, ``moe_ffn``, ``grouped_gemm``, ``segment_attention``, ``rotary``, ``rms_norm`` and
+``route``, ``moe_ffn``, ``grouped_gemm``, ``segment_attention``, ``rotary``, ``rms_norm``,
+``linear`` and
 any registered later -- that can run on the device is called through the op's public entry
 point with ``backend=`` its name, forward (with and without autograd) and backward (the
 gradients of every differentiable input through a random upstream gradient), in float32,

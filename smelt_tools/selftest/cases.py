@@ -18,6 +18,7 @@ import torch
 from smelt_kernels import testing
 from smelt_kernels.attention import reference as attention_reference
 from smelt_kernels.attention import segment_attention
+from smelt_kernels.dense import linear
 from smelt_kernels.moe_gemm import grouped_gemm, moe_ffn, route
 from smelt_kernels.norm import rms_norm
 from smelt_kernels.rotary import apply_rotary
@@ -216,6 +217,23 @@ def _norm(edge: testing.NormEdge, seed: int) -> Case:
     )
 
 
+# ----------------------------------------------------------------------------- linear
+def _dense(edge: testing.DenseEdge, seed: int) -> Case:
+    g = _gen(seed)
+    K = edge.shape[-1]
+    t = dict(x=torch.randn(*edge.shape, generator=g), w=torch.randn(edge.N, K, generator=g) * 0.2)
+    return Case(
+        edge.name,
+        t,
+        call=lambda b, t: (linear(t["x"], t["w"], backend=b),),
+        outputs=("y",),
+        differentiable=("x", "w"),
+        select=lambda t: (t["x"], t["w"], True),
+        quick=edge.quick,
+        seed=seed,
+    )
+
+
 #: op name -> the function that builds its cases (the edge cases of smelt_kernels.testing)
 CASES: dict[str, Callable[[], list[Case]]] = {
     "moe_ffn": _cases("moe_ffn", _moe),
@@ -224,4 +242,5 @@ CASES: dict[str, Callable[[], list[Case]]] = {
     "segment_attention": _cases("segment_attention", _attention),
     "rotary": _cases("rotary", _rotary),
     "rms_norm": _cases("rms_norm", _norm),
+    "linear": _cases("linear", _dense),
 }

@@ -151,10 +151,11 @@ def test_report_lists_every_op_and_backend():
         "segment_attention",
         "rms_norm",
         "rotary",
+        "linear",
     }
     assert set(rep.variants["segment_attention"]["cpu"]) == {"native", "chunked"}
     assert {"rows", "panels", "few-rows"} <= set(rep.variants["moe_ffn"]["cpu"])
-    assert set(rep["rms_norm"]) == set(rep["rotary"]) == {"torch", "cpu"}
+    assert set(rep["rms_norm"]) == set(rep["rotary"]) == set(rep["linear"]) == {"torch", "cpu"}
     assert (
         set(rep["moe_ffn"]) == set(rep["segment_attention"]) == {"torch", "cpu", "triton", "cuda"}
     )
