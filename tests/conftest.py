@@ -5,9 +5,10 @@ importable from every test folder, and a small real corpus.
 Under pytest-xdist (the README's ``-n auto``): as many workers as cores, fewer where the
 memory would not hold them; each worker takes its share of the cores as torch threads; the
 tests marked ``slow`` are scheduled first, and a module's tests that share a module-scoped
-fixture run on one worker (``--dist loadgroup``), so the fixture is built once.
+fixture run on one worker, so the fixture is built once.
 """
 
+import functools
 import os
 import shutil
 import sys
@@ -51,18 +52,29 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(len(os.sched_getaffinity(0)), _available_bytes() // WORKER_BYTES))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Slow tests first (the rest fill in around them), and one xdist group per module whose
-    tests share a module-scoped fixture."""
+    """The slow tests first: the rest fill in around them."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        shared = info is not None and any(
-            d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs
-        )
-        if shared and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+@functools.cache
+def _shares_a_module_fixture(path: Path) -> bool:
+    return path.suffix == ".py" and 'scope="module"' in path.read_text()
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Each test is a unit of work of its own, but a module whose tests share a module-scoped
+    fixture is one unit (its fixture is built once, on one worker); units go out in the
+    collection's order (the slow tests first)."""
+    from xdist.scheduler import LoadScopeScheduling  # only under xdist, which calls this
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if _shares_a_module_fixture(config.rootpath / path) else nodeid
+
+    config.option.loadscopereorder = False
+    return ModuleFixtureScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

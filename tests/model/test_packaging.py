@@ -82,7 +82,7 @@ def test_quick_start_and_ci_install_the_same_pins():
 
 def test_ci_runs_the_readme_test_command():
     test_cmd = [line for line in _quick_start().splitlines() if "pytest" in line]
-    assert test_cmd == ["python -m pytest tests -q -n auto --dist loadgroup"]
+    assert test_cmd == ["python -m pytest tests -q -n auto"]
     assert test_cmd[0] in CI.splitlines()
 
 
