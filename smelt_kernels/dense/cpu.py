@@ -20,10 +20,18 @@ from .. import backends
 __all__ = ["missing", "forward", "vendor", "fastest_here"]
 
 
-@functools.cache  # the extension does not change within a process
+_MISSING: dict[str, Optional[str]] = {}
+
+
 def missing() -> Optional[str]:
-    """None when the native kernel is available, else why not."""
-    return backends.extension_op_missing("_cpu", "grouped_gemm", "csrc/moe_gemm/cpu_grouped.cpp")
+    """None when the native kernel is available, else why not (looked up once: the
+    extension does not change within a process; a plain dict, which compiled code reads
+    as it is)."""
+    if "why" not in _MISSING:
+        _MISSING["why"] = backends.extension_op_missing(
+            "_cpu", "grouped_gemm", "csrc/moe_gemm/cpu_grouped.cpp"
+        )
+    return _MISSING["why"]
 
 
 @functools.cache

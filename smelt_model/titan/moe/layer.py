@@ -36,6 +36,7 @@ from torch import nn
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import MoE, RoutedExperts, TokenChoiceTopKRouter
 
+from smelt_kernels.dense import linear
 from smelt_kernels.moe_gemm import route, router_loss
 from smelt_model.config import ModelConfig
 from smelt_model.titan.moe.dispatch import (
@@ -46,6 +47,20 @@ from smelt_model.titan.moe.experts import SmeltGroupedExperts
 from smelt_model.titan.parallel.fsdp import in_backward
 
 __all__ = ["SmeltMoE", "RouterStats", "moe_config"]
+
+
+def _plain_gate(gate: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the gate is a bias-free linear map of x's dtype on a plain tensor (no
+    DTensor, no hooks): then smelt's dense GEMM computes it exactly as the gate would."""
+    w = getattr(gate, "weight", None)
+    return (
+        isinstance(gate, nn.Linear)
+        and gate.bias is None
+        and type(w) is nn.Parameter
+        and w.dtype == x.dtype
+        and not gate._forward_hooks
+        and not gate._forward_pre_hooks
+    )
 
 
 class RouterStats(NamedTuple):
@@ -99,8 +114,13 @@ class SmeltMoE(MoE):
             if x_BLD.device.type == "cpu"
             else torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32)
         )
-        with fp32:
-            logits = self.router.gate(x_BLD)
+        gate = self.router.gate
+        if x_BLD.device.type == "cpu" and _plain_gate(gate, x_BLD):
+            # the GEMM SmeltLM's router runs (smelt_kernels.dense): one routing on both trainers
+            logits = linear(x_BLD, gate.weight)
+        else:
+            with fp32:
+                logits = gate(x_BLD)
         logits = logits.float().reshape(B * L, E)
         weights, ids = route(
             logits, top_k=K, renormalize=self.router.route_norm, backend=self.route_backend
