@@ -12,6 +12,7 @@ import functools
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # Both must be set before any module that defines Triton kernels is imported.
@@ -35,6 +36,14 @@ WORKER_BYTES = 3 << 30
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _workers))
+    # inductor's cache (and its precompiled header) per worker: two workers writing one
+    # header at once compile against a torn file
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        os.path.join(
+            tempfile.gettempdir(), f"torchinductor_smelt_{os.environ['PYTEST_XDIST_WORKER']}"
+        ),
+    )
 
 from smelt_model.data.corpus import stdlib_root  # noqa: E402
 
