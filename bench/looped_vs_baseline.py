@@ -39,12 +39,18 @@ How it measures, and why:
   ``--busy-limit`` of the cores the threads needed is *contended* and left out; when most
   are, the row's verdict is "machine busy" with what was seen, not a number. Wall-clock
   stays the measured quantity.
-* **Components add up to the step.** The step and its components (attention, MoE GEMMs,
-  routing, norms, embedding + head + loss, the optimizer) are timed round-robin in one loop
-  at the step's shapes and thread count (:func:`smelt_tools.timing.measure_parts`), in
-  the first ``--component-rounds`` rounds (later blocks time the step alone); where
-  the components still exceed the step by more than ``--tolerance``, the measurement is
-  repeated (``--max-tries``) and the row says so.
+* **An account of each step, part by part, inside the step.** In the first
+  ``--account-rounds`` rounds each block, after timing its steps, profiles
+  ``--account-steps`` more of the same steps and attributes every op, forward and
+  backward, to a part: the experts, attention, the q/k/v/o projections, the head and loss,
+  routing, norms and residual adds, the optimizer, the rest (:mod:`lvb.account`,
+  :func:`smelt_tools.account.account`). The parts add up to the profiled step; the account
+  says how much slower than the plain step the profiler made it (taken again, up to
+  ``--max-tries``, while that exceeds ``--tolerance``), which parts carry the gap's
+  excess, and for each part's GEMMs what the host's best GEMM (MKL's sgemm or oneDNN's
+  matmul, timed at the part's shapes in the same block) would take, with the host's
+  GEMM ceiling at 2048^3 and each step's share of it. CPU only: on CUDA a step's time is
+  on the device.
 * **Decode** runs the model's single-token step compiled once
   (:class:`smelt_model.generation.DecodeStep`; ``--eager-decode`` for the eager model), and
   prints the bytes a token has to read (executed layers' weights with the selected experts,

@@ -2,10 +2,13 @@
 ``lvb.runners.measure_block`` whose times and contention a test scripts. Nothing is built or
 timed."""
 
-from smelt_tools.timing import PartsTiming, Timing
+from lvb.account import PARTS
+
+from smelt_tools.timing import Timing
 from smelt_tools.watch import Load
 
-COMPONENTS = ("attention", "moe_gemm", "routing", "norms", "embed_head")
+#: the GEMM ceiling every fake account reports (GFLOP/s)
+CEILING = {"mkl": 200.0, "onednn": 400.0, "best": 400.0}
 
 
 def load(others=0.0, steal=0.0, threads=2, cores=2, throttled=0.0, slack=0.0) -> Load:
@@ -32,16 +35,38 @@ def timing(ms: float, spread: float = 0.0, others: float = 0.0) -> Timing:
     return t
 
 
-def fake_blocks(step_ms, others=None, fraction=None):
+def fake_account(step_ms: float, parts=None, overhead: float = 0.0, tries: int = 1) -> dict:
+    """An account as :func:`lvb.runners.account_of` returns it: ``parts`` (part -> ms; default
+    the step split evenly over :data:`lvb.account.PARTS`), 1 ms untraced, a profiled step
+    ``overhead`` slower than the plain one, each GEMM part's GEMMs at half its time."""
+    parts = dict(parts) if parts is not None else dict.fromkeys(PARTS, (step_ms - 1.0) / len(PARTS))
+    parts = {p: parts.get(p, 0.0) for p in PARTS}
+    profiled = sum(parts.values()) + 1.0
+    gemm = {p: parts[p] / 2 for p in ("projections", "head", "routing", "moe")}
+    return {
+        "parts_ms": parts,
+        "untraced_ms": 1.0,
+        "profiled_ms": profiled,
+        "plain_ms": profiled / (1 + overhead),
+        "overhead": overhead,
+        "steps": 2,
+        "tries": tries,
+        "gemm_ms": gemm,
+        "ceiling": dict(CEILING),
+    }
+
+
+def fake_blocks(step_ms, others=None, parts=None, overhead=None):
     """A ``measure_block`` stand-in. ``step_ms(arch, round, row)`` is the fastest call of
     that row's block (``round`` counts from 0 per architecture, rows are ``train``,
     ``prefill``, ``decode (batch1)``, ...); ``others(arch, round, row)`` the cores other
-    processes held meanwhile (default none); ``fraction[arch]`` the share of the step its
-    components add up to (default 0.5); blocks without ``components`` time the step alone,
-    as the real one does. ``.calls`` counts the blocks of each architecture."""
+    processes held meanwhile (default none); ``parts[arch]`` the account's parts (default:
+    the step split evenly, :func:`fake_account`), ``overhead[arch]`` its profiler's cost;
+    blocks without ``account`` time the step alone, as the real one does. ``.calls`` counts
+    the blocks of each architecture."""
     calls = {"baseline": 0, "smelt": 0}
 
-    def block(cfg, wl, args, device, dtype, modes, first, watch, components=True):
+    def block(cfg, wl, args, device, dtype, modes, first, watch, account=True):
         arch = "smelt" if cfg.loop is not None else "baseline"
         r = calls[arch]
         calls[arch] += 1
@@ -51,18 +76,16 @@ def fake_blocks(step_ms, others=None, fraction=None):
             return timing(step_ms(arch, r, row), others=busy)
 
         out = {"params_total": 1, "params_active": 1, "peak_rss_bytes": 2**30}
-        frac = (fraction or {}).get(arch, 0.5)
         for mode in ("train", "prefill"):
             if mode not in modes:
                 continue
             step = t(mode)
-            if not components:
-                out[mode] = {"tokens": wl.tokens, "step": step}
-                continue
-            parts = {n: timing(step.median_ms * frac / len(COMPONENTS)) for n in COMPONENTS}
-            tries = 1 if frac <= 1 + args.tolerance else args.max_tries
-            pt = PartsTiming(step, parts, dict.fromkeys(COMPONENTS, 1), frac, args.tolerance, tries)
-            out[mode] = {"tokens": wl.tokens, "parts": pt}
+            out[mode] = {"tokens": wl.tokens, "step": step}
+            if account:
+                over = (overhead or {}).get(arch, 0.0)
+                tries = 1 if over <= args.tolerance else args.max_tries
+                mine = (parts or {}).get(arch)
+                out[mode]["account"] = fake_account(step.min_ms, mine, over, tries)
         if "train" in modes:
             out["train"]["activation_bytes"] = 1
         if "decode" in modes:

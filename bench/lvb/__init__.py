@@ -3,9 +3,13 @@ them:
 
 * :mod:`.workload` -- the options checked into a :class:`~.workload.Workload`, and the memory
   estimate and refusal before anything is built;
-* :mod:`.runners` -- one architecture's training step, prefill and decode, its components at
-  the step's shapes, and one measured block (:func:`~.runners.measure_block`);
-* :mod:`.accounting` -- the FLOPs and bytes of each measured call, read from the ledger;
+* :mod:`.runners` -- one architecture's training step, prefill and decode, the account of a
+  step, and one measured block (:func:`~.runners.measure_block`);
+* :mod:`.account` -- a step's time part by part (the model's parts for
+  :func:`smelt_tools.account.account`), the host's GEMM time at each part's shapes and its
+  GEMM ceiling;
+* :mod:`.accounting` -- the FLOPs and bytes of each measured call and of each part of the
+  account, read from the ledger;
 * :mod:`.driver` -- the ABBA rounds and the stopping rule;
 * :mod:`.estimate` -- a row's pairs, its gap and the gap's confidence interval;
 * :mod:`.verdict` -- the targets (one table), the rule that says a row is settled, and each

@@ -1,5 +1,5 @@
 """What each measured call does, in the ledger's terms: its useful FLOPs, the FLOPs of each
-timed component, and the bytes a decode step reads.
+part of the account, and the bytes a decode step reads.
 
 Every count comes from :func:`smelt_model.budget.ledger` (``flops_per_token``,
 ``forward_flops_per_token``, ``flops_by_part``, ``params_by_part``, ``kv_bytes_per_token``)
@@ -12,19 +12,10 @@ from __future__ import annotations
 from smelt_model import budget
 from smelt_model.config import ModelConfig
 
+from .account import LEDGER_PARTS, PARTS
 from .workload import Workload
 
-__all__ = ["COMPONENT_PARTS", "flops_for", "component_flops", "distinct_experts", "decode_bytes"]
-
-#: the ledger's FLOP parts each timed component covers (``embed_head`` and ``optimizer``:
-#: the ledger counts none)
-COMPONENT_PARTS = {
-    "attention": ("attention", "attention_scores"),
-    "moe_gemm": ("experts",),
-    "routing": ("router",),
-    "norms": ("norms",),
-    "embed_head": (),
-}
+__all__ = ["flops_for", "part_flops", "distinct_experts", "decode_bytes"]
 
 
 def flops_for(
@@ -42,19 +33,15 @@ def flops_for(
     raise ValueError(f"mode must be train, prefill or decode, got {mode!r}")
 
 
-def component_flops(led: budget.Ledger, tokens: int, train: bool) -> dict[str, float]:
-    """The ledger's FLOPs of each timed component over one step of ``tokens`` tokens
-    (training, or a forward when not ``train``). They sum to the step's FLOPs less the
-    final norm's."""
+def part_flops(led: budget.Ledger, tokens: int, train: bool) -> dict[str, float]:
+    """The ledger's FLOPs of each part of the account (:data:`.account.PARTS`) over one step
+    of ``tokens`` tokens (training, or a forward when not ``train``); 0.0 for the parts the
+    ledger counts none of (head, optimizer, the rest). They sum to the step's FLOPs."""
     share = 1.0 if train else led.forward_flops_per_token / led.flops_per_token
     by_part = led.flops_by_part
-    out = {
-        name: tokens * share * sum(by_part[p] for p in parts)
-        for name, parts in COMPONENT_PARTS.items()
+    return {
+        name: tokens * share * sum(by_part[p] for p in LEDGER_PARTS.get(name, ())) for name in PARTS
     }
-    if train:
-        out["optimizer"] = 0.0
-    return out
 
 
 def distinct_experts(n_experts: int, top_k: int, batch: int) -> float:

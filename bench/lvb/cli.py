@@ -70,11 +70,19 @@ def _parser() -> cli.Parser:
     )
     add("--max-rounds", type=int, default=100, help="rounds at most (default 100)")
     add(
-        "--component-rounds",
+        "--account-rounds",
         type=int,
         default=3,
-        help="rounds whose blocks also time each component round-robin with the step; "
-        "later blocks time the step alone, so more pairs fit --max-time (default 3)",
+        help="rounds whose blocks, after timing the steps, also profile them for the account "
+        "of where each step's time goes; later blocks time the steps alone, so more pairs "
+        "fit --max-time (default 3)",
+    )
+    add(
+        "--account-steps",
+        type=int,
+        default=2,
+        help="profiled steps per block in the account rounds (default 2; the account takes "
+        "each part's median)",
     )
     add(
         "--max-time",
@@ -106,13 +114,14 @@ def _parser() -> cli.Parser:
         "--tolerance",
         type=float,
         default=0.15,
-        help="how far components may exceed the step before a remeasure (0.15)",
+        help="how far a profiled step may exceed the plain step before the account is "
+        "taken again (default 0.15)",
     )
     add(
         "--max-tries",
         type=int,
         default=3,
-        help="measurements of a step and its components before giving up (3)",
+        help="accounts taken of a step before the last one is kept as it is (default 3)",
     )
     _add_decode_and_outputs(ap)
     return ap

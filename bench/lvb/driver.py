@@ -91,7 +91,7 @@ def start_line(preset: str, modes, rows: int, needed: int, args) -> str:
 def block_line(r: int, arch: str, args) -> str:
     """The phase a run is in: which round, which model, what that block does."""
     extra = ", compile the decode step" if "decode" in modes_of(args) else ""
-    parts = "with its components" if r < args.component_rounds else "the steps alone"
+    parts = "the steps, profile them for the account" if r < args.account_rounds else "the steps"
     return f"round {r + 1}: {arch}: build, warm up{extra}, time {parts}"
 
 
@@ -101,7 +101,7 @@ def eta_line(round_s: float, needed: int, args) -> str:
     most = min(args.max_time, args.max_rounds * round_s)
     return (
         f"the first round took {round_s:.0f} s (later ones are shorter: nothing to compile, "
-        f"no components after round {args.component_rounds}); the fewest rounds that can "
+        f"no account after round {args.account_rounds}); the fewest rounds that can "
         f"settle every row: {least}, about {least * round_s:.0f} s at most; the run ends "
         f"by about {most:.0f} s"
     )
@@ -146,7 +146,7 @@ def run_pair(args, log: Optional[Callable[[str], None]] = _log) -> dict[str, Any
                     modes,
                     r == 0,
                     watch,
-                    components=r < args.component_rounds,
+                    account=r < args.account_rounds,
                 )
             )
         states, seen = {}, None
@@ -178,7 +178,7 @@ def run_pair(args, log: Optional[Callable[[str], None]] = _log) -> dict[str, Any
             "rounds": len(blocks["baseline"]),
             "order": "ABBA blocks, one model in memory",
             "repeats_per_block": args.repeats,
-            "component_rounds": min(args.component_rounds, len(blocks["baseline"])),
+            "account_rounds": min(args.account_rounds, len(blocks["baseline"])),
             "decode_steps_per_block": wl.decode_steps,
             "min_rounds": args.min_rounds,
             "max_rounds": args.max_rounds,

@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 from smelt_model.budget.memory import GiB
 from smelt_model.plotting import pyplot
 
+from .account import PART_NAMES, PARTS
 from .verdict import describe
 from .workload import ARCHS
 
@@ -39,14 +40,19 @@ legend
               set for the row on this device. The run stops when no row is open (each
               settled, or given up as machine busy), before a round that would pass
               --max-time, or at --max-rounds
-  components  each part timed alone at the step's shapes, round-robin with the step in one
-              loop, in the first --component-rounds rounds; ms per step (median x runs
-              per step) and % of that loop's step; the ratio column is smelt / baseline,
-              F the part's FLOPs ratio (- where the ledger counts none)
-  other       step - components: residual adds, rotary tables, router losses, reshapes and
-              framework overhead (Python, dispatch, allocation), plus the parts' timing
-              error. Components exceeding the step by more than {tol:.0%} are remeasured
-              (up to --max-tries) and the row says so instead of printing a negative other
+  account     where each step's time goes, from --account-steps profiled steps per block
+              in the first --account-rounds rounds (median per part): every op, forward
+              and backward, belongs to one part; ms per step and % of the profiled step;
+              ratio smelt / baseline; F the part's ledger FLOPs ratio (- where the ledger
+              counts none: head, optimizer, the rest); at GEMM rate: the share of the
+              part's time that the host's best GEMM (MKL or oneDNN, timed at the part's
+              own shapes in the same block) needs for the part's GEMMs (- for parts
+              without GEMMs); excess: smelt - F x baseline, ms: what the part adds to the
+              looped model's time beyond its FLOPs (the excesses sum to the step's). The
+              rest holds the embedding, the time between ops and what no op covers.
+              "timed alone" is the plain step in the same loop: the profiler's cost
+  ceiling   the host's fp32 GEMM rate at 2048^3 on the run's threads, the best of MKL's
+              sgemm and oneDNN's matmul; each step's rate (ledger FLOPs / time) against it
   decode      bytes/token: what one token reads (executed layers' weights with the experts
               its batch selects, the head, the KV cache); GB/s: bytes per step / step time"""
 
@@ -67,42 +73,84 @@ def _fmt_bytes(n: Optional[float]) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _component_lines(arch: dict[str, Any], mode: str, row: dict[str, Any]) -> list[str]:
-    lines = []
-    mb, ms = arch["baseline"][mode], arch["smelt"][mode]
-    cb, cs = mb["components_ms"], ms["components_ms"]
-    # the components' shares are of the step timed in the same loop (the component rounds)
-    tb, ts = mb["components_step"]["median_ms"], ms["components_step"]["median_ms"]
-    fb, fs = mb.get("components_flops", {}), ms.get("components_flops", {})
-    ok = mb["components_note"] is None and ms["components_note"] is None
-    lines.append(f"  components (ms per step, % of step){'':14}{'ratio':>8}")
-    for name in list(cb) + ["other"]:
-        if name == "other":
-            if not ok:
-                lines.append(
-                    f"    {'other':14} {'n/a':>10}        {'n/a':>10}         "
-                    "(components exceed the step: see the note)"
-                )
-                continue
-            vb, vs = tb - sum(cb.values()), ts - sum(cs.values())
-        else:
-            vb, vs = cb[name], cs[name]
+def _share(gemm: dict[str, float], parts: dict[str, float], part: str) -> str:
+    if part not in gemm or parts.get(part, 0.0) <= 0:
+        return "-"
+    return f"{100 * gemm[part] / parts[part]:.0f}%"
+
+
+def _account_lines(arch: dict[str, Any], mode: str, row: dict[str, Any]) -> list[str]:
+    """The account's table for one mode, which parts carry the gap's excess, and each
+    step's rate against the host's GEMM ceiling."""
+    accs = [arch[a][mode].get("account") for a in ARCHS]
+    if not all(accs):
+        return ["  account: none (CPU only: on CUDA a step's time is on the device)"]
+    b, s = accs
+    fb, fs = arch["baseline"][mode]["part_flops"], arch["smelt"][mode]["part_flops"]
+    F = row["flops_ratio"]
+    pb, ps = dict(b["parts_ms"]), dict(s["parts_ms"])
+    pb["rest"] += b["untraced_ms"]
+    ps["rest"] += s["untraced_ms"]
+    tb, ts = sum(pb.values()), sum(ps.values())
+    lines = [
+        f"  account (profiled steps, {b['blocks']} x {b['steps_per_block']} per model; ms per "
+        "step, % of it)",
+        f"    {'part':16} {'baseline':>15} {'smelt':>15} {'ratio':>6} {'F':>6} "
+        f"{'at GEMM rate':>12} {'excess':>8}",
+    ]
+    excess = {}
+    for part in PARTS:
+        vb, vs = pb.get(part, 0.0), ps.get(part, 0.0)
+        excess[part] = vs - F * vb
         ratio = f"{vs / vb:.3f}" if vb > 0 and vs > 0 else "-"
-        f_ratio = f"{fs[name] / fb[name]:.3f}" if fb.get(name, 0) > 0 else "-"
+        f_ratio = f"{fs[part] / fb[part]:.3f}" if fb.get(part, 0) > 0 else "-"
+        rate = f"{_share(b['gemm_ms'], pb, part)} {_share(s['gemm_ms'], ps, part)}"
         lines.append(
-            f"    {name:14} {vb:>10.2f} ({100 * vb / tb:5.1f}%) {vs:>10.2f} "
-            f"({100 * vs / ts:5.1f}%) {ratio:>8}   F {f_ratio}"
+            f"    {PART_NAMES[part]:16} {vb:8.1f} {100 * vb / tb:5.1f}% {vs:8.1f} "
+            f"{100 * vs / ts:5.1f}% {ratio:>6} {f_ratio:>6} {rate:>12} {excess[part]:>+8.1f}"
         )
-    for a in ARCHS:
-        m = arch[a][mode]
-        tries = m["components_tries"]
-        if m["components_note"]:
-            lines.append(f"  note ({a}): {m['components_note']}")
-        elif max(tries) > 1:
+    lines.append(
+        f"    {'step (profiled)':16} {tb:8.1f} {'':6} {ts:8.1f} {'':6} {ts / tb:>6.3f} "
+        f"{F:>6.3f} {'':>12} {ts - F * tb:>+8.1f}"
+    )
+    lines.append(
+        f"    {'timed alone':16} {b['plain_ms']:8.1f} {100 * b['overhead']:+5.1f}% "
+        f"{s['plain_ms']:8.1f} {100 * s['overhead']:+5.1f}%   (the profiler's cost, "
+        "same loop)"
+    )
+    total = ts - F * tb
+    ranked = sorted(PARTS, key=lambda p: -excess[p])
+    carry = [p for p in ranked if excess[p] > 0]
+    back = sum(-excess[p] for p in PARTS if excess[p] < 0)
+    if total > 0 and carry:
+        named = ", ".join(
+            f"{PART_NAMES[p]} {excess[p]:+.1f} ms ({100 * excess[p] / total:.0f}%)"
+            for p in carry[:4]
+        )
+        lines.append(
+            f"  the excess ({total:+.1f} ms: smelt - F x baseline, gap {ts / tb / F:.3f} in "
+            f"these steps) is carried by {named}; the parts below their FLOPs give back "
+            f"{back:.1f} ms"
+        )
+    else:
+        lines.append(
+            f"  no excess in these steps (smelt - F x baseline = {total:+.1f} ms, gap "
+            f"{ts / tb / F:.3f})"
+        )
+    c = b["ceiling"]
+    libs = ", ".join(f"{k} {v:.0f}" for k, v in c.items() if k != "best")
+    rates = [row[a]["achieved_flops_per_s"] / 1e9 for a in ARCHS]
+    lines.append(
+        f"  GEMM ceiling {c['best']:.0f} GFLOP/s (2048^3: {libs}): the baseline's step at "
+        f"{rates[0]:.0f} GFLOP/s, {100 * rates[0] / c['best']:.0f}% of it; smelt's at "
+        f"{rates[1]:.0f}, {100 * rates[1] / c['best']:.0f}%"
+    )
+    for a, acc in zip(ARCHS, accs):
+        if max(acc["tries"]) > 1:
             lines.append(
-                f"  note ({a}): components remeasured (tries per round {tries}) "
-                f"until they added up; now {100 * m['components_fraction']:.0f}% of "
-                "the step"
+                f"  note ({a}): account taken again (tries per block {acc['tries']}) while the "
+                f"profiled step exceeded the plain one by more than --tolerance; now "
+                f"{100 * acc['overhead']:+.0f}%"
             )
     return lines
 
@@ -234,7 +282,7 @@ def format_tables(res: dict[str, Any]) -> str:
         for row in rows:
             lines += _row_lines(row, mode, arch)
         if mode != "decode":
-            lines += _component_lines(arch, mode, rows[0])
+            lines += _account_lines(arch, mode, rows[0])
         if mode == "train":
             used = [arch[a]["train"].get("optimizer", "AdamW") for a in ARCHS]
             both = used[0] if used[0] == used[1] else " / ".join(used)
@@ -244,7 +292,6 @@ def format_tables(res: dict[str, Any]) -> str:
     lines += [
         "",
         LEGEND.format(
-            tol=res["tolerance"],
             conf=res["targets"]["confidence"],
             busy=res["machine"]["busy_limit"],
         ),

@@ -1,6 +1,7 @@
 """One architecture's measured calls: a training step, a prefill, a decode step, and the
-components of a step at its shapes; :func:`measure_block` measures them all for one block of
-one round, with a :class:`~smelt_tools.watch.Watch` on each row's timed calls.
+account of a step (where its time goes, part by part); :func:`measure_block` measures them
+all for one block of one round, with a :class:`~smelt_tools.watch.Watch` on each row's timed
+calls.
 
 Each runner builds the inputs and state for one architecture and returns a callable that
 performs one measured call, plus facts about it.
@@ -12,15 +13,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from smelt_kernels.moe_gemm import moe_ffn, route
 from smelt_model.budget.memory import peak_rss
 from smelt_model.config import ModelConfig
 from smelt_model.executor import activation_memory, maybe_capture
 from smelt_model.generation import DecodeStep, KVCache
 from smelt_model.model import SmeltLM
 from smelt_model.train.trainer import adamw
-from smelt_tools.timing import measure, measure_parts, release_memory
+from smelt_tools.timing import measure, release_memory
 
+from .account import account_step, ceiling, gemm_reference, gemm_shapes
 from .workload import Workload, decode_cache_len, decode_warmup, packed_segments
 
 __all__ = [
@@ -28,7 +29,7 @@ __all__ = [
     "train_runner",
     "prefill_runner",
     "decode_runner",
-    "component_runners",
+    "account_of",
     "measure_block",
 ]
 
@@ -54,8 +55,8 @@ def _batch(model, wl: Workload, device, seed: int):
 
 
 def train_runner(model, wl: Workload, device, args):
-    """A training step; gradients stay allocated between steps (zeroed, not freed), so the
-    optimizer can be timed alone as a component and memory is the steady state's."""
+    """A training step; gradients stay allocated between steps (zeroed, not freed), so
+    memory is the steady state's."""
     ids, seg = _batch(model, wl, device, 0)
     model.train()
     cuda = device.type == "cuda"
@@ -120,85 +121,21 @@ def decode_runner(model, wl: Workload, B: int, device, args):
     return one, info, step
 
 
-def component_runners(
-    model, wl: Workload, device, train: bool, opt=None
-) -> dict[str, tuple[Callable, int]]:
-    """Per component: a callable running it once at the step's shapes (forward, plus backward
-    when ``train``), and how many times a step runs it."""
-    cfg = model.cfg
-    B, T, H = wl.batch, wl.seq_len, cfg.hidden_size
-    dtype = next(model.parameters()).dtype
-    L_exec = model.schedule.executed_layers
-    blk = model.layer(0)
-    backend = None if model.backend == "auto" else model.backend
-    seg = packed_segments(B, T, wl.mean_doc_len, device)
-    cos, sin = model.rotary.tables(0, T, device)
-    g = torch.Generator(device="cpu").manual_seed(3)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_(train)
-
-    h, x2 = rnd(B, T, H), rnd(B * T, H)
-    zeros = torch.zeros(B, T, dtype=torch.long, device=device)
-    with torch.no_grad():
-        weights, ids = route(blk.moe.router(x2).float(), cfg.top_k, cfg.router_renormalize)
-    weights = weights.requires_grad_(train)
-
-    def run(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
-        if not train:
-
-            def f():
-                with torch.no_grad():
-                    fn()
-
-            return f
-
-        def fb():
-            y = fn()
-            y.backward(torch.ones_like(y))
-
-        return fb
-
-    def head():
-        if train:
-            return model.lm_loss(model.lm_head(model.norm(model.embed(zeros))), zeros)
-        return model.lm_head(model.norm(h))
-
-    parts = {
-        "attention": (run(lambda: blk.attn(h, seg, rope=(cos, sin), check_values=False)), L_exec),
-        "moe_gemm": (
-            run(
-                lambda: moe_ffn(
-                    x2,
-                    blk.moe.gate_up_proj,
-                    blk.moe.down_proj,
-                    weights,
-                    ids,
-                    backend=backend,
-                    check_values=False,
-                )
-            ),
-            L_exec,
-        ),
-        "routing": (
-            run(lambda: route(blk.moe.router(x2).float(), cfg.top_k, cfg.router_renormalize)[0]),
-            L_exec,
-        ),
-        "norms": (run(lambda: blk.attn_norm(h)), 2 * L_exec),
-        "embed_head": (run(head), 1),
-    }
-    if opt is not None:
-        parts["optimizer"] = (opt.step, 1)
-    return parts
-
-
-def _time_step(fn, parts, timed: dict[str, Any]) -> dict[str, Any]:
-    """``{"parts": PartsTiming}`` for a step timed with its components, ``{"step": Timing}``
-    for one timed alone."""
-    if parts is not None:
-        return {"parts": measure_parts(fn, parts, **timed)}
-    alone = {k: v for k, v in timed.items() if k not in ("tolerance", "max_tries")}
-    return {"step": measure(fn, **alone)}
+def account_of(model, fn, wl: Workload, train: bool, args, device) -> Optional[dict[str, Any]]:
+    """The account of the step ``fn`` (:mod:`.account`): its parts measured inside profiled
+    steps, re-taken (up to ``--max-tries``) while the profiled step exceeds the plain one by
+    more than ``--tolerance``; the host's GEMM time for each part's GEMMs and its GEMM
+    ceiling, measured right after. None on CUDA (a CUDA step's time is on the device, not in
+    the host's events)."""
+    if device.type != "cpu":
+        return None
+    tries = 1
+    acc = account_step(model, fn, args.account_steps)
+    while acc.overhead > args.tolerance and tries < args.max_tries:
+        tries += 1
+        acc = account_step(model, fn, args.account_steps)
+    shapes = gemm_shapes(model.cfg, wl.tokens, train)
+    return dict(acc.to_dict(), tries=tries, gemm_ms=gemm_reference(shapes), ceiling=ceiling())
 
 
 def measure_block(
@@ -210,33 +147,26 @@ def measure_block(
     modes,
     first: bool,
     watch,
-    components: bool = True,
+    account: bool = True,
 ) -> dict[str, Any]:
     """One architecture's block of one round: build it, measure every mode, free it.
 
-    Train and prefill time the step and, with ``components``, its components round-robin
-    (:func:`smelt_tools.timing.measure_parts`; without, the step alone, which makes the
-    rounds after the first ``--component-rounds`` shorter, so more pairs fit the same
-    time); every row's timing carries what ``watch`` saw while it was timed
+    Train and prefill time the step (:func:`smelt_tools.timing.measure`) and, with
+    ``account`` (the first ``--account-rounds``), then profile it for the account
+    (:func:`account_of`); every row's timing carries what ``watch`` saw while it was timed
     (``Timing.load``). The first block of a run also records the activations a step saves
     and, on CUDA, its peak allocation."""
     model = build(cfg, device, dtype, args.backend, args.recompute)
-    timed = dict(
-        device=device,
-        warmup=args.warmup,
-        repeats=args.repeats,
-        tolerance=args.tolerance,
-        max_tries=args.max_tries,
-        watch=watch,
-    )
+    timed = dict(device=device, warmup=args.warmup, repeats=args.repeats, watch=watch)
     out: dict[str, Any] = {
         "params_total": model.num_params("total"),
         "params_active": model.num_params("active"),
     }
     if "train" in modes:
         fn, info, (ids, seg), opt = train_runner(model, wl, device, args)
-        parts = component_runners(model, wl, device, True, opt) if components else None
-        out["train"] = dict(info, **_time_step(fn, parts, timed))
+        out["train"] = dict(info, step=measure(fn, **timed))
+        if account:
+            out["train"]["account"] = account_of(model, fn, wl, True, args, device)
         if first:
             params = list(model.parameters())
             act = activation_memory(
@@ -246,17 +176,18 @@ def measure_block(
             )[1]  # graph freed here
             del params
             out["train"].update(activation_bytes=act.saved_bytes, peak_bytes=_cuda_peak(fn, device))
-        del fn, parts, opt
+        del fn, opt
         model.zero_grad(set_to_none=True)
     if "prefill" in modes:
         fn, info = prefill_runner(model, wl, device, args)
-        parts = component_runners(model, wl, device, False) if components else None
         out["prefill"] = dict(
             info,
-            **_time_step(fn, parts, timed),
+            step=measure(fn, **timed),
             peak_bytes=_cuda_peak(fn, device) if first else None,
         )
-        del fn, parts
+        if account:
+            out["prefill"]["account"] = account_of(model, fn, wl, False, args, device)
+        del fn
     if "decode" in modes:
         out["decode"] = {}
         for B in wl.decode_batches:

@@ -3,7 +3,7 @@ each architecture's pooled results, and the summary rows with their estimates an
 
 A *row* is one measured call: ``train``, ``prefill``, ``decode (batch1)``, ... Its pairs,
 estimate and verdict are :mod:`.estimate`'s and :mod:`.verdict`'s; what is pooled here (the
-components, the per-architecture times and rates) comes from the blocks the estimate kept.
+account, the per-architecture times and rates) comes from the blocks the estimate kept.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any, Iterator, Optional
 
 from smelt_kernels import backends as bk
 from smelt_model.config import ModelConfig
-from smelt_tools.timing import PartsTiming, Timing, merge
+from smelt_tools.timing import Timing, merge
 
 from . import verdict
-from .accounting import component_flops, decode_bytes, flops_for
+from .accounting import decode_bytes, flops_for, part_flops
 from .estimate import Pair, block_ms, estimate_gap, min_pairs
 from .workload import ARCHS, Workload
 
@@ -37,8 +37,7 @@ def row_timing(block: dict[str, Any], mode: str, key: Optional[str]) -> Timing:
     """The timing of one row in one block."""
     if mode == "decode":
         return block["decode"][key]["timing"]
-    m = block[mode]
-    return m["parts"].step if "parts" in m else m["step"]
+    return block[mode]["step"]
 
 
 def _contended(block: dict[str, Any], mode: str, key: Optional[str], limit: float):
@@ -83,28 +82,36 @@ def _kept(blocks: list[dict], pairs: list[Pair]) -> list[dict]:
     return kept or blocks
 
 
-def _merge_parts(blocks: list[dict[str, Any]], fallback: list[dict[str, Any]]) -> dict[str, Any]:
-    """The blocks of one mode: the step's timings pooled over all of them; the components'
-    over those that timed them (the first ``--component-rounds``; ``fallback``, every block
-    of the architecture, when none of the kept ones did), with the add-up check redone on
-    the pooled medians of those same blocks."""
-    with_parts = [b for b in blocks if "parts" in b] or [b for b in fallback if "parts" in b]
-    pts = [b["parts"] for b in with_parts]
-    step = merge([p.step for p in pts])
-    parts = {k: merge([p.parts[k] for p in pts]) for k in pts[0].parts}
-    counts = pts[0].counts
-    frac = sum(parts[k].median_ms * counts[k] for k in parts) / step.median_ms
-    pooled = PartsTiming(step, parts, counts, frac, pts[0].tolerance, max(p.tries for p in pts))
-    out = {k: v for k, v in with_parts[0].items() if k != "parts"}
-    out.update(
-        timing=merge([row_timing({"m": b}, "m", None) for b in blocks]),
-        components_blocks=len(pts),
-        components_step=step,
-        components_ms=pooled.parts_ms,
-        components_fraction=frac,
-        components_tries=[p.tries for p in pts],
-        components_note=pooled.note,
-    )
+def _median(dicts: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(d[k] for d in dicts) for k in dicts[0]}
+
+
+def _merge_account(blocks: list[dict[str, Any]], fallback: list[dict[str, Any]]) -> dict[str, Any]:
+    """The blocks of one mode: the step's timings pooled over all of them; the account's
+    medians over those that took one (the first ``--account-rounds``; ``fallback``, every
+    block of the architecture, when none of the kept ones did). ``account`` is None where no
+    block took one (a CUDA run)."""
+    with_acc = [b for b in blocks if b.get("account")] or [b for b in fallback if b.get("account")]
+    out = {k: v for k, v in blocks[0].items() if k not in ("step", "account")}
+    out["timing"] = merge([b["step"] for b in blocks])
+    if not with_acc:
+        out["account"] = None
+        return out
+    accs = [b["account"] for b in with_acc]
+    profiled = statistics.median(a["profiled_ms"] for a in accs)
+    plain = statistics.median(a["plain_ms"] for a in accs)
+    out["account"] = {
+        "blocks": len(accs),
+        "steps_per_block": accs[0]["steps"],
+        "parts_ms": _median([a["parts_ms"] for a in accs]),
+        "untraced_ms": statistics.median(a["untraced_ms"] for a in accs),
+        "profiled_ms": profiled,
+        "plain_ms": plain,
+        "overhead": profiled / plain - 1.0,
+        "tries": [a["tries"] for a in accs],
+        "gemm_ms": _median([a["gemm_ms"] for a in accs]),
+        "ceiling": _median([a["ceiling"] for a in accs]),
+    }
     return out
 
 
@@ -128,8 +135,8 @@ def arch_results(blocks, cfgs, leds, mem, args, device, modes, wl: Workload, ite
         for mode in ("train", "prefill"):
             if mode in modes:
                 kept = _kept(blocks[a], pairs[mode])
-                res[mode] = _merge_parts([b[mode] for b in kept], [b[mode] for b in blocks[a]])
-                res[mode]["components_flops"] = component_flops(leds[a], wl.tokens, mode == "train")
+                res[mode] = _merge_account([b[mode] for b in kept], [b[mode] for b in blocks[a]])
+                res[mode]["part_flops"] = part_flops(leds[a], wl.tokens, mode == "train")
         if "decode" in modes:
             res["decode"] = {}
             for name, _, key in rows_of(("decode",), wl):
@@ -177,7 +184,6 @@ def _json_timings(arch: dict[str, Any]) -> None:
     for mode in ("train", "prefill"):
         if mode in arch:
             arch[mode]["timing"] = arch[mode]["timing"].to_dict()
-            arch[mode]["components_step"] = arch[mode]["components_step"].to_dict()
     for d in arch.get("decode", {}).values():
         d["timing"] = d["timing"].to_dict()
 

@@ -72,7 +72,8 @@ def make_workload(args) -> Workload:
         "decode_prompt",
         "decode_steps",
         "max_tries",
-        "component_rounds",
+        "account_rounds",
+        "account_steps",
     )
     for name in positive:
         v = getattr(args, name)

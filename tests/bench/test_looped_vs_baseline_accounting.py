@@ -1,7 +1,8 @@
-"""The main job's FLOPs and bytes are the ledger's: components, calls and decode reads."""
+"""The main job's FLOPs and bytes are the ledger's: the account's parts, calls and decode
+reads."""
 
 import pytest
-from lvb import accounting
+from lvb import account, accounting
 from lvb.workload import Workload
 
 from smelt_model import budget, presets
@@ -13,22 +14,22 @@ WL = Workload(
 
 @pytest.mark.parametrize("name", ["tiny", "100M-S85"])
 @pytest.mark.parametrize("arch", [0, 1])
-def test_components_cover_the_ledgers_step(name, arch):
+def test_the_accounts_parts_cover_the_ledgers_step(name, arch):
     cfg = presets.pair(name)[arch]
     led = budget.ledger(cfg, WL.mean_doc_len, WL.seq_len)
     by = led.flops_by_part
     for train, per_token in ((True, led.flops_per_token), (False, led.forward_flops_per_token)):
-        comp = accounting.component_flops(led, WL.tokens, train)
+        parts = accounting.part_flops(led, WL.tokens, train)
         step = accounting.flops_for("train" if train else "prefill", led, cfg, WL)
         assert step == pytest.approx(per_token * WL.tokens)
         share = per_token / led.flops_per_token
-        # every ledger FLOP of the step but the final norm's, each part in one component
-        assert sum(comp.values()) + share * by["final_norm"] * WL.tokens == pytest.approx(step)
-        assert comp["attention"] == pytest.approx(
-            share * WL.tokens * (by["attention"] + by["attention_scores"])
-        )
-        assert comp["moe_gemm"] == pytest.approx(share * WL.tokens * by["experts"])
-        assert comp["embed_head"] == 0 and ("optimizer" in comp) == train
+        # every ledger FLOP of the step, each ledger part in exactly one part of the account
+        assert list(parts) == list(account.PARTS)
+        assert sum(parts.values()) == pytest.approx(step)
+        assert parts["attention"] == pytest.approx(share * WL.tokens * by["attention_scores"])
+        assert parts["projections"] == pytest.approx(share * WL.tokens * by["attention"])
+        assert parts["moe"] == pytest.approx(share * WL.tokens * by["experts"])
+        assert parts["head"] == parts["optimizer"] == parts["rest"] == 0
 
 
 def test_decode_flops_and_bytes_read_the_ledger():

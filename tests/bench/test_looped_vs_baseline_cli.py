@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from lvb.account import PARTS
 
 from smelt_model import budget, presets
 
@@ -101,21 +102,18 @@ def test_json_has_every_field(result):
             "backends_available",
         ):
             assert key in a, (arch, key)
-        assert set(a["train"]["components_ms"]) == {
-            "attention",
-            "moe_gemm",
-            "routing",
-            "norms",
-            "embed_head",
-            "optimizer",
-        }
-        assert set(a["prefill"]["components_ms"]) == {
-            "attention",
-            "moe_gemm",
-            "routing",
-            "norms",
-            "embed_head",
-        }
+        for mode in ("train", "prefill"):
+            acc = a[mode]["account"]
+            assert list(acc["parts_ms"]) == list(PARTS)
+            # the parts and what no op covered are the profiled step, to the microsecond
+            total = sum(acc["parts_ms"].values()) + acc["untraced_ms"]
+            assert total == pytest.approx(acc["profiled_ms"], rel=0.02)
+            assert min(acc["parts_ms"][p] for p in ("moe", "attention", "projections")) > 0
+            assert acc["parts_ms"]["optimizer"] > 0 if mode == "train" else True
+            assert set(acc["gemm_ms"]) == {"projections", "head", "routing", "moe"}
+            assert acc["ceiling"]["best"] == max(
+                v for k, v in acc["ceiling"].items() if k != "best"
+            )
         assert set(a["memory_estimate_bytes"]) == {
             "weights",
             "gradients",
@@ -157,18 +155,14 @@ def test_ratios_are_consistent_with_the_ledger(result):
             assert len(p["block_lost"]) == 1 and 0 <= p["block_lost"][0] <= 1  # watched
             assert p["achieved_flops_per_s"] == pytest.approx(p["flops"] / (p["ms"] / 1e3))
             assert p["tokens_per_s"] == pytest.approx(128 / (p["ms"] / 1e3))
-    for mode, per_token in (("train", 6.0), ("prefill", 2.0)):
+    for mode in ("train", "prefill"):
         for arch in ("baseline", "smelt"):
-            comp = res["arch"][arch][mode]["components_flops"]
-            assert set(comp) == set(res["arch"][arch][mode]["components_ms"])
-            H = res["arch"][arch]["config"]["hidden_size"]
+            comp = res["arch"][arch][mode]["part_flops"]
+            assert list(comp) == list(PARTS)
             step = res["summary"][mode][0][arch]["flops"]
-            # the components cover every ledger FLOP of the step but the final norm's
-            assert sum(comp.values()) + per_token * H * 128 == pytest.approx(step, rel=1e-9)
-            assert (
-                comp["embed_head"] == 0
-                and min(v for k, v in comp.items() if k not in ("embed_head", "optimizer")) > 0
-            )
+            # the account's parts cover every ledger FLOP of the step
+            assert sum(comp.values()) == pytest.approx(step, rel=1e-9)
+            assert comp["head"] == comp["optimizer"] == comp["rest"] == 0
     led = res["arch"]["smelt"]["ledger"]
     assert res["arch"]["smelt"]["params_total"] == led["total_params"]
     for row in res["summary"]["decode"]:
@@ -186,4 +180,4 @@ def test_ratios_are_consistent_with_the_ledger(result):
     if any(r["usable"] for r in res["summary"]["decode"]):
         assert "GB/s" in out
     if res["summary"]["train"][0]["usable"]:
-        assert "components" in out
+        assert "account (profiled steps" in out and "the excess" in out

@@ -1,11 +1,12 @@
-"""Components that add up, the remeasure when they do not, and the printed legend: with fake
-timings, so nothing heavy runs."""
+"""The account's table (which parts carry the gap's excess, each step against the GEMM
+ceiling), ``measure_parts``' add-up rule and the printed legend: with fake timings, so
+nothing heavy runs."""
 
 import itertools
 import json
 
 import pytest
-from helpers_lvb import fake_blocks
+from helpers_lvb import CEILING, fake_blocks
 from lvb import cli, driver, runners
 
 from smelt_tools import timing
@@ -75,7 +76,7 @@ SMALL = ["--quiet", "--tokens", "128", "--seq-len", "64", "--min-rounds", "2", "
 
 
 def test_tables_explain_their_columns(monkeypatch, capsys):
-    blocks = fake_blocks(lambda arch, r, row: 100.0, fraction={"baseline": 0.9, "smelt": 0.8})
+    blocks = fake_blocks(lambda arch, r, row: 100.0)
     monkeypatch.setattr(runners, "measure_block", blocks)
     assert cli.main(SMALL) == 0
     out = capsys.readouterr().out
@@ -85,7 +86,10 @@ def test_tables_explain_their_columns(monkeypatch, capsys):
         "F ratio",
         "interval",
         "left out",
-        "other",
+        "account",
+        "at GEMM rate",
+        "excess",
+        "GEMM ceiling",
         "bytes/token",
         "GB/s",
         "MiB/token",
@@ -95,22 +99,98 @@ def test_tables_explain_their_columns(monkeypatch, capsys):
         assert word in out, word
     legend = out[out.index("legend") :]
     assert "contended" in legend and "sign test" in legend  # what is left out, and how
-    assert "framework overhead" in legend  # what other holds
+    assert "the time between ops" in legend  # what the rest holds
     assert "gap by" in legend and "gap by round" in out
-    assert "note" not in out and "exceed the step" not in out
-    # other = step - components: 10 ms of 100 for the baseline
-    line = next(x for x in out.splitlines() if x.strip().startswith("other"))
-    assert "10.00 ( 10.0%)" in line and "20.00 ( 20.0%)" in line
+    assert "note" not in out
 
 
-def test_a_row_that_does_not_add_up_says_so(monkeypatch, capsys):
-    blocks = fake_blocks(lambda arch, r, row: 100.0, fraction={"baseline": 0.9, "smelt": 1.4})
+def _line(out: str, start: str, after: str = "== train ==") -> str:
+    body = out[out.index(after) :]
+    return next(x for x in body.splitlines() if x.strip().startswith(start))
+
+
+def test_the_account_names_the_parts_that_carry_the_excess(monkeypatch, capsys, tmp_path):
+    """Smelt's attention takes 20 ms and its experts 4 ms more than F x the baseline's, its
+    optimizer 5 ms less: the excess is theirs, the table's column sums to it, and each
+    step's rate is read against the ceiling."""
+    base = {"moe": 50.0, "attention": 20.0, "projections": 10.0, "optimizer": 10.0, "rest": 9.0}
+    F = {}
+
+    def parts(arch):
+        if arch == "baseline":
+            return base
+        f = F["ratio"]
+        mine = {k: f * v for k, v in base.items()}
+        mine["attention"] += 20.0
+        mine["moe"] += 4.0
+        mine["optimizer"] -= 5.0
+        return mine
+
+    monkeypatch.setattr(runners, "measure_block", fake_blocks(lambda arch, r, row: 100.0))
+    out_json = tmp_path / "r.json"
+    assert cli.main(SMALL + ["--mode", "train", "--json", str(out_json)]) == 0
+    F["ratio"] = json.loads(out_json.read_text())["ratios"]["flops"]
+    capsys.readouterr()
+    blocks = fake_blocks(
+        lambda arch, r, row: 100.0, parts={"baseline": base, "smelt": parts("smelt")}
+    )
+    monkeypatch.setattr(runners, "measure_block", blocks)
+    assert cli.main(SMALL + ["--mode", "train", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert _line(out, "attention").endswith("+20.0")
+    assert _line(out, "experts (MoE)").endswith("+4.0")
+    assert _line(out, "optimizer").endswith("-5.0")
+    # the untraced millisecond is the rest's: 9 + 1 for the baseline, F x 9 + 1 for smelt
+    rest = _line(out, "the rest").split()
+    assert rest[2] == "10.0" and float(rest[-1]) == pytest.approx(1 - F["ratio"], abs=0.06)
+    step = _line(out, "step (profiled)").split()
+    assert step[2] == "100.0" and float(step[-1]) == pytest.approx(19.0 + 1 - F["ratio"], abs=0.1)
+    carried = _line(out, "the excess")
+    assert carried.index("attention +20.0 ms") < carried.index("experts (MoE) +4.0 ms")
+    assert "give back 5.0 ms" in carried
+    # the GEMM parts at half their time (the fake), the others without a GEMM share
+    assert "50% 50%" in _line(out, "q/k/v/o proj.") and " - " in _line(out, "attention")
+    ceiling = _line(out, "GEMM ceiling")
+    res = json.loads(out_json.read_text())
+    rate = res["summary"]["train"][0]["baseline"]["achieved_flops_per_s"] / 1e9
+    assert f"GEMM ceiling {CEILING['best']:.0f} GFLOP/s" in ceiling
+    assert f"{100 * rate / CEILING['best']:.0f}% of it" in ceiling
+    acc = res["arch"]["smelt"]["train"]["account"]
+    assert acc["blocks"] == 2 and acc["parts_ms"]["attention"] == pytest.approx(
+        F["ratio"] * 20 + 20
+    )
+
+
+def test_an_account_taken_again_says_so(monkeypatch, capsys):
+    blocks = fake_blocks(lambda arch, r, row: 100.0, overhead={"smelt": 0.4})
     monkeypatch.setattr(runners, "measure_block", blocks)
     assert cli.main(SMALL + ["--mode", "prefill"]) == 0
     out = capsys.readouterr().out
-    assert "note (smelt): components sum to 140% of the step" in out
-    other = next(x for x in out.splitlines() if x.strip().startswith("other"))
-    assert "n/a" in other and "-" not in other.split("n/a")[0]  # no negative other
+    assert "note (smelt): account taken again (tries per block [3, 3])" in out
+    assert "now +40%" in out and "note (baseline)" not in out
+    assert "+40.0%" in _line(out, "timed alone", "== prefill ==")
+
+
+def test_an_account_is_taken_in_the_first_rounds_only(monkeypatch, tmp_path):
+    seen = []
+    inner = fake_blocks(lambda arch, r, row: 100.0)
+
+    def block(*a, account=True):
+        seen.append(account)
+        return inner(*a, account=account)
+
+    monkeypatch.setattr(runners, "measure_block", block)
+    out = tmp_path / "r.json"
+    argv = SMALL[:-4] + ["--mode", "train", "--account-rounds", "2", "--json", str(out)]
+    assert cli.main(argv + ["--min-rounds", "5", "--max-rounds", "5"]) == 0
+    assert seen == [True] * 4 + [False] * 6  # two rounds of two blocks, then the step alone
+    res = json.loads(out.read_text())
+    assert res["schedule"]["account_rounds"] == 2
+    for arch in ("baseline", "smelt"):
+        train = res["arch"][arch]["train"]
+        assert train["account"]["blocks"] == 2 and train["timing"]["repeats"] == 10
+    for bad in (["--account-rounds", "0"], ["--account-steps", "0"]):
+        assert cli.main(SMALL + bad) == 2
 
 
 def test_each_round_pairs_its_own_blocks(monkeypatch, capsys, tmp_path):

@@ -117,8 +117,8 @@ def test_the_run_stops_as_soon_as_every_row_is_settled(monkeypatch, capsys, tmp_
     assert err[0].startswith("tiny: 3 rows (train, prefill, decode) on cpu")
     assert "an interval needs 6 rounds at least" in err[0]
     assert (
-        err[1]
-        == "round 1: baseline: build, warm up, compile the decode step, time with its components"
+        err[1] == "round 1: baseline: build, warm up, compile the decode step, time the steps, "
+        "profile them for the account"
     )
     assert err[2].startswith("round 1: smelt: build")
     assert err[3].startswith("round 1 (") and err[4].startswith("the first round took")
@@ -224,28 +224,6 @@ def test_a_gap_at_its_target_settles_as_at_target(monkeypatch, tmp_path):
     assert cli.main(argv + ["--resolution", "0.001", "--max-rounds", "8"]) == 0
     res = json.loads(out.read_text())
     assert res["summary"]["train"][0]["verdict"]["verdict"] == "unsettled"
-
-
-def test_components_are_timed_in_the_first_rounds_only(monkeypatch, tmp_path):
-    seen = []
-    inner = fake_blocks(_gaps({"train": TIGHT}))
-
-    def block(*a, components=True):
-        seen.append(components)
-        return inner(*a, components=components)
-
-    monkeypatch.setattr(runners, "measure_block", block)
-    out = tmp_path / "r.json"
-    argv = SMALL + ["--mode", "train", "--component-rounds", "2", "--json", str(out)]
-    assert cli.main(argv + ["--min-rounds", "5", "--max-rounds", "5"]) == 0
-    assert seen == [True] * 4 + [False] * 6  # two rounds of two blocks, then the step alone
-    res = json.loads(out.read_text())
-    assert res["schedule"]["component_rounds"] == 2
-    for arch in ("baseline", "smelt"):
-        train = res["arch"][arch]["train"]
-        assert train["components_blocks"] == 2 and train["timing"]["repeats"] == 10
-        assert train["components_ms"] and train["components_step"]["repeats"] == 4
-    assert cli.main(SMALL + ["--component-rounds", "0"]) == 2
 
 
 def _overlap(a, b) -> bool:
