@@ -351,15 +351,30 @@ def figure(res: dict[str, Any]):
     one row per line, so no label can cover another; a busy row says so in place of a gap.
     Right: wall-clock against the ledger's FLOPs per call, each row one color, each
     architecture one marker, named in the legend rather than beside the points, with a gray
-    line through each baseline point at the baseline's FLOP rate."""
+    line through each baseline point at the baseline's FLOP rate. Below, where the run took
+    an account: each model's training step and prefill split into the account's parts."""
     plt = pyplot()  # off screen
     # optional (the [plot] extra), as pyplot: only for --plot
     from matplotlib.transforms import blended_transform_factory
 
     rows = [row for rs in res["summary"].values() for row in rs]
-    fig, (gap_ax, ax) = plt.subplots(
-        1, 2, figsize=(11, 1.6 + 0.45 * len(rows)), gridspec_kw={"width_ratios": [1.2, 1]}
+    accs = [
+        (f"{mode}: {a}", res["arch"][a][mode]["account"])
+        for mode in ("train", "prefill")
+        for a in ARCHS
+        if (res["arch"][a].get(mode) or {}).get("account")
+    ]
+    top = 1.6 + 0.45 * len(rows)
+    fig = plt.figure(figsize=(11, top + (1.4 + 0.35 * len(accs) if accs else 0)))
+    grid = fig.add_gridspec(
+        2 if accs else 1,
+        2,
+        width_ratios=[1.2, 1],
+        height_ratios=[top, 1.4 + 0.35 * len(accs)] if accs else [1],
     )
+    gap_ax, ax = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    if accs:
+        _account_bars(fig.add_subplot(grid[1, :]), accs)
     ys = list(range(len(rows)))[::-1]
     left = blended_transform_factory(gap_ax.transAxes, gap_ax.transData)
     colors = [f"C{i % 10}" for i in range(len(rows))]
@@ -401,6 +416,23 @@ def figure(res: dict[str, Any]):
     fig.suptitle(f"{res['preset']} pair on {res['device']}", fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def _account_bars(ax, accs: list[tuple[str, dict[str, Any]]]) -> None:
+    """Each model's step as one bar split into the account's parts (the untraced time in
+    the rest), train above prefill, baseline above smelt."""
+    ys = list(range(len(accs)))[::-1]
+    for i, (y, (_, acc)) in enumerate(zip(ys, accs)):
+        left = 0.0
+        for j, part in enumerate(PARTS):
+            w = acc["parts_ms"][part] + (acc["untraced_ms"] if part == "rest" else 0.0)
+            label = PART_NAMES[part] if i == 0 else None
+            ax.barh(y, w, left=left, color=f"C{j}", height=0.7, label=label)
+            left += w
+    ax.set_yticks(ys, [name for name, _ in accs])
+    ax.set_xlabel("ms per step, inside profiled steps")
+    ax.set_title("where each step's time goes (the account)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
 def plot(res: dict[str, Any], path: str) -> None:

@@ -6,6 +6,7 @@ import json
 import pytest
 from helpers_lvb import fake_blocks
 from lvb import cli, driver, report, runners, verdict
+from lvb.account import PARTS
 
 from smelt_model import budget, presets
 
@@ -257,8 +258,20 @@ def test_the_plot_shows_each_rows_gap_interval_and_target_without_overlaps(monke
             assert ((v["target"],), (y,)) in lines  # the target's mark on the row's line
         if v["gap"] is not None:
             assert ((v["low"], v["high"]), (y, y)) in lines and ((v["gap"],), (y,)) in lines
+    # below: each model's step split into the account's parts, which add up to it
+    acc_ax = fig.axes[2]
+    names = [t.get_text() for t in acc_ax.get_yticklabels()]
+    assert names == ["train: baseline", "train: smelt", "prefill: baseline", "prefill: smelt"]
+    acc = res["arch"]["smelt"]["train"]["account"]
+    y = acc_ax.get_yticks()[1]
+    bars = [p for p in acc_ax.patches if abs(p.get_y() + p.get_height() / 2 - y) < 1e-9]
+    assert len(bars) == len(PARTS)
+    assert sum(p.get_width() for p in bars) == pytest.approx(
+        sum(acc["parts_ms"].values()) + acc["untraced_ms"]
+    )
     texts = [t for a in fig.axes for t in a.texts] + gap_ax.get_yticklabels()
-    texts += [ax.get_legend()] + [a.title for a in fig.axes] + [a.xaxis.label for a in fig.axes]
+    texts += acc_ax.get_yticklabels() + [ax.get_legend(), acc_ax.get_legend()]
+    texts += [a.title for a in fig.axes] + [a.xaxis.label for a in fig.axes]
     boxes = [
         t.get_window_extent(renderer)
         for t in texts
