@@ -23,7 +23,10 @@ the CPU the backward runs on the calling thread, so one thread's events hold the
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -98,6 +101,38 @@ def _install(scopes: Mapping[nn.Module, str]) -> list:
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post, always_call=True))
     return handles
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Send file descriptor 2 to the null device for the block: torch's profiler library
+    writes a line to it at every start and stop (``USDT: ... profiler_start``) whatever its
+    log level, which would interleave with the caller's own output."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+class _Profile:
+    """``torch.profiler.profile`` over CPU activity, started and stopped with its lines to
+    stderr silenced; the step between runs with stderr as it was."""
+
+    def __enter__(self):
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with _quiet_stderr():
+            self.prof.__enter__()
+        return self.prof
+
+    def __exit__(self, *exc):
+        with _quiet_stderr():
+            return self.prof.__exit__(*exc)
 
 
 def _us(e) -> float:
@@ -200,7 +235,7 @@ def account(
     handles = _install(scopes)
     try:
         for _ in range(steps):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with _Profile() as prof:
                 t0 = time.perf_counter()
                 with torch.autograd.profiler.record_function(_STEP):
                     step()

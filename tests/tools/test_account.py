@@ -103,3 +103,20 @@ def test_bad_settings_are_refused():
         account(lambda: None, {}, steps=0)
     with pytest.raises(ValueError, match="default"):
         account(lambda: None, {}, parts=("a",))
+
+
+def test_profiler_start_and_stop_leave_stderr_quiet_and_as_it_was(capfd):
+    """torch's profiler writes a line to fd 2 at each start and stop; the account hides them,
+    and a line the step itself writes to stderr still reaches it."""
+    import os
+
+    a, b, step = _model_and_step()
+
+    def loud_step():
+        step()
+        os.write(2, b"from the step\n")
+
+    account(loud_step, {a: "a", b: "b"}, steps=2)
+    err = capfd.readouterr().err
+    assert "profiler_" not in err and "USDT" not in err and "STAGE" not in err
+    assert err.count("from the step\n") == 5  # one plain step, then two profiled and plain
