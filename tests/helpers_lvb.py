@@ -60,10 +60,11 @@ def fake_blocks(step_ms, others=None, parts=None, overhead=None):
     """A ``measure_block`` stand-in. ``step_ms(arch, round, row)`` is the fastest call of
     that row's block (``round`` counts from 0 per architecture, rows are ``train``,
     ``prefill``, ``decode (batch1)``, ...); ``others(arch, round, row)`` the cores other
-    processes held meanwhile (default none); ``parts[arch]`` the account's parts (default:
-    the step split evenly, :func:`fake_account`), ``overhead[arch]`` its profiler's cost;
-    blocks without ``account`` time the step alone, as the real one does. ``.calls`` counts
-    the blocks of each architecture."""
+    processes held meanwhile (default none); ``parts[arch]`` the account's parts, or a
+    function of the round giving them (default: the step split evenly,
+    :func:`fake_account`), ``overhead[arch]`` its profiler's cost; blocks without
+    ``account`` time the step alone, as the real one does. ``.calls`` counts the blocks of
+    each architecture."""
     calls = {"baseline": 0, "smelt": 0}
 
     def block(cfg, wl, args, device, dtype, modes, first, watch, account=True):
@@ -85,6 +86,7 @@ def fake_blocks(step_ms, others=None, parts=None, overhead=None):
                 over = (overhead or {}).get(arch, 0.0)
                 tries = 1 if over <= args.tolerance else args.max_tries
                 mine = (parts or {}).get(arch)
+                mine = mine(r) if callable(mine) else mine
                 out[mode]["account"] = fake_account(step.min_ms, mine, over, tries)
         if "train" in modes:
             out["train"]["activation_bytes"] = 1

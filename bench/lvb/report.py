@@ -50,7 +50,10 @@ legend
               without GEMMs); excess: smelt - F x baseline, ms: what the part adds to the
               looped model's time beyond its FLOPs (the excesses sum to the step's). The
               rest holds the embedding, the time between ops and what no op covers.
-              "timed alone" is the plain step in the same loop: the profiler's cost
+              "timed alone" is the plain step in the same loop: the profiler's cost.
+              Parts that moved: those whose time differed between the account's
+              blocks by more than a quarter of it (and 5 ms): their excess is partly
+              the block's state (a first touch of fresh memory), not the model's
   ceiling   the host's fp32 GEMM rate at 2048^3 on the run's threads, the best of MKL's
               sgemm and oneDNN's matmul; each step's rate (ledger FLOPs / time) against it
   decode      bytes/token: what one token reads (executed layers' weights with the experts
@@ -118,6 +121,9 @@ def _account_lines(arch: dict[str, Any], mode: str, row: dict[str, Any]) -> list
         f"{s['plain_ms']:8.1f} {100 * s['overhead']:+5.1f}%   (the profiler's cost, "
         "same loop)"
     )
+    moved = _moved_parts(accs)
+    if moved:
+        lines.append(f"  parts that moved between blocks (min-max ms per step): {moved}")
     total = ts - F * tb
     ranked = sorted(PARTS, key=lambda p: -excess[p])
     carry = [p for p in ranked if excess[p] > 0]
@@ -153,6 +159,24 @@ def _account_lines(arch: dict[str, Any], mode: str, row: dict[str, Any]) -> list
                 f"{100 * acc['overhead']:+.0f}%"
             )
     return lines
+
+
+#: a part "moved" where its blocks' spread passes both: a share of its median and ms
+MOVED_SHARE, MOVED_MS = 0.25, 5.0
+
+
+def _moved_parts(accs: list[dict[str, Any]]) -> str:
+    """The parts whose time differed between the account's blocks by more than
+    :data:`MOVED_SHARE` of their median and :data:`MOVED_MS`: their excess is the blocks'
+    state (a first touch of fresh memory, say) as much as the model's. Empty if none moved
+    or the run kept no spread."""
+    found = []
+    for arch, acc in zip(ARCHS, accs):
+        for part, (lo, hi) in (acc.get("parts_range_ms") or {}).items():
+            med = acc["parts_ms"].get(part, 0.0)
+            if hi - lo > max(MOVED_SHARE * med, MOVED_MS):
+                found.append(f"{arch} {PART_NAMES.get(part, part)} {lo:.1f}-{hi:.1f}")
+    return "; ".join(found)
 
 
 def _interval(est: dict[str, Any]) -> str:

@@ -104,6 +104,10 @@ def _merge_account(blocks: list[dict[str, Any]], fallback: list[dict[str, Any]])
         "blocks": len(accs),
         "steps_per_block": accs[0]["steps"],
         "parts_ms": _median([a["parts_ms"] for a in accs]),
+        "parts_range_ms": {
+            k: [min(a["parts_ms"][k] for a in accs), max(a["parts_ms"][k] for a in accs)]
+            for k in accs[0]["parts_ms"]
+        },
         "untraced_ms": statistics.median(a["untraced_ms"] for a in accs),
         "profiled_ms": profiled,
         "plain_ms": plain,

@@ -161,6 +161,25 @@ def test_the_account_names_the_parts_that_carry_the_excess(monkeypatch, capsys, 
     )
 
 
+def test_a_part_that_moves_between_blocks_is_named_with_its_range(monkeypatch, capsys, tmp_path):
+    """Smelt's norms take 10 ms in one block and 40 in the next: the report names the part
+    with its range, the JSON keeps it; parts that hold still are not named."""
+    even = {"moe": 50.0, "attention": 20.0, "norms": 10.0, "rest": 19.0}
+
+    def smelt(r):
+        return dict(even, norms=10.0 if r % 2 == 0 else 40.0, attention=20.0 + r % 2)
+
+    blocks = fake_blocks(lambda arch, r, row: 100.0, parts={"baseline": even, "smelt": smelt})
+    monkeypatch.setattr(runners, "measure_block", blocks)
+    out_json = tmp_path / "r.json"
+    assert cli.main(SMALL + ["--mode", "train", "--json", str(out_json)]) == 0
+    moved = _line(capsys.readouterr().out, "parts that moved")
+    assert moved.endswith("(min-max ms per step): smelt norms, residual 10.0-40.0"), moved
+    acc = json.loads(out_json.read_text())["arch"]["smelt"]["train"]["account"]
+    assert acc["parts_range_ms"]["norms"] == [10.0, 40.0]
+    assert acc["parts_range_ms"]["attention"] == [20.0, 21.0]
+
+
 def test_an_account_taken_again_says_so(monkeypatch, capsys):
     blocks = fake_blocks(lambda arch, r, row: 100.0, overhead={"smelt": 0.4})
     monkeypatch.setattr(runners, "measure_block", blocks)
