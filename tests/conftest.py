@@ -23,6 +23,49 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+
+def _patch_the_language_once_per_launch() -> None:
+    """Triton's interpreter (3.6) patches ``triton.language`` for a launch, then again at every
+    call of a ``@triton.jit`` helper inside the kernel (``inspect.getmembers`` over five
+    modules, a third of an interpreted attention kernel's time), never undoing the nested
+    patches: the launch's own restore puts the originals back. Inside a launch whose patch
+    covers the helper's language modules the nested patch changes nothing, so it is skipped.
+    Where the interpreter's internals are not the ones this expects, nothing is changed."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang", None)
+    if patch is None or not hasattr(getattr(interpreter, "_LangPatchScope", None), "restore"):
+        return
+    patched: set[int] = set()  # the language modules patched since the launch began
+
+    class _NothingToRestore:
+        def restore(self) -> None:
+            pass
+
+    def patch_once(fn):
+        mine = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if mine and mine <= patched:
+            return _NothingToRestore()
+        scope = patch(fn)
+        patched.update(mine)
+        restore = scope.restore
+
+        def restore_and_forget() -> None:  # only a launch restores its scope
+            restore()
+            patched.clear()
+
+        scope.restore = restore_and_forget
+        return scope
+
+    interpreter._patch_lang = patch_once
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_per_launch()
+
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TESTS, os.path.join(os.path.dirname(_TESTS), "bench")]
 
