@@ -14,10 +14,12 @@ patches add a command-line option unless the command line sets it (``flag``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import sys
+import time
 import types
 import warnings
 from dataclasses import dataclass
@@ -299,6 +301,37 @@ def _install_clip_grad_by_mesh() -> None:
     dist_utils.clip_grad_norm_ = clip_grad_norm_
 
 
+_FINAL_SLEEP = "Sleeping 2 seconds for other ranks to complete"
+
+
+def _install_end_barrier() -> None:
+    # what the patch changes, when it is installed (the note on the imports): the last
+    # patch, so torchtitan's trainer module finds every other one in place
+    import torch.distributed as dist
+    import torchtitan.trainer as tt_trainer
+
+    stock_train = tt_trainer.Trainer.train
+    names = {k: getattr(time, k) for k in dir(time) if not k.startswith("_")}
+    clock = types.SimpleNamespace(**names)
+    clock.sleep = lambda seconds: None  # Trainer.train's one sleep: its final 2 s on rank 0
+
+    @functools.wraps(stock_train)
+    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        module_time = tt_trainer.time
+        tt_trainer.time = clock
+        try:
+            out = stock_train(self, *args, **kwargs)
+        finally:
+            tt_trainer.time = module_time
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank done with the run, however long that takes
+        return out
+
+    tt_trainer.Trainer.train = train
+    _LOG_FILTERS.append(lambda r: _FINAL_SLEEP not in r.getMessage())  # it no longer sleeps
+    _wrap_init_logger()
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu_device",
@@ -446,6 +479,16 @@ PATCHES: tuple[Patch, ...] = (
         _always,
         install=_install_clip_grad_by_mesh,
     ),
+    Patch(
+        "end_barrier",
+        TORCHTITAN,
+        "Trainer.train ends with rank 0 sleeping 2 s 'for other ranks to complete' (a "
+        "guess, paid by every run however short); the patch drops that sleep and has every "
+        "rank wait for the others at a barrier instead",
+        "always",
+        _always,
+        install=_install_end_barrier,
+    ),
 )
 
 _BY_NAME = {p.name: p for p in PATCHES}
@@ -459,8 +502,10 @@ def needed() -> list[str]:
 
 def applied() -> list[str]:
     """The names of the patches installed in this process, and of the flag patches it
-    needs (those go on the command line by :func:`launch_args`)."""
-    return [n for n in needed() if n in _applied or _BY_NAME[n].flag is not None]
+    needs (those go on the command line by :func:`launch_args`), in :data:`PATCHES` order.
+    A code patch may remove its own condition (``set_timeout`` defines what it finds
+    missing): once installed it stays named."""
+    return [p.name for p in PATCHES if p.name in _applied or (p.flag is not None and p.needed())]
 
 
 def apply() -> list[str]:

@@ -45,19 +45,6 @@ def torchrun(args, cwd, nproc=2, timeout=170, **extra) -> subprocess.CompletedPr
     return run(cmd, cwd, timeout=timeout, **extra)
 
 
-def no_final_sleep() -> None:
-    """In a worker process: torchtitan's ``Trainer.train`` ends with rank 0 sleeping 2 s "for
-    other ranks to complete"; the workers wait for every rank with their own collectives
-    right after it (a barrier at the least), so that sleep only adds 2 s to every run."""
-    import time
-    from types import SimpleNamespace
-
-    import torchtitan.trainer
-
-    names = {k: getattr(time, k) for k in dir(time) if not k.startswith("_")}
-    torchtitan.trainer.time = SimpleNamespace(**{**names, "sleep": lambda seconds: None})
-
-
 def losses(log: str) -> list[float]:
     """The per-step training losses torchtitan logged (each step once; not validation's)."""
     import re

@@ -14,7 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-import titan_helpers
 import torch.distributed as dist
 
 
@@ -44,7 +43,6 @@ def main() -> None:
         losses.append(float(total))
         return loss
 
-    titan_helpers.no_final_sleep()  # the barrier below waits for every rank
     trainer.forward_backward_step = forward_backward_step
     try:
         trainer.train()

@@ -26,7 +26,6 @@ import re
 import sys
 from pathlib import Path
 
-import titan_helpers
 import torch
 import torch.distributed as dist
 
@@ -153,7 +152,6 @@ def main() -> None:
             tensors["labels"] = _gather_rows(labels)
         return loss
 
-    titan_helpers.no_final_sleep()  # the barrier below waits for every rank
     trainer.forward_backward_step = forward_backward_step
     stock_step = trainer.optimizers.step
 
