@@ -317,7 +317,8 @@ def fit_surface(
     F, D and loss must be positive and finite, 0 <= S < 1, the loss a cross-entropy in nats
     (within :data:`LOSS_RANGE`), and there must be at least 7 points with at least two
     distinct F and two distinct D. A fit whose exponent a or c ends on its bound (the losses
-    do not fall as a power of F or D) raises ValueError. With a single sparsity level the
+    do not fall as a power of F or D) raises ValueError, and losses all equal are refused
+    so before any fit. With a single sparsity level the
     exponent b is not identified; it stays at its starting value and A absorbs (1-S)^b.
     """
     # scipy loads when a fit runs, so that importing the package and --help stay light
@@ -336,6 +337,11 @@ def fit_surface(
             raise ValueError(f"{name} needs at least two distinct values to fit its exponent")
     if not isinstance(n_local, int) or n_local < 1:
         raise ValueError(f"n_local must be a positive int, got {n_local!r}")
+    if np.ptp(loss) == 0:  # known before any fit, which would only end on a bound
+        raise ValueError(
+            f"the loss does not fall as a power of F or D: every endpoint's loss is "
+            f"{loss[0]:.6g}; flat losses do not identify a scaling law"
+        )
     d = _design(F, S, D, loss)
 
     if starts is None:
