@@ -30,7 +30,8 @@ def _patch_the_language_once_per_launch() -> None:
     modules, a third of an interpreted attention kernel's time), never undoing the nested
     patches: the launch's own restore puts the originals back. Inside a launch whose patch
     covers the helper's language modules the nested patch changes nothing, so it is skipped.
-    Where the interpreter's internals are not the ones this expects, nothing is changed."""
+    Where the interpreter's internals are not the ones this expects, nothing is changed.
+    (Also: its numpy type of a Triton type, looked up once per type name.)"""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
@@ -61,6 +62,22 @@ def _patch_the_language_once_per_launch() -> None:
         return scope
 
     interpreter._patch_lang = patch_once
+
+    # the numpy dtype of a Triton type: the interpreter builds a 20-entry dict (hashing each
+    # type) at every one of its calls, on every op; the answer depends on the element's name
+    stock_np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if stock_np_dtype is None:
+        return
+    np_dtypes: dict[str, object] = {}
+
+    def np_dtype(tt_dtype):
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        name = element.name
+        if name not in np_dtypes:
+            np_dtypes[name] = stock_np_dtype(element)
+        return np_dtypes[name]
+
+    interpreter._get_np_dtype = np_dtype
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
