@@ -298,49 +298,58 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
             for link, s in secs.items():
                 if link in busy:
                     busy[link] += s
+    is_done = done.__contains__
+    n_compute, streams = len(g.compute), list(g.streams.items())
     while True:
-        moved = True
-        while moved:  # start everything that can start at t
-            moved = False
-            if c_op is None and ci < len(g.compute):
-                op, seconds, waits = g.compute[ci]
-                if all(w in done for w in waits):
-                    last = max(waits, key=done.__getitem__, default=None)
-                    if last is not None and done[last] > c_free and last in kind_of:
-                        exposed[kind_of[last]] += t - c_free
-                    c_op, c_left, ci = op, seconds, ci + 1
-                    c_total += seconds
-                    moved = True
-            for name, stream in g.streams.items():
-                k = heads[name]
-                if running[name] is None and k < len(stream):
-                    op, kind, secs, waits, latency = stream[k]
-                    if all(w in done for w in waits):
-                        running[name], heads[name] = op, k + 1
-                        if latency > 0:  # its start-up first, on a link of its own
-                            pending[op] = secs
-                            secs = {(LATENCY, op): latency}
-                        left[op] = len(secs)
-                        for link, s in secs.items():
-                            active.setdefault(link, []).append([s, op, name, s])
-                        moved = True
+        # start everything that can start at t: one pass, as nothing ends before time moves
+        # on and each resource starts one thing at a time
+        if c_op is None and ci < n_compute:
+            op, seconds, waits = g.compute[ci]
+            if all(map(is_done, waits)):
+                last = max(waits, key=done.__getitem__, default=None)
+                if last is not None and done[last] > c_free and last in kind_of:
+                    exposed[kind_of[last]] += t - c_free
+                c_op, c_left, ci = op, seconds, ci + 1
+                c_total += seconds
+        for name, stream in streams:
+            k = heads[name]
+            if running[name] is None and k < len(stream):
+                op, kind, secs, waits, latency = stream[k]
+                if all(map(is_done, waits)):
+                    running[name], heads[name] = op, k + 1
+                    if latency > 0:  # its start-up first, on a link of its own
+                        pending[op] = secs
+                        secs = {(LATENCY, op): latency}
+                    left[op] = len(secs)
+                    for link, s in secs.items():
+                        active.setdefault(link, []).append([s, op, name, s])
         # the time to the next end: of the compute, or of a transfer sharing its link
-        dts = [c_left] if c_op is not None else []
-        dts += [min(j[0] for j in jobs) * len(jobs) for jobs in active.values() if jobs]
-        if not dts:
-            if ci < len(g.compute) or any(heads[k] < len(v) for k, v in g.streams.items()):
+        dt = c_left if c_op is not None else None
+        for jobs in active.values():
+            if jobs:
+                first = jobs[0][0]
+                for j in jobs:
+                    if j[0] < first:
+                        first = j[0]
+                first *= len(jobs)
+                if dt is None or first < dt:
+                    dt = first
+        if dt is None:
+            if ci < n_compute or any(heads[k] < len(v) for k, v in streams):
                 raise RuntimeError("the step's graph waits on itself (a bug in the schedule)")
             break
-        dt = min(dts)
         t += dt
         started = []  # transfers whose start-up ended: their bytes move from t on
         for link, jobs in list(active.items()):
             if not jobs:
                 continue
             share = dt / len(jobs)
+            over = []
             for j in jobs:
                 j[0] -= share
-            for j in [j for j in jobs if j[0] <= 1e-9 * j[3]]:
+                if j[0] <= 1e-9 * j[3]:
+                    over.append(j)
+            for j in over:
                 jobs.remove(j)
                 left[j[1]] -= 1
                 if left[j[1]] == 0 and j[1] in pending:
