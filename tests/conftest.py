@@ -30,8 +30,7 @@ def _patch_the_language_once_per_launch() -> None:
     modules, a third of an interpreted attention kernel's time), never undoing the nested
     patches: the launch's own restore puts the originals back. Inside a launch whose patch
     covers the helper's language modules the nested patch changes nothing, so it is skipped.
-    Where the interpreter's internals are not the ones this expects, nothing is changed.
-    (Also: its numpy type of a Triton type, looked up once per type name.)"""
+    Where the interpreter's internals are not the ones this expects, nothing is changed."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
@@ -63,8 +62,15 @@ def _patch_the_language_once_per_launch() -> None:
 
     interpreter._patch_lang = patch_once
 
-    # the numpy dtype of a Triton type: the interpreter builds a 20-entry dict (hashing each
-    # type) at every one of its calls, on every op; the answer depends on the element's name
+
+def _numpy_types_once_per_name() -> None:
+    """The interpreter's numpy dtype of a Triton type: it builds a 20-entry dict (hashing
+    each type) at every call, on every op; the answer depends on the element's name only."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
     stock_np_dtype = getattr(interpreter, "_get_np_dtype", None)
     if stock_np_dtype is None:
         return
@@ -82,6 +88,7 @@ def _patch_the_language_once_per_launch() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_the_language_once_per_launch()
+    _numpy_types_once_per_name()
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TESTS, os.path.join(os.path.dirname(_TESTS), "bench")]

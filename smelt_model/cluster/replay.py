@@ -327,13 +327,13 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
         dt = c_left if c_op is not None else None
         for jobs in active.values():
             if jobs:
-                first = jobs[0][0]
+                least = jobs[0][0]  # the least left, at its share of the link
                 for j in jobs:
-                    if j[0] < first:
-                        first = j[0]
-                first *= len(jobs)
-                if dt is None or first < dt:
-                    dt = first
+                    if j[0] < least:
+                        least = j[0]
+                soonest = least * len(jobs)
+                if dt is None or soonest < dt:
+                    dt = soonest
         if dt is None:
             if ci < n_compute or any(heads[k] < len(v) for k, v in streams):
                 raise RuntimeError("the step's graph waits on itself (a bug in the schedule)")

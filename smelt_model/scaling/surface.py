@@ -317,9 +317,9 @@ def fit_surface(
     F, D and loss must be positive and finite, 0 <= S < 1, the loss a cross-entropy in nats
     (within :data:`LOSS_RANGE`), and there must be at least 7 points with at least two
     distinct F and two distinct D. A fit whose exponent a or c ends on its bound (the losses
-    do not fall as a power of F or D) raises ValueError, and losses all equal are refused
-    so before any fit. With a single sparsity level the
-    exponent b is not identified; it stays at its starting value and A absorbs (1-S)^b.
+    do not fall as a power of F or D) raises ValueError; equal losses raise it before any
+    fit. With a single sparsity level the exponent b is not identified; it stays at its
+    starting value and A absorbs (1-S)^b.
     """
     # scipy loads when a fit runs, so that importing the package and --help stay light
     from scipy.optimize import minimize
