@@ -23,7 +23,7 @@ TOL = 2e-6  # fp32, a few reductions in another order
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dispatch")
     out = tmp / "out.json"
-    proc = th.torchrun([str(th.HERE / "dispatch_worker.py"), str(out)], cwd=tmp, timeout=120)
+    proc = th.launch([str(th.HERE / "dispatch_worker.py"), str(out)], cwd=tmp, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

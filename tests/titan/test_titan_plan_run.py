@@ -72,7 +72,7 @@ def run(tmp_path_factory):
         "layer",
         "activation_checkpoint:full",
     ]
-    proc = th.torchrun(args, cwd=tmp, nproc=WORLD, timeout=300, SMELT_TITAN_COMM=tmp / "comm")
+    proc = th.launch(args, cwd=tmp, nproc=WORLD, timeout=300, SMELT_TITAN_COMM=tmp / "comm")
     return th.worker_results(proc, tmp)
 
 

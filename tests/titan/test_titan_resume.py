@@ -57,7 +57,7 @@ def stock(tmp_path_factory):
     full checkpoint after each: its folder, log and losses."""
     tmp = tmp_path_factory.mktemp("titan_stock")
     th.stock_corpus(tmp)
-    proc = th.torchrun(_stock_args(tmp / "base", 3), cwd=tmp, HF_HOME=tmp / "hf")
+    proc = th.launch(_stock_args(tmp / "base", 3), cwd=tmp)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     return {"dir": tmp, "log": log, "losses": th.losses(log)}
@@ -160,7 +160,7 @@ def test_every_crafted_checkpoint_is_passed_over_and_the_resume_is_exact(stock, 
     marker = tmp_path / "ran"
     dump = tmp_path / "dump"
     made = _craft(stock, dump, marker)
-    proc = th.torchrun(_stock_args(dump, 3), cwd=stock["dir"], HF_HOME=stock["dir"] / "hf")
+    proc = th.launch(_stock_args(dump, 3), cwd=stock["dir"])
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert not marker.exists()
@@ -201,7 +201,7 @@ def test_a_checkpoint_named_explicitly_is_not_replaced_and_fails_once(stock, tmp
     proc = th.run(
         [sys.executable, "-m", "smelt_model.titan", "--nproc_per_node", "2", *args],
         cwd=stock["dir"],
-        HF_HOME=stock["dir"] / "hf",
+        HF_HOME=th.forkserver_hf_home(),  # the stock run prepared its dataset there
     )
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
     err = proc.stderr.strip().splitlines()
@@ -271,7 +271,7 @@ def test_a_smelt_data_position_beyond_its_step_and_another_preset_are_refused(tm
     args = _smelt_args(
         tmp_path / "dump", "--checkpoint.exclude_from_loading", "optimizer,lr_scheduler"
     )
-    proc = th.run([sys.executable, *args], cwd=tmp_path, timeout=170)
+    proc = th.launch_one(args, cwd=tmp_path, timeout=170)
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(PREFIX + "no loadable checkpoint"), proc.stderr
@@ -310,11 +310,11 @@ def test_another_presets_initial_load_path_says_which_preset_it_holds(tmp_path):
 def test_a_smelt_run_resumes_from_its_checkpoint_in_one_process(tmp_path):
     """Without torchrun the launcher runs one process; it resumes its own checkpoint."""
     full = ("--checkpoint.interval", "1", "--checkpoint.no-last-save-model-only")
-    first = th.run([sys.executable, *_smelt_args(tmp_path / "dump", *full)], cwd=tmp_path)
+    first = th.launch_one(_smelt_args(tmp_path / "dump", *full), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     args = _smelt_args(tmp_path / "dump", "--checkpoint.interval", "1")  # step 3: model only
     args[args.index("--training.steps") + 1] = "3"
-    again = th.run([sys.executable, *args], cwd=tmp_path)
+    again = th.launch_one(args, cwd=tmp_path)
     log = again.stdout + again.stderr
     assert again.returncode == 0, log[-3000:]
     assert "Loading the checkpoint from" in log and "step-2" in log

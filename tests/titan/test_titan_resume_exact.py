@@ -34,7 +34,7 @@ def _run(tmp_path, dump, out):
         "--dump_folder",
         str(dump),
     ]
-    proc = th.torchrun(args, cwd=tmp_path)
+    proc = th.launch(args, cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return json.loads(out.read_text())
 

@@ -75,7 +75,7 @@ def run(tmp_path_factory):
         str(CHUNKS),
         "activation_checkpoint:selective",
     ]
-    proc = th.torchrun(args, cwd=tmp, SMELT_TITAN_COMM=tmp / "comm")
+    proc = th.launch(args, cwd=tmp, SMELT_TITAN_COMM=tmp / "comm")
     return th.worker_results(proc, tmp)
 
 

@@ -60,7 +60,7 @@ def run(tmp_path_factory):
         "--dump_folder",
         str(tmp / "dump"),
     ]
-    proc = th.torchrun(args, cwd=tmp, SMELT_TITAN_COMM=tmp / "comm")
+    proc = th.launch(args, cwd=tmp, SMELT_TITAN_COMM=tmp / "comm")
     return th.worker_results(proc, tmp)
 
 

@@ -1,5 +1,8 @@
-"""Running torchtitan commands from the tests: torchrun with two CPU processes, one thread
-each, the worktree's packages first on the path (no torchtitan import here)."""
+"""Running torchtitan commands from the tests: two CPU processes, one thread each, the
+worktree's packages first on the path (no torchtitan import here). :func:`torchrun` and
+:func:`run` start real processes (the tests of the command line and of the documented
+commands); :func:`launch` and :func:`launch_one` fork the ranks of the other runs from a
+process that has imported torchtitan once (tests/titan/forkserver.py)."""
 
 import json
 import os
@@ -43,6 +46,100 @@ def torchrun(args, cwd, nproc=2, timeout=170, **extra) -> subprocess.CompletedPr
         *args,
     ]
     return run(cmd, cwd, timeout=timeout, **extra)
+
+
+class _ForkServer:
+    """This test process's one :mod:`forkserver` (started at the first run, stopped at exit)."""
+
+    proc = None
+    runs = 0
+
+    @classmethod
+    def _start(cls) -> None:
+        import atexit
+        import shutil
+        import tempfile
+
+        cls.home = Path(tempfile.mkdtemp(prefix="smelt-forkserver-"))
+        atexit.register(shutil.rmtree, cls.home, ignore_errors=True)
+        # HF_HOME: the datasets cache of every stock run (read once, at import)
+        cls.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "forkserver.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(cls.home / "server.log", "w"),
+            text=True,
+            env=env(HF_HOME=cls.home / "hf"),
+        )
+        atexit.register(cls.stop)
+        cls._reply()
+
+    @classmethod
+    def _reply(cls) -> dict:
+        line = cls.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(
+                "the fork server stopped:\n" + (cls.home / "server.log").read_text()[-3000:]
+            )
+        return json.loads(line)
+
+    @classmethod
+    def request(cls, argv, cwd, nproc, timeout, **extra) -> subprocess.CompletedProcess:
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls._start()
+        cls.runs += 1
+        out, err = cls.home / f"{cls.runs}.out", cls.home / f"{cls.runs}.err"
+        request = {
+            "argv": [str(a) for a in argv],
+            "nproc": nproc,
+            "cwd": str(cwd),
+            "env": env(**extra),
+            "stdout": str(out),
+            "stderr": str(err),
+            "timeout": timeout,
+        }
+        cls.proc.stdin.write(json.dumps(request) + "\n")
+        cls.proc.stdin.flush()
+        reply = cls._reply()
+        stdout, stderr = (p.read_text() if p.exists() else "" for p in (out, err))
+        for p in (out, err):
+            p.unlink(missing_ok=True)
+        cmd = ["forkserver", f"nproc={nproc}", *request["argv"]]
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        codes = reply["codes"]
+        # torchrun's status: 1 when a worker failed; one process: its own
+        code = codes[0] if nproc is None else int(any(codes))
+        return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.proc is not None and cls.proc.poll() is None:
+            cls.proc.stdin.close()
+            try:
+                cls.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                cls.proc.kill()
+
+
+def forkserver_hf_home() -> Path:
+    """The Hugging Face cache of the runs :func:`launch` starts (``datasets`` reads it
+    once, at import, in the fork server): where their stock datasets are prepared."""
+    return _ForkServer.home / "hf"
+
+
+def launch(args, cwd, nproc=2, timeout=170, **extra) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node nproc ARGS`` for a run whose test is not
+    about torchrun itself: the ranks are forked from a process that has imported
+    torchtitan once (tests/titan/forkserver.py), with the environment torchrun gives its
+    workers; the result as :func:`run` returns it (status 1 when a rank failed)."""
+    return _ForkServer.request(args, cwd, nproc, timeout, **extra)
+
+
+def launch_one(args, cwd, timeout=170, **extra) -> subprocess.CompletedProcess:
+    """``python ARGS`` (``-m module ...`` or a script) as one process outside any launch,
+    forked as :func:`launch` forks; its own exit status."""
+    return _ForkServer.request(args, cwd, None, timeout, **extra)
 
 
 def losses(log: str) -> list[float]:
