@@ -86,9 +86,33 @@ def _numpy_types_once_per_name() -> None:
     interpreter._get_np_dtype = np_dtype
 
 
+def _overflow_checks_only_where_they_assert() -> None:
+    """Every 32-bit integer add, sub and mul of a kernel computes its overflow check (both
+    sides cast to int64, the op again, two comparisons: six interpreted ops, a quarter of an
+    interpreted attention kernel's time) and hands it to ``device_assert``, which drops it
+    unless the launch runs with ``debug``. Without ``debug`` the check is not computed:
+    what runs and what is asserted are unchanged."""
+    try:
+        from triton.language import semantic
+    except ImportError:
+        return
+    cls = getattr(semantic, "TritonSemantic", None)
+    stock = getattr(cls, "binary_op_sanitize_overflow_impl", None)
+    if stock is None:
+        return
+
+    @functools.wraps(stock)
+    def sanitize(self, lhs, rhs, binary_op):
+        if getattr(self.builder.options, "debug", True):
+            return stock(self, lhs, rhs, binary_op)
+
+    cls.binary_op_sanitize_overflow_impl = sanitize
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_the_language_once_per_launch()
     _numpy_types_once_per_name()
+    _overflow_checks_only_where_they_assert()
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TESTS, os.path.join(os.path.dirname(_TESTS), "bench")]
