@@ -41,7 +41,7 @@ from smelt_model.budget import memory
 from smelt_model.budget.ledger import embedding_params, layer_params
 from smelt_model.cluster.comm import Comm
 from smelt_model.cluster.layout import ParallelPlan, loop_of
-from smelt_model.cluster.replay import fsdp_units, held_peak
+from smelt_model.cluster.replay import held_peak, units_by_key, units_key
 from smelt_model.cluster.spec import Cluster
 from smelt_model.cluster.units import recomputed_slots
 from smelt_model.cluster.workload import Workload
@@ -101,6 +101,24 @@ def _per_layer_activations(cfg: ModelConfig, tokens: int, w: Workload) -> tuple[
     return layer + rows, logits
 
 
+@functools.lru_cache(maxsize=4096)
+def _held(cfg: ModelConfig, units: tuple, ep_degree: int, act: int, red: int) -> float:
+    """The peak bytes the FSDP units of plans with :func:`~.replay.units_key` ``units``
+    hold gathered, with their gradients (see the module docstring)."""
+    forward, backward = units_by_key(cfg, units)
+
+    def size(u) -> float:  # elements of the unit a GPU holds gathered
+        return u.dense + u.efsdp / ep_degree + u.gathered
+
+    return held_peak(
+        forward,
+        backward,
+        lambda u: size(u) * act,
+        lambda u, reduced: size(u) * (act + (red if reduced else 0)),
+        len(loop_of(cfg).steps),
+    )
+
+
 def footprint(
     cfg: ModelConfig, plan: ParallelPlan, cluster: Cluster, comm: Comm, w: Workload
 ) -> Footprint:
@@ -114,20 +132,8 @@ def footprint(
     sharded = (dense + (cfg.n_layers - n_gather) * experts) / comm.dp_shard
     sharded += n_gather * experts / comm.gather.group_size
 
-    act, red = w.act_bytes, w.reduce_bytes
-    forward, backward = fsdp_units(cfg, plan)
-
-    def size(u) -> float:  # elements of the unit a GPU holds gathered
-        return u.dense + u.efsdp / comm.ep_degree + u.gathered
-
-    held = held_peak(
-        forward,
-        backward,
-        lambda u: size(u) * act,
-        lambda u, reduced: size(u) * (act + (red if reduced else 0)),
-        len(loop_of(cfg).steps),
-    )
-
+    act = w.act_bytes
+    held = _held(cfg, units_key(plan), comm.ep_degree, act, w.reduce_bytes)
     layer, logits = _per_layer_activations(cfg, comm.tokens_per_rank, w)
     again = len(recomputed_slots(cfg, plan.recompute))
     kept_input = comm.tokens_per_rank * cfg.hidden_size * act

@@ -25,7 +25,9 @@ moves the same bytes and hides less). Where smelt's trainer cannot overlap a can
 visit), it is projected without the overlap. Each candidate's step is replayed by
 :mod:`.schedule` (compute, the in-node links and the NIC as separate resources, the
 chunked overlap, recompute, FSDP units and prefetch); the shortest step wins (near ties,
-equal to six digits: fewer gathered layers, fewer chunks, then less memory). ``dedup``
+equal to six digits: fewer gathered layers, fewer chunks, then less memory). A replay
+stops as soon as its step is sure to round above the best one found so far: it could
+neither win nor tie, nor change which layouts the search tries next. ``dedup``
 and ``overlap`` are what smelt's trainer runs (both on by default).
 
 The projected gap of a pair = (looped step / baseline step) / F ratio: 1.00 means the
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -191,6 +194,14 @@ def _policy(n: int, again: int) -> str:
     return "none" if again == 0 else "all" if again == n else f"all-but-{n - again}"
 
 
+def _promise(found: tuple) -> tuple:
+    """Sorts a layout's candidates (``(seq, plan, comm, memory)``) so that the one most
+    likely to have its shortest step comes first: a node's gather group, span experts
+    kept with their unit, the most chunks, weights kept gathered."""
+    p = found[1]
+    return (p.gather_group != "node", p.span_gather != "unit", -p.chunks, p.reshard_after_forward)
+
+
 class _Search:
     """The best plan over layouts (see the module docstring), each layout tried once."""
 
@@ -202,7 +213,11 @@ class _Search:
         self.best: Optional[tuple[tuple, Projection]] = None
         self.smallest: Optional[Footprint] = None
         self.tried: dict[tuple[str, ...], float] = {}
-        self.memory: dict[ParallelPlan, tuple[Comm, Footprint]] = {}
+        self.seq = 0  # the candidates found so far
+        self.memory: dict[ParallelPlan, Footprint] = {}
+        self.ledgers: dict[ParallelPlan, Comm] = {}
+        self.fewest: dict[ParallelPlan, Optional[int]] = {}
+        self.meshes: dict[tuple, Comm] = {}  # (gather group, ep) -> a ledger with its mesh
         #: False once a layout with ``ep`` layers was passed over: EP does not divide the experts
         self.ep_divides = True
 
@@ -239,67 +254,135 @@ class _Search:
                 yield p
 
     def _memory(self, p: ParallelPlan) -> tuple[Comm, Footprint]:
-        """``p``'s ledger and memory; neither depends on the overlap or its chunks."""
+        """``p``'s ledger and memory; neither depends on the overlap or its chunks (the
+        ledger's ``plan`` is ``p`` without them: :meth:`_replay` gives it ``p``)."""
         key = dataclasses.replace(p, overlap=False, chunks=2)
-        if key not in self.memory:
-            cfg, cl, w = self.cfg, self.cl, self.w
-            c = comm(
-                cfg, self.tokens, dp_shard=cl.gpus, gpus_per_node=cl.node_size, plan=key, workload=w
+        return self._ledger(key), self._footprint(key)
+
+    def _ledger(self, key: ParallelPlan) -> Comm:
+        if key not in self.ledgers:
+            cfg, cl = self.cfg, self.cl
+            self.ledgers[key] = comm(
+                cfg,
+                self.tokens,
+                dp_shard=cl.gpus,
+                gpus_per_node=cl.node_size,
+                plan=key,
+                workload=self.w,
             )
-            self.memory[key] = (c, footprint(cfg, key, cl, c, w))
-        c, mem = self.memory[key]
-        return dataclasses.replace(c, plan=p), mem
+        return self.ledgers[key]
+
+    def _footprint(self, key: ParallelPlan) -> Footprint:
+        """The memory of :meth:`_memory`'s ``key``. :func:`footprint` reads of the ledger
+        only its mesh (ranks, EP degree, gather group, tokens per rank), which neither
+        the layers nor the recompute change: one ledger per gather group and EP degree
+        serves all."""
+        if key not in self.memory:
+            mesh_key = (key.gather_group, key.ep)
+            if mesh_key not in self.meshes:
+                self.meshes[mesh_key] = self._ledger(key)
+            mesh = self.meshes[mesh_key]
+            self.memory[key] = footprint(self.cfg, key, self.cl, mesh, self.w)
+        return self.memory[key]
 
     def layout(self, layers: tuple[str, ...]) -> float:
         """The shortest step of ``layers`` that fits (inf where none does or it cannot run)."""
-        if layers in self.tried:
-            return self.tried[layers]
-        cfg, cl, w = self.cfg, self.cl, self.w
-        out = float("inf")
-        if "ep" in layers and cfg.n_experts % self.fixed["ep"]:
-            self.ep_divides = False
-            self.tried[layers] = out
-            return out
-        for candidate in self._variants(layers):
-            p = self._lightest(candidate)
-            if p is None:
+        return self.layouts([layers])[0]
+
+    def layouts(self, many: list[tuple[str, ...]]) -> list[float]:
+        """:meth:`layout` of each of ``many``. Their candidates are found in order, then
+        replayed: first each layout's most promising (:func:`_promise`), then the others,
+        layouts with shorter first steps first, so that a short step is known early and
+        a longer one's replay can stop as soon as it cannot win (:meth:`_replay`). The
+        order changes nothing else: a tie goes to the candidate found first."""
+        cfg = self.cfg
+        todo: dict[tuple[str, ...], list] = {}
+        for layers in many:
+            if layers in self.tried or layers in todo:
                 continue
-            c, mem = self._memory(p)
-            proj = Projection(cl, p, c, mem, simulate(cfg, p, cl, c, w))
-            # near ties (six digits) go to fewer gathered layers, fewer chunks, then less
-            # memory
-            key = (float(f"{proj.step_s:.6g}"), len(p.gather_layers), p.chunks, mem.total)
-            if self.best is None or key < self.best[0]:
-                self.best = (key, proj)
-            out = min(out, proj.step_s)
-        self.tried[layers] = out
-        return out
+            if "ep" in layers and cfg.n_experts % self.fixed["ep"]:
+                self.ep_divides = False
+                self.tried[layers] = float("inf")
+                continue
+            todo[layers] = []
+            for candidate in self._variants(layers):
+                p = self._lightest(candidate)
+                if p is not None:
+                    self.seq += 1
+                    todo[layers].append((self.seq, p, *self._memory(p)))
+        out = dict.fromkeys(todo, float("inf"))
+        first = {layers: min(found, key=_promise) for layers, found in todo.items() if found}
+        for layers, one in first.items():
+            out[layers] = self._replay(*one)
+        for layers in sorted(first, key=out.get):
+            for one in todo[layers]:
+                if one is not first[layers]:
+                    out[layers] = min(out[layers], self._replay(*one))
+        self.tried.update(out)
+        return [self.tried[layers] for layers in many]
+
+    def _replay(self, seq: int, p: ParallelPlan, c: Comm, mem: Footprint) -> float:
+        """Replay candidate ``p`` (``seq``: its place in the order the candidates were
+        found; ``c`` and ``mem``: :meth:`_memory`'s) and keep it if it is the best so far;
+        its step, or a lower bound of it where the replay stopped, which is still more than
+        the shortest step found."""
+        # a step past the bound rounds above the best one's six digits (one unit there is
+        # at most 1e-5 of it), so it can neither win nor tie, and it is more than the
+        # shortest step found, all that :meth:`counts` compares a layout's step with
+        bound = math.inf if self.best is None else self.best[0][0] * (1 + 2e-5)
+        model = simulate(self.cfg, p, self.cl, c, self.w, bound=bound)
+        if model is None:
+            return bound
+        proj = Projection(self.cl, p, dataclasses.replace(c, plan=p), mem, model)
+        # near ties (six digits) go to fewer gathered layers, fewer chunks, then less
+        # memory, then to the candidate found first
+        key = (float(f"{proj.step_s:.6g}"), len(p.gather_layers), p.chunks, mem.total, seq)
+        if self.best is None or key < self.best[0]:
+            self.best = (key, proj)
+        return proj.step_s
 
     def _lightest(self, candidate: ParallelPlan) -> Optional[ParallelPlan]:
         """``candidate`` with the fewest recomputed layers that fits (a heavier recompute
         only adds work): none, else ``all-but-N`` with the largest N, else all; None when
-        not even all fits. Memory falls as layers are recomputed, so it is bisected."""
+        not even all fits."""
         n = len(loop_of(self.cfg).steps)
+        again = self._fewest(dataclasses.replace(candidate, overlap=False, chunks=2), n)
+        if again is None:
+            return None
+        p = dataclasses.replace(candidate, recompute=_policy(n, again))
+        if overlap_conflict(p, self.cfg):  # the trainer runs this one without overlap
+            p = dataclasses.replace(p, overlap=False)
+        return p
 
-        def fitting(again: int) -> Optional[ParallelPlan]:
-            p = dataclasses.replace(candidate, recompute=_policy(n, again))
-            if overlap_conflict(p, self.cfg):  # the trainer runs this one without overlap
-                p = dataclasses.replace(p, overlap=False)
-            mem = self._memory(p)[1]
+    def _fewest(self, bare: ParallelPlan, n: int) -> Optional[int]:
+        """The fewest of ``n`` executed layers recomputed with which ``bare`` fits (None:
+        not even all), for every candidate alike but for the overlap and its chunks,
+        which the memory does not depend on. Memory falls as layers are recomputed, so it
+        is bisected."""
+        if bare in self.fewest:
+            return self.fewest[bare]
+
+        def fits(again: int) -> bool:
+            mem = self._footprint(dataclasses.replace(bare, recompute=_policy(n, again)))
             if self.smallest is None or mem.total < self.smallest.total:
                 self.smallest = mem
-            return p if mem.fits(self.cl.memory) else None
+            return mem.fits(self.cl.memory)
 
-        if (p := fitting(0)) is not None or (last := fitting(n)) is None:
-            return p
-        lo, hi = 0, n  # lo does not fit, hi does
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if (p := fitting(mid)) is not None:
-                hi, last = mid, p
-            else:
-                lo = mid
-        return last
+        if fits(0):
+            out: Optional[int] = 0
+        elif not fits(n):
+            out = None
+        else:
+            lo, hi = 0, n  # lo does not fit, hi does
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    hi = mid
+                else:
+                    lo = mid
+            out = hi
+        self.fewest[bare] = out
+        return out
 
     def counts(self) -> None:
         """Every layout on a coarse grid of gathered counts per group, then single steps
@@ -309,19 +392,15 @@ class _Search:
         def grid(n: int) -> list[int]:
             return sorted({0, 1, n // 4, n // 2, 3 * n // 4, n - 1, n} & set(range(n + 1)))
 
-        step = {
-            (a, b): self.layout(_layout(self.cfg, a, b))
-            for a in grid(len(span))
-            for b in grid(len(rest))
-        }
+        cells = [(a, b) for a in grid(len(span)) for b in grid(len(rest))]
+        step = dict(zip(cells, self.layouts([_layout(self.cfg, a, b) for a, b in cells])))
         here = min(step, key=step.get)
         while True:
             a, b = here
             near = [(a + da, b + db) for da, db in ((1, 0), (-1, 0), (0, 1), (0, -1))]
             near = [(x, y) for x, y in near if 0 <= x <= len(span) and 0 <= y <= len(rest)]
-            for n in near:
-                if n not in step:
-                    step[n] = self.layout(_layout(self.cfg, *n))
+            new = [n for n in near if n not in step]
+            step.update(zip(new, self.layouts([_layout(self.cfg, *n) for n in new])))
             nxt = min(near, key=step.get)
             if not step[nxt] < step[here]:
                 return

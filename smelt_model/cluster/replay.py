@@ -74,8 +74,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from smelt_model.budget.ledger import cached_ledger, embedding_params, head_flops, layer_params
 from smelt_model.cluster.comm import Comm
@@ -91,8 +92,9 @@ __all__ = ["KINDS", "StepModel", "fsdp_units", "simulate"]
 KINDS = ("ep", "fsdp", "gather")
 #: the streams transfers queue on (one after another within a stream)
 STREAMS = ("ep", "split", "gather", "reduce")
-#: the "link" of a collective's start-up: one of its own, shared with nothing
-LATENCY = "latency"
+#: the relative slack of the lower bound :func:`_play` stops at: the replay ends a compute
+#: within 1e-12 and a transfer within 1e-9 of its seconds, and sums its times in floats
+SURE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -143,10 +145,35 @@ class Call:
         return max(self.start - 1, 0) if self.issue is None else self.issue
 
 
-@functools.lru_cache(maxsize=256)
+def units_key(plan: ParallelPlan) -> tuple:
+    """The fields of ``plan`` that :func:`fsdp_units` reads (plans alike in them have the
+    same units)."""
+    return (
+        plan.layers,
+        plan.span_gather,
+        plan.reshard_after_forward,
+        plan.span_units,
+        plan.prefetch,
+    )
+
+
 def fsdp_units(cfg: ModelConfig, plan: ParallelPlan) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
     """The FSDP units of one step as calls of the forward and of the backward, each in
     the order the calls start (see the module docstring)."""
+    return units_by_key(cfg, units_key(plan))
+
+
+@functools.lru_cache(maxsize=1024)
+def units_by_key(cfg: ModelConfig, key: tuple) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
+    """:func:`fsdp_units` of the plans with :func:`units_key` ``key``."""
+    layers, span_gather, reshard_after_forward, span_units, prefetch = key
+    plan = ParallelPlan(
+        layers=layers,
+        span_gather=span_gather,
+        reshard_after_forward=reshard_after_forward,
+        span_units=span_units,
+        prefetch=prefetch,
+    )
     loop, p = loop_of(cfg), layer_params(cfg)
     dense = p["attention"] + p["router"] + p["norms"]
     experts = p["experts_total"]
@@ -242,19 +269,49 @@ def held_peak(forward, backward, size, grads, n: int) -> float:
     return peak
 
 
+class _Beyond(Exception):
+    """The step being laid out is sure to end after its bound."""
+
+
 class _Graph:
     """Work in program order: compute (one stream) and transfers (on :data:`STREAMS`).
-    Ops are numbered; ``None`` stands for "nothing to wait for"."""
+    Ops are numbered; ``None`` stands for "nothing to wait for".
 
-    def __init__(self) -> None:
+    As it grows it keeps each op's earliest end (``ends``): every op starts once what it
+    waits for and the op before it on its stream are over, and takes its seconds (a
+    transfer its start-up and its longest part at full bandwidth), which no sharing of a
+    link can shorten. Once a compute's earliest end plus ``rest`` (the compute still to
+    add, and what is sure to follow the last: see :meth:`_Replay.least`) passes ``cut``,
+    adding it raises :class:`_Beyond`."""
+
+    def __init__(self, cut: float = math.inf, rest: float = 0.0) -> None:
         self.compute: list[tuple[int, float, tuple]] = []  # (op, seconds, waits)
         self.streams: dict[str, list] = {s: [] for s in STREAMS}  # (op, kind, secs, waits)
         self.n = 0
+        self.cut, self.rest = cut, rest
+        self.ends = [0.0]  # by op
+        self.free = dict.fromkeys(STREAMS, 0.0)
+        self.c_free = 0.0
 
     def add_compute(self, seconds: float, *waits: Optional[int]) -> int:
-        self.n += 1
-        self.compute.append((self.n, seconds, tuple(w for w in waits if w is not None)))
-        return self.n
+        return self.compute_op(seconds, waits)
+
+    def compute_op(self, seconds: float, waits: tuple) -> int:
+        """:meth:`add_compute` with its waits as a tuple."""
+        if None in waits:
+            waits = tuple(w for w in waits if w is not None)
+        self.n = op = self.n + 1
+        self.compute.append((op, seconds, waits))
+        ends, start = self.ends, self.c_free
+        for w in waits:
+            if ends[w] > start:
+                start = ends[w]
+        self.c_free = end = start + seconds
+        ends.append(end)
+        self.rest -= seconds
+        if end + self.rest > self.cut:
+            raise _Beyond
+        return op
 
     def add_transfer(
         self,
@@ -264,68 +321,111 @@ class _Graph:
         *waits: Optional[int],
         latency: float = 0.0,
     ) -> Optional[int]:
-        """A transfer of ``seconds`` per link at full bandwidth (None where it moves
-        nothing), after ``latency`` seconds of its own (a start-up that holds its stream
-        but no link)."""
-        seconds = {link: t for link, t in seconds.items() if t > 0}
+        """A transfer of ``seconds`` per link (``intra``, ``inter``) at full bandwidth
+        (None where it moves nothing), after ``latency`` seconds of its own (a start-up
+        that holds its stream but no link)."""
+        return self.transfer(stream, kind, _moving(seconds), waits, latency)
+
+    def transfer(
+        self, stream: str, kind: str, moving: tuple, waits: tuple, latency: float
+    ) -> Optional[int]:
+        """:meth:`add_transfer` with its seconds as :func:`_moving` gives them and its
+        waits as a tuple."""
+        seconds, longest = moving
         if not seconds:
             return None
-        self.n += 1
-        waits_ = tuple(w for w in waits if w is not None)
-        self.streams[stream].append((self.n, kind, seconds, waits_, latency))
-        return self.n
+        if None in waits:
+            waits = tuple(w for w in waits if w is not None)
+        self.n = op = self.n + 1
+        self.streams[stream].append((op, kind, seconds, waits, latency))
+        ends, start = self.ends, self.free[stream]
+        for w in waits:
+            if ends[w] > start:
+                start = ends[w]
+        self.free[stream] = end = start + latency + longest
+        ends.append(end)
+        return op
 
 
-def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
+def _moving(seconds: dict[str, float]) -> tuple[dict[str, float], float]:
+    """(the links a transfer of ``seconds`` per link moves bytes on, with their seconds;
+    the longest of them), for :meth:`_Graph.transfer`."""
+    seconds = {link: t for link, t in seconds.items() if t > 0}
+    return seconds, max(seconds.values(), default=0.0)
+
+
+def _play(
+    g: _Graph, bound: float = math.inf
+) -> Optional[tuple[float, float, dict[str, float], dict[str, float]]]:
     """Run ``g`` (see the module docstring); (step end, compute seconds, exposed seconds
-    by kind, busy seconds by link)."""
+    by kind, busy seconds by link). None as soon as the step is sure to end after
+    ``bound`` seconds: the time so far, the compute still to run and the transfers sure
+    to follow the last compute exceed it by more than :data:`SURE`."""
     done: dict[int, float] = {}
     kind_of: dict[int, str] = {}
     exposed = dict.fromkeys(KINDS, 0.0)
     busy = {"intra": 0.0, "inter": 0.0}
-    # per link, the transfers on it: [seconds left at full bandwidth, op, stream, seconds]
-    # (a start-up's latency is a link of its own)
-    active: dict[Any, list] = {"intra": [], "inter": []}
-    left: dict[int, int] = {}  # op -> its parts still moving
-    heads = dict.fromkeys(STREAMS, 0)
-    running: dict[str, Optional[int]] = dict.fromkeys(STREAMS, None)
-    ci, c_left, c_op, c_free, c_total = 0, 0.0, None, 0.0, 0.0
-    t = 0.0
-    pending: dict[int, dict] = {}  # op -> its bytes, to move once its start-up is over
     for stream in g.streams.values():
         for op, kind, secs, _, _ in stream:
             kind_of[op] = kind
             for link, s in secs.items():
                 if link in busy:
                     busy[link] += s
+    # per stream: [its transfers, the next to start, the one running (None: none)]
+    streams = [[stream, 0, None] for stream in g.streams.values() if stream]
+    # the transfers on each link: [seconds left at full bandwidth, op, stream, seconds];
+    # a start-up's latency holds a link of its own, shared with nothing (``starting``)
+    intra: list[list] = []
+    inter: list[list] = []
+    links = {"intra": intra, "inter": inter}
+    starting: list[list] = []
+    left: dict[int, int] = {}  # op -> its parts still moving
+    pending: dict[int, dict] = {}  # op -> its bytes, to move once its start-up is over
+    compute, n_compute = g.compute, len(g.compute)
+    ci, c_left, c_op, c_free, c_total = 0, 0.0, None, 0.0, 0.0
+    t = 0.0
     is_done = done.__contains__
-    n_compute, streams = len(g.compute), list(g.streams.items())
+    # the compute not started yet, and the bound less what is sure to follow the last
+    # compute: per stream, the transfers from the first that waits for it, one after
+    # another, each its start-up and its longest part at full bandwidth at least
+    c_rest, cut = sum(seconds for _, seconds, _ in compute), bound / (1 - SURE)
+    c_cut = cut
+    if compute and cut < math.inf:
+        final, tails = compute[-1][0], [0.0]
+        for stream in g.streams.values():
+            after = [i for i, (_, _, _, waits, _) in enumerate(stream) if final in waits]
+            tail = stream[after[0] :] if after else ()
+            tails.append(sum(latency + max(secs.values()) for _, _, secs, _, latency in tail))
+        c_cut -= max(tails)
     while True:
         # start everything that can start at t: one pass, as nothing ends before time moves
         # on and each resource starts one thing at a time
         if c_op is None and ci < n_compute:
-            op, seconds, waits = g.compute[ci]
+            op, seconds, waits = compute[ci]
             if all(map(is_done, waits)):
                 last = max(waits, key=done.__getitem__, default=None)
                 if last is not None and done[last] > c_free and last in kind_of:
                     exposed[kind_of[last]] += t - c_free
                 c_op, c_left, ci = op, seconds, ci + 1
                 c_total += seconds
-        for name, stream in streams:
-            k = heads[name]
-            if running[name] is None and k < len(stream):
-                op, kind, secs, waits, latency = stream[k]
+                c_rest -= seconds
+        for st in streams:
+            if st[2] is None and st[1] < len(st[0]):
+                op, _, secs, waits, latency = st[0][st[1]]
                 if all(map(is_done, waits)):
-                    running[name], heads[name] = op, k + 1
-                    if latency > 0:  # its start-up first, on a link of its own
+                    st[1] += 1
+                    st[2] = op
+                    if latency > 0:  # its start-up first
                         pending[op] = secs
-                        secs = {(LATENCY, op): latency}
-                    left[op] = len(secs)
-                    for link, s in secs.items():
-                        active.setdefault(link, []).append([s, op, name, s])
+                        left[op] = 1
+                        starting.append([latency, op, st, latency])
+                    else:
+                        left[op] = len(secs)
+                        for link, s in secs.items():
+                            links[link].append([s, op, st, s])
         # the time to the next end: of the compute, or of a transfer sharing its link
         dt = c_left if c_op is not None else None
-        for jobs in active.values():
+        for jobs in (intra, inter):
             if jobs:
                 least = jobs[0][0]  # the least left, at its share of the link
                 for j in jobs:
@@ -334,13 +434,15 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
                 soonest = least * len(jobs)
                 if dt is None or soonest < dt:
                     dt = soonest
+        for j in starting:
+            if dt is None or j[0] < dt:
+                dt = j[0]
         if dt is None:
-            if ci < n_compute or any(heads[k] < len(v) for k, v in streams):
+            if ci < n_compute or any(st[1] < len(st[0]) for st in streams):
                 raise RuntimeError("the step's graph waits on itself (a bug in the schedule)")
             break
         t += dt
-        started = []  # transfers whose start-up ended: their bytes move from t on
-        for link, jobs in list(active.items()):
+        for jobs in (intra, inter):
             if not jobs:
                 continue
             share = dt / len(jobs)
@@ -351,22 +453,33 @@ def _play(g: _Graph) -> tuple[float, float, dict[str, float], dict[str, float]]:
                     over.append(j)
             for j in over:
                 jobs.remove(j)
-                left[j[1]] -= 1
-                if left[j[1]] == 0 and j[1] in pending:
-                    started.append((j[1], j[2], pending.pop(j[1])))
-                elif left[j[1]] == 0:
-                    done[j[1]] = t
-                    running[j[2]] = None
-            if not jobs and link not in busy:  # a start-up over: its link goes
-                del active[link]
-        for op, name, secs in started:
-            left[op] = len(secs)
-            for link, s in secs.items():
-                active[link].append([s, op, name, s])
+                op = j[1]
+                left[op] -= 1
+                if left[op] == 0:
+                    done[op] = t
+                    j[2][2] = None
+        if starting:
+            over = []
+            for j in starting:
+                j[0] -= dt
+                if j[0] <= 1e-9 * j[3]:
+                    over.append(j)
+            # transfers whose start-up ended: their bytes move from t on
+            for j in over:
+                starting.remove(j)
+                op = j[1]
+                secs = pending.pop(op)
+                left[op] = len(secs)
+                for link, s in secs.items():
+                    links[link].append([s, op, j[2], s])
         if c_op is not None:
             c_left -= dt
             if c_left <= 1e-12 * dt:
                 done[c_op], c_free, c_op = t, t, None
+            elif t + c_left + c_rest > c_cut:
+                return None
+        elif t + c_rest > (c_cut if ci < n_compute else cut):
+            return None
     end = max(done.values(), default=0.0)
     if end > c_free:
         last = max((op for op in done if op in kind_of), key=done.__getitem__)
@@ -404,67 +517,145 @@ class _Replay:
         # the split sizes a dispatch's host waits for: bytes of one exchange
         self.counts = comm.ep.counts_forward / per_layer
         self.latency = cluster.latency
+        # the all-to-alls of a chunk and layer: forward dispatch, combine (forward and
+        # backward), and the backward's dispatch of gradients
+        self.sends = {
+            "dispatch": self._ep_move(self.dispatch + self.slots_out),
+            "combine": self._ep_move(self.combine),
+            "back": self._ep_move(self.dispatch + self.slots_back),
+        }
+        self.split_move = _moving(
+            {k: self.counts * f / self.bw[k] for k, f in self.ep_share.items()}
+        )
+        self.collectives: dict[tuple, list] = {}  # (id(unit), elem) -> its transfers
 
-    def _seconds(self, kind: str, by_link: dict[str, float]) -> dict[str, float]:
-        self.moved[kind] += sum(by_link.values())
-        return {link: n / self.bw[link] for link, n in by_link.items() if n > 0}
+    def _ep_move(self, nbytes: float) -> tuple[float, tuple]:
+        """(the bytes, the :func:`_moving` seconds) of an all-to-all of ``nbytes``."""
+        by_link = {k: nbytes * f for k, f in self.ep_share.items()}
+        seconds = {link: n / self.bw[link] for link, n in by_link.items() if n > 0}
+        return sum(by_link.values()), _moving(seconds)
 
-    def exchange(self, nbytes: float, *after: Optional[int]) -> Optional[int]:
-        secs = self._seconds("ep", {k: nbytes * f for k, f in self.ep_share.items()})
-        return self.g.add_transfer("ep", "ep", secs, *after, latency=self.latency)
+    def exchange(self, move: tuple[float, tuple], *after: Optional[int]) -> Optional[int]:
+        """An all-to-all of the tokens (``move``: one of :attr:`sends`)."""
+        self.moved["ep"] += move[0]
+        return self.g.transfer("ep", "ep", move[1], after, self.latency)
 
     def split_sizes(self, *after: Optional[int]) -> Optional[int]:
         """The exchange of split sizes before a dispatch, which the host waits for (its
         bytes are in the ledger's ``counts_*``, not in the EP bytes moved)."""
-        secs = {k: self.counts * f / self.bw[k] for k, f in self.ep_share.items()}
-        return self.g.add_transfer("split", "ep", secs, *after, latency=self.latency)
+        return self.g.transfer("split", "ep", self.split_move, after, self.latency)
 
-    def collective(self, stream: str, unit: _Unit, elem: int, *after: Optional[int]) -> list:
+    def _parts(self, unit: _Unit, elem: int) -> list[tuple[str, str, float]]:
+        """(kind, link, bytes) of each transfer of one collective of ``unit``."""
         c = self.comm
         fsdp = (
             ring_fraction(c.dp_shard) * unit.dense
             + ring_fraction(c.efsdp) * unit.efsdp / c.ep_degree
         )
         gathered = ring_fraction(c.gather.group_size) * unit.gathered
+        return [
+            (kind, link, n * elem)
+            for kind, link, n in (
+                ("fsdp", self.dp_link, fsdp),
+                ("gather", self.gather_link, gathered),
+            )
+            if n > 0
+        ]
+
+    def _shard(self, unit: _Unit) -> float:
+        """Bytes of the all-reduce of ``unit``'s reduced gathered experts between node
+        replicas (0.0 where there is none)."""
+        replicas, group = self.comm.gather.replicas, self.comm.gather.group_size
+        if unit.gathered and replicas > 1:
+            return 2 * ring_fraction(replicas) * unit.gathered / group * self.w.reduce_bytes
+        return 0.0
+
+    def collective(self, stream: str, unit: _Unit, elem: int, *after: Optional[int]) -> list:
+        key = (id(unit), elem)
+        if key not in self.collectives:
+            self.collectives[key] = [
+                (kind, nbytes, _moving({link: nbytes / self.bw[link]}))
+                for kind, link, nbytes in self._parts(unit, elem)
+            ]
         out = []
-        for kind, link, n in (("fsdp", self.dp_link, fsdp), ("gather", self.gather_link, gathered)):
-            if n > 0:
-                secs = self._seconds(kind, {link: n * elem})
-                out.append(self.g.add_transfer(stream, kind, secs, *after, latency=self.latency))
+        for kind, nbytes, move in self.collectives[key]:
+            self.moved[kind] += nbytes
+            out.append(self.g.transfer(stream, kind, move, after, self.latency))
         return out
 
     def reduce(self, unit: _Unit, *after: Optional[int]) -> None:
         """Reduce-scatter ``unit``'s gradients, then all-reduce the reduced shard of its
         gathered experts between node replicas."""
         done = self.collective("reduce", unit, self.w.reduce_bytes, *after)
-        replicas, group = self.comm.gather.replicas, self.comm.gather.group_size
-        if unit.gathered and replicas > 1:
-            shard = 2 * ring_fraction(replicas) * unit.gathered / group * self.w.reduce_bytes
-            secs = self._seconds("gather", {"inter": shard})
-            self.g.add_transfer("reduce", "gather", secs, *done, latency=self.latency)
+        shard = self._shard(unit)
+        if shard:
+            self.moved["gather"] += shard
+            move = _moving({"inter": shard / self.bw["inter"]})
+            self.g.transfer("reduce", "gather", move, tuple(done), self.latency)
+
+    def least(self) -> tuple[float, float, float]:
+        """What the step is sure to take, found without laying it out: (the gathers the
+        first compute waits for, one after another on their stream; all the compute; the
+        reductions issued after the last compute, one after another on theirs), each
+        transfer its start-up and its bytes at full bandwidth."""
+        steps = loop_of(self.cfg).steps
+        again = recomputed_slots(self.cfg, self.plan.recompute)
+        forward, backward = fsdp_units(self.cfg, self.plan)
+        n, n_again = len(steps), sum(s.slot in again for s in steps)
+        part = self.attn + self.experts
+        compute = self.chunks * (3 * n * part + n_again * part + 3 * self.out_head)
+
+        def serial(transfers) -> float:
+            secs = (nbytes / self.bw[link] for link, nbytes in transfers)
+            return sum(self.latency + s for s in secs if s > 0)
+
+        act, grads = self.w.act_bytes, self.w.reduce_bytes
+        first = [
+            (link, nbytes)
+            for c in forward
+            if c.gather and c.start == 0
+            for _, link, nbytes in self._parts(c.unit, act)
+        ]
+        last = [
+            (link, nbytes)
+            for c in backward
+            if c.reduce and c.end == n - 1
+            for link, nbytes in (
+                *((link, nbytes) for _, link, nbytes in self._parts(c.unit, grads)),
+                ("inter", self._shard(c.unit)),
+            )
+        ]
+        return serial(first), compute, serial(last)
 
     def forward(self, layer: int, heads: list, wait: list) -> list:
         """One executed layer's forward, chunk by chunk, once its units are in (``wait``);
         ``heads[c]`` are the ops chunk c waits for first. Returns each chunk's last op."""
-        g, moves = self.g, self.plan.kind(layer) == "ep"
-        mid = [g.add_compute(self.attn, *h, *wait) for h in heads]
+        g, moves, send = self.g, self.plan.kind(layer) == "ep", self.sends
+        mid = [g.compute_op(self.attn, (*h, *wait)) for h in heads]
         host = None
         if moves:  # every chunk's split sizes issued, then waited for in turn by the host
             splits = [self.split_sizes(e) for e in mid]
-            mid = [self.exchange(self.dispatch + self.slots_out, s) for s in splits]
+            mid = [self.exchange(send["dispatch"], s) for s in splits]
             host = splits[-1]
-        out = [g.add_compute(self.experts, e, host) for e in mid]
-        return [(self.exchange(self.combine, e) if moves else e,) for e in out]
+        out = [g.compute_op(self.experts, (e, host)) for e in mid]
+        return [(self.exchange(send["combine"], e) if moves else e,) for e in out]
 
     def backward(self, layer: int, heads: list, wait: list) -> list:
         """The mirror of :meth:`forward`: a chunk's gradient leaves as soon as it exists."""
-        g, moves = self.g, self.plan.kind(layer) == "ep"
-        mid = [self.exchange(self.combine, *h) if moves else h for h in heads]
-        mid = [g.add_compute(2 * self.experts, *_ops(e), *wait) for e in mid]
-        out = [self.exchange(self.dispatch + self.slots_back, e) if moves else e for e in mid]
-        return [(g.add_compute(2 * self.attn, e),) for e in out]
+        g, moves, send = self.g, self.plan.kind(layer) == "ep", self.sends
+        mid = [self.exchange(send["combine"], *h) if moves else h for h in heads]
+        mid = [g.compute_op(2 * self.experts, (*_ops(e), *wait)) for e in mid]
+        out = [self.exchange(send["back"], e) if moves else e for e in mid]
+        return [(g.compute_op(2 * self.attn, (e,)),) for e in out]
 
-    def lay_out(self) -> None:
+    def lay_out(self, bound: float = math.inf) -> None:
+        """Lay the step out; :class:`_Beyond` as soon as it is sure to end after ``bound``
+        seconds (by more than :data:`SURE`)."""
+        if bound < math.inf:
+            first, compute, tail = self.least()
+            if first + compute + tail > bound / (1 - SURE):
+                raise _Beyond
+            self.g = _Graph(bound / (1 - SURE), compute + tail)
         steps = loop_of(self.cfg).steps
         again = recomputed_slots(self.cfg, self.plan.recompute)
         forward, backward = fsdp_units(self.cfg, self.plan)
@@ -509,11 +700,24 @@ def _ops(x) -> tuple:
 
 
 def simulate(
-    cfg: ModelConfig, plan: ParallelPlan, cluster: Cluster, comm: Comm, w: Workload
-) -> StepModel:
+    cfg: ModelConfig,
+    plan: ParallelPlan,
+    cluster: Cluster,
+    comm: Comm,
+    w: Workload,
+    *,
+    bound: float = math.inf,
+) -> Optional[StepModel]:
     """Replay one step of ``cfg`` under ``plan`` on ``cluster`` (see the module docstring);
-    ``comm`` is the plan's communication ledger under uniform routing."""
+    ``comm`` is the plan's communication ledger under uniform routing. None when the
+    step is sure to end after ``bound`` seconds (the replay stops there)."""
     r = _Replay(cfg, plan, cluster, comm, w)
-    r.lay_out()
-    step, compute, exposed, busy = _play(r.g)
+    try:
+        r.lay_out(bound)
+    except _Beyond:
+        return None
+    played = _play(r.g, bound)
+    if played is None:
+        return None
+    step, compute, exposed, busy = played
     return StepModel(step, compute, exposed, busy, dict(r.moved), 3 * r.out_head * r.chunks)

@@ -2,6 +2,7 @@
 search (cluster.best_plan, project, project_pair)."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -134,6 +135,87 @@ def test_the_replay_moves_the_ledgers_bytes(changes):
     assert m.compute_s == pytest.approx(flops * (1 + again / 6 / 3) + head)
     bare = replay.simulate(cfg, p, SMALL, c, cluster.Workload(head=False))
     assert bare.head_s == 0 and bare.compute_s == pytest.approx(m.compute_s - head)
+
+
+@pytest.mark.parametrize("spec", ["ep,gather,ep,gather", "ep", "gather"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        dict(dedup=True, overlap=True, chunks=4),
+        dict(recompute="all", overlap=True),
+        dict(span_gather="layer", gather_group="all", reshard_after_forward=False),
+        dict(span_units="layer", prefetch="loop", reshard_after_forward=False),
+    ],
+)
+def test_a_bounded_replay_is_the_full_one_or_none_past_its_bound(spec, changes):
+    """``simulate(bound=...)`` stops only where the full replay's step is past the bound;
+    otherwise it is the full replay, to the bit."""
+    cfg = _looped()
+    for cl in (SMALL, dataclasses.replace(SMALL, latency=2e-5)):
+        p = dataclasses.replace(cluster.parse_plan(spec, cfg, ep=2), **changes)
+        c = cluster.comm(cfg, 256, dp_shard=4, gpus_per_node=2, plan=p)
+        w = cluster.Workload()
+        full = replay.simulate(cfg, p, cl, c, w)
+        stopped = 0
+        for f in (0.3, 0.7, 0.9, 0.99, 0.999999, 1.0, 1.0000001, 1.5):
+            bound = full.step_s * f
+            got = replay.simulate(cfg, p, cl, c, w, bound=bound)
+            if got is None:
+                stopped += 1
+                assert full.step_s > bound
+            else:
+                assert got == full
+        assert stopped >= 2  # far enough below the step, it stops
+
+
+def _full_replays(monkeypatch) -> list:
+    """Every candidate of a search replayed in full (the bound ignored); returns the list
+    the bounded replays' results go to."""
+    from smelt_model.cluster import projection
+
+    bounded = []
+
+    def simulate(*args, bound=math.inf):
+        full = replay.simulate(*args)
+        bounded.append((replay.simulate(*args, bound=bound), full, bound))
+        return full
+
+    monkeypatch.setattr(projection, "simulate", simulate)
+    return bounded
+
+
+def _outcomes(name: str, spec: str) -> list:
+    """The pair's projections on ``spec``, at the best plans and the stock layout (the
+    refusal's text where there is none)."""
+    out = []
+    for plan in ("auto", None):
+        for cfg in presets.pair(name):
+            try:
+                out.append(cluster.project(cfg, spec, plan=plan))
+            except ValueError as e:
+                out.append(str(e))
+    return out
+
+
+@pytest.mark.parametrize(
+    "name,spec",
+    [
+        ("tiny", "h100-8"),
+        ("tiny", "h100-64,ep=16"),
+        ("100M-S85", "h100-8,memory=22GB"),
+    ],
+)
+def test_the_search_finds_what_replaying_every_candidate_in_full_finds(name, spec, monkeypatch):
+    """The search stops a replay once its step cannot win: the plans it finds, with their
+    projections (and the refusals, with the smallest memory), are those of a search that
+    replays every candidate in full."""
+    stopped = _outcomes(name, spec)
+    bounded = _full_replays(monkeypatch)
+    assert stopped == _outcomes(name, spec)
+    assert any(got is None for got, _, _ in bounded)  # some replays did stop
+    for got, model, bound in bounded:
+        assert got == model if got is not None else model.step_s > bound
 
 
 def test_every_collective_starts_after_the_clusters_latency():
