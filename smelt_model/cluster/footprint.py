@@ -9,7 +9,7 @@
   expert-FSDP axis (again every rank), a ``gather`` layer's experts over its gather group
   only (a node's ranks with ``"node"``: each node holds a full replica).
 * ``gathered``: the most the FSDP units hold unsharded at once over the step
-  (:func:`.schedule.fsdp_units`, :func:`.schedule.held_peak`): a unit from the start of
+  (:func:`.replay.fsdp_units`, :func:`.replay.held_peak`): a unit from the start of
   the layer before its first use (prefetched one layer ahead) to its release, the root
   (embeddings, final norm, head) through each pass; in the backward also a unit's
   unsharded gradients (in ``dtype``) from its first backward use to their reduction, and

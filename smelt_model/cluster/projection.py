@@ -23,7 +23,7 @@ span layers are FSDP units of their own (``span_units="layer"``: the span as one
 moves the same bytes and hides less). Where smelt's trainer cannot overlap a candidate
 (:func:`~smelt_model.cluster.layout.overlap_conflict`: span experts gathered at every
 visit), it is projected without the overlap. Each candidate's step is replayed by
-:mod:`.schedule` (compute, the in-node links and the NIC as separate resources, the
+:mod:`.replay` (compute, the in-node links and the NIC as separate resources, the
 chunked overlap, recompute, FSDP units and prefetch); the shortest step wins (near ties,
 equal to six digits: fewer gathered layers, fewer chunks, then less memory). A replay
 stops as soon as its step is sure to round above the best one found so far: it could
