@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sysconfig
 from dataclasses import dataclass
@@ -52,9 +53,10 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _read_text(path: Path) -> str | None:
+def _read_text(path: str) -> str | None:
     """The file's text, or None when it is not a UTF-8 text file."""
-    data = path.read_bytes()
+    with open(path, "rb") as fh:
+        data = fh.read()
     if b"\0" in data:
         return None
     try:
@@ -63,17 +65,54 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _folder(root: Path, pattern: str = "**/*", skip: Sequence[str] = ()) -> list[Document]:
+def _is_file(entry: os.DirEntry) -> bool:
+    """``Path.is_file`` of a listed entry: a regular file, or a link to one (a broken link,
+    a link loop, a pipe is not); a regular file needs no further system call."""
+    try:
+        if entry.is_file(follow_symlinks=False):
+            return True
+    except OSError:
+        pass
+    return Path(entry.path).is_file()
+
+
+def _files(root: Path, suffix: str, skip: Sequence[str]) -> list[tuple[tuple[str, ...], str]]:
+    """``(relative parts, path)`` of every file under ``root`` whose name ends with
+    ``suffix``, sorted by parts (the order of sorted ``Path`` objects). Folders and files
+    whose name starts with a dot or is one of ``skip`` are passed over, their contents
+    unread; linked folders are not entered (linked files count); a folder that may not be
+    listed is passed over, as ``Path.glob`` does."""
+    found = []
+    pending = [((), os.fspath(root))]
+    while pending:
+        parts, folder = pending.pop()
+        try:
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except PermissionError:
+            continue
+        for entry in entries:
+            name = entry.name
+            if name.startswith(".") or name in skip:
+                continue
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+            except OSError:  # gone since the folder was listed
+                is_dir = False
+            if is_dir:
+                pending.append((parts + (name,), entry.path))
+            elif name.endswith(suffix) and _is_file(entry):
+                found.append((parts + (name,), entry.path))
+    found.sort()
+    return found
+
+
+def _folder(root: Path, suffix: str = "", skip: Sequence[str] = ()) -> list[Document]:
     docs = []
-    for path in sorted(root.glob(pattern)):
-        rel = path.relative_to(root)
-        if not path.is_file() or any(part.startswith(".") for part in rel.parts):
-            continue
-        if any(part in skip for part in rel.parts):
-            continue
+    for parts, path in _files(root, suffix, skip):
         text = _read_text(path)
         if text is not None and text.strip():
-            docs.append(Document(rel.as_posix(), text))
+            docs.append(Document("/".join(parts), text))
     return docs
 
 
@@ -113,7 +152,7 @@ def load_documents(spec: str) -> list[Document]:
     """
     if spec == STDLIB:
         root = stdlib_root()
-        docs = _folder(root, "**/*.py", skip=("site-packages", "dist-packages", "__pycache__"))
+        docs = _folder(root, ".py", skip=("site-packages", "dist-packages", "__pycache__"))
         where = f"{STDLIB} ({root})"
     else:
         path = Path(spec)

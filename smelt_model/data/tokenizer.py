@@ -31,8 +31,11 @@ class BytesTokenizer:
     eos_id = 257
 
     def encode(self, text: str) -> np.ndarray:
-        raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-        return np.append(raw, self.eos_id)
+        raw = text.encode("utf-8")
+        ids = np.empty(len(raw) + 1, dtype=np.int64)
+        ids[:-1] = np.frombuffer(raw, dtype=np.uint8)
+        ids[-1] = self.eos_id
+        return ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]

@@ -5,7 +5,8 @@ A checkpoint is a folder ``checkpoints/step_NNNNNNNN/`` holding ``model.safetens
 scheduler, RNG states, the data position and the lengths of the logs at that step) as
 ``state.json`` + ``state.safetensors`` (:mod:`smelt_model.checkpoint.plainstate`:
 JSON and tensors, no pickle) and
-``manifest.json``, written last, with every file's size and SHA-256. The folder is written
+``manifest.json``, written last, with every file's size and SHA-256 (the tensor files are
+the bytes ``safetensors`` writes, hashed as they are written). The folder is written
 under a temporary name and renamed into place, then ``checkpoints/latest`` (a file holding
 the folder's name) is replaced atomically; a crash at any moment leaves the previous
 checkpoint loadable. Only folders that hold what :func:`save` writes (:func:`written_here`)
@@ -35,6 +36,8 @@ import os
 import re
 import shutil
 import signal
+import struct
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -68,6 +71,32 @@ FILES = (WEIGHTS, CONFIG, STATE_JSON, STATE_TENSORS)
 _NAME = re.compile(r"step_\d{8,18}")
 #: the longest ``latest`` file read (a checkpoint's name is at most 23 characters)
 _LATEST_BYTES = 64
+#: the bytes a tensor file is written and hashed in at a time
+_CHUNK = 1 << 20
+#: safetensors' names of the torch dtypes, in the order its files hold them (a dtype listed
+#: first comes first; within a dtype, by name)
+_ST_DTYPES = {
+    getattr(torch, t): name
+    for t, name in (
+        ("uint64", "U64"),
+        ("int64", "I64"),
+        ("float64", "F64"),
+        ("float32", "F32"),
+        ("uint32", "U32"),
+        ("int32", "I32"),
+        ("bfloat16", "BF16"),
+        ("float16", "F16"),
+        ("uint16", "U16"),
+        ("int16", "I16"),
+        ("float8_e4m3fn", "F8_E4M3"),
+        ("float8_e5m2", "F8_E5M2"),
+        ("int8", "I8"),
+        ("uint8", "U8"),
+        ("bool", "BOOL"),
+    )
+    if hasattr(torch, t)
+}
+_ST_RANK = {dtype: rank for rank, dtype in enumerate(_ST_DTYPES)}
 
 
 class NoCheckpoint(CheckpointError):
@@ -78,25 +107,104 @@ class NoCheckpoint(CheckpointError):
         self.tried = tried
 
 
+def _crashing(kind: str, step: int) -> bool:
+    return backends.env("SMELT_TRAIN_CRASH") == f"{kind}:{step}"
+
+
 def crash_point(kind: str, step: int) -> None:
     """SIGKILL this process when ``SMELT_TRAIN_CRASH`` names ``kind:step`` (test hook)."""
-    if backends.env("SMELT_TRAIN_CRASH") == f"{kind}:{step}":
+    if _crashing(kind, step):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
+def _fsync_write(path: Path, data: bytes) -> dict[str, Any]:
+    """Write ``data`` to ``path`` and fsync it; returns its manifest entry."""
     with open(path, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
+        for chunk in iter(lambda: fh.read(_CHUNK), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _layout(tensors: Any, metadata: Optional[dict[str, str]]):
+    """``(header, [(name, tensor)])`` of the safetensors file of ``tensors`` as
+    ``safetensors.torch.save_file`` lays it out, or None for what :func:`_save_tensors`
+    leaves to safetensors itself: anything but dense, contiguous CPU tensors of a dtype
+    listed above whose memory does not overlap, metadata of more than one entry (safetensors
+    orders those at random), or a big-endian machine."""
+    if not isinstance(tensors, dict) or sys.byteorder != "little":
+        return None
+    if metadata is not None and not (
+        isinstance(metadata, dict)
+        and len(metadata) <= 1
+        and all(isinstance(x, str) for item in metadata.items() for x in item)
+    ):
+        return None
+    spans = []
+    for t in tensors.values():
+        if not (
+            isinstance(t, torch.Tensor)
+            and t.layout == torch.strided
+            and t.device.type == "cpu"
+            and t.dtype in _ST_RANK
+            and t.is_contiguous()
+        ):
+            return None
+        if t.numel():
+            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    spans.sort()
+    if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
+        return None
+    header: dict[str, Any] = {} if metadata is None else {"__metadata__": metadata}
+    order = sorted(tensors.items(), key=lambda kv: (_ST_RANK[kv[1].dtype], kv[0]))
+    offset = 0
+    for name, t in order:
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    return header, order
+
+
+def _save_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]] = None
+) -> dict[str, Any]:
+    """Write ``tensors`` as the safetensors file ``path`` (the bytes
+    ``safetensors.torch.save_file`` writes) and return its manifest entry. The tensors'
+    memory is written and hashed a megabyte at a time, so the file is never read back;
+    what the stream cannot take goes to ``save_file`` (which refuses what it refuses)."""
+    layout = _layout(tensors, metadata)
+    if layout is None:
+        save_file(tensors, str(path), metadata=metadata)
+        return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    header, order = layout
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "wb") as fh:
+        for piece in [struct.pack("<Q", len(text)) + text] + [t for _, t in order]:
+            if isinstance(piece, torch.Tensor):
+                if not piece.numel():
+                    continue
+                piece = memoryview(piece.detach().reshape(-1).view(torch.uint8).numpy())
+            for i in range(0, len(piece), _CHUNK):
+                chunk = piece[i : i + _CHUNK]
+                h.update(chunk)
+                fh.write(chunk)
+            size += len(piece)
+    return {"bytes": size, "sha256": h.hexdigest()}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -142,18 +250,21 @@ def save(
         shutil.rmtree(stale, ignore_errors=True)
     tmp = folder / f".{name}.tmp{os.getpid()}"
     tmp.mkdir()
-    save_file(
-        {k: v.detach().contiguous().cpu() for k, v in weights.items()},
-        str(tmp / WEIGHTS),
-        metadata={"format": "pt"},
-    )
-    _fsync_write(tmp / CONFIG, (config_json + "\n").encode())
+    files = {
+        WEIGHTS: _save_tensors(
+            tmp / WEIGHTS,
+            {k: v.detach().contiguous().cpu() for k, v in weights.items()},
+            metadata={"format": "pt"},
+        ),
+        CONFIG: _fsync_write(tmp / CONFIG, (config_json + "\n").encode()),
+    }
     doc, tensors = plainstate.dump(state)
-    save_file(tensors, str(tmp / STATE_TENSORS))
-    _fsync_write(tmp / STATE_JSON, doc[: len(doc) // 2])
-    crash_point("checkpoint", step)  # half a state file written: the folder is incomplete
-    _fsync_write(tmp / STATE_JSON, doc)
-    files = {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in FILES}
+    files[STATE_TENSORS] = _save_tensors(tmp / STATE_TENSORS, tensors)
+    if _crashing("checkpoint", step):  # half a state file written: the folder is incomplete
+        _fsync_write(tmp / STATE_JSON, doc[: len(doc) // 2])
+        crash_point("checkpoint", step)
+    files[STATE_JSON] = _fsync_write(tmp / STATE_JSON, doc)
+    files = {f: files[f] for f in FILES}
     _fsync_write(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
     _fsync_dir(tmp)
     if final.exists():  # a copy of this step from an earlier, interrupted run (checked above)

@@ -127,6 +127,15 @@ def valid_targets(segment_ids, labels) -> int:
     return int(model_valid_targets(torch.as_tensor(labels), torch.as_tensor(segment_ids)).sum())
 
 
+@functools.lru_cache(maxsize=2)
+def _epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """:func:`~smelt_model.data.corpus.epoch_order`, read-only and drawn once: every step of
+    an epoch, and both models of a pair, take their rows from the same permutation."""
+    order = epoch_order(n, seed, epoch)
+    order.flags.writeable = False
+    return order
+
+
 def _fused_devices() -> tuple[str, ...]:
     # torch lists the device types its fused optimizers have kernels for in a private helper;
     # without it (another torch), CUDA only, which every torch since 2.0 fuses
@@ -268,7 +277,7 @@ class Trainer:
             g = first + done
             epoch, pos = divmod(g, n)
             take = min(self.rows_per_step - done, n - pos)
-            idx[done : done + take] = epoch_order(n, self.spec.seed, epoch)[pos : pos + take]
+            idx[done : done + take] = _epoch_order(n, self.spec.seed, epoch)[pos : pos + take]
             done += take
         return idx
 

@@ -1,6 +1,7 @@
 """Corpus loading, the document split, packing and the tokenizers."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -98,6 +99,77 @@ def test_loaders(tmp_path):
     keys = {d.key for d in std}
     assert "textwrap.py" in keys and len(std) > 300
     assert not any("site-packages" in k for k in keys)
+
+
+def _globbed(root, pattern, skip=()):
+    """The folder loader's documents by its definition: ``root.glob`` sorted, hidden and
+    ``skip`` parts dropped, files only, UTF-8 text with something in it."""
+    docs = []
+    for path in sorted(root.glob(pattern)):
+        rel = path.relative_to(root)
+        if any(part.startswith(".") or part in skip for part in rel.parts):
+            continue
+        if path.is_file():
+            data = path.read_bytes()
+            try:
+                text = None if b"\0" in data else data.decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+            if text is not None and text.strip():
+                docs.append((rel.as_posix(), text))
+    return docs
+
+
+def test_folder_documents_are_the_sorted_glob_of_the_folder(tmp_path):
+    # names whose order as paths differs from their order as strings ("a/b" < "a-b/c"),
+    # hidden and skipped folders, links to a file (counted) and to a folder (not entered),
+    # a broken link, a link loop, a pipe, a folder named like a file, binary and blank files
+    root = tmp_path / "corpus"
+    for rel, text in {
+        "a/b.py": "ab",
+        "a-b/c.py": "a-b c",
+        "a b/d.py": "a b d",
+        "A.py": "upper",
+        "_.py": "underscore",
+        "é.py": "accent",
+        ".hid/e.py": "hidden folder",
+        ".f.py": "hidden file",
+        "sub/site-packages/g.py": "skipped",
+        "sub/__pycache__/h.py": "skipped",
+        "sub/keep.py": "kept",
+        "deep/x/y/z/i.py": "deep",
+        "deep/j.txt": "not .py",
+        "dir.py/k.py": "in a folder named like a file",
+        "blank.py": "  \n",
+        "empty.py": "",
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (root / "bin.py").write_bytes(b"x\0y")
+    (root / "latin1.py").write_bytes(b"\xff\xfe")
+    (root / "link.py").symlink_to(root / "a" / "b.py")
+    (root / "linkdir").symlink_to(root / "a", target_is_directory=True)
+    (root / "broken.py").symlink_to(root / "nowhere")
+    (root / "loop1.py").symlink_to(root / "loop2.py")
+    (root / "loop2.py").symlink_to(root / "loop1.py")
+    os.mkfifo(root / "fifo.py")
+    got = [(d.key, d.text) for d in text_corpus.load_documents(str(root))]
+    assert got == _globbed(root, "**/*")
+    skip = ("site-packages", "__pycache__")
+    got = [(d.key, d.text) for d in text_corpus._folder(root, ".py", skip=skip)]
+    assert got == _globbed(root, "**/*.py", skip)
+    assert [k for k, _ in got] == [
+        "A.py",
+        "_.py",
+        "a/b.py",
+        "a b/d.py",
+        "a-b/c.py",
+        "deep/x/y/z/i.py",
+        "dir.py/k.py",
+        "link.py",
+        "sub/keep.py",
+        "é.py",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -260,3 +260,21 @@ def test_default_cadence_suits_a_short_run(corpus, tmp_path):
     recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "val_loss" in r] == [0, 5]
     assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_00000005"]
+
+
+def test_step_rows_walk_the_epoch_permutations_across_epochs():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from smelt_model.train.trainer import Trainer
+
+    n, rows, seed = 10, 4, 3
+    fake = SimpleNamespace(
+        train_data=[None] * n, rows_per_step=rows, spec=SimpleNamespace(seed=seed)
+    )
+    stream = np.concatenate([text_corpus.epoch_order(n, seed, e) for e in range(3)])
+    for step in range(7):
+        got = Trainer.step_rows(fake, step)
+        np.testing.assert_array_equal(got, stream[step * rows : (step + 1) * rows])
+        got[:] = -1  # the caller's array: the next steps are unchanged

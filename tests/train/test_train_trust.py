@@ -152,6 +152,41 @@ def test_plain_state_round_trip_and_refusals(tmp_path):
         plainstate.load(tmp_path / "s.json", tmp_path / "s.safetensors")
 
 
+def test_tensor_files_are_the_bytes_safetensors_writes(tmp_path):
+    from safetensors.torch import load_file, save
+
+    flat = torch.arange(40, dtype=torch.float32)
+    tensors = {
+        "w": torch.randn(300, 1000),  # more than one written piece
+        "scalar": torch.tensor(2.0),
+        "empty": torch.zeros(0),
+        "rng": torch.randint(0, 255, (7,), dtype=torch.uint8),
+        "views.0": flat[:10],  # two views of one storage that do not overlap
+        "views.1": flat[10:20].view(2, 5),
+        'odd\n"name\\é': torch.ones(2, dtype=torch.bool),
+    }
+    for dtype in (torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32):
+        tensors[f"a.{dtype}"] = torch.ones(3, dtype=dtype)
+    for metadata in (None, {}, {"format": "pt"}):
+        path = tmp_path / "t.safetensors"
+        entry = checkpoint._save_tensors(path, tensors, metadata)
+        want = save(tensors, metadata=metadata)
+        assert path.read_bytes() == want
+        assert entry == {"bytes": len(want), "sha256": hashlib.sha256(want).hexdigest()}
+    back = load_file(str(path))
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert torch.equal(back[name], t) and back[name].dtype == t.dtype
+    # what safetensors refuses is refused alike
+    for bad, error, match in [
+        ({"a": flat, "b": flat[5:]}, RuntimeError, "share memory"),
+        ({"a": torch.zeros(2, 3).t()}, ValueError, "non contiguous"),
+        ({"a": 1}, ValueError, "expected torch.Tensor"),
+    ]:
+        with pytest.raises(error, match=match):
+            checkpoint._save_tensors(tmp_path / "bad.safetensors", bad)
+
+
 def test_checkpoints_hold_no_pickle(finished):
     _, out, _ = finished
     for ckpt in _ckpts(out):
