@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 from helpers import micro_config
+from torch._dynamo.utils import counters
 
 from smelt_model import budget, presets
 from smelt_model.generation import DecodeStep, KVCache, generate
@@ -124,12 +125,17 @@ def test_decode_step_logits_match_the_model(cheap_compiler):
     cfg = micro_config()
     model = SmeltLM(cfg).eval()  # the default kernels: the ones a user's decode runs
     ids = torch.randint(0, 97, (2, 9))
+    # The cache holds one position more than the steps write: a step that fills it to its
+    # end takes a view of a whole buffer, which torch tells apart (a contiguous view) with a
+    # guard, and that last position would compile once more. generate() never does that
+    # (it never feeds back its last token).
     with torch.no_grad():
         full = model(ids).logits
-        cache = KVCache.for_model(model, 2, 9)
+        cache = KVCache.for_model(model, 2, 10)
         model(ids[:, :5], cache=cache, cache_pos=0)
     step = DecodeStep(model, compile=True)
     zero = torch.zeros(2, 1, dtype=torch.long)
+    counters.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback to eager would warn
         for n in range(5, 9):
@@ -137,8 +143,12 @@ def test_decode_step_logits_match_the_model(cheap_compiler):
                 step(ids[:, n : n + 1], zero, cache, n), full[:, n], rtol=1e-5, atol=1e-5
             )
     assert step.compiled and step.reason is None
+    # one graph for every position, traced once: the sliced ids (stride 9) add no stride
+    # guard, and the model's floats (eps, residual scales) are constants from the start
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert counters["aot_autograd"]["total"] == 1, dict(counters["aot_autograd"])
     # the compiled step wrote its K/V into the cache's own buffers, as the eager step does
-    eager = KVCache.for_model(model, 2, 9)
+    eager = KVCache.for_model(model, 2, 10)
     eager_step = DecodeStep(model, compile=False)
     with torch.no_grad():
         model(ids[:, :5], cache=eager, cache_pos=0)
@@ -150,8 +160,8 @@ def test_decode_step_logits_match_the_model(cheap_compiler):
         (cache.segment_ids, eager.segment_ids),
     ):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="holds 9 positions"):  # bad input is not hidden
-        step(ids[:, :1], zero, cache, 9)
+    with pytest.raises(ValueError, match="holds 10 positions"):  # bad input is not hidden
+        step(ids[:, :1], zero, cache, 10)
 
 
 def test_decode_step_falls_back_to_eager_with_a_reason(monkeypatch):
