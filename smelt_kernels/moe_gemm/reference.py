@@ -82,10 +82,12 @@ def moe_ffn_fwd(
     order, rev, offsets, tok = sort_pairs(topk_ids, E)
     pre = x.new_zeros(T * k, two_de)
     out = x.new_zeros(T * k, H)
+    # unbound once: autograd would answer each w1[e] with a zero gradient of all of w1
+    w1s, w2s = w1.unbind(0), w2.unbind(0)
     for e, r0, r1 in _groups(offsets):
-        a = x[tok[r0:r1].long()] @ w1[e].t()
+        a = x[tok[r0:r1].long()] @ w1s[e].t()
         pre[r0:r1] = a
-        out[r0:r1] = (F.silu(a[:, :d_e]) * a[:, d_e:]) @ w2[e].t()
+        out[r0:r1] = (F.silu(a[:, :d_e]) * a[:, d_e:]) @ w2s[e].t()
     y = _combine(out, rev, topk_weights, x.dtype).reshape(T, H)
     return y, (pre if save_preact else pre[:0]), order, rev, offsets
 
@@ -156,8 +158,9 @@ def grouped_gemm(
     A = a[gather] (or a); rows from offsets[-1] on are zero. ``offsets`` (E+1,) int32 starts."""
     rows = a if gather is None else a[gather.long()]
     out = a.new_zeros(rows.shape[0], b.shape[1] if trans_b else b.shape[2])
+    bs = b.unbind(0)  # once: autograd would answer each b[e] with a zero gradient of all of b
     for e, r0, r1 in _groups(offsets):
-        out[r0:r1] = rows[r0:r1] @ (b[e].t() if trans_b else b[e])
+        out[r0:r1] = rows[r0:r1] @ (bs[e].t() if trans_b else bs[e])
     return out
 
 
