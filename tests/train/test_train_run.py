@@ -123,7 +123,7 @@ def test_bad_input_stops_with_one_line(corpus, tmp_path, capsys):
     small_vocab = micro_config(tmp_path / "small.json", vocab=100)
     (tmp_path / "broken.json").write_text('{"hidden_size": 3')
     (tmp_path / "empty").mkdir()
-    ok = ["--steps", "1", "--seq-len", "16", "--tokens-per-step", "32"]
+    ok = ["--steps", "1", "--seq-len", "16", "--tokens-per-step", "32", "--eval-tokens", "64"]
     done = tmp_path / "done"
     assert main(_base(corpus, cfg, done, *ok)) == 0
     cases = [
@@ -184,7 +184,7 @@ def test_resume_with_another_preset_says_different_setup_without_building(
 
     cfg = micro_config(tmp_path / "micro.json")
     out = tmp_path / "run"
-    ok = ["--steps", "1", "--seq-len", "16", "--tokens-per-step", "32"]
+    ok = ["--steps", "1", "--seq-len", "16", "--tokens-per-step", "32", "--eval-tokens", "64"]
     assert main(_base(corpus, cfg, out, *ok)) == 0
 
     def no_model(*a, **k):
