@@ -1,9 +1,13 @@
 """Every command and snippet of docs/titan.md, run in order in one empty folder.
 
-Commands run as written (``$PWD`` is the folder), with two changes for a shared test
-machine: ``torchrun`` gets ``--standalone`` (a free rendezvous port) and ``python`` is this
-interpreter. The snippets run in this process, each in a namespace of its own with the
-folder as working directory. The stock-model
+Commands run as written (``$PWD`` is the folder, ``python`` is this interpreter), with one
+change that spares the test machine a fresh import of torchtitan per process: a ``torchrun``
+line's ranks, and a ``python -m smelt_model.titan...`` line's process, are forked, with the
+environment torchrun gives its workers, from a process that imported torchtitan once
+(``titan_helpers.launch``, tests/titan/forkserver.py). torchrun itself, and the launcher's
+own ``--nproc_per_node``, are what tests/titan/test_titan_cli.py starts for real. The
+snippets run in this process, each in a namespace of its own with the folder as working
+directory. The stock-model
 runs are the issue's "stock qwen3 / deepseek-v3 MoE with smelt's overrides, FSDP 2 x EP 2":
 their losses must be finite and (qwen3, SMELT) fall.
 """
@@ -35,8 +39,14 @@ def _run_bash_line(line, cwd):
         key, value = words.pop(0).split("=", 1)
         extra[key] = value
     if words[0] == "torchrun":
-        words = [sys.executable, "-m", "torch.distributed.run", "--standalone"] + words[1:]
-    elif words[0] == "python":
+        module = words.index("-m")
+        options = words[1:module]
+        assert options[:1] == ["--nproc_per_node"] and len(options) == 2, line  # all it honours
+        return th.launch(words[module:], cwd, nproc=int(options[1]), timeout=170, **extra)
+    if words[0] == "python" and words[1:3] and words[2].startswith("smelt_model.titan"):
+        assert words[1] == "-m" and "--nproc_per_node" not in words, line
+        return th.launch_one(words[1:], cwd, timeout=170, **extra)
+    if words[0] == "python":
         words = [sys.executable] + words[1:]
     return th.run(words, cwd=cwd, timeout=170, **extra)
 
