@@ -43,8 +43,8 @@ def _run_bash_line(line, cwd):
         options = words[1:module]
         assert options[:1] == ["--nproc_per_node"] and len(options) == 2, line  # all it honours
         return th.launch(words[module:], cwd, nproc=int(options[1]), timeout=170, **extra)
-    if words[0] == "python" and words[1:3] and words[2].startswith("smelt_model.titan"):
-        assert words[1] == "-m" and "--nproc_per_node" not in words, line
+    if words[:2] == ["python", "-m"] and words[2:3] and words[2].startswith("smelt_model.titan"):
+        assert "--nproc_per_node" not in words, line  # the launcher's own launch: test_titan_cli
         return th.launch_one(words[1:], cwd, timeout=170, **extra)
     if words[0] == "python":
         words = [sys.executable] + words[1:]
